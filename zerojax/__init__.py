@@ -1,0 +1,36 @@
+"""zerojax: ZeRO stages 0-3 for Optax optimizers on a JAX device mesh.
+
+Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models (arXiv 1910.02054).
+"""
+
+from zerojax._gather import ShardedParam as ShardedParam
+from zerojax._gather import gather as gather
+from zerojax._hlo import Collective as Collective
+from zerojax._hlo import collective_bytes as collective_bytes
+from zerojax._hlo import collectives as collectives
+from zerojax._inspect import layout_rows as layout_rows
+from zerojax._inspect import layout_table as layout_table
+from zerojax._inspect import state_bytes as state_bytes
+from zerojax._inspect import theory_bytes as theory_bytes
+from zerojax._layout import LeafLayout as LeafLayout
+from zerojax._mesh import make_mesh as make_mesh
+from zerojax._policy import Policy as Policy
+from zerojax._state import StateSpec as StateSpec
+from zerojax._state import ZeroState as ZeroState
+from zerojax._state import gather_params as gather_params
+from zerojax._state import init as init
+from zerojax._step import TrainStep as TrainStep
+from zerojax._step import train_step as train_step
+from zerojax._transform import ZeroTransformation as ZeroTransformation
+from zerojax._transform import zero as zero
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Collective", "LeafLayout", "Policy", "ShardedParam", "StateSpec",
+    "TrainStep", "ZeroState", "ZeroTransformation", "collective_bytes",
+    "collectives", "gather", "gather_params", "init", "layout_rows",
+    "layout_table", "make_mesh", "state_bytes", "theory_bytes", "train_step",
+    "zero",
+]

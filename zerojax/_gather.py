@@ -1,0 +1,143 @@
+"""The primitive a model calls to use its parameters: :func:`gather`.
+
+Inside a ZeRO-2/3 train step, every sharded parameter reaches the loss as a
+:class:`ShardedParam`: a gradient *sink* (a zero array of the local shard's
+shape) and a *source* (the local shard at stage 3, the replicated full value
+at stage 2). ``gather`` turns it into the full logical array:
+
+* stage 3: ``all_gather`` of the local shard along the sharded dimension;
+* stage 2: the replicated value, which is already there (no communication).
+
+Its backward pass is the same at both stages: the incoming cotangent is
+reduce-scattered (``psum_scatter``) onto the sink, right where the backward
+pass produces it. Called on one layer's slice inside a ``lax.scan`` body,
+that puts one reduce-scatter per layer inside the backward loop, so the full
+gradient never exists at once. Under ``jax.checkpoint`` the gather is
+replayed in the backward pass instead of saving the gathered weight.
+
+Why a sink rather than differentiating the shard itself: the cotangent must
+arrive in ``reduce_dtype`` with the shard's shape at stage 2 too, where no
+shard-shaped input exists. The gathered value is marked device-varying so
+that JAX does not insert an implicit all-reduce (the transpose of an
+implicit broadcast) before our reduce-scatter.
+
+Outside a train step, or on plain arrays, ``gather`` is the identity, so a
+model that calls it also runs unchanged at stages 0-1 and in evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSpec:
+  """Static description of how a :class:`ShardedParam` is gathered.
+
+  ``dim`` counts from the end (negative), so that slicing leading (layer)
+  axes, as ``lax.scan`` does, leaves it valid.
+  """
+
+  axis_name: str
+  dim: int
+  size: int
+  stage: int
+  reduce_dtype: Any
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedParam:
+  """A parameter as a ZeRO-2/3 loss sees it: call :func:`gather` to use it."""
+
+  def __init__(self, sink, src, spec: GatherSpec):
+    self.sink, self.src, self.spec = sink, src, spec
+
+  def tree_flatten(self):
+    return (self.sink, self.src), self.spec
+
+  @classmethod
+  def tree_unflatten(cls, spec, children):
+    return cls(*children, spec)
+
+  def __repr__(self):
+    shape = getattr(self.src, "shape", None)
+    return (f"ShardedParam(stage={self.spec.stage}, local_shape={shape}, "
+            f"dim={self.spec.dim}; call zerojax.gather() before use)")
+
+
+def _is_sharded(x) -> bool:
+  return isinstance(x, ShardedParam)
+
+
+def gather(tree):
+  """Returns ``tree`` with every :class:`ShardedParam` gathered to full.
+
+  Call it on the parameters a layer needs, just before the layer uses them;
+  inside a ``lax.scan`` over stacked layers call it in the loop body on that
+  layer's slice, and wrap the body in ``jax.checkpoint`` so the gathered
+  weights are gathered again in the backward pass rather than saved.
+  Leaves that are not sharded (plain arrays) pass through unchanged.
+
+  Args:
+    tree: any pytree of parameters.
+
+  Returns:
+    The same tree with full (unsharded, unpadded) arrays.
+
+  Example:
+    >>> def body(h, layer_params):
+    ...   w = zerojax.gather(layer_params)
+    ...   return jnp.tanh(h @ w["kernel"]), None
+    >>> h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+  """
+  return jax.tree.map(
+      lambda x: _use(x.spec, x.sink, x.src) if _is_sharded(x) else x,
+      tree, is_leaf=_is_sharded)
+
+
+def _full_value(spec: GatherSpec, src):
+  if spec.stage == 3:
+    dim = src.ndim + spec.dim
+    full = jax.lax.all_gather(src, spec.axis_name, axis=dim, tiled=True,
+                              to="varying")
+    return jax.lax.slice_in_dim(full, 0, spec.size, axis=dim)
+  return jax.lax.pcast(src, spec.axis_name, to="varying")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _use(spec: GatherSpec, sink, src):
+  del sink
+  return _full_value(spec, src)
+
+
+def _use_fwd(spec, sink, src):
+  del sink
+  return _full_value(spec, src), None
+
+
+def _use_bwd(spec, _, ct):
+  dim = ct.ndim + spec.dim
+  n = jax.lax.axis_size(spec.axis_name)
+  pad = -ct.shape[dim] % n
+  if pad:
+    widths = [(0, 0)] * ct.ndim
+    widths[dim] = (0, pad)
+    ct = jnp.pad(ct, widths)
+  shard = jax.lax.psum_scatter(ct.astype(spec.reduce_dtype), spec.axis_name,
+                               scatter_dimension=dim, tiled=True)
+  return shard, None
+
+
+_use.defvjp(_use_fwd, _use_bwd)
+
+
+def sink_like(src_shard_shape, dtype, axis_name):
+  """A zero gradient sink of the local shard's shape, device-varying."""
+  return jax.lax.pcast(jnp.zeros(src_shard_shape, np.dtype(dtype)), axis_name,
+                       to="varying")

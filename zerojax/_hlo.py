@@ -1,0 +1,150 @@
+"""Collectives in a compiled XLA program, with loop trip counts applied.
+
+Reads the optimized HLO text (``jitted.lower(...).compile().as_text()``):
+each collective is counted by the size of its *full* (unsharded) buffer --
+an all-gather by its output, a reduce-scatter by its output times the group
+size, an all-reduce by its output -- so a reduce-scatter of a leaf and an
+all-gather of it each count the leaf's size, the convention of the ZeRO
+paper's communication analysis. Collectives inside a ``while`` body (a
+``lax.scan``) are multiplied by the loop's known trip count, nested loops by
+the product.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+          "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+          "f64": 8, "c64": 8, "c128": 16}
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+"
+                       r"([a-z][\w\-]*)\((.*)$")
+_SHAPE_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_CALLEE_RE = re.compile(
+    r"\b(body|condition|to_apply|calls|branch_computations)="
+    r"(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of the compiled program."""
+
+  kind: str            # all-reduce, all-gather, reduce-scatter, ...
+  dtype: str           # element type communicated (first operand's)
+  shape: tuple         # full-buffer shape of the first buffer
+  group_size: int      # devices per replica group
+  bytes: int           # full-buffer bytes of one execution (all buffers)
+  count: int           # executions per step (loop trip counts applied)
+  computation: str     # HLO computation it sits in
+
+  @property
+  def total_bytes(self) -> int:
+    return self.bytes * self.count
+
+
+def _dtype_bytes(dtype: str) -> int:
+  if dtype in _BYTES:
+    return _BYTES[dtype]
+  m = re.match(r"f8|s4|u4", dtype)
+  if m:
+    return 1
+  raise ValueError(f"zerojax._hlo: unknown HLO element type {dtype!r}")
+
+
+def _group_size(rest: str, default: int) -> int:
+  m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", rest)
+  if m:
+    return len([x for x in m.group(1).split(",") if x.strip()])
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
+  if m:
+    return int(m.group(2))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    names = re.findall(r"'([^']+)'", m.group(2))
+    return math.prod(int(sizes[n]) for n in names)
+  return default
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+  """All collectives of an optimized HLO module, with per-step counts."""
+  comps: dict[str, list[str]] = {}
+  entry = None
+  current = None
+  for line in hlo_text.splitlines():
+    m = _COMP_RE.match(line)
+    if m and not line.startswith(" "):
+      current = m.group(1)
+      comps[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    if current is not None:
+      if line.startswith("}"):
+        current = None
+      else:
+        comps[current].append(line)
+  if entry is None:
+    raise ValueError("zerojax._hlo: no ENTRY computation in the HLO text.")
+
+  mult: dict[str, int] = collections.defaultdict(int)
+
+  def visit(name: str, factor: int, depth=0):
+    if name not in comps or depth > 64:
+      return
+    mult[name] += factor
+    for line in comps[name]:
+      m = _INSTR_RE.match(line)
+      if not m:
+        continue
+      op, rest = m.group(3), m.group(4)
+      trip = 1
+      if op == "while":
+        t = _TRIP_RE.search(rest)
+        trip = int(t.group(1)) if t else 1
+      for key, callee in _CALLEE_RE.findall(rest):
+        names = re.findall(r"%?([\w.\-]+)", callee.strip("{}"))
+        for c in names:
+          visit(c, factor * (trip if key in ("body", "condition") else 1),
+                depth + 1)
+  visit(entry, 1)
+
+  out = []
+  for name, factor in mult.items():
+    for line in comps[name]:
+      m = _INSTR_RE.match(line)
+      if not m:
+        continue
+      result, op, rest = m.group(2), m.group(3), m.group(4)
+      kind = op[:-5] if op.endswith("-done") else op
+      if kind not in _KINDS:
+        continue
+      shapes = [(dt, tuple(int(d) for d in dims.split(",") if d))
+                for dt, dims in _SHAPE_RE.findall(result)]
+      if not shapes:
+        continue
+      group = _group_size(rest, num_devices)
+      if kind == "reduce-scatter":
+        nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes) * group
+      else:
+        nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes)
+      dt0, s0 = shapes[0]
+      if kind == "reduce-scatter" and s0:
+        s0 = (s0[0] * group,) + s0[1:]  # the dimension is unknown; size is right
+      out.append(Collective(kind, dt0, s0, group, nbytes, factor, name))
+  return out
+
+
+def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, int]:
+  """Bytes per step by collective kind (full-buffer convention)."""
+  totals: dict[str, int] = collections.defaultdict(int)
+  for c in collectives(hlo_text, num_devices):
+    totals[c.kind] += c.total_bytes
+  return dict(totals)

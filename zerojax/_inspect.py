@@ -1,0 +1,117 @@
+"""What a state holds per device: the layout table and bytes by category.
+
+Measured figures come from the arrays' addressable shards (what is really
+allocated, padding included); theory figures from the ZeRO formulas applied
+to the logical (unpadded) sizes.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+
+from zerojax._state import ZeroState
+
+
+def _category(section: str, path) -> str:
+  if section != "opt_state":
+    return section
+  names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+  return "opt_state." + (names[-1] if names else "leaf")
+
+
+def _shard_nbytes(x) -> int:
+  shards = x.addressable_shards
+  return int(shards[0].data.nbytes) if shards else 0
+
+
+def layout_rows(state: ZeroState) -> list[dict]:
+  """One row per state leaf: path, shapes, sharding, bytes per device."""
+  spec = state.spec
+  abstract = spec.abstract()
+  rows = []
+  sections = [("params", spec.param_layouts), ("master", spec.shard_layouts),
+              ("opt_state", spec.opt_layouts)]
+  for section, layouts in sections:
+    tree = getattr(state, section)
+    if tree is None:
+      continue
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if section == "master":
+      layouts = [l for l, t in zip(layouts, spec.trainable) if t]
+    for (path, x), layout in zip(leaves, layouts):
+      if layout.sharded:
+        how = f"dim {layout.dim} over {spec.tx.axis_name!r}"
+        if layout.pad:
+          how += f" (padded {layout.shape[layout.dim]}->{layout.padded})"
+      else:
+        how = "replicated" + (f" ({layout.reason})" if layout.reason else "")
+      rows.append(dict(
+          category=_category(section, path), section=section,
+          path=section + jax.tree_util.keystr(path),
+          shape=tuple(layout.shape), dtype=np.dtype(x.dtype).name,
+          storage_shape=tuple(x.shape), sharded=layout.sharded, how=how,
+          bytes_per_device=_shard_nbytes(x) if hasattr(x, "addressable_shards")
+          else int(np.prod(layout.shard_shape(spec.tx.num_shards))
+                   * np.dtype(x.dtype).itemsize)))
+  del abstract
+  return rows
+
+
+def layout_table(state: ZeroState) -> str:
+  """A printable table of :func:`layout_rows`, with totals per category."""
+  rows = layout_rows(state)
+  head = ("path", "shape", "dtype", "sharding", "bytes/device")
+  body = [(r["path"], "x".join(map(str, r["shape"])) or "()", r["dtype"],
+           r["how"], f"{r['bytes_per_device']:,}") for r in rows]
+  widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+  fmt = lambda cols: "  ".join(c.ljust(w) if i < 4 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(cols, widths)))
+  lines = [f"zerojax stage {state.spec.stage} over {state.spec.tx.num_shards} "
+           f"devices ({state.spec.tx.axis_name!r})", fmt(head),
+           fmt(["-" * w for w in widths])]
+  lines += [fmt(b) for b in body]
+  lines.append("")
+  for cat, nbytes in state_bytes(state).items():
+    lines.append(f"{cat:<28} {nbytes:>14,} bytes/device")
+  return "\n".join(lines)
+
+
+def state_bytes(state: ZeroState) -> dict[str, int]:
+  """Measured persistent bytes per device, by category."""
+  out: dict[str, int] = collections.defaultdict(int)
+  for r in layout_rows(state):
+    out[r["category"]] += r["bytes_per_device"]
+  return dict(out)
+
+
+def theory_bytes(state: ZeroState) -> dict[str, float]:
+  """ZeRO's per-device bytes for this state's stage, by category.
+
+  Logical (unpadded) bytes, divided by N where the stage shards the
+  category: params at stage 3; master and optimizer state at stages 1-3.
+  Also ``grads``: the gradient buffer in ``reduce_dtype``, transient within
+  a step (full at stages 0-1, 1/N at 2-3).
+  """
+  spec = state.spec
+  n, stage = spec.tx.num_shards, spec.stage
+  out: dict[str, float] = collections.defaultdict(float)
+  for i, a in enumerate(spec.params_avals):
+    size = int(np.prod(a.shape))
+    out["params"] += size * np.dtype(spec.compute_dtype(i)).itemsize / (
+        n if stage == 3 else 1)
+    if spec.trainable[i]:
+      if spec.policy.has_master:
+        out["master"] += size * np.dtype(spec.master_dtype(i)).itemsize / (
+            n if stage >= 1 else 1)
+      out["grads"] += size * np.dtype(spec.reduce_dtype(i)).itemsize / (
+          n if stage >= 2 else 1)
+  opt_paths = jax.tree_util.tree_flatten_with_path(
+      jax.tree.unflatten(spec.opt_def, list(spec.opt_avals)))[0]
+  for path, a in opt_paths:
+    out[_category("opt_state", path)] += (
+        int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        / (n if stage >= 1 else 1))
+  return dict(out)
