@@ -40,6 +40,7 @@ class Collective:
   dtype: str           # element type communicated (first operand's)
   shape: tuple         # full-buffer shape of the first buffer
   group_size: int      # devices per replica group
+  elements: int        # full-buffer elements of one execution (all buffers)
   bytes: int           # full-buffer bytes of one execution (all buffers)
   count: int           # executions per step (loop trip counts applied)
   computation: str     # HLO computation it sits in
@@ -47,6 +48,10 @@ class Collective:
   @property
   def total_bytes(self) -> int:
     return self.bytes * self.count
+
+  @property
+  def total_elements(self) -> int:
+    return self.elements * self.count
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -131,14 +136,14 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       if not shapes:
         continue
       group = _group_size(rest, num_devices)
-      if kind == "reduce-scatter":
-        nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes) * group
-      else:
-        nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes)
+      scale = group if kind == "reduce-scatter" else 1
+      nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes) * scale
+      nelems = sum(math.prod(s) for _, s in shapes) * scale
       dt0, s0 = shapes[0]
       if kind == "reduce-scatter" and s0:
         s0 = (s0[0] * group,) + s0[1:]  # the dimension is unknown; size is right
-      out.append(Collective(kind, dt0, s0, group, nbytes, factor, name))
+      out.append(Collective(kind, dt0, s0, group, nelems, nbytes, factor,
+                              name))
   return out
 
 

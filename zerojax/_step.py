@@ -286,7 +286,7 @@ def _step(state: ZeroState, batch, *, loss_fn, accum_steps, gather_mode):
   g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
   updates, new_opt = tx.inner.update(g_tree, opt_logical, w_tree)
   new_w = spec.from_optimizer_view(optax.apply_updates(w_tree, updates))
-  grad_norm = optax.global_norm(g_tree)
+  grad_norm = optax.tree.norm(g_tree)
 
   # 3. back to storage.
   new_opt_leaves = jax.tree.leaves(new_opt)

@@ -1,0 +1,107 @@
+"""A small model with uneven leaf shapes, its layers in a ``lax.scan``.
+
+Every leaf shape is chosen so that it does not divide 8 devices (padding),
+plus a scalar, a bias of 3 and an integer buffer. ``loss_fn`` calls
+``zerojax.gather`` per layer inside a checkpointed scan body, so the same
+function serves ``gather="model"`` and ``gather="all"``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import zerojax
+
+VOCAB, WIDTH, LAYERS, CLASSES = 13, 7, 3, 5
+
+
+def init_params(key, vocab=VOCAB, width=WIDTH, layers=LAYERS, classes=CLASSES):
+  k = jax.random.split(key, 4)
+  return {
+      "embed": jax.random.normal(k[0], (vocab, width)) * 0.5,
+      "layers": {
+          "w": jax.random.normal(k[1], (layers, width, width)) * 0.5,
+          "b": jax.random.normal(k[2], (layers, width)) * 0.1,
+      },
+      "head": jax.random.normal(k[3], (width, classes)) * 0.5,
+      "bias3": jnp.zeros((3,)),
+      "scale": jnp.ones(()),
+      "ids": jnp.arange(4, dtype=jnp.int32),   # an integer buffer, not trained
+  }
+
+
+def loss_fn(params, batch):
+  g = zerojax.gather
+  x = g(params["embed"])[batch["x"]]                      # (b, W)
+
+  def body(h, layer):
+    layer = g(layer)
+    return jnp.tanh(h @ layer["w"] + layer["b"][None, :]), None
+
+  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+  logits = h @ g(params["head"]) * g(params["scale"])     # (b, C)
+  bias = jnp.concatenate([g(params["bias3"]), jnp.zeros((2,), logits.dtype)])
+  logits = logits + bias[None, :]
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch["y"]).mean()
+  return loss + 0.0 * params["ids"].sum()
+
+
+def batches(n, size=32, seed=0, vocab=VOCAB, classes=CLASSES):
+  rng = np.random.default_rng(seed)
+  return [{"x": rng.integers(0, vocab, (size,)).astype(np.int32),
+           "y": rng.integers(0, classes, (size,)).astype(np.int32)}
+          for _ in range(n)]
+
+
+def _trained(x):
+  return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def reference(params, opt, data, *, param_dtype=None, reduce_dtype=None,
+              devices=1):
+  """Plain Optax on one device, with the same mixed-precision policy.
+
+  With ``devices > 1`` each batch is split in ``devices`` chunks whose
+  gradients are computed separately (in the compute dtype, as each device
+  does) and summed in ``reduce_dtype`` -- the single-device emulation of
+  the policy's arithmetic.
+  """
+  mask = lambda t: jax.tree.map(
+      lambda x, p: x if _trained(p) else optax.MaskedNode(), t, params)
+  master = mask(params)
+  state = opt.init(master)
+  frozen = params
+
+  @jax.jit
+  def step(master, state, batch):
+    cast = lambda m: m.astype(param_dtype) if param_dtype is not None else m
+    compute = jax.tree.map(
+        lambda m, p: cast(m) if _trained(p) else p, master, frozen,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    chunks = jax.tree.map(
+        lambda x: x.reshape((devices, -1) + x.shape[1:]), batch)
+    total = None
+    for d in range(devices):
+      g = jax.grad(loss_fn, allow_int=True)(
+          compute, jax.tree.map(lambda x: x[d], chunks))
+      g = jax.tree.map(
+          lambda x: x.astype(reduce_dtype or x.dtype), mask(g))
+      total = g if total is None else jax.tree.map(jnp.add, total, g)
+    g = jax.tree.map(lambda x, m: (x / devices).astype(m.dtype), total, master)
+    updates, state = opt.update(g, state, master)
+    return optax.apply_updates(master, updates), state
+
+  for batch in data:
+    master, state = step(master, state, batch)
+  return master
+
+
+def rel_err(got, want):
+  """Largest per-leaf relative error ||got - want|| / ||want||."""
+  errs = []
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    errs.append(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+  return max(errs)
