@@ -1,0 +1,144 @@
+"""Which collectives XLA compiled per stage, and how many bytes per step."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from tests import toy
+
+L, D, V, B = 4, 32, 64, 64
+
+
+def wide_params():
+  k = jax.random.split(jax.random.key(0), 3)
+  return {"embed": jax.random.normal(k[0], (V, D)) * 0.1,
+          "layers": {"w": jax.random.normal(k[1], (L, D, D)) * 0.1,
+                     "b": jnp.zeros((L, D))},
+          "head": jax.random.normal(k[2], (D, V)) * 0.1}
+
+
+def wide_loss(params, batch):
+  g = zerojax.gather
+  x = g(params["embed"])[batch["x"]]
+
+  def body(h, layer):
+    layer = g(layer)
+    return jnp.tanh(h @ layer["w"] + layer["b"][None, :]), None
+
+  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+  logits = h @ g(params["head"])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch["y"]).mean()
+
+
+PSI_SCAN = L * (D * D + D)
+PSI_TOP = 2 * V * D
+PSI = PSI_SCAN + PSI_TOP
+BATCH = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
+
+
+def compiled(stage, policy=None, accum_steps=1, params=None, loss=wide_loss,
+             batch=BATCH, gather="model"):
+  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, policy=policy)
+  state = zerojax.init(wide_params() if params is None else params, tx)
+  lowered = zerojax.train_step(loss, tx, gather=gather,
+                               accum_steps=accum_steps).lower(state, batch)
+  return lowered, zerojax.collectives(lowered.compile().as_text(), 8)
+
+
+def elements(colls, kind):
+  return sum(c.total_elements for c in colls if c.kind == kind)
+
+
+def kinds(colls, big=64):
+  """Kinds of the parameter-sized collectives (more than ``big`` elements)."""
+  return {c.kind for c in colls if c.elements > big}
+
+
+def test_stage0_all_reduce_once():
+  _, colls = compiled(0)
+  assert kinds(colls) == {"all-reduce"}
+  assert PSI <= elements(colls, "all-reduce") <= PSI * 1.01
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage12_reduce_scatter_and_all_gather(stage):
+  _, colls = compiled(stage)
+  assert kinds(colls) == {"reduce-scatter", "all-gather"}
+  assert elements(colls, "reduce-scatter") == PSI
+  assert elements(colls, "all-gather") == PSI
+  # nothing parameter-sized is all-reduced
+  assert elements(colls, "all-reduce") <= 8  # a few scalars: loss, norms
+
+
+def test_stage2_reduce_scatters_inside_the_backward_loop():
+  _, colls = compiled(2)
+  in_loop = [c for c in colls if c.kind == "reduce-scatter" and c.count == L]
+  assert sum(c.total_elements for c in in_loop) == PSI_SCAN
+  # stage 1 reduces the stacked gradient once, after the backward loop
+  _, colls1 = compiled(1)
+  assert all(c.count == 1 for c in colls1 if c.kind == "reduce-scatter")
+
+
+def test_stage3_gathers_per_layer_in_forward_and_backward():
+  _, colls = compiled(3)
+  assert kinds(colls) == {"reduce-scatter", "all-gather"}
+  assert elements(colls, "reduce-scatter") == PSI
+  # Layer weights: gathered in the forward loop and again in the
+  # (rematerialised) backward loop. Embedding and head, used outside any
+  # loop, are gathered once: XLA merges the recomputed gather into the
+  # forward one and keeps the buffer until its backward.
+  loop_gathers = [c for c in colls if c.kind == "all-gather" and c.count == L]
+  assert sum(c.total_elements for c in loop_gathers) == 2 * PSI_SCAN
+  assert elements(colls, "all-gather") == 2 * PSI_SCAN + PSI_TOP
+  assert elements(colls, "all-reduce") <= 8  # a few scalars: loss, norms
+
+
+def test_collectives_run_in_the_policy_dtypes():
+  policy = zerojax.Policy(param_dtype=jnp.bfloat16)   # reduce in bf16 too
+  lowered, colls = compiled(3, policy=policy)
+  text = lowered.as_text()
+  gathers = re.findall(r"stablehlo\.all_gather.*-> tensor<[\dx]*x(\w+)>", text)
+  scatters = re.findall(r"stablehlo\.reduce_scatter.*\n(?:.*\n)*?.*\}\) : "
+                        r"\(tensor<[\dx]*x(\w+)>", text)
+  assert gathers and set(gathers) == {"bf16"}
+  assert scatters and set(scatters) == {"bf16"}
+  # Element counts do not depend on the dtype.
+  assert elements(colls, "reduce-scatter") == PSI
+  policy32 = zerojax.Policy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+  lowered, _ = compiled(1, policy=policy32)
+  text = lowered.as_text()
+  assert set(re.findall(r"stablehlo\.all_gather.*-> tensor<[\dx]*x(\w+)>",
+                        text)) == {"bf16"}
+
+
+@pytest.mark.parametrize("stage,rs,ag", [(1, 1, 1), (2, 4, 1), (3, 4, None)])
+def test_accumulation_reduces_per_stage(stage, rs, ag):
+  """k=4 micro-batches: stage 1 reduce-scatters once, stages 2-3 per micro-batch."""
+  _, colls = compiled(stage, accum_steps=4)
+  assert elements(colls, "reduce-scatter") == rs * PSI
+  if ag is not None:
+    assert elements(colls, "all-gather") == ag * PSI
+
+
+def test_uneven_leaves_count_their_padding(mesh):
+  params = toy.init_params(jax.random.key(0))
+  tx = zerojax.zero(optax.adamw(1e-3), stage=1, mesh=mesh)
+  spec = zerojax.init(params, tx).spec
+  padded = sum(math.prod(l.storage_shape) for l, t in
+               zip(spec.shard_layouts, spec.trainable) if t and l.sharded)
+  logical = sum(math.prod(a.shape) for a, t in
+                zip(spec.params_avals, spec.trainable) if t)
+  _, colls = compiled(1, params=params, loss=toy.loss_fn,
+                      batch=toy.batches(1)[0])
+  assert elements(colls, "reduce-scatter") == padded
+  assert elements(colls, "all-gather") == padded
+  assert padded > logical      # the toy's leaves really are padded
+  # the replicated scalar's gradient is all-reduced with the loss and norms
+  assert elements(colls, "all-reduce") <= 8  # a few scalars: loss, norms
