@@ -5,6 +5,7 @@ Parameter Models (arXiv 1910.02054).
 """
 
 from zerojax._gather import ShardedParam as ShardedParam
+from zerojax._gather import UngatheredParamError as UngatheredParamError
 from zerojax._gather import gather as gather
 from zerojax._hlo import Collective as Collective
 from zerojax._hlo import collective_bytes as collective_bytes
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Collective", "LeafLayout", "Policy", "ShardedParam", "StateSpec",
-    "TrainStep", "ZeroState", "ZeroTransformation", "collective_bytes",
+    "TrainStep", "UngatheredParamError", "ZeroState", "ZeroTransformation", "collective_bytes",
     "collectives", "gather", "gather_params", "init", "layout_rows",
     "layout_table", "make_mesh", "state_bytes", "theory_bytes", "train_step",
     "zero",

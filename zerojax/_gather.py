@@ -51,6 +51,10 @@ class GatherSpec:
   reduce_dtype: Any
 
 
+class UngatheredParamError(TypeError):
+  """A sharded parameter was used without :func:`gather`."""
+
+
 @jax.tree_util.register_pytree_node_class
 class ShardedParam:
   """A parameter as a ZeRO-2/3 loss sees it: call :func:`gather` to use it."""
@@ -64,6 +68,38 @@ class ShardedParam:
   @classmethod
   def tree_unflatten(cls, spec, children):
     return cls(*children, spec)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The full (gathered, logical) shape."""
+    shape = list(self.src.shape)
+    shape[len(shape) + self.spec.dim] = self.spec.size
+    return tuple(shape)
+
+  @property
+  def dtype(self):
+    return self.src.dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.src.shape)
+
+  def _misuse(self, *args, **kwargs):
+    raise UngatheredParamError(
+        f"zerojax: a sharded parameter of shape {self.shape} was used without "
+        f"being gathered. Call zerojax.gather(params) (or on the layer's "
+        f"subtree) before using it, or build the step with "
+        f"zerojax.train_step(..., gather='all').")
+
+  def __getattr__(self, name):
+    # Only reached for attributes a ShardedParam lacks (astype, T, ...).
+    if name.startswith("__") or name in ("sink", "src", "spec"):
+      raise AttributeError(name)
+    self._misuse()
+
+  __getitem__ = __array__ = __jax_array__ = _misuse
+  __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _misuse
+  __matmul__ = __rmatmul__ = __truediv__ = __rtruediv__ = __neg__ = _misuse
 
   def __repr__(self):
     shape = getattr(self.src, "shape", None)

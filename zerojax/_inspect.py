@@ -30,7 +30,6 @@ def _shard_nbytes(x) -> int:
 def layout_rows(state: ZeroState) -> list[dict]:
   """One row per state leaf: path, shapes, sharding, bytes per device."""
   spec = state.spec
-  abstract = spec.abstract()
   rows = []
   sections = [("params", spec.param_layouts), ("master", spec.shard_layouts),
               ("opt_state", spec.opt_layouts)]
@@ -53,10 +52,10 @@ def layout_rows(state: ZeroState) -> list[dict]:
           path=section + jax.tree_util.keystr(path),
           shape=tuple(layout.shape), dtype=np.dtype(x.dtype).name,
           storage_shape=tuple(x.shape), sharded=layout.sharded, how=how,
+          dim=layout.dim,
           bytes_per_device=_shard_nbytes(x) if hasattr(x, "addressable_shards")
           else int(np.prod(layout.shard_shape(spec.tx.num_shards))
                    * np.dtype(x.dtype).itemsize)))
-  del abstract
   return rows
 
 

@@ -27,6 +27,7 @@ Where the collectives live, and why:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ from zerojax import _gather
 from zerojax._state import StateSpec, ZeroState
 from zerojax._transform import ZeroTransformation
 
-GATHER_MODES = ("all", "model")
+GATHER_MODES = ("auto", "model", "all")
 
 
 # --------------------------------------------------------------------------
@@ -228,9 +229,11 @@ def _grads(spec: StateSpec, loss_fn, accum_steps, gather_mode, params, batch):
     else:                                 # stage 0, or a replicated leaf
       out.append(jax.lax.psum(g, axis) * scale)
   loss = jax.lax.psum(loss, axis) * scale
+  # float aux: mean over devices and micro-batches; integer aux (counts):
+  # summed over both.
   aux = jax.tree.map(lambda a: jax.lax.psum(a, axis) * scale
                      if jnp.issubdtype(a.dtype, jnp.inexact)
-                     else jax.lax.pmax(a, axis), aux)
+                     else jax.lax.psum(a, axis), aux)
   return out, loss, aux
 
 
@@ -348,13 +351,31 @@ def _new_params(spec: StateSpec, params, new_w):
   return spec.unflatten_params(out)
 
 
+def _warn_whole_tree_gather(spec: StateSpec):
+  if spec.stage < 2:
+    return
+  full = sum(int(np.prod(a.shape)) * np.dtype(spec.compute_dtype(i)).itemsize
+             for i, a in enumerate(spec.params_avals))
+  cost = (f"all {full / 2**20:.1f} MiB of full weights are live per device "
+          f"at once, instead of one layer's" if spec.stage == 3 else
+          f"the full gradient ({full / 2**20:.1f} MiB per device in compute "
+          f"dtype) is produced before it is reduce-scattered")
+  warnings.warn(
+      f"zerojax stage {spec.stage}: loss_fn used a parameter without calling "
+      f"zerojax.gather, so zerojax gathers the whole parameter tree at the "
+      f"start of the loss (correct, not lean): {cost}. To gather per layer, "
+      f"run the layers in a lax.scan and call zerojax.gather(layer_params) "
+      f"in the (jax.checkpoint-ed) body; pass gather='all' to silence this.",
+      stacklevel=2)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
   """A jitted, state-donating train step; call it as ``step(state, batch)``.
 
   Returns ``(new_state, metrics)`` with ``metrics = {"loss", "grad_norm"}``
-  (plus ``"aux"`` when the loss returns one, averaged over devices and
-  micro-batches). Metrics are device arrays: read them a step late to keep
+  (plus ``"aux"`` when the loss returns one: floating leaves averaged over
+  devices and micro-batches, integer leaves -- counts -- summed). Metrics are device arrays: read them a step late to keep
   the host from stalling the device.
   """
 
@@ -384,7 +405,7 @@ def train_step(
     tx: ZeroTransformation,
     *,
     accum_steps: int = 1,
-    gather: str = "all",
+    gather: str = "auto",
     donate: bool = True,
 ) -> TrainStep:
   """Builds the jitted train step for ``tx``'s stage.
@@ -396,27 +417,39 @@ def train_step(
     accum_steps: micro-batches per step (gradient accumulation inside one
       jitted step). Stages 0-1 accumulate local full gradients and reduce
       once; stages 2-3 reduce every micro-batch into a sharded accumulator.
-    gather: ``"all"`` (default): zerojax gathers every parameter before
-      calling ``loss_fn`` -- correct for any loss, but at stage 3 all full
-      weights are live at once and stage 2 equals stage 1 but for its
-      sharded accumulator. ``"model"``: ``loss_fn`` calls
-      :func:`zerojax.gather` on each layer's parameters just before use
-      (per-layer gathering and reduce-scatter; see that function).
+    gather: who gathers sharded parameters at stages 2-3. ``"model"``:
+      ``loss_fn`` calls :func:`zerojax.gather` on each layer's parameters
+      just before use (per-layer gathering and reduce-scatter; see that
+      function). ``"all"``: zerojax gathers the whole tree before calling
+      ``loss_fn`` -- correct for any loss, but at stage 3 every full weight
+      is live at once, and stage 2 then differs from stage 1 only by its
+      sharded accumulator. ``"auto"`` (default): ``"model"`` if the loss
+      gathers what it uses; if it touches a parameter it did not gather,
+      warn once with the memory cost and fall back to ``"all"``.
     donate: donate the input state's buffers to the output state.
 
   Returns:
     A :class:`TrainStep`.
   """
   if gather not in GATHER_MODES:
-    raise ValueError(f"zerojax.train_step: gather={gather!r}; use 'all' "
-                     f"(zerojax gathers the whole tree) or 'model' (the loss "
-                     f"calls zerojax.gather per layer).")
+    raise ValueError(f"zerojax.train_step: gather={gather!r}; use 'auto', "
+                     f"'model' (the loss calls zerojax.gather per layer) or "
+                     f"'all' (zerojax gathers the whole tree first).")
   if not isinstance(accum_steps, int) or accum_steps < 1:
     raise ValueError(f"zerojax.train_step: accum_steps={accum_steps!r} must be "
                      f"an int >= 1.")
   if not callable(loss_fn):
     raise TypeError("zerojax.train_step: loss_fn must be callable.")
-  fn = lambda state, batch: _step(state, batch, loss_fn=loss_fn,
-                                  accum_steps=accum_steps, gather_mode=gather)
+  def fn(state, batch):
+    mode = "model" if gather == "auto" else gather
+    try:
+      return _step(state, batch, loss_fn=loss_fn, accum_steps=accum_steps,
+                   gather_mode=mode)
+    except _gather.UngatheredParamError:
+      if gather != "auto":
+        raise
+    _warn_whole_tree_gather(state.spec)
+    return _step(state, batch, loss_fn=loss_fn, accum_steps=accum_steps,
+                 gather_mode="all")
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
   return TrainStep(loss_fn, tx, accum_steps, gather, donate, jitted)

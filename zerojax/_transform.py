@@ -103,7 +103,7 @@ def zero(
     raise TypeError(
         f"zerojax.zero: expected an optax.GradientTransformation, got "
         f"{type(inner).__name__}. Pass e.g. optax.adamw(3e-4).")
-  if isinstance(stage, bool) or stage not in STAGES:
+  if type(stage) is not int or stage not in STAGES:
     raise ValueError(
         f"zerojax.zero: stage={stage!r} is not a ZeRO stage; use 0 (plain "
         f"data parallel), 1 (shard optimizer state), 2 (and gradients) or 3 "

@@ -1,0 +1,129 @@
+"""Which arrays are sharded how, and what each device really holds."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax._layout import plan_leaf
+from tests import toy
+
+
+@pytest.mark.parametrize("shape,dim,padded", [
+    ((3,), 0, 8),                 # bias of 3: padded
+    ((16,), 0, 16),
+    ((7, 13), 1, 16),             # neither divides: least padding, last dim
+    ((50257, 768), 1, 768),       # GPT-2 embedding: the divisible dim
+    ((768, 50257), 1, 50264),     # never dim 0 of a matrix: pad the last
+    ((4, 7, 12), 1, 8),           # least padding wins: 7->8 beats 12->16
+    ((8, 3, 5), 2, 8),            # stacked layers: never the layer axis
+])
+def test_plan_leaf(shape, dim, padded):
+  layout = plan_leaf(shape, jnp.float32, 8, 0)
+  assert (layout.dim, layout.padded) == (dim, padded)
+
+
+@pytest.mark.parametrize("shape,dtype,reason", [
+    ((), jnp.float32, "scalar"),
+    ((4,), jnp.int32, "not trained"),
+    ((10, 10), jnp.float32, "min_shard_size"),
+])
+def test_replicated_leaves_say_why(shape, dtype, reason):
+  layout = plan_leaf(shape, dtype, 8, 1000)
+  assert not layout.sharded and reason in layout.reason
+
+
+def test_pad_and_slice_round_trip():
+  layout = plan_leaf((7, 13), jnp.float32, 8, 0)
+  x = jnp.arange(91.0).reshape(7, 13)
+  stored = layout.to_storage(x)
+  assert stored.shape == (7, 16) and (stored[:, 13:] == 0).all()
+  assert (layout.to_logical(stored) == x).all()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_every_leaf_is_where_the_stage_puts_it(mesh, stage, policy):
+  pol = (zerojax.Policy(param_dtype=jnp.bfloat16) if policy == "bf16"
+         else zerojax.Policy())
+  params = toy.init_params(jax.random.key(0))
+  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh, policy=pol)
+  state = zerojax.init(params, tx)
+  assert (state.master is not None) == (policy == "bf16")
+  rows = zerojax.layout_rows(state)
+  for row in rows:
+    x_sharded = row["sharded"]
+    big = len(row["shape"]) > 0 and row["dtype"] != "int32"
+    should_shard = big and (
+        (row["section"] == "params" and stage == 3)
+        or (row["section"] in ("master", "opt_state") and stage >= 1))
+    assert x_sharded == should_shard, row
+    elems = math.prod(row["shape"])
+    itemsize = np.dtype(row["dtype"]).itemsize
+    if x_sharded:
+      # ceil(n / N) along the sharded dimension: the padding, no more
+      shard = list(row["shape"])
+      shard[row["dim"]] = -(-shard[row["dim"]] // 8)
+      assert row["bytes_per_device"] == math.prod(shard) * itemsize, row
+    else:
+      assert row["bytes_per_device"] == elems * itemsize, row
+
+
+def test_state_arrays_carry_the_named_sharding(mesh):
+  params = toy.init_params(jax.random.key(0))
+  tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
+  state = zerojax.init(params, tx)
+  w = state.params["layers"]["w"]
+  assert w.shape == (3, 7, 8)                       # 7 padded to 8
+  assert w.sharding.spec == jax.sharding.PartitionSpec(None, None, "data")
+  assert len({s.data.shape for s in w.addressable_shards}) == 1
+  assert w.addressable_shards[0].data.shape == (3, 7, 1)
+  mu = state.opt_state[0].mu["embed"]
+  assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "data")
+  assert state.step.sharding.spec == jax.sharding.PartitionSpec()
+
+
+def test_min_shard_size_keeps_small_leaves_replicated(mesh):
+  params = {"big": jnp.ones((64, 64)), "small": jnp.ones((8,))}
+  tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh, min_shard_size=100)
+  state = zerojax.init(params, tx)
+  assert state.params["big"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
+  assert state.params["small"].sharding.spec == jax.sharding.PartitionSpec()
+  table = zerojax.layout_table(state)
+  assert "8 < min_shard_size=100" in table
+
+
+def test_measured_bytes_match_the_zero_formulas(mesh):
+  """Divisible shapes, bf16 + fp32 master + Adam: measured == theory."""
+  params = {"w": jnp.ones((64, 128)), "v": jnp.ones((4, 32, 64))}
+  psi = 64 * 128 + 4 * 32 * 64
+  n = 8
+  want_total = {0: 2 * psi + 12 * psi, 1: 2 * psi + 12 * psi / n,
+                2: 2 * psi + 12 * psi / n, 3: 16 * psi / n - 2 * psi / n}
+  for stage in range(4):
+    tx = zerojax.zero(optax.adam(1e-3), stage=stage, mesh=mesh,
+                      policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+    state = zerojax.init(params, tx)
+    measured = zerojax.state_bytes(state)
+    theory = zerojax.theory_bytes(state)
+    for cat in ("params", "master", "opt_state.mu", "opt_state.nu"):
+      assert measured[cat] == theory[cat], (stage, cat)
+    # persistent state (no gradients): ZeRO's formula without the 2 psi
+    # (or 2 psi / N) of gradients; count is one int32 scalar.
+    total = sum(v for k, v in measured.items() if k != "opt_state.count")
+    assert total == want_total[stage], stage
+
+
+def test_layout_table_lists_params_and_each_optimizer_field(mesh):
+  params = toy.init_params(jax.random.key(0))
+  tx = zerojax.zero(optax.adamw(1e-3), stage=1, mesh=mesh,
+                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  table = zerojax.layout_table(zerojax.init(params, tx))
+  for needle in ("params['embed']", "master['embed']", ".mu['embed']",
+                 ".nu['layers']['w']", "padded 7->8", "replicated (scalar)",
+                 "bytes/device"):
+    assert needle in table, needle
