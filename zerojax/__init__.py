@@ -22,6 +22,7 @@ from zerojax._state import ZeroState as ZeroState
 from zerojax._state import gather_params as gather_params
 from zerojax._state import init as init
 from zerojax._step import TrainStep as TrainStep
+from zerojax._step import eval_step as eval_step
 from zerojax._step import train_step as train_step
 from zerojax._transform import ZeroTransformation as ZeroTransformation
 from zerojax._transform import zero as zero
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Collective", "LeafLayout", "Policy", "ShardedParam", "StateSpec",
     "TrainStep", "UngatheredParamError", "ZeroState", "ZeroTransformation", "collective_bytes",
-    "collectives", "gather", "gather_params", "init", "layout_rows",
+    "collectives", "eval_step", "gather", "gather_params", "init", "layout_rows",
     "layout_table", "make_mesh", "state_bytes", "theory_bytes", "train_step",
     "zero",
 ]

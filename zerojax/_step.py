@@ -453,3 +453,45 @@ def train_step(
                  gather_mode="all")
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
   return TrainStep(loss_fn, tx, accum_steps, gather, donate, jitted)
+
+
+def _eval_local(spec: StateSpec, loss_fn, params, batch):
+  tx = spec.tx
+  leaves = jax.tree.leaves(params)
+  model = []
+  for i, x in enumerate(leaves):
+    layout = spec.param_layouts[i]
+    if spec.stage == 3 and layout.sharded:
+      gspec = _gather.GatherSpec(tx.axis_name, layout.dim - x.ndim,
+                                 layout.shape[layout.dim], 3,
+                                 spec.reduce_dtype(i))
+      model.append(_gather.ShardedParam(jnp.zeros((), gspec.reduce_dtype),
+                                        x, gspec))
+    else:
+      model.append(x)
+  model = _gather.gather(spec.unflatten_params(model))
+  out = loss_fn(model, batch)
+  loss = out[0] if isinstance(out, tuple) else out
+  return jax.lax.pmean(loss.astype(jnp.float32), tx.axis_name)
+
+
+def eval_step(loss_fn: Callable, tx: ZeroTransformation) -> Callable:
+  """A jitted ``eval(state, batch) -> mean loss`` that shards the batch.
+
+  No gradients, no update, nothing donated. At stage 3 the weights are
+  gathered inside the step (the whole tree, forward only); the state stays
+  sharded.
+  """
+  def run(state, batch):
+    spec = state.spec
+    param_specs = [l.spec(tx.axis_name) for l in spec.param_layouts]
+    batch_specs = jax.tree.map(lambda _: P(tx.axis_name), batch)
+    fn = lambda p, b: _eval_local(spec, loss_fn, p, b)
+    return jax.shard_map(fn, mesh=tx.mesh, in_specs=(param_specs, batch_specs),
+                         out_specs=P())(jax.tree.leaves(state.params), batch)
+  jitted = jax.jit(run)
+
+  def evaluate(state, batch):
+    check_state(state, tx)
+    return jitted(state, place_batch(batch, tx, 1))
+  return evaluate

@@ -1,0 +1,1 @@
+"""Reference models written to run under every ZeRO stage."""

@@ -1,0 +1,150 @@
+"""A GPT-style decoder whose layers run in a ``lax.scan``.
+
+Token and position embeddings, ``depth`` pre-norm blocks of causal
+self-attention and MLP, a final norm and an output head. Written for
+zerojax: every parameter is passed through :func:`zerojax.gather` right
+before use, and the block runs under ``jax.checkpoint`` inside the scan, so
+under ZeRO-3 one layer's full weights exist at a time (gathered in the
+forward loop, gathered again in the backward loop). At stages 0-2, and
+outside a train step, ``gather`` is the identity.
+
+Tensor names carry their shapes: B batch, T time, D width, H heads,
+K head width, F MLP width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zerojax._gather import gather
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab: int = 256          # byte-level tokens by default
+  seq_len: int = 128        # T: context length
+  width: int = 128          # D
+  depth: int = 4            # L
+  heads: int = 4            # H
+  mlp_ratio: int = 4        # F = mlp_ratio * D
+
+  def __post_init__(self):
+    if self.width % self.heads:
+      raise ValueError(f"GPTConfig: width={self.width} is not divisible by "
+                       f"heads={self.heads}; pick heads dividing the width.")
+    for name in ("vocab", "seq_len", "width", "depth", "heads", "mlp_ratio"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1.")
+
+
+
+def num_params(config: GPTConfig) -> int:
+  """Parameter count, from abstract shapes (allocates nothing)."""
+  shapes = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+def init(config: GPTConfig, key) -> dict:
+  """Parameters, fp32. Blocks are stacked along a leading layer axis L."""
+  d, f, l, v = config.width, config.mlp_ratio * config.width, config.depth, config.vocab
+  k = jax.random.split(key, 7)
+  normal = lambda key, shape, std: jax.random.normal(key, shape) * std
+  resid_std = 0.02 / math.sqrt(2 * l)     # GPT-2's scaled residual init
+  return {
+      "embed_VxD": normal(k[0], (v, d), 0.02),
+      "pos_TxD": normal(k[1], (config.seq_len, d), 0.01),
+      "blocks": {
+          "ln1_scale_LxD": jnp.ones((l, d)), "ln1_bias_LxD": jnp.zeros((l, d)),
+          "qkv_LxDx3D": normal(k[2], (l, d, 3 * d), 0.02),
+          "qkv_bias_Lx3D": jnp.zeros((l, 3 * d)),
+          "proj_LxDxD": normal(k[3], (l, d, d), resid_std),
+          "proj_bias_LxD": jnp.zeros((l, d)),
+          "ln2_scale_LxD": jnp.ones((l, d)), "ln2_bias_LxD": jnp.zeros((l, d)),
+          "fc1_LxDxF": normal(k[4], (l, d, f), 0.02),
+          "fc1_bias_LxF": jnp.zeros((l, f)),
+          "fc2_LxFxD": normal(k[5], (l, f, d), resid_std),
+          "fc2_bias_LxD": jnp.zeros((l, d)),
+      },
+      "lnf_scale_D": jnp.ones((d,)), "lnf_bias_D": jnp.zeros((d,)),
+      "head_DxV": normal(k[6], (d, v), 0.02),
+  }
+
+
+def _layer_norm(x_BxTxD, scale_D, bias_D):
+  x = x_BxTxD.astype(jnp.float32)
+  mean = x.mean(-1, keepdims=True)
+  var = jnp.square(x - mean).mean(-1, keepdims=True)
+  y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
+  return (y * scale_D[None, None, :] + bias_D[None, None, :]).astype(x_BxTxD.dtype)
+
+
+def _block(config: GPTConfig, x_BxTxD, layer):
+  """One pre-norm transformer block; ``layer`` holds one layer's shards."""
+  layer = gather(layer)                    # ZeRO-3: this layer's weights only
+  b, t, d = x_BxTxD.shape
+  h, k = config.heads, d // config.heads
+
+  y = _layer_norm(x_BxTxD, layer["ln1_scale_LxD"], layer["ln1_bias_LxD"])
+  qkv_BxTx3D = y @ layer["qkv_LxDx3D"] + layer["qkv_bias_Lx3D"][None, None, :]
+  q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = jnp.split(
+      qkv_BxTx3D.reshape(b, t, 3 * h, k), 3, axis=2)
+  logits_BxHxTxT = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK,
+                              preferred_element_type=jnp.float32) / math.sqrt(k)
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  logits_BxHxTxT = jnp.where(causal_TxT[None, None], logits_BxHxTxT, -1e30)
+  probs_BxHxTxT = jax.nn.softmax(logits_BxHxTxT, axis=-1).astype(y.dtype)
+  att_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT, v_BxTxHxK)
+  att_BxTxD = att_BxTxHxK.reshape(b, t, d) @ layer["proj_LxDxD"]
+  x_BxTxD = x_BxTxD + att_BxTxD + layer["proj_bias_LxD"][None, None, :]
+
+  y = _layer_norm(x_BxTxD, layer["ln2_scale_LxD"], layer["ln2_bias_LxD"])
+  y_BxTxF = jax.nn.gelu(y @ layer["fc1_LxDxF"]
+                        + layer["fc1_bias_LxF"][None, None, :])
+  y_BxTxD = y_BxTxF @ layer["fc2_LxFxD"] + layer["fc2_bias_LxD"][None, None, :]
+  return x_BxTxD + y_BxTxD, None
+
+
+def forward(params, tokens_BxT, config: GPTConfig):
+  """Logits ``(B, T, V)`` in fp32 for integer tokens ``(B, T)``."""
+  t = tokens_BxT.shape[1]
+  if t > config.seq_len:
+    raise ValueError(f"gpt.forward: {t} tokens exceed seq_len={config.seq_len}.")
+  embed_VxD = gather(params["embed_VxD"])
+  pos_TxD = gather(params["pos_TxD"])
+  x_BxTxD = embed_VxD[tokens_BxT] + pos_TxD[None, :t, :]
+  block = jax.checkpoint(lambda x, layer: _block(config, x, layer))
+  x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, params["blocks"])
+  x_BxTxD = _layer_norm(x_BxTxD, gather(params["lnf_scale_D"]),
+                        gather(params["lnf_bias_D"]))
+  return jnp.einsum("btd,dv->btv", x_BxTxD, gather(params["head_DxV"]),
+                    preferred_element_type=jnp.float32)
+
+
+def loss(params, batch, config: GPTConfig):
+  """Mean next-token cross-entropy; ``batch = {"x": (B,T), "y": (B,T)}``."""
+  logits_BxTxV = forward(params, batch["x"], config)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits_BxTxV, batch["y"]).mean()
+
+
+def generate(params, prompt_T, steps: int, key, config: GPTConfig,
+             temperature: float = 0.8):
+  """Samples ``steps`` tokens after ``prompt_T`` (full params, one sequence)."""
+  t0 = prompt_T.shape[0]
+  total = min(config.seq_len, t0 + steps)
+  buf_T = jnp.zeros((config.seq_len,), jnp.int32).at[:t0].set(prompt_T)
+
+  def step(i, carry):
+    buf_T, key = carry
+    logits_TxV = forward(params, buf_T[None], config)[0]
+    key, sub = jax.random.split(key)
+    nxt = jax.random.categorical(sub, logits_TxV[i - 1] / temperature)
+    return buf_T.at[i].set(nxt.astype(jnp.int32)), key
+
+  buf_T, _ = jax.lax.fori_loop(t0, total, step, (buf_T, key))
+  return buf_T[:total]

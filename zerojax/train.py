@@ -1,0 +1,249 @@
+"""The main job: train a byte-level GPT on CPython's embedded docs corpus.
+
+    python -m zerojax.train                  # ZeRO-3, bf16 + fp32 master, 8 devices
+    python -m zerojax.train --stage 1 --steps 100 --out runs/s1
+
+Runs on whatever devices JAX finds; on a CPU-only machine it creates
+``--devices`` fake CPU devices (8 by default) so the sharding is real.
+Writes ``<out>/metrics.jsonl`` (one object per logged step: ``step``,
+``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, and ``eval_loss`` at
+evaluations), ``<out>/loss.png`` and ``<out>/summary.json``, and prints a
+text sample from the trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import sys
+import time
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  stage: int = 3
+  devices: int = 8
+  width: int = 128
+  depth: int = 4
+  heads: int = 4
+  seq_len: int = 128
+  steps: int = 400
+  batch: int = 32
+  accum: int = 1
+  precision: str = "bf16"
+  lr: float = 3e-3
+  warmup: int = 40
+  weight_decay: float = 0.1
+  clip: float = 1.0
+  eval_every: int = 50
+  eval_batches: int = 4
+  log_every: int = 10
+  sample_len: int = 200
+  seed: int = 0
+  out: str = "runs/gpt"
+
+
+HELP = {
+    "stage": "ZeRO stage: 0 plain data parallel, 1 shard optimizer state, "
+             "2 and gradients, 3 and parameters",
+    "devices": "data-parallel devices; on a CPU-only machine this many fake "
+               "CPU devices are created",
+    "width": "model width D", "depth": "number of transformer blocks L",
+    "heads": "attention heads (must divide width)",
+    "seq_len": "context length in bytes",
+    "steps": "optimizer steps",
+    "batch": "global batch (sequences per step); must divide by devices x accum",
+    "accum": "gradient-accumulation micro-batches per step",
+    "precision": "bf16: bf16 params/compute with an fp32 master copy; "
+                 "fp32: everything fp32",
+    "lr": "peak AdamW learning rate (linear warm-up, cosine decay to 10%%)",
+    "warmup": "warm-up steps", "weight_decay": "AdamW weight decay",
+    "clip": "global-norm gradient clipping threshold",
+    "eval_every": "steps between held-out evaluations",
+    "eval_batches": "held-out batches per evaluation",
+    "log_every": "steps between metrics lines",
+    "sample_len": "bytes of text to sample at the end (0: none)",
+    "seed": "seed for init and data order",
+    "out": "output directory",
+}
+
+
+def parse_args(argv=None) -> TrainConfig:
+  parser = argparse.ArgumentParser(
+      prog="python -m zerojax.train",
+      description="Train a byte-level GPT on CPython's pydoc topics with "
+                  "zerojax (no download needed).",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  for f in dataclasses.fields(TrainConfig):
+    flag = "--" + f.name.replace("_", "-")
+    kw = dict(type=type(f.default), default=f.default, help=HELP[f.name])
+    if f.name == "stage":
+      kw["choices"] = [0, 1, 2, 3]
+    if f.name == "precision":
+      kw["choices"] = ["bf16", "fp32"]
+    parser.add_argument(flag, dest=f.name, **kw)
+  args = parser.parse_args(argv)
+  config = TrainConfig(**vars(args))
+  problems = []
+  positive = ("devices", "width", "depth", "heads", "seq_len", "steps",
+              "batch", "accum", "eval_every", "eval_batches", "log_every")
+  problems += [f"--{n.replace('_', '-')}={getattr(config, n)} must be >= 1"
+               for n in positive if getattr(config, n) < 1]
+  if config.width % config.heads:
+    problems.append(f"--heads={config.heads} does not divide "
+                    f"--width={config.width}")
+  if config.batch % (config.devices * config.accum):
+    m = config.devices * config.accum
+    problems.append(
+        f"--batch={config.batch} does not split over --devices="
+        f"{config.devices} x --accum={config.accum}; use a multiple of {m} "
+        f"(e.g. {-(-config.batch // m) * m})")
+  if problems:
+    parser.error("; ".join(problems))
+  return config
+
+
+def _setup_devices(n: int):
+  """Creates ``n`` fake CPU devices before JAX's backend starts."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", max(n, 1))
+  devices = jax.devices()
+  if len(devices) < n:
+    raise SystemExit(
+        f"zerojax.train: --devices={n} but JAX sees {len(devices)} "
+        f"{devices[0].platform} devices.")
+  return devices[:n]
+
+
+def main(config: TrainConfig) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from tqdm.auto import tqdm
+
+  import zerojax
+  from zerojax import data, plots
+  from zerojax.models import gpt
+
+  devices = _setup_devices(config.devices)
+  mesh = zerojax.make_mesh(devices=devices)
+  out = pathlib.Path(config.out)
+  out.mkdir(parents=True, exist_ok=True)
+
+  model = gpt.GPTConfig(vocab=256, seq_len=config.seq_len, width=config.width,
+                        depth=config.depth, heads=config.heads)
+  train_tokens, val_tokens = data.split(data.corpus_bytes())
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.lr, min(config.warmup, config.steps // 2), config.steps,
+      end_value=config.lr * 0.1)
+  optimizer = optax.chain(
+      optax.clip_by_global_norm(config.clip),
+      optax.adamw(schedule, weight_decay=config.weight_decay,
+                  mask=lambda p: jax.tree.map(lambda x: x.ndim > 1 and
+                                              x.shape[-1] != 1, p)))
+  policy = (zerojax.Policy(param_dtype=jnp.bfloat16)
+            if config.precision == "bf16" else zerojax.Policy())
+  tx = zerojax.zero(optimizer, stage=config.stage, mesh=mesh, policy=policy)
+  state = zerojax.init(gpt.init(model, jax.random.key(config.seed)), tx)
+  loss_fn = functools.partial(gpt.loss, config=model)
+  train_step = zerojax.train_step(loss_fn, tx, accum_steps=config.accum,
+                                  gather="model")
+  evaluate = zerojax.eval_step(loss_fn, tx)
+  val_batches = [data.batch_at(val_tokens, seed=config.seed + 1, step=i,
+                               batch=config.batch, seq_len=config.seq_len)
+                 for i in range(config.eval_batches)]
+
+  def eval_loss(state):
+    return float(np.mean([float(evaluate(state, b)) for b in val_batches]))
+
+  print(f"zerojax.train: GPT {gpt.num_params(model):,} params, stage "
+        f"{config.stage}, {config.precision}, {len(devices)} x "
+        f"{devices[0].platform} devices, batch {config.batch} x "
+        f"{config.seq_len} bytes", flush=True)
+  records = []
+  tokens_per_step = config.batch * config.seq_len
+  first_eval = eval_loss(state)
+  records.append({"step": 0, "eval_loss": first_eval})
+  pending = None          # metrics read one step late: no host stall
+  t_start = time.perf_counter()
+  t_window, window_steps = t_start, 0
+  bar = tqdm(range(1, config.steps + 1), desc="train", unit="step",
+             disable=None, dynamic_ncols=True)
+  metrics_file = open(out / "metrics.jsonl", "w")
+  metrics_file.write(json.dumps(records[0]) + "\n")
+
+  def flush(step_done, metrics):
+    nonlocal t_window, window_steps
+    rec = {"step": step_done, "loss": float(metrics["loss"]),
+           "grad_norm": float(metrics["grad_norm"]),
+           "lr": float(schedule(step_done - 1))}
+    now = time.perf_counter()
+    if window_steps:
+      rec["tokens_per_s"] = tokens_per_step * window_steps / (now - t_window)
+    t_window, window_steps = now, 0
+    return rec
+
+  for step in bar:
+    batch = data.batch_at(train_tokens, seed=config.seed, step=step,
+                          batch=config.batch, seq_len=config.seq_len)
+    state, metrics = train_step(state, batch)
+    window_steps += 1
+    if pending is not None:
+      rec = pending(metrics_prev)
+      records.append(rec)
+      metrics_file.write(json.dumps(rec) + "\n")
+      bar.set_postfix(loss=f"{rec['loss']:.3f}",
+                      tok_s=f"{rec.get('tokens_per_s', 0):,.0f}")
+      pending = None
+    is_eval = step % config.eval_every == 0 or step == config.steps
+    if step % config.log_every == 0 or is_eval:
+      pending, metrics_prev = functools.partial(flush, step), metrics
+    if is_eval:
+      if pending is not None:
+        rec = pending(metrics_prev)
+        pending = None
+      else:
+        rec = {"step": step}
+      rec["eval_loss"] = eval_loss(state)
+      records.append(rec)
+      metrics_file.write(json.dumps(rec) + "\n")
+      metrics_file.flush()
+      bar.write(f"step {step:5d}  loss {rec.get('loss', float('nan')):.4f}  "
+                f"eval_loss {rec['eval_loss']:.4f}")
+      t_window, window_steps = time.perf_counter(), 0
+  metrics_file.close()
+  wall = time.perf_counter() - t_start
+
+  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+  speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+  summary = {
+      "stage": config.stage, "n_devices": len(devices),
+      "n_params": gpt.num_params(model), "steps": config.steps,
+      "wall_s": wall, "first_eval_loss": evals[0], "last_eval_loss": evals[-1],
+      "eval_drop": 1 - evals[-1] / evals[0],
+      "tokens_per_s": float(np.median(speeds)) if speeds else None,
+      "config": dataclasses.asdict(config),
+  }
+  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  plots.loss_curve(records, out / "loss.png",
+                   title=f"GPT {summary['n_params']:,} params, ZeRO-{config.stage}")
+  print(f"done in {wall:.0f}s: held-out loss {evals[0]:.3f} -> {evals[-1]:.3f} "
+        f"({100 * summary['eval_drop']:.0f}% lower), "
+        f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; wrote {out}/")
+  if config.sample_len:
+    full = zerojax.gather_params(state)
+    prompt = np.frombuffer(b"The ", dtype=np.uint8).astype(np.int32)
+    n = min(config.sample_len, config.seq_len - len(prompt))
+    sample = jax.jit(lambda p, x, k: gpt.generate(p, x, n, k, model))(
+        full, prompt, jax.random.key(config.seed))
+    print("sample:\n" + data.decode(sample))
+  return summary
+
+
+if __name__ == "__main__":
+  main(parse_args())
