@@ -110,7 +110,8 @@ def theory_bytes(state: ZeroState) -> dict[str, float]:
   opt_paths = jax.tree_util.tree_flatten_with_path(
       jax.tree.unflatten(spec.opt_def, list(spec.opt_avals)))[0]
   for path, a in opt_paths:
+    shardable = stage >= 1 and len(a.shape) > 0    # scalars (count) stay whole
     out[_category("opt_state", path)] += (
         int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-        / (n if stage >= 1 else 1))
+        / (n if shardable else 1))
   return dict(out)
