@@ -351,7 +351,7 @@ def _new_params(spec: StateSpec, params, new_w):
   return spec.unflatten_params(out)
 
 
-def _warn_whole_tree_gather(spec: StateSpec):
+def _warn_whole_tree_gather(spec: StateSpec, reason: str):
   if spec.stage < 2:
     return
   full = sum(int(np.prod(a.shape)) * np.dtype(spec.compute_dtype(i)).itemsize
@@ -361,11 +361,12 @@ def _warn_whole_tree_gather(spec: StateSpec):
           f"the full gradient ({full / 2**20:.1f} MiB per device in compute "
           f"dtype) is produced before it is reduce-scattered")
   warnings.warn(
-      f"zerojax stage {spec.stage}: loss_fn used a parameter without calling "
-      f"zerojax.gather, so zerojax gathers the whole parameter tree at the "
-      f"start of the loss (correct, not lean): {cost}. To gather per layer, "
-      f"run the layers in a lax.scan and call zerojax.gather(layer_params) "
-      f"in the (jax.checkpoint-ed) body; pass gather='all' to silence this.",
+      f"zerojax stage {spec.stage}: loss_fn does not gather its own "
+      f"parameters ({reason}), so zerojax gathers the whole parameter tree at "
+      f"the start of the loss (correct, not lean): {cost}. To gather per "
+      f"layer, run the layers in a lax.scan and call "
+      f"zerojax.gather(layer_params) in the (jax.checkpoint-ed) body; pass "
+      f"gather='all' to silence this, gather='model' to make it an error.",
       stacklevel=2)
 
 
@@ -424,8 +425,9 @@ def train_step(
       ``loss_fn`` -- correct for any loss, but at stage 3 every full weight
       is live at once, and stage 2 then differs from stage 1 only by its
       sharded accumulator. ``"auto"`` (default): ``"model"`` if the loss
-      gathers what it uses; if it touches a parameter it did not gather,
-      warn once with the memory cost and fall back to ``"all"``.
+      traces with sharded parameters (it gathers what it uses); if tracing
+      it that way fails, warn once with the reason and the memory cost and
+      fall back to ``"all"`` (a genuine bug in the loss then raises there).
     donate: donate the input state's buffers to the output state.
 
   Returns:
@@ -442,13 +444,15 @@ def train_step(
     raise TypeError("zerojax.train_step: loss_fn must be callable.")
   def fn(state, batch):
     mode = "model" if gather == "auto" else gather
-    try:
+    if gather != "auto" or state.spec.stage < 2:
       return _step(state, batch, loss_fn=loss_fn, accum_steps=accum_steps,
                    gather_mode=mode)
-    except _gather.UngatheredParamError:
-      if gather != "auto":
-        raise
-    _warn_whole_tree_gather(state.spec)
+    try:
+      return _step(state, batch, loss_fn=loss_fn, accum_steps=accum_steps,
+                   gather_mode="model")
+    except Exception as e:  # noqa: BLE001 -- retried below; a real bug re-raises
+      reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    _warn_whole_tree_gather(state.spec, reason)
     return _step(state, batch, loss_fn=loss_fn, accum_steps=accum_steps,
                  gather_mode="all")
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())

@@ -1,0 +1,170 @@
+"""Flax linen and NNX models at every stage, gathered per layer at stage 3."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import flax.linen as nn
+from flax import nnx
+
+import zerojax
+import zerojax.linen
+import zerojax.nnx
+
+WIDTH, DEPTH = 16, 4
+X = np.random.default_rng(0).normal(size=(32, 5)).astype(np.float32)
+BATCH = {"x": X, "y": np.sin(X).sum(-1, keepdims=True)}
+
+
+# --------------------------------------------------------------- linen
+class LinenBlock(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    kernel_init = nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp"))
+    return x + jnp.tanh(nn.Dense(self.width, kernel_init=kernel_init)(x)), None
+
+
+class LinenModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = zerojax.linen.gathered(nn.Dense)(WIDTH)(x)
+    x, _ = zerojax.linen.scan_layers(LinenBlock, DEPTH)(WIDTH)(x, None)
+    return zerojax.linen.gathered(nn.Dense)(1)(x)
+
+
+class PlainLinenModel(nn.Module):
+  """A model that knows nothing of zerojax (no gathers, no scan)."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(DEPTH):
+      x = jnp.tanh(nn.Dense(WIDTH)(x))
+    return nn.Dense(1)(x)
+
+
+def _linen(model_cls):
+  model = model_cls()
+  params = model.init(jax.random.key(0), X)["params"]
+  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+  return params, loss
+
+
+# ----------------------------------------------------------------- NNX
+class NNXBlock(nnx.Module):
+  def __init__(self, width, rngs):
+    kernel_init = nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                        ("embed", "mlp"), eager_sharding=False)
+    self.dense = nnx.Linear(width, width, kernel_init=kernel_init, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.tanh(self.dense(x))
+
+
+class NNXModel(nnx.Module):
+  def __init__(self, rngs):
+    self.inp = nnx.Linear(5, WIDTH, rngs=rngs)
+
+    @nnx.split_rngs(splits=DEPTH)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NNXBlock(WIDTH, rngs)
+
+    self.blocks = make(rngs)
+    self.out = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+  def __call__(self, x):
+    x = zerojax.nnx.gathered(self.inp)(x)
+    x = zerojax.nnx.scan(self.blocks, x)
+    return zerojax.nnx.gathered(self.out)(x)
+
+
+def _nnx():
+  graphdef, params = nnx.split(NNXModel(nnx.Rngs(0)), nnx.Param)
+  loss = lambda p, b: jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
+  return params, loss
+
+
+MODELS = {"linen": lambda: _linen(LinenModel), "nnx": _nnx}
+
+
+def _reference(params, loss, steps):
+  opt = optax.adam(1e-2)
+  state = opt.init(params)
+  for _ in range(steps):
+    grads = jax.grad(loss)(params, BATCH)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("kind", MODELS)
+def test_flax_model_matches_unsharded_optax(mesh, kind, stage):
+  params, loss = MODELS[kind]()
+  want = _reference(params, loss, 3)
+  tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(loss, tx, gather="model")
+  for _ in range(3):
+    state, _ = step(state, BATCH)
+  got = zerojax.gather_params(state)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_flax_stage3_gathers_inside_the_layer_loop(mesh, kind):
+  params, loss = MODELS[kind]()
+  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(loss, tx, gather="model")
+  colls = zerojax.collectives(step.lower(state, BATCH).compile().as_text(), 8)
+  layer = WIDTH * WIDTH + WIDTH
+  loop = lambda kind_: sum(c.total_elements for c in colls
+                           if c.kind == kind_ and c.count == DEPTH)
+  assert loop("all-gather") == 2 * DEPTH * layer     # forward + backward
+  assert loop("reduce-scatter") == DEPTH * layer
+
+
+def test_linen_partition_metadata_survives(mesh):
+  params, loss = _linen(LinenModel)
+  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
+  state = zerojax.init(params, tx)
+  state, _ = zerojax.train_step(loss, tx, gather="model")(state, BATCH)
+  kernel = zerojax.gather_params(state)["ScanCheckpointMap_variablesLinenBlock_0"][
+      "Dense_0"]["kernel"]
+  assert isinstance(kernel, nn.LogicallyPartitioned)
+  assert kernel.names == ("layers", "embed", "mlp")
+  assert kernel.value.shape == (DEPTH, WIDTH, WIDTH)
+
+
+def test_nnx_partition_metadata_survives(mesh):
+  params, loss = _nnx()
+  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
+  state = zerojax.init(params, tx)
+  state, _ = zerojax.train_step(loss, tx, gather="model")(state, BATCH)
+  full = zerojax.gather_params(state)
+  kernel = full["blocks"]["dense"]["kernel"]
+  before = params["blocks"]["dense"]["kernel"].get_metadata()
+  assert before["out_sharding"] == ("embed", "mlp")
+  assert kernel.get_metadata() == before
+  assert kernel.shape == (DEPTH, WIDTH, WIDTH)
+
+
+def test_plain_linen_model_warns_and_falls_back_at_stage3(mesh):
+  params, loss = _linen(PlainLinenModel)
+  want = _reference(params, loss, 2)
+  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(loss, tx)
+  with pytest.warns(UserWarning, match="gathers the whole parameter tree"):
+    state, _ = step(state, BATCH)
+  state, _ = step(state, BATCH)
+  for a, b in zip(jax.tree.leaves(zerojax.gather_params(state)),
+                  jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
