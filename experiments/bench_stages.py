@@ -1,19 +1,38 @@
-"""ZeRO stages 0-3 side by side on one GPT: memory, collectives, step time.
+"""ZeRO stages 0-3 and the GSPMD peers side by side on one GPT.
 
     python experiments/bench_stages.py                 # writes runs/bench_stages/
-    python experiments/bench_stages.py --width 512 --depth 8
+    python experiments/bench_stages.py --precision bf16 --width 512
 
-Each stage runs in its own fresh subprocess (8 fake CPU devices), so its
-peak RSS is its own. Per stage: median step time over --steps steps after
-one warm-up step (compile time apart), process peak RSS (and the RSS before
-the state was built, the runtime's share), measured per-device state bytes
-by category next to the ZeRO formula, collective bytes per step from the
-compiled HLO next to the formula, and the final loss (all stages must
-agree). Output: a markdown table on stdout and ``<out>/bench_stages.json``.
+Configurations: zerojax stages 0 (plain DP), 1, 2, 3, and two GSPMD peers
+(``experiments/peers.py``): ``fsdp`` (params and optimizer state sharded
+with NamedSharding, plain jit) and ``zero1`` (params replicated, optimizer
+state sharded, plain jit). Same model, data, seed, optimizer, precision.
+Each runs in its own fresh subprocess (8 fake CPU devices), so its peak RSS
+is its own.
 
-On CPU, XLA runs bf16 collectives in f32 (a float-normalisation pass); the
-theory column is therefore computed in the dtype the compiled program
-communicates, which the table prints.
+Output: a markdown table on stdout, ``<out>/bench.json``,
+``<out>/memory.png`` (state per device stacked by category, as the ZeRO
+paper's Figure 1) and ``<out>/step_time.png``.
+
+``bench.json`` schema: ``{"runs": [run, ...]}``, one run per configuration:
+
+- ``name``, ``config`` ("0".."3", "fsdp", "zero1"), ``stage`` (int, null for
+  peers), ``n_devices``, ``n_params``, ``precision``
+- ``step_time_s``: median over ``--steps`` steps after one warm-up step;
+  ``compile_s`` apart
+- ``peak_rss_bytes``: process peak RSS (all 8 fake devices plus runtime);
+  ``runtime_rss_bytes``: RSS before the model was built
+- ``argument_bytes_per_device``: XLA's argument size for the step
+- ``state_bytes_per_device`` / ``theory_state_bytes_per_device``: by
+  category (params, master, opt_state.<field>), measured from addressable
+  shards / the ZeRO formula for the layout
+- ``collective_bytes`` / ``collective_elements``: per step by kind, compiled
+  HLO, loop bodies times trip counts, full-buffer convention;
+  ``theory_collective_elements``: the formula for the layout
+- ``final_loss``: after the same steps (all configurations must agree)
+
+On CPU, XLA runs bf16 collectives in f32, so compare collective *elements*
+with theory; bytes are what the CPU program moves.
 """
 
 from __future__ import annotations
@@ -40,88 +59,146 @@ def worker(args) -> dict:
   import zerojax
   from zerojax import data
   from zerojax.models import gpt
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  import peers
 
   rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   jax.devices()
   rss_runtime = rss()
   model = gpt.GPTConfig(width=args.width, depth=args.depth, heads=args.heads,
                         seq_len=args.seq_len)
-  policy = (zerojax.Policy(param_dtype=jnp.bfloat16) if args.precision == "bf16"
-            else zerojax.Policy())
-  tx = zerojax.zero(optax.adamw(1e-3), stage=args.stage, policy=policy)
-  state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
+  bf16 = args.precision == "bf16"
+  optimizer = optax.adamw(1e-3)
   loss_fn = functools.partial(gpt.loss, config=model)
-  step = zerojax.train_step(loss_fn, tx, gather="model")
+  params = gpt.init(model, jax.random.key(0))
+  n_params = gpt.num_params(model)
   tokens, _ = data.split(data.corpus_bytes())
   batch_at = lambda i: data.batch_at(tokens, seed=0, step=i, batch=args.batch,
                                      seq_len=args.seq_len)
-  t0 = time.perf_counter()
-  compiled = step.lower(state, batch_at(0)).compile()
-  compile_s = time.perf_counter() - t0
-  hlo = compiled.as_text()
-  colls = zerojax.collectives(hlo, 8)
-  coll_bytes = zerojax.collective_bytes(hlo, 8)
-  mem = compiled.memory_analysis()
+  mesh = zerojax.make_mesh()
+  shard_bytes = lambda tree: {
+      jax.tree_util.keystr(path): int(x.addressable_shards[0].data.nbytes)
+      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-  state, metrics = step(state, batch_at(0))        # warm-up
+  if args.config.isdigit():                       # zerojax stage
+    stage = int(args.config)
+    policy = zerojax.Policy(param_dtype=jnp.bfloat16) if bf16 else zerojax.Policy()
+    tx = zerojax.zero(optimizer, stage=stage, mesh=mesh, policy=policy)
+    state = zerojax.init(params, tx)
+    step = zerojax.train_step(loss_fn, tx, gather="model")
+    t0 = time.perf_counter()
+    rep = zerojax.report(step, state, batch_at(0))
+    compile_s = time.perf_counter() - t0
+    run_step = lambda st, b: step(st, b)
+    measured = rep.state_bytes
+    theory_state = {k: v for k, v in rep.theory_state_bytes.items() if k != "grads"}
+    coll_bytes, coll_elems = rep.collective_bytes, rep.collective_elements
+    theory_elems = rep.theory_collective_elements
+    argument = rep.xla_memory["argument"]
+    name = f"zerojax stage {stage}"
+  else:                                           # a GSPMD peer
+    stage = None
+    jitted, p, o = peers.make_peer(args.config, loss_fn, optimizer, params, mesh,
+                                   compute_dtype=jnp.bfloat16 if bf16 else None)
+    state = (p, o)
+    t0 = time.perf_counter()
+    compiled = jitted.lower(p, o, batch_at(0)).compile()
+    compile_s = time.perf_counter() - t0
+    colls = zerojax.collectives(compiled.as_text(), 8)
+    coll_bytes, coll_elems = {}, {}
+    for c in colls:
+      coll_bytes[c.kind] = coll_bytes.get(c.kind, 0) + c.total_bytes
+      coll_elems[c.kind] = coll_elems.get(c.kind, 0) + c.total_elements
+    def run_step(st, b):
+      p, o, m = jitted(st[0], st[1], b)
+      return (p, o), m
+    pb, ob = shard_bytes(p), shard_bytes(o)
+    measured = {"params": sum(pb.values())}
+    for k, v in ob.items():
+      cat = "opt_state." + k.split(".")[-1].split("[")[0] if "." in k else "opt_state"
+      measured[cat] = measured.get(cat, 0) + v
+    n = 8
+    like = 3 if args.config == "fsdp" else 1
+    theory_state = {"params": 4 * n_params / (n if like == 3 else 1),
+                    "opt_state.mu": 4 * n_params / n,
+                    "opt_state.nu": 4 * n_params / n}
+    theory_elems = ({"reduce-scatter": n_params, "all-gather": 2 * n_params}
+                    if like == 3 else
+                    {"reduce-scatter": n_params, "all-gather": n_params})
+    argument = compiled.memory_analysis().argument_size_in_bytes
+    name = f"GSPMD peer: {args.config}"
+
+  state, metrics = run_step(state, batch_at(0))        # warm-up
   jax.block_until_ready(metrics)
   times = []
   for i in range(1, args.steps + 1):
     t = time.perf_counter()
-    state, metrics = step(state, batch_at(i))
+    state, metrics = run_step(state, batch_at(i))
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t)
-
-  n_params = gpt.num_params(model)
-  # Theory in the dtype the compiled program communicates (f32 on CPU).
-  comm_dtype = max((c.dtype for c in colls if c.elements > 1000),
-                   key=lambda d: {"f32": 4, "bf16": 2}.get(d, 0), default="f32")
-  b = {"f32": 4, "bf16": 2}.get(comm_dtype, 4)
-  psi = n_params * b
-  theory_coll = {0: {"all-reduce": psi},
-                 1: {"reduce-scatter": psi, "all-gather": psi},
-                 2: {"reduce-scatter": psi, "all-gather": psi},
-                 3: {"reduce-scatter": psi, "all-gather": 2 * psi}}[args.stage]
-  measured = zerojax.state_bytes(state)
-  theory = zerojax.theory_bytes(state)
   return {
-      "name": f"zerojax stage {args.stage}", "stage": args.stage,
-      "n_devices": 8, "n_params": n_params, "precision": args.precision,
+      "name": name, "config": args.config, "stage": stage, "n_devices": 8,
+      "n_params": n_params, "precision": args.precision,
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
       "peak_rss_bytes": rss(), "runtime_rss_bytes": rss_runtime,
+      "argument_bytes_per_device": argument,
       "state_bytes_per_device": measured,
-      "theory_state_bytes_per_device": {k: v for k, v in theory.items()
-                                        if k != "grads"},
-      "xla_memory": {"argument": mem.argument_size_in_bytes,
-                     "output": mem.output_size_in_bytes,
-                     "temp": mem.temp_size_in_bytes,
-                     "alias": mem.alias_size_in_bytes},
-      "collective_bytes": coll_bytes, "collective_dtype": comm_dtype,
-      "theory_collective_bytes": theory_coll,
+      "theory_state_bytes_per_device": theory_state,
+      "collective_bytes": coll_bytes, "collective_elements": coll_elems,
+      "theory_collective_elements": theory_elems,
       "final_loss": float(metrics["loss"]),
   }
 
 
 def table(runs) -> str:
   mib = lambda x: f"{x / 2**20:,.2f}"
-  head = ("stage", "step s", "peak RSS MiB", "state MiB/dev (theory)",
-          "AR MiB", "RS MiB", "AG MiB", "coll/theory", "final loss")
+  head = ("config", "step s", "vs stage 0", "peak RSS MiB", "state MiB/dev (theory)",
+          "AR MiB", "RS MiB", "AG MiB", "coll elems / theory", "final loss")
+  base = next((r["step_time_s"] for r in runs if r["config"] == "0"), None)
   rows = []
   for r in runs:
-    state = sum(v for k, v in r["state_bytes_per_device"].items())
+    state = sum(r["state_bytes_per_device"].values())
     theory = sum(r["theory_state_bytes_per_device"].values())
-    cb, tb = r["collective_bytes"], r["theory_collective_bytes"]
-    big = sum(v for k, v in cb.items()
-              if k in tb)
-    rows.append((str(r["stage"]), f"{r['step_time_s']:.3f}",
+    cb, ce, te = (r["collective_bytes"], r["collective_elements"],
+                  r["theory_collective_elements"])
+    ratio = sum(ce.get(k, 0) for k in te) / sum(te.values())
+    rows.append((r["name"], f"{r['step_time_s']:.3f}",
+                 f"{r['step_time_s'] / base:.2f}x" if base else "",
                  mib(r["peak_rss_bytes"]), f"{mib(state)} ({mib(theory)})",
                  mib(cb.get("all-reduce", 0)), mib(cb.get("reduce-scatter", 0)),
-                 mib(cb.get("all-gather", 0)),
-                 f"{big / sum(tb.values()):.3f}", f"{r['final_loss']:.5f}"))
+                 mib(cb.get("all-gather", 0)), f"{ratio:.3f}",
+                 f"{r['final_loss']:.5f}"))
   widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
   line = lambda cols: "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
   return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
                    + [line(r) for r in rows])
+
+
+def charts(runs, outdir):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = [r["name"].replace("zerojax ", "").replace("GSPMD peer: ", "peer ")
+           for r in runs]
+  cats = sorted({c for r in runs for c in r["state_bytes_per_device"]})
+  fig, ax = plt.subplots(figsize=(8, 4))
+  bottom = [0.0] * len(runs)
+  for cat in cats:
+    vals = [r["state_bytes_per_device"].get(cat, 0) / 2**20 for r in runs]
+    ax.bar(names, vals, bottom=bottom, label=cat)
+    bottom = [b + v for b, v in zip(bottom, vals)]
+  ax.set_ylabel("MiB per device (persistent state)")
+  ax.set_title("Model state per device by category")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(outdir / "memory.png", dpi=120)
+  plt.close(fig)
+  fig, ax = plt.subplots(figsize=(8, 3.5))
+  ax.bar(names, [r["step_time_s"] for r in runs])
+  ax.set_ylabel("median step time (s)")
+  fig.tight_layout()
+  fig.savefig(outdir / "step_time.png", dpi=120)
+  plt.close(fig)
 
 
 def main():
@@ -132,37 +209,39 @@ def main():
   p.add_argument("--seq-len", type=int, default=128)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--steps", type=int, default=5)
-  p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-  p.add_argument("--stages", default="0,1,2,3")
+  p.add_argument("--precision", choices=["bf16", "fp32"], default="fp32")
+  p.add_argument("--configs", default="0,1,2,3,fsdp,zero1",
+                 help="zerojax stages and GSPMD peers (fsdp, zero1) to run")
   p.add_argument("--out", default="runs/bench_stages")
-  p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
+  p.add_argument("--config", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.worker:
     print(json.dumps(worker(args)))
     return
   runs = []
-  for stage in [int(s) for s in args.stages.split(",")]:
-    cmd = [sys.executable, __file__, "--worker", "--stage", str(stage)] + [
+  for config in args.configs.split(","):
+    cmd = [sys.executable, __file__, "--worker", "--config", config] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-        if k not in ("worker", "stage", "stages", "out")]
+        if k not in ("worker", "config", "configs", "out")]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
-      sys.exit(f"stage {stage} failed:\n{out.stderr[-3000:]}")
+      sys.exit(f"{config} failed:\n{out.stderr[-3000:]}")
     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"stage {stage}: done", file=sys.stderr, flush=True)
+    print(f"{config}: done", file=sys.stderr, flush=True)
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
-  (outdir / "bench_stages.json").write_text(json.dumps({"runs": runs}, indent=2))
-  print(f"GPT {runs[0]['n_params']:,} params, {args.precision}, 8 fake CPU "
-        f"devices, batch {args.batch}x{args.seq_len}, median of {args.steps} "
-        f"steps; collectives in {runs[-1]['collective_dtype']}")
+  (outdir / "bench.json").write_text(json.dumps({"runs": runs}, indent=2))
+  charts(runs, outdir)
+  print(f"GPT {runs[0]['n_params']:,} params, {args.precision}, AdamW, 8 fake "
+        f"CPU devices, batch {args.batch}x{args.seq_len}, median of "
+        f"{args.steps} steps, each configuration in its own process")
   print(table(runs))
   for r in runs:
     cats = ", ".join(
         f"{k} {v:,} ({r['theory_state_bytes_per_device'].get(k, 0):,.0f})"
         for k, v in r["state_bytes_per_device"].items())
-    print(f"stage {r['stage']} bytes/device measured (theory): {cats}")
+    print(f"{r['name']} bytes/device measured (theory): {cats}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from zerojax._inspect import theory_bytes as theory_bytes
 from zerojax._layout import LeafLayout as LeafLayout
 from zerojax._mesh import make_mesh as make_mesh
 from zerojax._policy import Policy as Policy
+from zerojax._report import Report as Report
+from zerojax._report import report as report
 from zerojax._state import StateSpec as StateSpec
 from zerojax._state import ZeroState as ZeroState
 from zerojax._state import gather_params as gather_params
@@ -31,8 +33,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Collective", "LeafLayout", "Policy", "ShardedParam", "StateSpec",
-    "TrainStep", "UngatheredParamError", "ZeroState", "ZeroTransformation", "collective_bytes",
+    "Report", "TrainStep", "UngatheredParamError", "ZeroState", "ZeroTransformation", "collective_bytes",
     "collectives", "eval_step", "gather", "gather_params", "init", "layout_rows",
-    "layout_table", "make_mesh", "state_bytes", "theory_bytes", "train_step",
+    "layout_table", "make_mesh", "report", "state_bytes", "theory_bytes", "train_step",
     "zero",
 ]
