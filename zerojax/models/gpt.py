@@ -148,3 +148,37 @@ def generate(params, prompt_T, steps: int, key, config: GPTConfig,
 
   buf_T, _ = jax.lax.fori_loop(t0, total, step, (buf_T, key))
   return buf_T[:total]
+
+
+def config_for_params(n_params: float, *, seq_len: int = 2048,
+                      align: int = 1024) -> GPTConfig:
+  """A GPT-shaped config with exactly ``n_params`` parameters (to ±2·width).
+
+  Width grows as the cube root of the count (depth ~ width / 128, the GPT-3
+  family's aspect ratio), rounded to a multiple of ``align`` so that every
+  dimension divides large device counts; depth is then the most blocks that
+  fit, and the vocabulary takes up the remainder.
+  """
+  n_params = int(n_params)
+  if n_params < 10_000:
+    raise ValueError(f"config_for_params: {n_params} params is too small for "
+                     f"a GPT shape; use at least 10,000.")
+  width = (n_params * 128 / 12) ** (1 / 3)
+  width = max(align, int(round(width / align)) * align) if width >= align else \
+      max(64, int(round(width / 64)) * 64)
+  while width > 64:
+    heads = width // 128 if width % 128 == 0 else width // 64
+    per_block = _block_params(width)
+    fixed = seq_len * width + 2 * width          # positions, final norm
+    depth = max(1, (n_params - fixed - 2 * width * 1024) // per_block)
+    vocab = (n_params - fixed - depth * per_block) // (2 * width)
+    if vocab >= 256:
+      return GPTConfig(vocab=int(vocab), seq_len=seq_len, width=width,
+                       depth=int(depth), heads=heads)
+    width //= 2
+  raise ValueError(f"config_for_params: no GPT shape for {n_params} params.")
+
+
+def _block_params(width: int, mlp_ratio: int = 4) -> int:
+  d, f = width, mlp_ratio * width
+  return 4 * d + 3 * d * d + 3 * d + d * d + d + d * f + f + f * d + d
