@@ -22,7 +22,9 @@ paper's Figure 1) and ``<out>/step_time.png``.
   ``compile_s`` apart
 - ``peak_rss_bytes``: process peak RSS (all 8 fake devices plus runtime);
   ``runtime_rss_bytes``: RSS before the model was built
-- ``argument_bytes_per_device``: XLA's argument size for the step
+- ``argument_bytes_per_device``: XLA's argument size for the step;
+  ``xla_memory``: XLA's memory analysis (argument, output, temp, alias per
+  device; on CPU temp misses buffers inside loop bodies)
 - ``state_bytes_per_device`` / ``theory_state_bytes_per_device``: by
   category (params, master, opt_state.<field>), measured from addressable
   shards / the ZeRO formula for the layout
@@ -95,6 +97,7 @@ def worker(args) -> dict:
     coll_bytes, coll_elems = rep.collective_bytes, rep.collective_elements
     theory_elems = rep.theory_collective_elements
     argument = rep.xla_memory["argument"]
+    xla_memory = rep.xla_memory
     name = f"zerojax stage {stage}"
   else:                                           # a GSPMD peer
     stage = None
@@ -125,7 +128,12 @@ def worker(args) -> dict:
     theory_elems = ({"reduce-scatter": n_params, "all-gather": 2 * n_params}
                     if like == 3 else
                     {"reduce-scatter": n_params, "all-gather": n_params})
-    argument = compiled.memory_analysis().argument_size_in_bytes
+    mem = compiled.memory_analysis()
+    argument = mem.argument_size_in_bytes
+    xla_memory = {"argument": mem.argument_size_in_bytes,
+                  "output": mem.output_size_in_bytes,
+                  "temp": mem.temp_size_in_bytes,
+                  "alias": mem.alias_size_in_bytes}
     name = f"GSPMD peer: {args.config}"
 
   state, metrics = run_step(state, batch_at(0))        # warm-up
@@ -142,6 +150,7 @@ def worker(args) -> dict:
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
       "peak_rss_bytes": rss(), "runtime_rss_bytes": rss_runtime,
       "argument_bytes_per_device": argument,
+      "xla_memory": xla_memory,
       "state_bytes_per_device": measured,
       "theory_state_bytes_per_device": theory_state,
       "collective_bytes": coll_bytes, "collective_elements": coll_elems,

@@ -31,7 +31,7 @@ def main():
   runs = []
   for depth in [int(d) for d in args.depths.split(",")]:
     cmd = [sys.executable, str(HERE / "bench_stages.py"), "--worker",
-           "--stage", str(args.stage), "--depth", str(depth),
+           "--config", str(args.stage), "--depth", str(depth),
            "--width", str(args.width), "--heads", "8", "--seq-len", "128",
            "--batch", "16", "--steps", str(args.steps),
            "--precision", args.precision]

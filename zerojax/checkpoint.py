@@ -1,0 +1,374 @@
+"""Sharded checkpoints with Orbax: exact resume, restore onto another layout.
+
+What is saved, per step, by ``orbax.checkpoint.CheckpointManager``
+(asynchronous by default; keep-last-k; every n steps):
+
+* ``state``: the :class:`~zerojax.ZeroState` arrays *as stored* -- params,
+  master copy, optimizer state, step -- each process writing only the shards
+  it holds (no gather to one host);
+* ``meta`` (JSON): the layout they were stored in (stage, device count,
+  mixed-precision policy, every leaf's logical shape and sharded dimension)
+  and the caller's ``extra`` (e.g. the data position).
+
+Restoring needs the target :class:`~zerojax.ZeroTransformation` and a params
+template (arrays or ``jax.ShapeDtypeStruct``) for the tree structure. The
+template is checked against the saved layout first (a leaf missing, a shape
+changed: a clear error, before any array is read). Then each leaf is read
+straight into its target sharding when its stored shape is the same under
+both layouts, else into a compatible sharding on the target mesh, and one
+jitted conversion moves everything to the target layout: slice off the old
+padding, pad for the new device count, cast where the precision policy
+changed. Slicing, padding and same-dtype copies are exact, so values come
+back bitwise identical; a policy change is allowed only where it is lossless
+(the target keeps at least the precision of the saved master weights).
+
+So a run saved at stage 3 on 8 devices restores at stage 1 on 4, or at
+stage 0 on 1, with no offline conversion step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+
+from zerojax import _layout
+from zerojax._policy import Policy
+from zerojax._state import StateSpec, ZeroState, make_spec
+from zerojax._transform import ZeroTransformation
+
+FORMAT = "zerojax-checkpoint-1"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be restored as asked; the message says why."""
+
+
+def _dtype_name(dt) -> str | None:
+  return None if dt is None else np.dtype(dt).name
+
+
+def _layout_json(layout: _layout.LeafLayout) -> dict:
+  return {"shape": list(layout.shape), "dim": layout.dim,
+          "padded": layout.padded}
+
+
+def describe(spec: StateSpec) -> dict:
+  """The JSON description of a state's layout that a checkpoint carries."""
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(
+               spec.unflatten_params(list(spec.params_avals)))[0]]
+  opt_paths = [jax.tree_util.keystr(p) for p, _ in
+               jax.tree_util.tree_flatten_with_path(
+                   jax.tree.unflatten(spec.opt_def, list(spec.opt_avals)))[0]]
+  pol = spec.policy
+  return {
+      "format": FORMAT, "stage": spec.stage, "n_devices": spec.tx.num_shards,
+      "min_shard_size": spec.tx.min_shard_size,
+      "policy": {"param_dtype": _dtype_name(pol.param_dtype),
+                 "master_dtype": _dtype_name(pol.master_dtype),
+                 "reduce_dtype": _dtype_name(pol.reduce_dtype)},
+      "params": [{"path": p, "shape": list(a.shape), "dtype": _dtype_name(a.dtype)}
+                 for p, a in zip(paths, spec.params_avals)],
+      "opt_state": [{"path": p, "shape": list(a.shape), "dtype": _dtype_name(a.dtype)}
+                    for p, a in zip(opt_paths, spec.opt_avals)],
+  }
+
+
+def _state_tree(state: ZeroState) -> dict:
+  tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+  if state.master is not None:
+    tree["master"] = state.master
+  return tree
+
+
+class Checkpointer:
+  """Saves and restores :class:`~zerojax.ZeroState` with Orbax.
+
+  Args:
+    directory: where step directories are written (created if missing).
+    save_every: save only every ``save_every`` steps (``save`` returns False
+      otherwise, unless ``force``); the first save into an empty directory
+      always happens (Orbax's rule).
+    keep: keep the last ``keep`` checkpoints (None: all).
+    async_save: write in a background thread while training continues; call
+      :meth:`wait` (or :meth:`close`) before reading what was written.
+
+  Example:
+    >>> ckpt = zerojax.checkpoint.Checkpointer("ckpt", save_every=100, keep=3)
+    >>> ckpt.save(state, extra={"data_step": 1200})
+    >>> state, extra = ckpt.restore(params_template, tx)   # any stage, any N
+  """
+
+  def __init__(self, directory, *, save_every: int = 1, keep: int | None = 3,
+               async_save: bool = True):
+    if save_every < 1:
+      raise ValueError(f"Checkpointer: save_every={save_every} must be >= 1.")
+    self.directory = pathlib.Path(directory).absolute()
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+            save_interval_steps=save_every, max_to_keep=keep,
+            enable_async_checkpointing=async_save, create=True))
+
+  # -- saving -------------------------------------------------------------
+  def save(self, state: ZeroState, *, extra: dict | None = None,
+           force: bool = False) -> bool:
+    """Starts saving ``state`` at its step; True if a save was started."""
+    if not isinstance(state, ZeroState):
+      raise TypeError(f"Checkpointer.save: expected a ZeroState, got "
+                      f"{type(state).__name__}.")
+    step = int(jax.device_get(state.step))
+    meta = dict(describe(state.spec), extra=extra or {})
+    return self._manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state_tree(state)),
+                                      meta=ocp.args.JsonSave(meta)),
+        force=force)
+
+  def wait(self):
+    """Blocks until asynchronous saves have been committed."""
+    self._manager.wait_until_finished()
+
+  def close(self):
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # -- reading ------------------------------------------------------------
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def metadata(self, step: int | None = None) -> dict:
+    step = self._pick(step)
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 -- re-raised with the path and fix
+      raise CheckpointError(
+          f"zerojax checkpoint {self.directory}/{step}: its layout metadata "
+          f"could not be read ({type(e).__name__}: {e}). The step may be "
+          f"corrupted; restore another step (available: {self.all_steps()}).")
+    meta = out["meta"]
+    if meta.get("format") != FORMAT:
+      raise CheckpointError(f"zerojax checkpoint {self.directory}/{step} has "
+                            f"format {meta.get('format')!r}, expected {FORMAT!r}.")
+    return meta
+
+  def _pick(self, step):
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(
+          f"zerojax: no checkpoint in {self.directory} (no committed step "
+          f"directories). Check the path, or start without --resume.")
+    if step is None:
+      return max(steps)
+    if step not in steps:
+      raise FileNotFoundError(f"zerojax: no checkpoint for step {step} in "
+                              f"{self.directory}; available steps: {steps}.")
+    return step
+
+  def restore(self, params_template, tx: ZeroTransformation,
+              step: int | None = None) -> tuple[ZeroState, dict]:
+    """Restores a step (default: the latest) into ``tx``'s layout.
+
+    Args:
+      params_template: the model's params (arrays or ShapeDtypeStructs, as
+        given to :func:`zerojax.init`): their tree structure, shapes and
+        dtypes. Nothing is read from them.
+      tx: the target :class:`ZeroTransformation` (any stage, mesh, policy;
+        the same inner optimizer).
+      step: which step; default the latest committed one.
+
+    Returns:
+      ``(state, extra)``: the state laid out for ``tx``, and the ``extra``
+      dict given to :meth:`save`.
+    """
+    step = self._pick(step)
+    meta = self.metadata(step)
+    target = make_spec(params_template, tx)
+    source = _source_spec(meta, params_template, tx, self.directory / str(step))
+    _check_compatible(meta, source, target, self.directory / str(step))
+    abstract = _restore_targets(source, target)
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract)))
+    except Exception as e:  # noqa: BLE001 -- re-raised with the path and fix
+      raise CheckpointError(
+          f"zerojax checkpoint {self.directory}/{step} could not be read "
+          f"({type(e).__name__}: {str(e)[:300]}). It may be corrupted or "
+          f"partially written; restore an earlier step (available: "
+          f"{self.all_steps()}). Nothing was changed.") from e
+    convert = jax.jit(lambda t: _convert(t, source, target),
+                      out_shardings=target.shardings())
+    return convert(out["state"]), meta.get("extra", {})
+
+
+def _policy_from(meta) -> Policy:
+  pol = meta["policy"]
+  get = lambda k: None if pol[k] is None else np.dtype(pol[k])
+  return Policy(param_dtype=get("param_dtype"), master_dtype=get("master_dtype"),
+                reduce_dtype=get("reduce_dtype"))
+
+
+def _source_spec(meta, params_template, tx, where) -> StateSpec:
+  """The layout the checkpoint was written in, rebuilt abstractly."""
+  paths, leaves = zip(*[(jax.tree_util.keystr(p), x) for p, x in
+                        jax.tree_util.tree_flatten_with_path(params_template)[0]])
+  saved = {e["path"]: e for e in meta["params"]}
+  missing = [p for p in paths if p not in saved]
+  extra = [p for p in saved if p not in paths]
+  if missing or extra:
+    raise CheckpointError(
+        f"zerojax checkpoint {where} is of a different model: "
+        + (f"leaves {missing} are not in the checkpoint" if missing else "")
+        + ("; " if missing and extra else "")
+        + (f"the checkpoint has leaves {extra} the model lacks" if extra else "")
+        + ". Restore it with the params template of the model that wrote it.")
+  for p, x in zip(paths, leaves):
+    if tuple(saved[p]["shape"]) != tuple(x.shape):
+      raise CheckpointError(
+          f"zerojax checkpoint {where}: param {p} was saved with shape "
+          f"{tuple(saved[p]['shape'])}, the model has {tuple(x.shape)}. "
+          f"Restore it with the model config that wrote it.")
+  avals = jax.tree.unflatten(
+      jax.tree.structure(params_template),
+      [jax.ShapeDtypeStruct(tuple(saved[p]["shape"]), np.dtype(saved[p]["dtype"]))
+       for p in paths])
+  mesh = AbstractMesh((meta["n_devices"],), (tx.axis_name,),
+                      axis_types=(AxisType.Auto,))
+  source_tx = ZeroTransformation(tx.inner, meta["stage"], mesh, tx.axis_name,
+                                 _policy_from(meta), meta["min_shard_size"])
+  return make_spec(avals, source_tx)
+
+
+def _check_compatible(meta, source: StateSpec, target: StateSpec, where):
+  saved = [(e["path"], tuple(e["shape"]), e["dtype"]) for e in meta["opt_state"]]
+  have = [(tuple(a.shape), np.dtype(a.dtype).name) for a in target.opt_avals]
+  if len(saved) != len(have) or any(
+      (s[1], s[2]) != h for s, h in zip(saved, have)):
+    first = next((s for s, h in zip(saved, have) if (s[1], s[2]) != h),
+                 saved[len(have)] if len(saved) > len(have) else None)
+    raise CheckpointError(
+        f"zerojax checkpoint {where}: the optimizer state does not match the "
+        f"target optimizer ({len(saved)} saved leaves, {len(have)} now"
+        + (f"; first difference at opt_state{first[0]}" if first else "")
+        + "). Restore with the optimizer that wrote the checkpoint.")
+  for i, t in enumerate(target.trainable):
+    if not t:
+      continue
+    src = np.dtype(source.master_dtype(i))
+    dst = np.dtype(target.master_dtype(i))
+    if np.finfo(dst).bits < np.finfo(src).bits:
+      raise CheckpointError(
+          f"zerojax checkpoint {where}: the saved weights are {src.name}, the "
+          f"target policy would keep them in {dst.name} (lossy). Use a policy "
+          f"whose master_dtype (or param dtype, with no master) is at least "
+          f"{src.name}.")
+
+
+def _restore_targets(source: StateSpec, target: StateSpec) -> dict:
+  """ShapeDtypeStructs of the saved arrays, with shardings on the target mesh.
+
+  A leaf is read straight into its target sharding when it is stored with
+  the same shape in both layouts; otherwise into a sharding of the target
+  mesh along the saved sharded dimension if the new device count divides it,
+  else replicated, and converted afterwards.
+  """
+  mesh, axis = target.tx.mesh, target.tx.axis_name
+  n = target.tx.num_shards
+  src_abs = source.abstract()
+
+  def pick(src_sds, src_layout, dst_layout, dst_dtype):
+    shape = src_sds.shape
+    if dst_layout is not None and shape == dst_layout.storage_shape and (
+        np.dtype(src_sds.dtype) == np.dtype(dst_dtype)):
+      sharding = target.sharding(dst_layout)
+    elif src_layout.sharded and shape[src_layout.dim] % n == 0:
+      sharding = NamedSharding(mesh, src_layout.spec(axis))
+    else:
+      sharding = NamedSharding(mesh, P())
+    return jax.ShapeDtypeStruct(shape, src_sds.dtype, sharding=sharding)
+
+  n_params = len(source.params_avals)
+  params = [pick(s, source.param_layouts[i],
+                 target.param_layouts[i], target.compute_dtype(i))
+            for i, s in enumerate(jax.tree.leaves(src_abs.params))]
+  tree = {"step": jax.ShapeDtypeStruct((), jnp.int32,
+                                       sharding=NamedSharding(mesh, P())),
+          "params": source.unflatten_params(params)}
+  if src_abs.master is not None:
+    m = source.from_optimizer_view(src_abs.master)
+    tree["master"] = source.optimizer_view([
+        None if m[i] is None else
+        pick(m[i], source.shard_layouts[i],
+             target.shard_layouts[i] if target.policy.has_master else None,
+             target.master_dtype(i))
+        for i in range(n_params)])
+  tree["opt_state"] = jax.tree.unflatten(source.opt_def, [
+      pick(s, sl, tl, a.dtype) for s, sl, tl, a in zip(
+          jax.tree.leaves(src_abs.opt_state), source.opt_layouts,
+          target.opt_layouts, target.opt_avals)])
+  return tree
+
+
+def _convert(tree: dict, source: StateSpec, target: StateSpec) -> ZeroState:
+  """Saved layout -> target layout (under jit)."""
+  params = jax.tree.leaves(tree["params"])
+  master = (source.from_optimizer_view(tree["master"]) if "master" in tree
+            else [None] * len(params))
+  weights = []      # the most precise logical copy of each param
+  for i, p in enumerate(params):
+    if master[i] is not None:
+      weights.append(source.shard_layouts[i].to_logical(master[i]))
+    else:
+      weights.append(source.param_layouts[i].to_logical(p))
+  new_params = target.unflatten_params([
+      target.param_layouts[i].to_storage(w.astype(target.compute_dtype(i)))
+      for i, w in enumerate(weights)])
+  new_master = None
+  if target.policy.has_master:
+    new_master = target.optimizer_view([
+        target.shard_layouts[i].to_storage(w.astype(target.master_dtype(i)))
+        if target.trainable[i] else None for i, w in enumerate(weights)])
+  opt = [tl.to_storage(sl.to_logical(x)) for x, sl, tl in zip(
+      jax.tree.leaves(tree["opt_state"]), source.opt_layouts, target.opt_layouts)]
+  return ZeroState(step=tree["step"], params=new_params, master=new_master,
+                   opt_state=jax.tree.unflatten(target.opt_def, opt), spec=target)
+
+
+def export_params(state: ZeroState, path=None):
+  """Consolidated, unsharded full-precision params.
+
+  The fp32 master copy where the policy keeps one, else the params, gathered
+  to every host as NumPy arrays (zerojax's ``zero_to_fp32``). With ``path``,
+  also written in Orbax's standard format, which loads without zerojax::
+
+      params = orbax.checkpoint.StandardCheckpointer().restore(path)
+
+  Returns:
+    The params pytree (same structure as given to ``zerojax.init``) of NumPy
+    arrays.
+  """
+  from zerojax._state import gather_params
+  full = jax.tree.map(np.asarray, gather_params(state, master=True))
+  if path is not None:
+    path = pathlib.Path(path).absolute()
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(path, full)
+      ckptr.wait_until_finished()
+  return full
