@@ -112,3 +112,27 @@ def test_generate_extends_the_prompt():
   params = gpt.init(model, jax.random.key(0))
   out = gpt.generate(params, jnp.array([1, 2, 3]), 5, jax.random.key(1), model)
   assert out.shape == (8,) and (out[:3] == jnp.array([1, 2, 3])).all()
+
+
+def test_main_job_resumes_exactly(tmp_path):
+  def run(*flags):
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerojax.train", *TINY[:-10], "--steps", "20",
+         "--eval-every", "10", "--log-every", "5", "--sample-len", "0",
+         "--lr", "1e-2", *flags], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+  run("--out", str(tmp_path / "a"))
+  ckpt = tmp_path / "ckpt"
+  run("--out", str(tmp_path / "b"), "--checkpoint-dir", str(ckpt),
+      "--save-every", "10")
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["10", "20"]
+  import shutil
+  shutil.rmtree(ckpt / "20")                        # as if stopped after 10
+  out = run("--out", str(tmp_path / "c"), "--checkpoint-dir", str(ckpt),
+            "--resume")
+  assert "resumed from" in out.stdout and "at step 10" in out.stdout
+  last = lambda d: json.loads((tmp_path / d / "summary.json").read_text())[
+      "last_eval_loss"]
+  assert last("c") == last("a")                     # bitwise, via JSON floats

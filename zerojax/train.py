@@ -45,6 +45,9 @@ class TrainConfig:
   sample_len: int = 200
   seed: int = 0
   out: str = "runs/gpt"
+  checkpoint_dir: str = ""
+  save_every: int = 100
+  resume: bool = False
 
 
 HELP = {
@@ -69,6 +72,11 @@ HELP = {
     "sample_len": "bytes of text to sample at the end (0: none)",
     "seed": "seed for init and data order",
     "out": "output directory",
+    "checkpoint_dir": "save sharded checkpoints (Orbax, asynchronous) here; "
+                      "empty: no checkpoints",
+    "save_every": "steps between checkpoints (the last step is always saved)",
+    "resume": "continue from the latest checkpoint in --checkpoint-dir (any "
+              "stage or device count can restore it)",
 }
 
 
@@ -81,6 +89,9 @@ def parse_args(argv=None) -> TrainConfig:
   for f in dataclasses.fields(TrainConfig):
     flag = "--" + f.name.replace("_", "-")
     kw = dict(type=type(f.default), default=f.default, help=HELP[f.name])
+    if isinstance(f.default, bool):
+      kw = dict(action=argparse.BooleanOptionalAction, default=f.default,
+                help=HELP[f.name])
     if f.name == "stage":
       kw["choices"] = [0, 1, 2, 3]
     if f.name == "precision":
@@ -90,7 +101,8 @@ def parse_args(argv=None) -> TrainConfig:
   config = TrainConfig(**vars(args))
   problems = []
   positive = ("devices", "width", "depth", "heads", "seq_len", "steps",
-              "batch", "accum", "eval_every", "eval_batches", "log_every")
+              "batch", "accum", "eval_every", "eval_batches", "log_every",
+              "save_every")
   problems += [f"--{n.replace('_', '-')}={getattr(config, n)} must be >= 1"
                for n in positive if getattr(config, n) < 1]
   if config.width % config.heads:
@@ -102,6 +114,8 @@ def parse_args(argv=None) -> TrainConfig:
         f"--batch={config.batch} does not split over --devices="
         f"{config.devices} x --accum={config.accum}; use a multiple of {m} "
         f"(e.g. {-(-config.batch // m) * m})")
+  if config.resume and not config.checkpoint_dir:
+    problems.append("--resume needs --checkpoint-dir")
   if problems:
     parser.error("; ".join(problems))
   return config
@@ -127,7 +141,7 @@ def main(config: TrainConfig) -> dict:
   from tqdm.auto import tqdm
 
   import zerojax
-  from zerojax import data, plots
+  from zerojax import checkpoint, data, plots
   from zerojax.models import gpt
 
   devices = _setup_devices(config.devices)
@@ -149,7 +163,19 @@ def main(config: TrainConfig) -> dict:
   policy = (zerojax.Policy(param_dtype=jnp.bfloat16)
             if config.precision == "bf16" else zerojax.Policy())
   tx = zerojax.zero(optimizer, stage=config.stage, mesh=mesh, policy=policy)
-  state = zerojax.init(gpt.init(model, jax.random.key(config.seed)), tx)
+  init_params = lambda: gpt.init(model, jax.random.key(config.seed))
+  ckpt = start = None
+  if config.checkpoint_dir:
+    ckpt = checkpoint.Checkpointer(config.checkpoint_dir,
+                                   save_every=config.save_every, keep=3)
+  if config.resume:
+    state, extra = ckpt.restore(jax.eval_shape(init_params), tx)
+    start = int(extra["data_step"])
+    print(f"zerojax.train: resumed from {config.checkpoint_dir} at step "
+          f"{start}", flush=True)
+  else:
+    state = zerojax.init(init_params(), tx)
+  start = start or 0
   loss_fn = functools.partial(gpt.loss, config=model)
   train_step = zerojax.train_step(loss_fn, tx, accum_steps=config.accum,
                                   gather="model")
@@ -168,13 +194,14 @@ def main(config: TrainConfig) -> dict:
   records = []
   tokens_per_step = config.batch * config.seq_len
   first_eval = eval_loss(state)
-  records.append({"step": 0, "eval_loss": first_eval})
+  records.append({"step": start, "eval_loss": first_eval})
   pending = None          # metrics read one step late: no host stall
   t_start = time.perf_counter()
   t_window, window_steps = t_start, 0
-  bar = tqdm(range(1, config.steps + 1), desc="train", unit="step",
-             disable=None, dynamic_ncols=True)
-  metrics_file = open(out / "metrics.jsonl", "w")
+  bar = tqdm(range(start + 1, config.steps + 1), desc="train", unit="step",
+             disable=None, dynamic_ncols=True, initial=start,
+             total=config.steps)
+  metrics_file = open(out / "metrics.jsonl", "a" if config.resume else "w")
   metrics_file.write(json.dumps(records[0]) + "\n")
 
   def flush(step_done, metrics):
@@ -193,6 +220,11 @@ def main(config: TrainConfig) -> dict:
                           batch=config.batch, seq_len=config.seq_len)
     state, metrics = train_step(state, batch)
     window_steps += 1
+    if ckpt is not None and (step % config.save_every == 0
+                             or step == config.steps):
+      # asynchronous: training goes on while the bytes are written
+      ckpt.save(state, extra={"data_step": step, "seed": config.seed},
+                force=True)
     if pending is not None:
       rec = pending(metrics_prev)
       records.append(rec)
@@ -217,6 +249,8 @@ def main(config: TrainConfig) -> dict:
                 f"eval_loss {rec['eval_loss']:.4f}")
       t_window, window_steps = time.perf_counter(), 0
   metrics_file.close()
+  if ckpt is not None:
+    ckpt.close()
   wall = time.perf_counter() - t_start
 
   evals = [r["eval_loss"] for r in records if "eval_loss" in r]
