@@ -32,6 +32,9 @@ paper's Figure 1) and ``<out>/step_time.png``.
   HLO, loop bodies times trip counts, full-buffer convention;
   ``theory_collective_elements``: the formula for the layout
 - ``final_loss``: after the same steps (all configurations must agree)
+- ``checkpoint`` (zerojax stages; null for peers): ``save_s`` (synchronous
+  save, for timing), ``restore_s``, ``bytes_on_disk`` and
+  ``state_bytes_global`` (the state's bytes, all shards, padding included)
 
 On CPU, XLA runs bf16 collectives in f32, so compare collective *elements*
 with theory; bytes are what the CPU program moves.
@@ -72,7 +75,7 @@ def worker(args) -> dict:
   bf16 = args.precision == "bf16"
   optimizer = optax.adamw(1e-3)
   loss_fn = functools.partial(gpt.loss, config=model)
-  params = gpt.init(model, jax.random.key(0))
+  key = jax.random.key(0)
   n_params = gpt.num_params(model)
   tokens, _ = data.split(data.corpus_bytes())
   batch_at = lambda i: data.batch_at(tokens, seed=0, step=i, batch=args.batch,
@@ -86,7 +89,8 @@ def worker(args) -> dict:
     stage = int(args.config)
     policy = zerojax.Policy(param_dtype=jnp.bfloat16) if bf16 else zerojax.Policy()
     tx = zerojax.zero(optimizer, stage=stage, mesh=mesh, policy=policy)
-    state = zerojax.init(params, tx)
+    # created sharded under jit: no device ever holds the full model
+    state = zerojax.init(functools.partial(gpt.init, model), tx, key)
     step = zerojax.train_step(loss_fn, tx, gather="model")
     t0 = time.perf_counter()
     rep = zerojax.report(step, state, batch_at(0))
@@ -101,7 +105,8 @@ def worker(args) -> dict:
     name = f"zerojax stage {stage}"
   else:                                           # a GSPMD peer
     stage = None
-    jitted, p, o = peers.make_peer(args.config, loss_fn, optimizer, params, mesh,
+    jitted, p, o = peers.make_peer(args.config, loss_fn, optimizer,
+                                   gpt.init(model, key), mesh,
                                    compute_dtype=jnp.bfloat16 if bf16 else None)
     state = (p, o)
     t0 = time.perf_counter()
@@ -144,7 +149,30 @@ def worker(args) -> dict:
     state, metrics = run_step(state, batch_at(i))
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t)
+  ckpt_cost = None
+  if stage is not None:                          # checkpoint cost (zerojax)
+    import shutil
+    import tempfile
+    from zerojax import checkpoint
+    where = pathlib.Path(tempfile.mkdtemp(prefix="zerojax_bench_ckpt_"))
+    try:
+      t = time.perf_counter()
+      with checkpoint.Checkpointer(where, async_save=False) as ckpt:
+        ckpt.save(state)
+      save_s = time.perf_counter() - t
+      t = time.perf_counter()
+      with checkpoint.Checkpointer(where) as ckpt:
+        restored, _ = ckpt.restore(jax.eval_shape(gpt.init, model, key), tx)
+        jax.block_until_ready(restored)
+      restore_s = time.perf_counter() - t
+      disk = sum(f.stat().st_size for f in where.rglob("*") if f.is_file())
+      logical = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+      ckpt_cost = {"save_s": save_s, "restore_s": restore_s,
+                   "bytes_on_disk": disk, "state_bytes_global": logical}
+    finally:
+      shutil.rmtree(where, ignore_errors=True)
   return {
+      "checkpoint": ckpt_cost,
       "name": name, "config": args.config, "stage": stage, "n_devices": 8,
       "n_params": n_params, "precision": args.precision,
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
@@ -246,6 +274,12 @@ def main():
         f"CPU devices, batch {args.batch}x{args.seq_len}, median of "
         f"{args.steps} steps, each configuration in its own process")
   print(table(runs))
+  for r in runs:
+    c = r.get("checkpoint")
+    if c:
+      print(f"{r['name']} checkpoint: save {c['save_s']:.2f} s, restore "
+            f"{c['restore_s']:.2f} s, {c['bytes_on_disk'] / 2**20:,.1f} MiB on "
+            f"disk for {c['state_bytes_global'] / 2**20:,.1f} MiB of state")
   for r in runs:
     cats = ", ".join(
         f"{k} {v:,} ({r['theory_state_bytes_per_device'].get(k, 0):,.0f})"

@@ -167,21 +167,27 @@ def make_spec(params, tx: ZeroTransformation) -> StateSpec:
                    shard_layouts, opt_def, opt_avals, opt_layouts)
 
 
-def _to_global(x, mesh):
-  """A replicated global array of ``x`` (which every process holds)."""
+def _place(x, layout, spec: StateSpec):
+  """``x`` (a host or local array, the same on every process) as a global
+  array in ``layout``'s storage form: each device receives only its shard."""
+  sharding = spec.sharding(layout)
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return x
-  sharding = NamedSharding(mesh, P())
-  if jax.process_count() == 1:
-    return jax.device_put(x, sharding)
+    return jax.jit(layout.to_storage, out_shardings=sharding)(x)
   host = np.asarray(x)
+  if layout.pad:
+    widths = [(0, 0)] * host.ndim
+    widths[layout.dim] = (0, layout.pad)
+    host = np.pad(host, widths)
+  if jax.process_count() == 1:
+    return jax.device_put(host, sharding)
   return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
 
-def _build_state(params, spec: StateSpec) -> ZeroState:
-  """Logical params -> storage state (run under ``jit``)."""
+def _build_state(stored, spec: StateSpec) -> ZeroState:
+  """Params in their shard layouts -> the state's storage (under ``jit``)."""
   policy = spec.policy
-  leaves = jax.tree.leaves(params)
+  leaves = [l.to_logical(x) for x, l in
+            zip(jax.tree.leaves(stored), spec.shard_layouts)]
   compute = [x.astype(spec.compute_dtype(i)) for i, x in enumerate(leaves)]
   weights = [x.astype(spec.master_dtype(i)) if t else None
              for i, (x, t) in enumerate(zip(leaves, spec.trainable))]
@@ -206,26 +212,40 @@ def _build_state(params, spec: StateSpec) -> ZeroState:
       spec=spec)
 
 
-def init(params, tx: ZeroTransformation) -> ZeroState:
+def init(params, tx: ZeroTransformation, *args) -> ZeroState:
   """Lays out params, master weights and optimizer state for ``tx``'s stage.
 
   Args:
-    params: a pytree of arrays (host or device, replicated on every
-      process), e.g. the output of ``model.init``.
+    params: a pytree of arrays (host or device, the same on every process),
+      e.g. the output of ``model.init``; or a function ``params(*args)``
+      returning one, which is then run under ``jit`` with sharded outputs so
+      the full parameters are never materialised on one device (use this for
+      models larger than a device).
     tx: a :class:`ZeroTransformation` from :func:`zerojax.zero`.
+    *args: arguments of ``params`` when it is a function (e.g. a PRNG key).
 
   Returns:
     A :class:`ZeroState` whose arrays are global ``jax.Array`` sharded over
-    the mesh's data axis as the stage prescribes.
+    the mesh's data axis as the stage prescribes. Each device receives only
+    its shard of each sharded leaf, never a full copy.
 
   Example:
     >>> state = zerojax.init(params, zerojax.zero(optax.adamw(1e-3), stage=3))
+    >>> state = zerojax.init(lambda k: model.init(k, x), tx, jax.random.key(0))
   """
+  if callable(params):
+    fn = params
+    spec = make_spec(jax.eval_shape(fn, *args), tx)
+    build = lambda *a: _build_state(
+        jax.tree.map(lambda x, l: l.to_storage(x), fn(*a),
+                     spec.unflatten_params(spec.shard_layouts)), spec)
+    return jax.jit(build, out_shardings=spec.shardings())(*args)
   spec = make_spec(params, tx)
-  mesh = tx.mesh
-  params = jax.tree.map(lambda x: _to_global(x, mesh), params)
+  stored = spec.unflatten_params([
+      _place(x, l, spec) for x, l in zip(jax.tree.leaves(params),
+                                         spec.shard_layouts)])
   build = jax.jit(lambda p: _build_state(p, spec), out_shardings=spec.shardings())
-  return build(params)
+  return build(stored)
 
 
 def _gather(state: ZeroState, use_master: bool):

@@ -163,18 +163,19 @@ def main(config: TrainConfig) -> dict:
   policy = (zerojax.Policy(param_dtype=jnp.bfloat16)
             if config.precision == "bf16" else zerojax.Policy())
   tx = zerojax.zero(optimizer, stage=config.stage, mesh=mesh, policy=policy)
-  init_params = lambda: gpt.init(model, jax.random.key(config.seed))
+  init_params = lambda key: gpt.init(model, key)
+  key = jax.random.key(config.seed)
   ckpt = start = None
   if config.checkpoint_dir:
     ckpt = checkpoint.Checkpointer(config.checkpoint_dir,
                                    save_every=config.save_every, keep=3)
   if config.resume:
-    state, extra = ckpt.restore(jax.eval_shape(init_params), tx)
+    state, extra = ckpt.restore(jax.eval_shape(init_params, key), tx)
     start = int(extra["data_step"])
     print(f"zerojax.train: resumed from {config.checkpoint_dir} at step "
           f"{start}", flush=True)
   else:
-    state = zerojax.init(init_params(), tx)
+    state = zerojax.init(init_params, tx, key)   # created sharded, under jit
   start = start or 0
   loss_fn = functools.partial(gpt.loss, config=model)
   train_step = zerojax.train_step(loss_fn, tx, accum_steps=config.accum,
