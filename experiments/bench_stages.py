@@ -162,7 +162,8 @@ def worker(args) -> dict:
       save_s = time.perf_counter() - t
       t = time.perf_counter()
       with checkpoint.Checkpointer(where) as ckpt:
-        restored, _ = ckpt.restore(jax.eval_shape(gpt.init, model, key), tx)
+        restored, _ = ckpt.restore(
+            jax.eval_shape(functools.partial(gpt.init, model), key), tx)
         jax.block_until_ready(restored)
       restore_s = time.perf_counter() - t
       disk = sum(f.stat().st_size for f in where.rglob("*") if f.is_file())

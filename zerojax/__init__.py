@@ -25,6 +25,7 @@ from zerojax._state import gather_params as gather_params
 from zerojax._state import init as init
 from zerojax._step import TrainStep as TrainStep
 from zerojax._step import eval_step as eval_step
+from zerojax._step import shard_batch as shard_batch
 from zerojax._step import train_step as train_step
 from zerojax._transform import ZeroTransformation as ZeroTransformation
 from zerojax._transform import zero as zero
@@ -35,6 +36,6 @@ __all__ = [
     "Collective", "LeafLayout", "Policy", "ShardedParam", "StateSpec",
     "Report", "TrainStep", "UngatheredParamError", "ZeroState", "ZeroTransformation", "collective_bytes",
     "collectives", "eval_step", "gather", "gather_params", "init", "layout_rows",
-    "layout_table", "make_mesh", "report", "state_bytes", "theory_bytes", "train_step",
+    "layout_table", "make_mesh", "report", "shard_batch", "state_bytes", "theory_bytes", "train_step",
     "zero",
 ]

@@ -134,6 +134,20 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
   return jax.tree.map(put, batch)
 
 
+def shard_batch(local_batch, tx: ZeroTransformation, global_rows: int):
+  """A global batch from the rows this process feeds.
+
+  Each process passes only its own rows (``zerojax.distributed.local_rows``
+  says which); the result is a global array sharded along the data axis,
+  as a train step expects. Single-process runs may pass the whole batch.
+  """
+  sharding = NamedSharding(tx.mesh, P(tx.axis_name))
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(
+          sharding, np.asarray(x), (global_rows,) + np.shape(x)[1:]),
+      local_batch)
+
+
 # --------------------------------------------------------------------------
 # gradients, inside shard_map
 # --------------------------------------------------------------------------

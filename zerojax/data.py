@@ -25,13 +25,18 @@ def split(tokens: np.ndarray, val_fraction: float = 0.1):
 
 
 def batch_at(tokens: np.ndarray, *, seed: int, step: int, batch: int,
-             seq_len: int) -> dict[str, np.ndarray]:
-  """The ``step``-th batch: ``batch`` random windows of ``seq_len + 1``."""
+             seq_len: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+  """The ``step``-th batch: ``batch`` random windows of ``seq_len + 1``.
+
+  ``rows`` selects the rows this process feeds (see
+  :func:`zerojax.distributed.local_rows`): every process draws the same
+  window starts, and reads only its own windows.
+  """
   if len(tokens) <= seq_len + 1:
     raise ValueError(f"corpus of {len(tokens)} tokens is shorter than "
                      f"seq_len + 1 = {seq_len + 1}.")
   rng = np.random.default_rng([seed, step])
-  starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch)
+  starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch)[rows]
   windows = np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
   return {"x": windows[:, :-1], "y": windows[:, 1:]}
 

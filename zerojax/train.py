@@ -122,8 +122,17 @@ def parse_args(argv=None) -> TrainConfig:
 
 
 def _setup_devices(n: int):
-  """Creates ``n`` fake CPU devices before JAX's backend starts."""
+  """Joins a multi-process run if there is one; else creates ``n`` fake CPU
+  devices (before JAX's backend starts) when there is no accelerator."""
   import jax
+  from zerojax import distributed
+  if distributed.initialize():
+    devices = jax.devices()
+    if len(devices) != n:
+      raise SystemExit(
+          f"zerojax.train: --devices={n} but the {jax.process_count()}-process "
+          f"run has {len(devices)} devices; pass --devices {len(devices)}.")
+    return devices
   jax.config.update("jax_num_cpu_devices", max(n, 1))
   devices = jax.devices()
   if len(devices) < n:
@@ -141,13 +150,17 @@ def main(config: TrainConfig) -> dict:
   from tqdm.auto import tqdm
 
   import zerojax
-  from zerojax import checkpoint, data, plots
+  from zerojax import checkpoint, data, distributed, plots
   from zerojax.models import gpt
 
   devices = _setup_devices(config.devices)
   mesh = zerojax.make_mesh(devices=devices)
+  main_process = distributed.is_main()     # logs, plots and prints
+  say = print if main_process else (lambda *a, **k: None)
+  host = lambda x: np.asarray(x.addressable_data(0))   # a replicated value
   out = pathlib.Path(config.out)
-  out.mkdir(parents=True, exist_ok=True)
+  if main_process:
+    out.mkdir(parents=True, exist_ok=True)
 
   model = gpt.GPTConfig(vocab=256, seq_len=config.seq_len, width=config.width,
                         depth=config.depth, heads=config.heads)
@@ -172,8 +185,8 @@ def main(config: TrainConfig) -> dict:
   if config.resume:
     state, extra = ckpt.restore(jax.eval_shape(init_params, key), tx)
     start = int(extra["data_step"])
-    print(f"zerojax.train: resumed from {config.checkpoint_dir} at step "
-          f"{start}", flush=True)
+    say(f"zerojax.train: resumed from {config.checkpoint_dir} at step "
+        f"{start}", flush=True)
   else:
     state = zerojax.init(init_params, tx, key)   # created sharded, under jit
   start = start or 0
@@ -181,14 +194,22 @@ def main(config: TrainConfig) -> dict:
   train_step = zerojax.train_step(loss_fn, tx, accum_steps=config.accum,
                                   gather="model")
   evaluate = zerojax.eval_step(loss_fn, tx)
-  val_batches = [data.batch_at(val_tokens, seed=config.seed + 1, step=i,
-                               batch=config.batch, seq_len=config.seq_len)
+  rows = distributed.local_rows(
+      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+      config.batch)
+
+  def batch_at(tokens, seed, step):       # this process's rows only
+    local = data.batch_at(tokens, seed=seed, step=step, batch=config.batch,
+                          seq_len=config.seq_len, rows=rows)
+    return zerojax.shard_batch(local, tx, config.batch)
+
+  val_batches = [batch_at(val_tokens, config.seed + 1, i)
                  for i in range(config.eval_batches)]
 
   def eval_loss(state):
-    return float(np.mean([float(evaluate(state, b)) for b in val_batches]))
+    return float(np.mean([host(evaluate(state, b)) for b in val_batches]))
 
-  print(f"zerojax.train: GPT {gpt.num_params(model):,} params, stage "
+  say(f"zerojax.train: GPT {gpt.num_params(model):,} params, stage "
         f"{config.stage}, {config.precision}, {len(devices)} x "
         f"{devices[0].platform} devices, batch {config.batch} x "
         f"{config.seq_len} bytes", flush=True)
@@ -200,15 +221,16 @@ def main(config: TrainConfig) -> dict:
   t_start = time.perf_counter()
   t_window, window_steps = t_start, 0
   bar = tqdm(range(start + 1, config.steps + 1), desc="train", unit="step",
-             disable=None, dynamic_ncols=True, initial=start,
-             total=config.steps)
-  metrics_file = open(out / "metrics.jsonl", "a" if config.resume else "w")
+             disable=None if main_process else True, dynamic_ncols=True,
+             initial=start, total=config.steps)
+  metrics_file = (open(out / "metrics.jsonl", "a" if config.resume else "w")
+                  if main_process else open(os.devnull, "w"))
   metrics_file.write(json.dumps(records[0]) + "\n")
 
   def flush(step_done, metrics):
     nonlocal t_window, window_steps
-    rec = {"step": step_done, "loss": float(metrics["loss"]),
-           "grad_norm": float(metrics["grad_norm"]),
+    rec = {"step": step_done, "loss": float(host(metrics["loss"])),
+           "grad_norm": float(host(metrics["grad_norm"])),
            "lr": float(schedule(step_done - 1))}
     now = time.perf_counter()
     if window_steps:
@@ -217,9 +239,7 @@ def main(config: TrainConfig) -> dict:
     return rec
 
   for step in bar:
-    batch = data.batch_at(train_tokens, seed=config.seed, step=step,
-                          batch=config.batch, seq_len=config.seq_len)
-    state, metrics = train_step(state, batch)
+    state, metrics = train_step(state, batch_at(train_tokens, config.seed, step))
     window_steps += 1
     if ckpt is not None and (step % config.save_every == 0
                              or step == config.steps):
@@ -246,8 +266,9 @@ def main(config: TrainConfig) -> dict:
       records.append(rec)
       metrics_file.write(json.dumps(rec) + "\n")
       metrics_file.flush()
-      bar.write(f"step {step:5d}  loss {rec.get('loss', float('nan')):.4f}  "
-                f"eval_loss {rec['eval_loss']:.4f}")
+      if main_process:
+        bar.write(f"step {step:5d}  loss {rec.get('loss', float('nan')):.4f}  "
+                  f"eval_loss {rec['eval_loss']:.4f}")
       t_window, window_steps = time.perf_counter(), 0
   metrics_file.close()
   if ckpt is not None:
@@ -264,10 +285,11 @@ def main(config: TrainConfig) -> dict:
       "tokens_per_s": float(np.median(speeds)) if speeds else None,
       "config": dataclasses.asdict(config),
   }
-  (out / "summary.json").write_text(json.dumps(summary, indent=2))
-  plots.loss_curve(records, out / "loss.png",
-                   title=f"GPT {summary['n_params']:,} params, ZeRO-{config.stage}")
-  print(f"done in {wall:.0f}s: held-out loss {evals[0]:.3f} -> {evals[-1]:.3f} "
+  if main_process:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plots.loss_curve(records, out / "loss.png",
+                     title=f"GPT {summary['n_params']:,} params, ZeRO-{config.stage}")
+  say(f"done in {wall:.0f}s: held-out loss {evals[0]:.3f} -> {evals[-1]:.3f} "
         f"({100 * summary['eval_drop']:.0f}% lower), "
         f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; wrote {out}/")
   if config.sample_len:
@@ -276,7 +298,7 @@ def main(config: TrainConfig) -> dict:
     n = min(config.sample_len, config.seq_len - len(prompt))
     sample = jax.jit(lambda p, x, k: gpt.generate(p, x, n, k, model))(
         full, prompt, jax.random.key(config.seed))
-    print("sample:\n" + data.decode(sample))
+    say("sample:\n" + data.decode(host(sample)))
   return summary
 
 

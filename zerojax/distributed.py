@@ -1,0 +1,102 @@
+"""Multi-process start-up on JAX's own distributed runtime.
+
+:func:`initialize` calls ``jax.distributed.initialize`` with, in order of
+precedence: the explicit arguments; the ``ZEROJAX_COORDINATOR``,
+``ZEROJAX_NUM_PROCESSES`` and ``ZEROJAX_PROCESS_ID`` environment variables
+(set by ``python -m zerojax.launch``); JAX's cluster auto-detection when
+running under SLURM, Open MPI or on a Cloud TPU pod slice. Otherwise it does
+nothing and the run is single-process. After it, ``jax.devices()`` lists the
+devices of every process and :func:`zerojax.make_mesh` spans them all.
+
+Failure detection: JAX's coordination service heartbeats every process;
+``heartbeat_s`` bounds how long the survivors of a killed process wait before
+they are told (a collective with a dead peer may fail sooner, over gloo on
+CPU or NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+ENV_COORDINATOR = "ZEROJAX_COORDINATOR"
+ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "ZEROJAX_PROCESS_ID"
+
+_initialized = False
+
+
+def _auto_cluster() -> bool:
+  slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
+  mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+  tpu = "TPU_WORKER_HOSTNAMES" in os.environ or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+  return slurm or mpi or tpu
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, timeout_s: int = 120,
+               heartbeat_s: int = 20) -> bool:
+  """Joins the multi-process run if there is one; True if multi-process.
+
+  Args:
+    coordinator: ``host:port`` of process 0's coordinator service.
+    num_processes: number of processes in the run.
+    process_id: this process's index, ``0 .. num_processes - 1``.
+    timeout_s: how long to wait for every process to join.
+    heartbeat_s: how long a silent process may go before the run fails.
+  """
+  global _initialized
+  if _initialized:
+    return jax.process_count() > 1
+  coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
+  if num_processes is None and ENV_NUM_PROCESSES in os.environ:
+    num_processes = int(os.environ[ENV_NUM_PROCESSES])
+  if process_id is None and ENV_PROCESS_ID in os.environ:
+    process_id = int(os.environ[ENV_PROCESS_ID])
+  explicit = [coordinator, num_processes, process_id]
+  if any(v is not None for v in explicit):
+    if any(v is None for v in explicit):
+      raise ValueError(
+          f"zerojax.distributed.initialize: give all of coordinator, "
+          f"num_processes and process_id (got {explicit}); or none, to use "
+          f"JAX's cluster auto-detection.")
+    if not 0 <= process_id < num_processes:
+      raise ValueError(
+          f"zerojax.distributed.initialize: process_id={process_id} is outside "
+          f"0..{num_processes - 1} for num_processes={num_processes}.")
+    kwargs = dict(coordinator_address=coordinator, num_processes=num_processes,
+                  process_id=process_id)
+  elif _auto_cluster():
+    kwargs = {}
+  else:
+    return False
+  try:
+    jax.distributed.initialize(**kwargs, initialization_timeout=timeout_s,
+                               heartbeat_timeout_seconds=heartbeat_s)
+  except Exception as e:  # noqa: BLE001 -- re-raised with what to check
+    raise RuntimeError(
+        f"zerojax: could not join the distributed run "
+        f"({', '.join(f'{k}={v}' for k, v in kwargs.items()) or 'auto-detected'}"
+        f") within {timeout_s}s: {type(e).__name__}: {str(e)[:300]}. Check "
+        f"that every process uses the same coordinator address and process "
+        f"count, that the coordinator (process 0) is reachable, and that "
+        f"each process id is used once.") from e
+  _initialized = True
+  return jax.process_count() > 1
+
+
+def is_main() -> bool:
+  """True on process 0: the one that logs, plots and prints."""
+  return jax.process_index() == 0
+
+
+def local_rows(sharding, n_rows: int) -> slice:
+  """The contiguous rows of a ``P(axis)``-sharded batch this process feeds."""
+  idx = sharding.addressable_devices_indices_map((n_rows,))
+  starts = sorted({(s[0].start or 0, s[0].stop or n_rows) for s in idx.values()})
+  lo, hi = starts[0][0], starts[-1][1]
+  if sum(b - a for a, b in starts) != hi - lo:
+    raise ValueError("zerojax: this process's devices do not hold a contiguous "
+                     "block of the batch; build the mesh with zerojax.make_mesh().")
+  return slice(lo, hi)
