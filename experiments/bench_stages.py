@@ -20,7 +20,8 @@ paper's Figure 1) and ``<out>/step_time.png``.
   peers), ``n_devices``, ``n_params``, ``precision``
 - ``step_time_s``: median over ``--steps`` steps after one warm-up step;
   ``compile_s`` apart
-- ``peak_rss_bytes``: process peak RSS (all 8 fake devices plus runtime);
+- ``peak_rss_bytes``: process peak RSS (all 8 fake devices plus runtime)
+  up to the end of the timed steps (before the checkpoint measurement);
   ``runtime_rss_bytes``: RSS before the model was built
 - ``argument_bytes_per_device``: XLA's argument size for the step;
   ``xla_memory``: XLA's memory analysis (argument, output, temp, alias per
@@ -149,6 +150,7 @@ def worker(args) -> dict:
     state, metrics = run_step(state, batch_at(i))
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t)
+  peak_rss = rss()                               # before the checkpoint phase
   ckpt_cost = None
   if stage is not None:                          # checkpoint cost (zerojax)
     import shutil
@@ -177,7 +179,7 @@ def worker(args) -> dict:
       "name": name, "config": args.config, "stage": stage, "n_devices": 8,
       "n_params": n_params, "precision": args.precision,
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
-      "peak_rss_bytes": rss(), "runtime_rss_bytes": rss_runtime,
+      "peak_rss_bytes": peak_rss, "runtime_rss_bytes": rss_runtime,
       "argument_bytes_per_device": argument,
       "xla_memory": xla_memory,
       "state_bytes_per_device": measured,

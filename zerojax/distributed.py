@@ -17,6 +17,9 @@ CPU or NCCL on GPU).
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import time
 
 import jax
 
@@ -71,19 +74,43 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     kwargs = {}
   else:
     return False
+  what = ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "auto-detected"
+  advice = ("Check that every process uses the same coordinator address and "
+            "process count, that the coordinator (process 0) is reachable, "
+            "and that each process id is used once.")
+  if kwargs and process_id != 0:
+    _wait_for_coordinator(coordinator, timeout_s, what, advice)
+  # JAX's client aborts the process (a fatal XLA error, not an exception)
+  # when not every process joins in time; say what to check beforehand.
+  print(f"zerojax: joining the distributed run ({what}); if this ends in "
+        f"DEADLINE_EXCEEDED after {timeout_s}s, not every process joined. "
+        f"{advice}", file=sys.stderr, flush=True)
   try:
     jax.distributed.initialize(**kwargs, initialization_timeout=timeout_s,
                                heartbeat_timeout_seconds=heartbeat_s)
   except Exception as e:  # noqa: BLE001 -- re-raised with what to check
     raise RuntimeError(
-        f"zerojax: could not join the distributed run "
-        f"({', '.join(f'{k}={v}' for k, v in kwargs.items()) or 'auto-detected'}"
-        f") within {timeout_s}s: {type(e).__name__}: {str(e)[:300]}. Check "
-        f"that every process uses the same coordinator address and process "
-        f"count, that the coordinator (process 0) is reachable, and that "
-        f"each process id is used once.") from e
+        f"zerojax: could not join the distributed run ({what}) within "
+        f"{timeout_s}s: {type(e).__name__}: {str(e)[:300]}. {advice}") from e
   _initialized = True
   return jax.process_count() > 1
+
+
+def _wait_for_coordinator(address: str, timeout_s: float, what: str, advice: str):
+  """Fails with a clear error if nothing listens at ``address`` in time."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host or "127.0.0.1", int(port)), timeout=2):
+        return
+    except OSError as e:
+      if time.monotonic() > deadline:
+        raise RuntimeError(
+            f"zerojax: could not join the distributed run ({what}): no "
+            f"coordinator answered at {address} within {timeout_s}s "
+            f"({e}). {advice}") from None
+      time.sleep(0.5)
 
 
 def is_main() -> bool:

@@ -1,0 +1,72 @@
+"""One process of a multi-process test (started by zerojax.launch).
+
+    python -m tests.mp_worker train   STAGE OUT        # 5 steps; process 0 saves params
+    python -m tests.mp_worker save    STAGE DIR        # 3 steps, checkpoint
+    python -m tests.mp_worker restore STAGE DIR OUT    # restore, save params
+    python -m tests.mp_worker die     STAGE            # process 1 dies at step 2
+    python -m tests.mp_worker init    COORD N ID TIMEOUT
+"""
+
+import os
+import sys
+import time
+
+import zerojax
+from zerojax import distributed
+
+
+def main(mode, *rest):
+  if mode == "init":
+    coord, n, pid, timeout = rest
+    distributed.initialize(coord, int(n), int(pid), timeout_s=int(timeout))
+    return
+  distributed.initialize()
+  import jax
+  import numpy as np
+  import optax
+  from zerojax import checkpoint
+  from tests import toy
+
+  stage = int(rest[0])
+  params = toy.init_params(jax.random.key(0))
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  rows = distributed.local_rows(
+      jax.sharding.NamedSharding(tx.mesh, jax.sharding.PartitionSpec("data")), 32)
+  batches = [zerojax.shard_batch({k: v[rows] for k, v in b.items()}, tx, 32)
+             for b in toy.batches(5, seed=11)]
+
+  def save_params(state, out):
+    full = zerojax.gather_params(state)
+    if distributed.is_main():
+      np.savez(out, *[np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(full)])
+
+  if mode == "train":
+    state = zerojax.init(params, tx)
+    for b in batches:
+      state, _ = step(state, b)
+    save_params(state, rest[1])
+  elif mode == "save":
+    state = zerojax.init(params, tx)
+    for b in batches[:3]:
+      state, _ = step(state, b)
+    with checkpoint.Checkpointer(rest[1]) as ckpt:
+      ckpt.save(state)
+  elif mode == "restore":
+    with checkpoint.Checkpointer(rest[1]) as ckpt:
+      state, _ = ckpt.restore(params, tx)
+    save_params(state, rest[2])
+  elif mode == "die":
+    state = zerojax.init(params, tx)
+    for i in range(1000):
+      if i == 2 and jax.process_index() == 1:
+        print("process 1: dying", flush=True)
+        os.kill(os.getpid(), 9)
+      if i == 2:
+        print(f"process 0: peer dies now; t={time.time():.3f}", flush=True)
+      state, m = step(state, batches[i % 5])
+      float(m["loss"].addressable_data(0))
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
