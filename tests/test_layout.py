@@ -20,6 +20,7 @@ from tests import toy
     ((50257, 768), 1, 768),       # GPT-2 embedding: the divisible dim
     ((768, 50257), 1, 50264),     # never dim 0 of a matrix: pad the last
     ((4, 7, 12), 1, 8),           # least padding wins: 7->8 beats 12->16
+    ((4, 64, 256), 1, 64),        # a tie: the major dimension
     ((8, 3, 5), 2, 8),            # stacked layers: never the layer axis
 ])
 def test_plan_leaf(shape, dim, padded):
@@ -78,10 +79,10 @@ def test_state_arrays_carry_the_named_sharding(mesh):
   tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
   state = zerojax.init(params, tx)
   w = state.params["layers"]["w"]
-  assert w.shape == (3, 7, 8)                       # 7 padded to 8
-  assert w.sharding.spec == jax.sharding.PartitionSpec(None, None, "data")
+  assert w.shape == (3, 8, 7)      # 7 padded to 8; dim 1 (major) on a tie
+  assert w.sharding.spec == jax.sharding.PartitionSpec(None, "data")
   assert len({s.data.shape for s in w.addressable_shards}) == 1
-  assert w.addressable_shards[0].data.shape == (3, 7, 1)
+  assert w.addressable_shards[0].data.shape == (3, 1, 7)
   mu = state.opt_state[0].mu["embed"]
   assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "data")
   assert state.step.sharding.spec == jax.sharding.PartitionSpec()

@@ -10,9 +10,13 @@ elementwise-local whenever the optimizer is):
 * Otherwise one dimension is sharded over the data axis. For arrays of rank
   >= 2 the first dimension is never chosen: it is the axis a layer ``scan``
   slices, and a model under ZeRO-3 must be able to slice a stacked
-  ``W[L, D, F]`` into per-layer shards ``W[D, F_data]``. Among the remaining
-  dimensions zerojax takes the one needing the least padding, the last on a
-  tie; rank-1 arrays use their only dimension.
+  ``W[L, D, F]`` into per-layer shards ``W[D_data, F]``. Among the remaining
+  dimensions zerojax takes the one needing the least padding, the first
+  (most major) on a tie: a collective over the major dimension of a
+  layer's slice moves contiguous chunks, while one over a minor dimension
+  makes XLA transpose the buffer first (measured on CPU: a reduce-scatter
+  over dim 1 of a (256, 3072) f32 array took 16 ms, over dim 0 4.8 ms).
+  Rank-1 arrays use their only dimension.
 * When that dimension does not divide the data-parallel size N it is padded
   with zeros up to the next multiple of N, *in storage only*: the optimizer
   always sees the logical (unpadded) array, sliced out of the padded storage
@@ -106,8 +110,8 @@ def plan_leaf(shape, dtype, n: int, min_shard_size: int) -> LeafLayout:
     return LeafLayout(shape, reason="empty")
   candidates = range(1, len(shape)) if len(shape) >= 2 else range(1)
   padded = lambda d: -(-shape[d] // n) * n
-  # least padding; on a tie the last dimension (max over (−pad, d)).
-  dim = max(candidates, key=lambda d: (shape[d] - padded(d), d))
+  # least padding; on a tie the first (most major) candidate.
+  dim = max(candidates, key=lambda d: (shape[d] - padded(d), -d))
   return LeafLayout(shape, dim=dim, padded=padded(dim))
 
 
