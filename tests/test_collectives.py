@@ -16,25 +16,10 @@ L, D, V, B = 4, 32, 64, 64
 
 
 def wide_params():
-  k = jax.random.split(jax.random.key(0), 3)
-  return {"embed": jax.random.normal(k[0], (V, D)) * 0.1,
-          "layers": {"w": jax.random.normal(k[1], (L, D, D)) * 0.1,
-                     "b": jnp.zeros((L, D))},
-          "head": jax.random.normal(k[2], (D, V)) * 0.1}
+  return toy.layered_params(L, D, V)
 
 
-def wide_loss(params, batch):
-  g = zerojax.gather
-  x = g(params["embed"])[batch["x"]]
-
-  def body(h, layer):
-    layer = g(layer)
-    return jnp.tanh(h @ layer["w"] + layer["b"][None, :]), None
-
-  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
-  logits = h @ g(params["head"])
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch["y"]).mean()
+wide_loss = toy.layered_loss
 
 
 PSI_SCAN = L * (D * D + D)

@@ -13,35 +13,16 @@ import optax
 import pytest
 
 import zerojax
+from tests import toy
 
 D, V, B = 128, 128, 64
 
 
-def _params(layers):
-  return {"embed": jnp.ones((V, D)) * 0.01,
-          "layers": {"w": jnp.ones((layers, D, D)) * 0.01,
-                     "b": jnp.zeros((layers, D))},
-          "head": jnp.ones((D, V)) * 0.01}
-
-
-def _loss(p, batch):
-  g = zerojax.gather
-  x = g(p["embed"])[batch["x"]]
-
-  def body(h, layer):
-    layer = g(layer)
-    return jnp.tanh(h @ layer["w"] + layer["b"][None, :]), None
-
-  h, _ = jax.lax.scan(jax.checkpoint(body), x, p["layers"])
-  return optax.softmax_cross_entropy_with_integer_labels(
-      h @ g(p["head"]), batch["y"]).mean()
-
-
 def _memory(layers, stage, gather="model"):
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage)
-  state = zerojax.init(_params(layers), tx)
+  state = zerojax.init(toy.layered_params(layers, D, V), tx)
   batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
-  step = zerojax.train_step(_loss, tx, gather=gather)
+  step = zerojax.train_step(toy.layered_loss, tx, gather=gather)
   return step.lower(state, batch).compile().memory_analysis()
 
 

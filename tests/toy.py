@@ -105,3 +105,27 @@ def rel_err(got, want):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     errs.append(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
   return max(errs)
+
+
+def layered_params(layers, width, vocab, key=None):
+  """Divisible shapes: an embedding, ``layers`` stacked blocks, a head."""
+  k = jax.random.split(jax.random.key(0) if key is None else key, 3)
+  return {"embed": jax.random.normal(k[0], (vocab, width)) * 0.1,
+          "layers": {"w": jax.random.normal(k[1], (layers, width, width)) * 0.1,
+                     "b": jnp.zeros((layers, width))},
+          "head": jax.random.normal(k[2], (width, vocab)) * 0.1}
+
+
+def layered_loss(params, batch):
+  """Gathers each block inside a checkpointed scan, the rest at use."""
+  g = zerojax.gather
+  x = g(params["embed"])[batch["x"]]
+
+  def body(h, layer):
+    layer = g(layer)
+    return jnp.tanh(h @ layer["w"] + layer["b"][None, :]), None
+
+  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+  logits = h @ g(params["head"])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch["y"]).mean()

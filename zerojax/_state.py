@@ -17,6 +17,7 @@ trained: the inner optimizer sees ``optax.MaskedNode()`` in their place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -276,6 +277,12 @@ def gather_params(state: ZeroState, *, master: bool = False):
   if not isinstance(state, ZeroState):
     raise TypeError(f"zerojax.gather_params: expected a ZeroState, got "
                     f"{type(state).__name__}.")
+  return _gather_replicated(state, bool(master))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _gather_replicated(state: ZeroState, use_master: bool):
+  """Compiled once per state layout (the spec is part of the treedef)."""
   rep = NamedSharding(state.spec.tx.mesh, P())
-  fn = jax.jit(lambda s: _gather(s, master), out_shardings=rep)
-  return fn(state)
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rep),
+                      _gather(state, use_master))
