@@ -160,17 +160,17 @@ def _grads(spec: StateSpec, loss_fn, accum_steps, gather_mode, params, batch):
   tx = spec.tx
   axis, stage, n = tx.axis_name, tx.stage, tx.num_shards
   leaves = jax.tree.leaves(params)
-  np_ = len(leaves)
+  n_leaves = len(leaves)
   # Which params reach the loss as ShardedParam (stage 2-3, sharded leaves).
   hooked = [stage >= 2 and spec.trainable[i] and spec.shard_layouts[i].sharded
-            for i in range(np_)]
+            for i in range(n_leaves)]
   gspecs = [
       _gather.GatherSpec(
           axis_name=axis,
           dim=spec.shard_layouts[i].dim - len(spec.params_avals[i].shape),
           size=spec.params_avals[i].shape[spec.shard_layouts[i].dim],
           stage=stage, reduce_dtype=spec.reduce_dtype(i))
-      if hooked[i] else None for i in range(np_)]
+      if hooked[i] else None for i in range(n_leaves)]
 
   def diff_inputs():
     out = []
@@ -256,10 +256,7 @@ def _grads(spec: StateSpec, loss_fn, accum_steps, gather_mode, params, batch):
 # --------------------------------------------------------------------------
 def _wsc(x, spec: StateSpec, layout):
   """Constrains ``x`` (logical or storage shape) to ``layout``'s sharding."""
-  if layout.sharded:
-    ps = layout.spec(spec.tx.axis_name)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(spec.tx.mesh, ps))
-  return jax.lax.with_sharding_constraint(x, NamedSharding(spec.tx.mesh, P()))
+  return jax.lax.with_sharding_constraint(x, spec.sharding(layout))
 
 
 def _step(state: ZeroState, batch, *, loss_fn, accum_steps, gather_mode):
