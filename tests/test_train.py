@@ -136,3 +136,33 @@ def test_main_job_resumes_exactly(tmp_path):
   last = lambda d: json.loads((tmp_path / d / "summary.json").read_text())[
       "last_eval_loss"]
   assert last("c") == last("a")                     # bitwise, via JSON floats
+
+
+def test_unrolled_scan_gathers_the_next_layer_in_the_same_iteration(mesh):
+  """scan_unroll=2: the loop runs depth/2 times and gathers two layers per
+  iteration, the structure that lets XLA prefetch layer i+1 (docs/flax.md)."""
+  model = gpt.GPTConfig(width=32, depth=4, heads=2, seq_len=16, scan_unroll=2)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh)
+  state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
+  batch = data.batch_at(data.corpus_bytes(), seed=0, step=0, batch=8, seq_len=16)
+  step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
+                            gather="model")
+  text = step.lower(state, batch).compile().as_text()
+  colls = zerojax.collectives(text, 8)
+  in_loops = [c for c in colls if c.kind == "all-gather" and c.count > 1]
+  assert {c.count for c in in_loops} == {2}             # depth / unroll
+  blocks = state.spec.unflatten_params(list(state.spec.params_avals))["blocks"]
+  per_layer = len(jax.tree.leaves(blocks))
+  counts = {name: sum(1 for c in in_loops if c.computation == name)
+            for name in {c.computation for c in in_loops}}
+  name = max(counts, key=counts.get)                     # the forward loop
+  assert counts[name] == 2 * per_layer                   # two layers' gathers
+  # in the compiled schedule both layers' gathers run back to back, ahead
+  # of the layers' compute
+  start = text.index("%" + name + " ")
+  body = text[start:text.index("\n}", start)]
+  import re
+  ops = [o for o in re.findall(r"= \S+ ([a-z\-]+)\(", body)
+         if o in ("all-gather", "fusion", "dot")]
+  first, last = ops.index("all-gather"), len(ops) - ops[::-1].index("all-gather")
+  assert ops[first:last] == ["all-gather"] * (2 * per_layer)

@@ -32,6 +32,8 @@ class GPTConfig:
   depth: int = 4            # L
   heads: int = 4            # H
   mlp_ratio: int = 4        # F = mlp_ratio * D
+  scan_unroll: int = 1      # layers per scan iteration (2: XLA may gather
+                            # layer i+1 while layer i computes)
 
   def __post_init__(self):
     if self.width % self.heads:
@@ -118,7 +120,8 @@ def forward(params, tokens_BxT, config: GPTConfig):
   pos_TxD = gather(params["pos_TxD"])
   x_BxTxD = embed_VxD[tokens_BxT] + pos_TxD[None, :t, :]
   block = jax.checkpoint(lambda x, layer: _block(config, x, layer))
-  x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, params["blocks"])
+  x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, params["blocks"],
+                            unroll=config.scan_unroll)
   x_BxTxD = _layer_norm(x_BxTxD, gather(params["lnf_scale_D"]),
                         gather(params["lnf_bias_D"]))
   return jnp.einsum("btd,dv->btv", x_BxTxD, gather(params["head_DxV"]),
