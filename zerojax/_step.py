@@ -44,6 +44,10 @@ from zerojax._transform import ZeroTransformation
 GATHER_MODES = ("auto", "model", "all")
 
 
+class LossOutputError(ValueError):
+  """``loss_fn`` returned something other than a scalar or (scalar, aux)."""
+
+
 # --------------------------------------------------------------------------
 # input checks (all before tracing, so a failed step loses nothing)
 # --------------------------------------------------------------------------
@@ -199,7 +203,7 @@ def _grads(spec: StateSpec, loss_fn, accum_steps, gather_mode, params, batch):
     out = loss_fn(model_params, mb)
     loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if not hasattr(loss, "shape") or jnp.shape(loss) != ():
-      raise ValueError(
+      raise LossOutputError(
           f"zerojax train step: loss_fn must return a scalar loss or "
           f"(loss, aux); got loss of shape {jnp.shape(loss)}.")
     return loss.astype(jnp.float32), aux
@@ -461,6 +465,8 @@ def train_step(
     try:
       return _step(state, batch, loss_fn=loss_fn, accum_steps=accum_steps,
                    gather_mode="model")
+    except LossOutputError:
+      raise                   # not a gathering problem: no fallback
     except Exception as e:  # noqa: BLE001 -- retried below; a real bug re-raises
       reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     _warn_whole_tree_gather(state.spec, reason)
