@@ -23,61 +23,46 @@ import sys
 import time
 
 
+def _opt(default, help_text: str):
+  return dataclasses.field(default=default, metadata={"help": help_text})
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  stage: int = 3
-  devices: int = 8
-  width: int = 128
-  depth: int = 4
-  heads: int = 4
-  seq_len: int = 128
-  steps: int = 400
-  batch: int = 32
-  accum: int = 1
-  precision: str = "bf16"
-  lr: float = 3e-3
-  warmup: int = 40
-  weight_decay: float = 0.1
-  clip: float = 1.0
-  eval_every: int = 50
-  eval_batches: int = 4
-  log_every: int = 10
-  sample_len: int = 200
-  seed: int = 0
-  out: str = "runs/gpt"
-  checkpoint_dir: str = ""
-  save_every: int = 100
-  resume: bool = False
+  """The main job's settings; each field is a ``--flag`` (``_`` -> ``-``)."""
 
-
-HELP = {
-    "stage": "ZeRO stage: 0 plain data parallel, 1 shard optimizer state, "
-             "2 and gradients, 3 and parameters",
-    "devices": "data-parallel devices; on a CPU-only machine this many fake "
-               "CPU devices are created",
-    "width": "model width D", "depth": "number of transformer blocks L",
-    "heads": "attention heads (must divide width)",
-    "seq_len": "context length in bytes",
-    "steps": "optimizer steps",
-    "batch": "global batch (sequences per step); must divide by devices x accum",
-    "accum": "gradient-accumulation micro-batches per step",
-    "precision": "bf16: bf16 params/compute with an fp32 master copy; "
-                 "fp32: everything fp32",
-    "lr": "peak AdamW learning rate (linear warm-up, cosine decay to 10%%)",
-    "warmup": "warm-up steps", "weight_decay": "AdamW weight decay",
-    "clip": "global-norm gradient clipping threshold",
-    "eval_every": "steps between held-out evaluations",
-    "eval_batches": "held-out batches per evaluation",
-    "log_every": "steps between metrics lines",
-    "sample_len": "bytes of text to sample at the end (0: none)",
-    "seed": "seed for init and data order",
-    "out": "output directory",
-    "checkpoint_dir": "save sharded checkpoints (Orbax, asynchronous) here; "
-                      "empty: no checkpoints",
-    "save_every": "steps between checkpoints (the last step is always saved)",
-    "resume": "continue from the latest checkpoint in --checkpoint-dir (any "
-              "stage or device count can restore it)",
-}
+  stage: int = _opt(3, "ZeRO stage: 0 plain data parallel, 1 shard optimizer "
+                       "state, 2 and gradients, 3 and parameters")
+  devices: int = _opt(8, "data-parallel devices; on a CPU-only machine this "
+                         "many fake CPU devices are created")
+  width: int = _opt(128, "model width D")
+  depth: int = _opt(4, "number of transformer blocks L")
+  heads: int = _opt(4, "attention heads (must divide width)")
+  seq_len: int = _opt(128, "context length in bytes")
+  steps: int = _opt(400, "optimizer steps")
+  batch: int = _opt(32, "global batch (sequences per step); must divide by "
+                        "devices x accum")
+  accum: int = _opt(1, "gradient-accumulation micro-batches per step")
+  precision: str = _opt("bf16", "bf16: bf16 params/compute with an fp32 "
+                                "master copy; fp32: everything fp32")
+  lr: float = _opt(3e-3, "peak AdamW learning rate (linear warm-up, cosine "
+                         "decay to 10%%)")
+  warmup: int = _opt(40, "warm-up steps")
+  weight_decay: float = _opt(0.1, "AdamW weight decay")
+  clip: float = _opt(1.0, "global-norm gradient clipping threshold")
+  eval_every: int = _opt(50, "steps between held-out evaluations")
+  eval_batches: int = _opt(4, "held-out batches per evaluation")
+  log_every: int = _opt(10, "steps between metrics lines")
+  sample_len: int = _opt(200, "bytes of text to sample at the end (0: none)")
+  seed: int = _opt(0, "seed for init and data order")
+  out: str = _opt("runs/gpt", "output directory")
+  checkpoint_dir: str = _opt("", "save sharded checkpoints (Orbax, "
+                                 "asynchronous) here; empty: no checkpoints")
+  save_every: int = _opt(100, "steps between checkpoints (the last step is "
+                              "always saved)")
+  resume: bool = _opt(False, "continue from the latest checkpoint in "
+                             "--checkpoint-dir (any stage or device count "
+                             "can restore it)")
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -88,10 +73,10 @@ def parse_args(argv=None) -> TrainConfig:
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   for f in dataclasses.fields(TrainConfig):
     flag = "--" + f.name.replace("_", "-")
-    kw = dict(type=type(f.default), default=f.default, help=HELP[f.name])
+    kw = dict(type=type(f.default), default=f.default, help=f.metadata["help"])
     if isinstance(f.default, bool):
       kw = dict(action=argparse.BooleanOptionalAction, default=f.default,
-                help=HELP[f.name])
+                help=f.metadata["help"])
     if f.name == "stage":
       kw["choices"] = [0, 1, 2, 3]
     if f.name == "precision":
