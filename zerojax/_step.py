@@ -27,6 +27,7 @@ Where the collectives live, and why:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -73,8 +74,12 @@ def check_state(state, tx: ZeroTransformation) -> StateSpec:
         "zerojax.train_step(loss_fn, tx)). To move a state to another stage, "
         "re-init from zerojax.gather_params(state).")
   # The arrays must still match the spec (a user may have replaced params).
+  # Fast path, every step: compare against a per-layout signature computed
+  # once; walk the trees for a message only when something differs.
+  if _signature(state) == _expected_signature(spec):
+    return spec
   expected = spec.abstract()
-  for name in ("params", "master", "opt_state"):
+  for name in _SECTIONS:
     got, want = getattr(state, name), getattr(expected, name)
     got_l, got_def = jax.tree_util.tree_flatten_with_path(got)
     want_l, want_def = jax.tree_util.tree_flatten_with_path(want)
@@ -92,6 +97,21 @@ def check_state(state, tx: ZeroTransformation) -> StateSpec:
             f"{spec.stage} storage, padded). Rebuild the state with "
             f"zerojax.init instead of replacing leaves.")
   return spec
+
+
+_SECTIONS = ("params", "master", "opt_state")
+
+
+def _signature(state: ZeroState):
+  return tuple((jax.tree.structure(getattr(state, n)),
+                tuple((tuple(x.shape), np.dtype(x.dtype))
+                      for x in jax.tree.leaves(getattr(state, n))))
+               for n in _SECTIONS)
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_signature(spec: StateSpec):
+  return _signature(spec.abstract())
 
 
 def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
