@@ -91,7 +91,7 @@ def worker(args) -> dict:
     policy = zerojax.Policy(param_dtype=jnp.bfloat16) if bf16 else zerojax.Policy()
     tx = zerojax.zero(optimizer, stage=stage, mesh=mesh, policy=policy)
     # created sharded under jit: no device ever holds the full model
-    state = zerojax.init(functools.partial(gpt.init, model), tx, key)
+    state = zerojax.init_from(functools.partial(gpt.init, model), tx, key)
     step = zerojax.train_step(loss_fn, tx, gather="model")
     t0 = time.perf_counter()
     rep = zerojax.report(step, state, batch_at(0))

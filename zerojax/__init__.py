@@ -19,23 +19,32 @@ from zerojax._mesh import make_mesh as make_mesh
 from zerojax._policy import Policy as Policy
 from zerojax._report import Report as Report
 from zerojax._report import report as report
+from zerojax._grad import LossOutputError as LossOutputError
+from zerojax._grad import value_and_grad as value_and_grad
+from zerojax._state import LeafSpec as LeafSpec
 from zerojax._state import StateSpec as StateSpec
 from zerojax._state import ZeroState as ZeroState
 from zerojax._state import gather_params as gather_params
 from zerojax._state import init as init
+from zerojax._state import init_from as init_from
+from zerojax._step import EvalStep as EvalStep
 from zerojax._step import TrainStep as TrainStep
 from zerojax._step import eval_step as eval_step
 from zerojax._step import shard_batch as shard_batch
 from zerojax._step import train_step as train_step
+from zerojax._transform import ZeroConfig as ZeroConfig
 from zerojax._transform import ZeroTransformation as ZeroTransformation
 from zerojax._transform import zero as zero
+from zerojax._update import apply_gradients as apply_gradients
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Collective", "LeafLayout", "Policy", "ShardedParam", "StateSpec",
-    "Report", "TrainStep", "UngatheredParamError", "ZeroState", "ZeroTransformation", "collective_bytes",
-    "collectives", "eval_step", "gather", "gather_params", "init", "layout_rows",
-    "layout_table", "make_mesh", "report", "shard_batch", "state_bytes", "theory_bytes", "train_step",
-    "zero",
+    "Collective", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError",
+    "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
+    "UngatheredParamError", "ZeroConfig", "ZeroState", "ZeroTransformation",
+    "apply_gradients", "collective_bytes", "collectives", "eval_step",
+    "gather", "gather_params", "init", "init_from", "layout_rows",
+    "layout_table", "make_mesh", "report", "shard_batch", "state_bytes",
+    "theory_bytes", "train_step", "value_and_grad", "zero",
 ]

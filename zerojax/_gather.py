@@ -133,11 +133,22 @@ def gather(tree):
     >>> h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
   """
   return jax.tree.map(
-      lambda x: _use(x.spec, x.sink, x.src) if _is_sharded(x) else x,
+      lambda x: zerojax_gather(x.spec, x.sink, x.src) if _is_sharded(x) else x,
       tree, is_leaf=_is_sharded)
 
 
+def _check_rank(spec: GatherSpec, x):
+  if x.ndim + spec.dim < 0:
+    raise ValueError(
+        f"zerojax.gather: a parameter sharded along its leading dimension was "
+        f"sliced to rank {x.ndim} before gathering (a scan over a leaf that "
+        f"is not marked as a layer stack). Mark it as stacked: "
+        f"zerojax.zero(..., stacked=lambda path, shape: ...) returning True "
+        f"for it, or gather it before slicing.")
+
+
 def _full_value(spec: GatherSpec, src):
+  _check_rank(spec, src)
   if spec.stage == 3:
     dim = src.ndim + spec.dim
     full = jax.lax.all_gather(src, spec.axis_name, axis=dim, tiled=True,
@@ -147,17 +158,21 @@ def _full_value(spec: GatherSpec, src):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _use(spec: GatherSpec, sink, src):
+def zerojax_gather(spec: GatherSpec, sink, src):
+  """The gather as one ``custom_vjp`` call, recognisable by name in a jaxpr."""
   del sink
   return _full_value(spec, src)
 
 
-def _use_fwd(spec, sink, src):
+GATHER_NAME = zerojax_gather.__name__   # read by zerojax._audit
+
+
+def zerojax_gather_fwd(spec, sink, src):
   del sink
   return _full_value(spec, src), None
 
 
-def _use_bwd(spec, _, ct):
+def zerojax_gather_bwd(spec, _, ct):
   dim = ct.ndim + spec.dim
   n = jax.lax.axis_size(spec.axis_name)
   pad = -ct.shape[dim] % n
@@ -170,7 +185,7 @@ def _use_bwd(spec, _, ct):
   return shard, None
 
 
-_use.defvjp(_use_fwd, _use_bwd)
+zerojax_gather.defvjp(zerojax_gather_fwd, zerojax_gather_bwd)
 
 
 def sink_like(src_shard_shape, dtype, axis_name):

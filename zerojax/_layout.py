@@ -96,8 +96,14 @@ class LeafLayout:
     return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=self.dim)
 
 
-def plan_leaf(shape, dtype, n: int, min_shard_size: int) -> LeafLayout:
-  """The layout of a leaf of ``shape``/``dtype`` over ``n`` devices."""
+def plan_leaf(shape, dtype, n: int, min_shard_size: int,
+              stacked: bool = True) -> LeafLayout:
+  """The layout of a leaf of ``shape``/``dtype`` over ``n`` devices.
+
+  ``stacked``: the leaf's leading dimension is a layer axis (a scan slices
+  it), so it is never the sharded one. Leaves that are not stacks may be
+  sharded along any dimension, the leading one included.
+  """
   shape = tuple(int(d) for d in shape)
   if len(shape) == 0:
     return LeafLayout(shape, reason="scalar")
@@ -108,11 +114,25 @@ def plan_leaf(shape, dtype, n: int, min_shard_size: int) -> LeafLayout:
     return LeafLayout(shape, reason=f"{size} < min_shard_size={min_shard_size}")
   if size == 0:
     return LeafLayout(shape, reason="empty")
-  candidates = range(1, len(shape)) if len(shape) >= 2 else range(1)
+  candidates = (range(1, len(shape)) if len(shape) >= 2 and stacked
+                else range(len(shape)))
   padded = lambda d: -(-shape[d] // n) * n
   # least padding; on a tie the first (most major) candidate.
   dim = max(candidates, key=lambda d: (shape[d] - padded(d), -d))
   return LeafLayout(shape, dim=dim, padded=padded(dim))
+
+
+def convert(x, src: LeafLayout, dst: LeafLayout, dtype=None):
+  """``x`` stored in layout ``src`` -> stored in layout ``dst`` (and ``dtype``).
+
+  The one conversion between layouts (init, step, checkpoint, gather): slice
+  off ``src``'s padding, cast, pad for ``dst``. Exact for same-dtype copies.
+  Sharding is the caller's (a constraint or ``out_shardings``).
+  """
+  x = src.to_logical(x)
+  if dtype is not None and x.dtype != dtype:
+    x = x.astype(dtype)
+  return dst.to_storage(x)
 
 
 def replicated(shape) -> LeafLayout:

@@ -35,6 +35,34 @@ def _is_floating(dtype) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """Everything zerojax decides about one parameter leaf.
+
+  Attributes:
+    path: ``jax.tree_util.keystr`` of the leaf in the params tree.
+    aval: logical (unpadded) shape and dtype as given to ``init``.
+    trainable: floating leaves are trained; others are carried.
+    param: layout of the parameter as stored (sharded at stage 3).
+    shard: layout of its master copy, gradient and moments.
+    compute_dtype / master_dtype / reduce_dtype: from the policy.
+  """
+
+  path: str
+  aval: Any
+  trainable: bool
+  param: _layout.LeafLayout
+  shard: _layout.LeafLayout
+  compute_dtype: Any
+  master_dtype: Any
+  reduce_dtype: Any
+
+  @property
+  def hooked(self) -> bool:
+    """Reaches a stage 2-3 loss as a ShardedParam (gathered by the model)."""
+    return self.trainable and self.shard.sharded
+
+
+@dataclasses.dataclass(frozen=True)
 class StateSpec:
   """Static layout of a :class:`ZeroState` (hashable: part of its treedef).
 
@@ -50,6 +78,21 @@ class StateSpec:
   opt_def: Any               # PyTreeDef of the inner optimizer state
   opt_avals: tuple           # logical jax.ShapeDtypeStruct per opt leaf
   opt_layouts: tuple         # LeafLayout per opt leaf
+  paths: tuple = ()          # keystr of each param leaf
+
+  @functools.cached_property
+  def leaves(self) -> tuple:
+    """One :class:`LeafSpec` per param leaf, in ``jax.tree.leaves`` order."""
+    return tuple(
+        LeafSpec(path, a, t, pl, sl, self.compute_dtype(i),
+                 self.master_dtype(i), self.reduce_dtype(i))
+        for i, (path, a, t, pl, sl) in enumerate(zip(
+            self.paths, self.params_avals, self.trainable, self.param_layouts,
+            self.shard_layouts)))
+
+  def records(self):
+    """The :class:`LeafSpec` records in the params' tree structure."""
+    return self.unflatten_params(self.leaves)
 
   @property
   def policy(self):
@@ -123,6 +166,10 @@ class ZeroState:
     master: master copy in ``policy.master_dtype`` (sharded at stages 1-3),
       or ``None`` when the policy keeps none.
     opt_state: the inner Optax state (sharded at stages 1-3).
+    key: the root PRNG key (replicated), or ``None``. Each step hands the
+      loss ``fold_in(fold_in(fold_in(key, step), device), micro_batch)``.
+    model_state: non-trainable model state (batch-norm statistics, NNX
+      non-``Param`` variables; replicated), or ``None``.
     spec: static :class:`StateSpec` (stage, mesh, per-leaf layouts).
   """
 
@@ -131,6 +178,8 @@ class ZeroState:
   master: Any
   opt_state: Any
   spec: StateSpec = dataclasses.field(metadata=dict(static=True))
+  key: Any = None
+  model_state: Any = None
 
   def replace(self, **kw) -> "ZeroState":
     return dataclasses.replace(self, **kw)
@@ -144,28 +193,57 @@ def make_spec(params, tx: ZeroTransformation) -> StateSpec:
         f"got {type(tx).__name__}. Wrap your optimizer: "
         f"tx = zerojax.zero(optax.adamw(3e-4), stage=1).")
   paths_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
-  avals = []
+  avals, paths = [], []
   for path, x in paths_leaves:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(
-          f"zerojax.init: param leaf {jax.tree_util.keystr(path)} is a "
+          f"zerojax: param leaf {jax.tree_util.keystr(path)} is a "
           f"{type(x).__name__}, not an array. Params must be a pytree of "
-          f"arrays (convert Python scalars with jnp.asarray).")
+          f"arrays (convert Python scalars with jnp.asarray; for an Equinox "
+          f"module pass eqx.filter(model, eqx.is_inexact_array)).")
     avals.append(jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype)))
+    paths.append(jax.tree_util.keystr(path))
   trainable = tuple(_is_floating(a.dtype) for a in avals)
-  param_layouts = tuple(tx.plan_param(a.shape, a.dtype) for a in avals)
-  shard_layouts = tuple(tx.plan(a.shape, a.dtype) for a in avals)
+  stacks = tuple(_is_stack(tx.stacked, p, a.shape) for p, a in zip(paths, avals))
+  param_layouts = tuple(tx.plan_param(a.shape, a.dtype, st)
+                        for a, st in zip(avals, stacks))
+  shard_layouts = tuple(tx.plan(a.shape, a.dtype, st)
+                        for a, st in zip(avals, stacks))
   policy = tx.policy
   view = jax.tree.unflatten(params_def, [
       jax.ShapeDtypeStruct(a.shape, policy.master(a.dtype)) if t
       else optax.MaskedNode() for a, t in zip(avals, trainable)])
   opt_shape = jax.eval_shape(tx.inner.init, view)
+  opt_paths = [jax.tree_util.keystr(p) for p, _ in
+               jax.tree_util.tree_flatten_with_path(opt_shape)[0]]
   opt_leaves, opt_def = jax.tree.flatten(opt_shape)
   opt_avals = tuple(jax.ShapeDtypeStruct(tuple(o.shape), np.dtype(o.dtype))
                     for o in opt_leaves)
-  opt_layouts = tuple(tx.plan(o.shape, o.dtype) for o in opt_avals)
+  # An optimizer leaf shaped like its param (a moment) shares its layout, so
+  # an elementwise update stays local: match it by path suffix and shape.
+  by_path = {p: (a.shape, st) for p, a, st in zip(paths, avals, stacks)}
+  def opt_stack(path, shape):
+    for p, (pshape, st) in by_path.items():
+      if path.endswith(p) and tuple(pshape) == tuple(shape):
+        return st
+    return True
+  opt_layouts = tuple(tx.plan(o.shape, o.dtype, opt_stack(p, o.shape))
+                      for p, o in zip(opt_paths, opt_avals))
   return StateSpec(tx, params_def, tuple(avals), trainable, param_layouts,
-                   shard_layouts, opt_def, opt_avals, opt_layouts)
+                   shard_layouts, opt_def, opt_avals, opt_layouts, tuple(paths))
+
+
+def _is_stack(stacked, path: str, shape) -> bool:
+  """Whether a leaf's leading dimension is a layer axis (never sharded)."""
+  if stacked is None or stacked is True:
+    return True
+  if stacked is False:
+    return False
+  out = stacked(path, tuple(shape))
+  if not isinstance(out, (bool, np.bool_)):
+    raise TypeError(f"zerojax.zero: stacked({path!r}, {tuple(shape)}) returned "
+                    f"{out!r}; it must return True (a layer stack) or False.")
+  return bool(out)
 
 
 def _place(x, layout, spec: StateSpec):
@@ -186,44 +264,115 @@ def _place(x, layout, spec: StateSpec):
 
 def _build_state(stored, spec: StateSpec) -> ZeroState:
   """Params in their shard layouts -> the state's storage (under ``jit``)."""
-  policy = spec.policy
-  leaves = [l.to_logical(x) for x, l in
-            zip(jax.tree.leaves(stored), spec.shard_layouts)]
-  compute = [x.astype(spec.compute_dtype(i)) for i, x in enumerate(leaves)]
-  weights = [x.astype(spec.master_dtype(i)) if t else None
-             for i, (x, t) in enumerate(zip(leaves, spec.trainable))]
-  opt_state = spec.tx.inner.init(spec.optimizer_view(weights))
+  leaves = jax.tree.leaves(stored)
+  convert = _layout.convert
+  weights = [convert(x, r.shard, r.shard, r.master_dtype) if r.trainable
+             else None for x, r in zip(leaves, spec.leaves)]
+  opt_state = spec.tx.inner.init(spec.optimizer_view(
+      [None if w is None else r.shard.to_logical(w)
+       for w, r in zip(weights, spec.leaves)]))
   opt_leaves = jax.tree.leaves(opt_state)
   if len(opt_leaves) != len(spec.opt_layouts):
     raise RuntimeError("zerojax: optimizer state changed structure between "
                        "planning and init.")
-  store = lambda x, l: l.to_storage(x)
   master = None
-  if policy.has_master:
-    master = spec.optimizer_view(
-        [store(w, l) if w is not None else None
-         for w, l in zip(weights, spec.shard_layouts)])
+  if spec.policy.has_master:
+    master = spec.optimizer_view(weights)
   return ZeroState(
       step=jnp.zeros((), jnp.int32),
       params=spec.unflatten_params(
-          [store(x, l) for x, l in zip(compute, spec.param_layouts)]),
+          [convert(x, r.shard, r.param, r.compute_dtype)
+           for x, r in zip(leaves, spec.leaves)]),
       master=master,
       opt_state=jax.tree.unflatten(
-          spec.opt_def, [store(x, l) for x, l in zip(opt_leaves, spec.opt_layouts)]),
+          spec.opt_def, [l.to_storage(x) for x, l in zip(opt_leaves, spec.opt_layouts)]),
       spec=spec)
 
 
-def init(params, tx: ZeroTransformation, *args) -> ZeroState:
+def _replicated(tree, spec: StateSpec):
+  """Host or device values, the same on every process -> replicated arrays."""
+  rep = NamedSharding(spec.tx.mesh, P())
+
+  def put(x):
+    if jax.process_count() == 1:
+      return jax.device_put(x, rep)
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(put(jax.random.key_data(x)),
+                                      impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, rep, lambda i: host[i])
+  return jax.tree.map(put, tree)
+
+
+def _root_key(key, where: str):
+  """A PRNG key from ``key`` (typed key, raw uint32 key or int seed)."""
+  if key is None:
+    return None
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    return jax.random.key(int(key))
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"{where}: key must be one key, got a key array of "
+                       f"shape {key.shape}.")
+    return key
+  if dtype is not None and np.dtype(dtype) == np.uint32 and key.shape == (2,):
+    return key                        # a raw jax.random.PRNGKey
+  raise TypeError(
+      f"{where}: key={key!r} is not a PRNG key; pass jax.random.key(seed), "
+      f"jax.random.PRNGKey(seed) or an int seed.")
+
+
+def _with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
+  key = _root_key(key, where)
+  if model_state is not None:
+    for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(
+            f"{where}: model_state leaf {jax.tree_util.keystr(path)} is a "
+            f"{type(x).__name__}, not an array.")
+  extras = _replicated({"key": key, "model_state": model_state}, state.spec)
+  return state.replace(**extras)
+
+
+def _reject_non_params(params, where: str):
+  """Module objects and functions are not a params tree: say what to pass."""
+  try:
+    from flax import nnx
+    if isinstance(params, nnx.Module):
+      raise TypeError(
+          f"{where}: got an nnx.Module ({type(params).__name__}). Pass its "
+          f"parameters, and its other variables as model_state: "
+          f"graphdef, params, rest = nnx.split(model, nnx.Param, ...); "
+          f"zerojax.init(params, tx, model_state=rest).")
+  except ImportError:    # pragma: no cover - flax is a dependency
+    pass
+  leaves = jax.tree.leaves(params)
+  if callable(params) and any(not hasattr(x, "shape") for x in leaves):
+    raise TypeError(
+        f"{where}: got a callable ({type(params).__name__}), not a params "
+        f"tree. To build params with a function, sharded as they are "
+        f"created, use zerojax.init_from(init_fn, tx, *args); for a module "
+        f"object pass its array leaves.")
+
+
+def init(params, tx: ZeroTransformation, *, key=None,
+         model_state=None) -> ZeroState:
   """Lays out params, master weights and optimizer state for ``tx``'s stage.
 
   Args:
     params: a pytree of arrays (host or device, the same on every process),
-      e.g. the output of ``model.init``; or a function ``params(*args)``
-      returning one, which is then run under ``jit`` with sharded outputs so
-      the full parameters are never materialised on one device (use this for
-      models larger than a device).
+      e.g. the output of ``model.init``. For models larger than a device,
+      build them sharded with :func:`init_from` instead: here the caller
+      already holds one full copy.
     tx: a :class:`ZeroTransformation` from :func:`zerojax.zero`.
-    *args: arguments of ``params`` when it is a function (e.g. a PRNG key).
+    key: root PRNG key for the loss (``jax.random.key(seed)``, a raw
+      ``PRNGKey`` or an int seed); with it the train step calls
+      ``loss_fn(params, batch, key=...)`` with a key distinct per step,
+      device and micro-batch. Checkpointed with the state.
+    model_state: non-trainable model state (batch-norm statistics, NNX
+      non-``Param`` variables), replicated; with it the train step calls
+      ``loss_fn(..., model_state=...)`` and the loss returns its new value.
 
   Returns:
     A :class:`ZeroState` whose arrays are global ``jax.Array`` sharded over
@@ -232,35 +381,65 @@ def init(params, tx: ZeroTransformation, *args) -> ZeroState:
 
   Example:
     >>> state = zerojax.init(params, zerojax.zero(optax.adamw(1e-3), stage=3))
-    >>> state = zerojax.init(lambda k: model.init(k, x), tx, jax.random.key(0))
   """
-  if callable(params):
-    fn = params
-    spec = make_spec(jax.eval_shape(fn, *args), tx)
-    build = lambda *a: _build_state(
-        jax.tree.map(lambda x, l: l.to_storage(x), fn(*a),
-                     spec.unflatten_params(spec.shard_layouts)), spec)
-    return jax.jit(build, out_shardings=spec.shardings())(*args)
+  _reject_non_params(params, "zerojax.init")
   spec = make_spec(params, tx)
   stored = spec.unflatten_params([
       _place(x, l, spec) for x, l in zip(jax.tree.leaves(params),
                                          spec.shard_layouts)])
-  build = jax.jit(lambda p: _build_state(p, spec), out_shardings=spec.shardings())
-  return build(stored)
+  state = _build(stored, spec)
+  return _with_extras(state, key, model_state, "zerojax.init")
+
+
+def _build(stored, spec):
+  return _build_jit(spec)(stored)
+
+
+@functools.lru_cache(maxsize=64)
+def _build_jit(spec):
+  return jax.jit(lambda p: _build_state(p, spec), out_shardings=spec.shardings())
+
+
+def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
+              model_state=None) -> ZeroState:
+  """Builds params with ``init_fn(*args)`` already sharded, then the state.
+
+  Shapes come from ``jax.eval_shape``; then one ``jit`` with sharded
+  ``out_shardings`` runs ``init_fn`` and lays out params, master weights and
+  optimizer state, so no device ever holds the full parameters (XLA
+  partitions the initialisation). Use it for models larger than a device.
+
+  Args:
+    init_fn: a function returning the params pytree, e.g.
+      ``lambda k: model.init(k, x)["params"]``.
+    tx: a :class:`ZeroTransformation`.
+    *args: arguments of ``init_fn`` (e.g. a PRNG key).
+    key, model_state: as for :func:`init`.
+
+  Example:
+    >>> state = zerojax.init_from(lambda k: gpt.init(cfg, k), tx,
+    ...                           jax.random.key(0), key=jax.random.key(1))
+  """
+  if not callable(init_fn):
+    raise TypeError(f"zerojax.init_from: init_fn must be callable, got "
+                    f"{type(init_fn).__name__}; for a params tree use "
+                    f"zerojax.init(params, tx).")
+  spec = make_spec(jax.eval_shape(init_fn, *args), tx)
+  build = lambda *a: _build_state(
+      jax.tree.map(lambda x, l: l.to_storage(x), init_fn(*a),
+                   spec.unflatten_params(spec.shard_layouts)), spec)
+  state = jax.jit(build, out_shardings=spec.shardings())(*args)
+  return _with_extras(state, key, model_state, "zerojax.init_from")
 
 
 def _gather(state: ZeroState, use_master: bool):
   spec = state.spec
-  out = []
-  params = jax.tree.leaves(state.params)
   master = (spec.from_optimizer_view(state.master)
-            if use_master and state.master is not None else [None] * len(params))
-  for i, (p, m) in enumerate(zip(params, master)):
-    if m is not None:
-      out.append(spec.shard_layouts[i].to_logical(m))
-    else:
-      out.append(spec.param_layouts[i].to_logical(p))
-  return spec.unflatten_params(out)
+            if use_master and state.master is not None
+            else [None] * len(spec.leaves))
+  return spec.unflatten_params([
+      r.shard.to_logical(m) if m is not None else r.param.to_logical(p)
+      for p, m, r in zip(jax.tree.leaves(state.params), master, spec.leaves)])
 
 
 def gather_params(state: ZeroState, *, master: bool = False):
@@ -277,7 +456,8 @@ def gather_params(state: ZeroState, *, master: bool = False):
   if not isinstance(state, ZeroState):
     raise TypeError(f"zerojax.gather_params: expected a ZeroState, got "
                     f"{type(state).__name__}.")
-  return _gather_replicated(state, bool(master))
+  return _gather_replicated(state.replace(key=None, model_state=None),
+                            bool(master))
 
 
 @functools.partial(jax.jit, static_argnums=1)

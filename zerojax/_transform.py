@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
@@ -16,10 +18,10 @@ STAGES = (0, 1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
-class ZeroTransformation:
-  """An Optax optimizer, and where its training state lives.
+class ZeroConfig:
+  """What a :class:`ZeroTransformation` is: an optimizer, a stage, a mesh.
 
-  Build it with :func:`zero`. Stage ``s`` stores sharded over ``axis_name``:
+  Stage ``s`` stores sharded over ``axis_name``:
 
   ========  ==================  =========  ==========
   stage     optimizer state     gradients  parameters
@@ -40,23 +42,106 @@ class ZeroTransformation:
   axis_name: str = DEFAULT_AXIS
   policy: Policy = Policy()
   min_shard_size: int = 0
+  stacked: Any = None
 
   @property
   def num_shards(self) -> int:
     return data_axis_size(self.mesh, self.axis_name)
 
-  def plan(self, shape, dtype) -> _layout.LeafLayout:
+  def plan(self, shape, dtype, stacked: bool = True) -> _layout.LeafLayout:
     """The layout of a master/optimizer/gradient leaf at this stage."""
     if self.stage == 0:
       return _layout.replicated(shape)
     return _layout.plan_leaf(shape, dtype, self.num_shards,
-                             self.min_shard_size)
+                             self.min_shard_size, stacked=stacked)
 
-  def plan_param(self, shape, dtype) -> _layout.LeafLayout:
+  def plan_param(self, shape, dtype, stacked: bool = True) -> _layout.LeafLayout:
     """The layout of a parameter leaf: sharded only at stage 3."""
     if self.stage < 3:
       return _layout.LeafLayout(tuple(shape), reason=f"stage {self.stage}")
-    return self.plan(shape, dtype)
+    return self.plan(shape, dtype, stacked)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Init:
+  config: ZeroConfig
+
+  def __call__(self, params):
+    from zerojax import _dropin
+    return _dropin.init(self.config, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Update:
+  config: ZeroConfig
+
+  def __call__(self, updates, state, params=None, **extra_args):
+    from zerojax import _dropin
+    return _dropin.update(self.config, updates, state, params, **extra_args)
+
+
+class ZeroTransformation(optax.GradientTransformationExtraArgs):
+  """An Optax optimizer wrapped for a ZeRO stage: a real Optax transformation.
+
+  Build it with :func:`zerojax.zero`. Two ways to use it:
+
+  * with :func:`zerojax.init` and :func:`zerojax.train_step` (all stages;
+    the lean path: reduce-scatter, per-layer gathers, fp32 master);
+  * as a drop-in Optax ``GradientTransformationExtraArgs`` in an existing
+    loop (stages 0-2): ``tx.init(params)`` returns the inner optimizer's
+    state laid out sharded over the data axis (leaves padded where a
+    dimension does not divide the axis), and
+    ``tx.update(grads, state, params, **extra_args)`` takes replicated
+    gradients (e.g. from ``jax.grad``) or gradients in the stage's layout
+    (from :func:`zerojax.value_and_grad`) and returns updates in the
+    params' (replicated) layout, for ``optax.apply_updates``. Works in
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
+
+  Its fields ``init``/``update`` are Optax's; the configuration is
+  :attr:`config` (also readable as ``tx.stage``, ``tx.mesh``, ...).
+  """
+
+  __slots__ = ()
+
+  @property
+  def config(self) -> ZeroConfig:
+    return self.init.config
+
+  inner = property(lambda self: self.config.inner)
+  stage = property(lambda self: self.config.stage)
+  mesh = property(lambda self: self.config.mesh)
+  axis_name = property(lambda self: self.config.axis_name)
+  policy = property(lambda self: self.config.policy)
+  min_shard_size = property(lambda self: self.config.min_shard_size)
+  stacked = property(lambda self: self.config.stacked)
+  num_shards = property(lambda self: self.config.num_shards)
+
+  def plan(self, shape, dtype, stacked: bool = True) -> _layout.LeafLayout:
+    return self.config.plan(shape, dtype, stacked)
+
+  def plan_param(self, shape, dtype, stacked: bool = True) -> _layout.LeafLayout:
+    return self.config.plan_param(shape, dtype, stacked)
+
+  def replace(self, **changes) -> "ZeroTransformation":
+    """The same transformation with some configuration fields changed."""
+    return from_config(dataclasses.replace(self.config, **changes))
+
+  def __repr__(self):
+    c = self.config
+    return (f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
+            f"num_shards={c.num_shards}, policy={c.policy})")
+
+
+def from_config(config: ZeroConfig) -> ZeroTransformation:
+  return ZeroTransformation(_Init(config), _Update(config))
+
+
+def _context_mesh(axis_name: str) -> Mesh:
+  """The mesh from ``jax.set_mesh`` if one is set, else a new 1-D mesh."""
+  ctx = jax.sharding.get_mesh()
+  if isinstance(ctx, Mesh) and not ctx.empty:
+    return ctx
+  return make_mesh(axis_name=axis_name)
 
 
 def zero(
@@ -67,6 +152,7 @@ def zero(
     axis_name: str = DEFAULT_AXIS,
     policy: Policy | None = None,
     min_shard_size: int = 0,
+    stacked=None,
 ) -> ZeroTransformation:
   """Wraps an Optax optimizer to shard training state at a ZeRO stage.
 
@@ -78,14 +164,24 @@ def zero(
   Args:
     inner: any ``optax.GradientTransformation``.
     stage: 0 (plain data parallel), 1, 2 or 3; see :class:`ZeroTransformation`.
-    mesh: a mesh with an ``axis_name`` axis; defaults to
-      :func:`zerojax.make_mesh` over all devices.
+    mesh: a mesh with an ``axis_name`` axis; defaults to the mesh set with
+      ``jax.set_mesh`` when there is one, else :func:`zerojax.make_mesh`
+      over all devices.
     axis_name: the data-parallel mesh axis.
     policy: mixed-precision :class:`Policy`; default keeps leaf dtypes.
     min_shard_size: leaves with fewer elements stay replicated (DeepSpeed's
       ``stage3_param_persistence_threshold``); they are listed as such by
       :func:`zerojax.layout_table`. Default 0: shard every non-scalar
       floating leaf.
+    stacked: which leaves are layer stacks (a ``lax.scan`` slices their
+      leading dimension, so it is never the sharded one). ``None`` (default)
+      or ``True``: every leaf of rank >= 2 may be a stack; ``False``: none
+      is (any dimension may be sharded, the leading one included: e.g. an
+      unstacked ``(768, 50257)`` head is sharded along 768, with no padding
+      and contiguous collectives); or a function ``(path, shape) -> bool``
+      of the leaf's ``jax.tree_util.keystr`` path, e.g.
+      ``lambda path, shape: "blocks" in path``. A leaf wrongly marked as
+      not stacked raises in :func:`zerojax.gather` when a scan slices it.
 
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and
@@ -111,7 +207,11 @@ def zero(
   if not isinstance(min_shard_size, int) or min_shard_size < 0:
     raise ValueError(
         f"zerojax.zero: min_shard_size={min_shard_size!r} must be an int >= 0.")
-  mesh = make_mesh(axis_name=axis_name) if mesh is None else mesh
+  if not (stacked is None or isinstance(stacked, bool) or callable(stacked)):
+    raise TypeError(f"zerojax.zero: stacked={stacked!r}; pass None, a bool, "
+                    f"or a function (path, shape) -> bool.")
+  if mesh is None:
+    mesh = _context_mesh(axis_name)
   data_axis_size(mesh, axis_name)
   others = {a: s for a, s in mesh.shape.items() if a != axis_name and s > 1}
   if others:
@@ -129,5 +229,5 @@ def zero(
     if dt is not None and not jnp.issubdtype(dt, jnp.floating):
       raise ValueError(f"zerojax.Policy: {name}={dt!r} is not a floating "
                        f"dtype.")
-  return ZeroTransformation(inner, stage, mesh, axis_name, policy,
-                            min_shard_size)
+  return from_config(ZeroConfig(inner, stage, mesh, axis_name, policy,
+                                min_shard_size, stacked))

@@ -251,8 +251,9 @@ def _source_spec(meta, params_template, tx, where) -> StateSpec:
        for p in paths])
   mesh = AbstractMesh((meta["n_devices"],), (tx.axis_name,),
                       axis_types=(AxisType.Auto,))
-  source_tx = ZeroTransformation(tx.inner, meta["stage"], mesh, tx.axis_name,
-                                 _policy_from(meta), meta["min_shard_size"])
+  source_tx = tx.replace(stage=meta["stage"], mesh=mesh,
+                         policy=_policy_from(meta),
+                         min_shard_size=meta["min_shard_size"])
   return make_spec(avals, source_tx)
 
 

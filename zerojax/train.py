@@ -173,7 +173,7 @@ def main(config: TrainConfig) -> dict:
     say(f"zerojax.train: resumed from {config.checkpoint_dir} at step "
         f"{start}", flush=True)
   else:
-    state = zerojax.init(init_params, tx, key)   # created sharded, under jit
+    state = zerojax.init_from(init_params, tx, key)   # created sharded, under jit
   start = start or 0
   loss_fn = functools.partial(gpt.loss, config=model)
   train_step = zerojax.train_step(loss_fn, tx, accum_steps=config.accum,

@@ -1,0 +1,104 @@
+"""``ZeroTransformation`` as a plain Optax transformation: the drop-in path.
+
+An existing loop keeps its shape::
+
+    tx = zerojax.zero(optax.adamw(1e-3), stage=1)   # the only changed line
+    opt_state = tx.init(params)
+    @jax.jit
+    def step(params, opt_state, batch):
+      grads = jax.grad(loss)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+``init`` returns the inner optimizer's state with every leaf in its stage
+layout (sharded over the data axis, padded where a dimension does not
+divide it). ``update`` runs the inner optimizer on logical views of global
+arrays (the same code as :func:`zerojax.train_step`'s update, so the result
+is unsharded Optax's) and returns replicated updates in the params' layout.
+
+What it costs against :func:`zerojax.train_step`: the loop's own
+``jax.grad`` leaves the gradient reduction to GSPMD (an all-reduce of the
+full gradient on CPU, where the train step reduce-scatters), and the
+updates come back replicated (an all-gather of the update, where the train
+step gathers the new params). The optimizer state is sharded exactly as at
+the stage. Stage 3 (sharded params) and a master-weight policy need the
+state zerojax owns: :func:`zerojax.init` + :func:`zerojax.train_step`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax import _update
+from zerojax._state import StateSpec, make_spec
+
+
+def _check_config(config, where: str):
+  if config.stage == 3:
+    raise ValueError(
+        f"{where}: at stage 3 zerojax stores the parameters sharded, but in "
+        f"an Optax loop you hold them full. Use stage 1 or 2 as a drop-in, "
+        f"or zerojax.init + zerojax.train_step for stage 3.")
+  if config.policy.has_master:
+    raise ValueError(
+        f"{where}: the policy keeps a {config.policy.master_dtype} master "
+        f"copy, but in an Optax loop the params you hold are the weights the "
+        f"optimizer updates. Drop the policy (cast params yourself), or use "
+        f"zerojax.init + zerojax.train_step for bf16 params with an fp32 "
+        f"master.")
+
+
+def _spec(config, params, where: str) -> StateSpec:
+  from zerojax._transform import from_config
+  _check_config(config, where)
+  if params is None:
+    raise ValueError(f"{where}: zerojax needs params in update "
+                     f"(tx.update(grads, opt_state, params)) to know each "
+                     f"leaf's layout.")
+  return make_spec(params, from_config(config))
+
+
+def init(config, params):
+  """The inner optimizer's state for ``params``, sharded for the stage."""
+  spec = _spec(config, params, "ZeroTransformation.init")
+  leaves = jax.tree.leaves(params)
+  shardings = [spec.sharding(l) for l in spec.opt_layouts]
+
+  def build(leaves):
+    view = spec.optimizer_view([
+        x if r.trainable else None for x, r in zip(leaves, spec.leaves)])
+    state = spec.tx.inner.init(view)
+    return [l.to_storage(x) for x, l in zip(jax.tree.leaves(state),
+                                             spec.opt_layouts)]
+  stored = jax.jit(build, out_shardings=shardings)(leaves)
+  return jax.tree.unflatten(spec.opt_def, stored)
+
+
+def update(config, grads, state, params, **extra_args):
+  """Optax ``update``: replicated updates in the params' structure."""
+  where = "ZeroTransformation.update"
+  spec = _spec(config, params, where)
+  g_leaves, g_def = jax.tree.flatten(grads)
+  p_leaves = jax.tree.leaves(params)
+  if len(g_leaves) != len(p_leaves):
+    raise ValueError(f"{where}: the gradients have {len(g_leaves)} leaves, "
+                     f"the params {len(p_leaves)}; pass gradients with the "
+                     f"params' structure.")
+  g_view, w_view = [], []
+  for g, p, r in zip(g_leaves, p_leaves, spec.leaves):
+    if not r.trainable:
+      g_view.append(None)
+      w_view.append(None)
+      continue
+    g_view.append(_update.grad_view(spec, g, r, where))
+    w_view.append(_update.constrain(p, spec, r.shard))
+  updates, new_opt = _update.inner_update(spec, g_view, w_view, state,
+                                          extra_args)
+  rep = NamedSharding(config.mesh, P())
+  out = [jnp.zeros_like(p) if u is None else
+         jax.lax.with_sharding_constraint(u, rep)
+         for u, p in zip(updates, p_leaves)]
+  return (jax.tree.unflatten(g_def, out),
+          jax.tree.unflatten(jax.tree.structure(state), new_opt))

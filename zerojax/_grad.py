@@ -1,0 +1,452 @@
+"""Gradients for a ZeRO stage, inside ``shard_map``: :func:`value_and_grad`.
+
+Per device, the loss runs on its rows of the batch. Which collective
+reduces the gradient depends on the stage:
+
+* stage 0: ``psum`` of the (accumulated) local gradient: one all-reduce;
+* stage 1: full local gradients, accumulated over micro-batches, then one
+  ``psum_scatter`` per leaf: a reduce-scatter;
+* stages 2-3: the model calls :func:`zerojax.gather` per layer; its custom
+  VJP reduce-scatters each layer's cotangent where the backward pass makes
+  it (see ``_gather.py``).
+
+Every differentiated value is made device-varying first: differentiating a
+replicated value inside ``shard_map`` makes JAX insert the transpose of an
+implicit broadcast, an all-reduce, that would spoil the reduce-scatter.
+
+Before the loss is differentiated at stages 2-3, its traced program is
+checked (``_audit.py``): a loss that touches a sharded parameter other than
+through ``gather`` (an L2 term over ``jax.tree.leaves(params)``, a
+``ravel_pytree``) is run on the whole gathered tree instead
+(``gather="auto"``), or rejected (``gather="model"``). Never silently on
+shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax import _audit, _gather
+from zerojax._state import StateSpec, ZeroState, make_spec
+
+GATHER_MODES = ("auto", "model", "all")
+
+
+class LossOutputError(ValueError):
+  """``loss_fn`` returned something other than what its signature promises."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCall:
+  """How a loss is called and what it returns.
+
+  ``loss_fn(params, batch[, key=][, model_state=])`` returns
+
+  * without model state: ``loss``, or ``(loss, aux)`` (``has_aux`` True, or
+    ``None`` to accept either);
+  * with model state: ``(loss, new_model_state)`` or
+    ``(loss, new_model_state, aux)``.
+  """
+
+  has_key: bool = False
+  has_model_state: bool = False
+  has_aux: bool | None = None
+
+  def __call__(self, loss_fn, params, batch, key, model_state):
+    kw = {}
+    if self.has_key:
+      kw["key"] = key
+    if self.has_model_state:
+      kw["model_state"] = model_state
+    return self.parse(loss_fn(params, batch, **kw), model_state)
+
+  def parse(self, out, model_state):
+    """-> ``(loss as float32 scalar, new_model_state, aux)``."""
+    if self.has_model_state:
+      if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise LossOutputError(
+            "zerojax: with model_state, loss_fn must return "
+            "(loss, new_model_state) or (loss, new_model_state, aux); got "
+            f"{_describe(out)}.")
+      loss, new_state = out[0], out[1]
+      aux = out[2] if len(out) == 3 else None
+      _check_same_tree(model_state, new_state)
+    elif self.has_aux is None:
+      loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+      new_state = None
+    elif self.has_aux:
+      if not isinstance(out, tuple) or len(out) != 2:
+        raise LossOutputError(f"zerojax: has_aux=True, so loss_fn must return "
+                              f"(loss, aux); got {_describe(out)}.")
+      (loss, aux), new_state = out, None
+    else:
+      loss, aux, new_state = out, None, None
+    if not hasattr(loss, "shape") or jnp.shape(loss) != ():
+      raise LossOutputError(
+          f"zerojax: loss_fn must return a scalar loss (or a tuple starting "
+          f"with one); got loss of shape {jnp.shape(loss)}.")
+    return jnp.asarray(loss).astype(jnp.float32), new_state, aux
+
+
+def _describe(out) -> str:
+  if isinstance(out, tuple):
+    return f"a tuple of {len(out)}"
+  return f"{type(out).__name__} of shape {jnp.shape(out)}"
+
+
+def _check_same_tree(old, new):
+  old_l, old_def = jax.tree_util.tree_flatten_with_path(old)
+  new_l, new_def = jax.tree_util.tree_flatten_with_path(new)
+  if old_def != new_def:
+    raise LossOutputError(
+        f"zerojax: the model state returned by loss_fn has tree structure "
+        f"{new_def}, the state given to it {old_def}. Return the updated "
+        f"model state with the same structure (e.g. nnx.state(model, ...) "
+        f"with the same filters).")
+  for (path, a), (_, b) in zip(old_l, new_l):
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise LossOutputError(
+          f"zerojax: model_state{jax.tree_util.keystr(path)} went from "
+          f"{a.dtype}{list(a.shape)} to {b.dtype}{list(b.shape)} in loss_fn; "
+          f"model state must keep its shapes and dtypes (cast it back).")
+
+
+# --------------------------------------------------------------------------
+# per device
+# --------------------------------------------------------------------------
+def _split_micro(x, k):
+  return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+
+
+def _gather_spec(spec: StateSpec, i: int) -> _gather.GatherSpec:
+  r = spec.leaves[i]
+  return _gather.GatherSpec(
+      axis_name=spec.tx.axis_name, dim=r.shard.dim - len(r.aval.shape),
+      size=r.aval.shape[r.shard.dim], stage=spec.stage,
+      reduce_dtype=r.reduce_dtype)
+
+
+def hooked_leaves(spec: StateSpec) -> list[bool]:
+  """Which params reach a stage 2-3 loss as ShardedParam."""
+  return [spec.stage >= 2 and r.hooked for r in spec.leaves]
+
+
+def model_params(spec, leaves, sinks, hooked, gspecs):
+  """The params tree the loss sees: ShardedParam where hooked."""
+  return spec.unflatten_params([
+      _gather.ShardedParam(sinks[i], x, gspecs[i]) if hooked[i] else
+      (sinks[i] if sinks[i] is not None else x)
+      for i, x in enumerate(leaves)])
+
+
+def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
+                   what: str) -> str:
+  """``"model"`` or ``"all"`` for this loss; raises or warns as the mode says.
+
+  ``probe(*args, gather_all=False)`` calls the loss on ShardedParam leaves
+  (or, with ``gather_all``, on the gathered tree); ``tagged`` gives, per
+  leaf of ``args``, the param index it belongs to (None: not a param).
+  """
+  if mode == "all" or not any(t is not None for t in tagged):
+    return mode if mode == "all" else "model"
+  try:
+    misuse = _audit.ungathered_uses(probe, args, tagged)
+  except _gather.UngatheredParamError as e:
+    if mode == "model":
+      raise
+    reason = str(e).splitlines()[0]
+  except LossOutputError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- told apart just below
+    if mode == "model":
+      raise
+    # A library may reject the unfamiliar ShardedParam leaf with its own
+    # error (Flax checks shapes). Trace the loss on the gathered tree: if
+    # that fails too, the bug is the loss's own, and that error is raised,
+    # once and unchanged; if it succeeds, the ShardedParam was the problem.
+    error = None
+    try:
+      jax.make_jaxpr(lambda *a: probe(*a, gather_all=True))(*args)
+    except Exception as e2:  # noqa: BLE001 -- re-raised as it is
+      error = e2
+    if error is not None:
+      raise error
+    reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+  else:
+    if not misuse:
+      return "model"
+    uses = "; ".join(f"params{spec.leaves[i].path} by {prim}"
+                     for i, prim in sorted(misuse.items())[:5])
+    more = f" (and {len(misuse) - 5} more)" if len(misuse) > 5 else ""
+    reason = f"used without zerojax.gather: {uses}{more}"
+    if mode == "model":
+      raise _gather.UngatheredParamError(
+          f"zerojax {what}, gather='model': sharded parameters are {reason}. "
+          f"Their shards are not the parameter: call zerojax.gather on "
+          f"them first, or use gather='auto' (default) / 'all' to gather the "
+          f"whole tree at the start of the loss.")
+  warn_whole_tree_gather(spec, reason, what)
+  return "all"
+
+
+def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
+  full = sum(int(np.prod(r.aval.shape)) * np.dtype(r.compute_dtype).itemsize
+             for r in spec.leaves)
+  cost = (f"all {full / 2**20:.1f} MiB of full weights are live per device "
+          f"at once, instead of one layer's" if spec.stage == 3 else
+          f"the full gradient ({full / 2**20:.1f} MiB per device in compute "
+          f"dtype) is produced before it is reduce-scattered")
+  warnings.warn(
+      f"zerojax stage {spec.stage} {what}: loss_fn does not only gather its "
+      f"parameters ({reason}), so zerojax gathers the whole parameter tree "
+      f"at the start of the loss (exact, not lean): {cost}. To gather per "
+      f"layer, run the layers in a lax.scan and call "
+      f"zerojax.gather(layer_params) in the (jax.checkpoint-ed) body; pass "
+      f"gather='all' to silence this, gather='model' to make it an error.",
+      stacklevel=3)
+
+
+def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
+                gather_mode: str, leaves, batch, key, model_state):
+  """Per-device body: ``(grads, loss, aux, new_model_state)``, reduced.
+
+  ``grads[i]``: the shard (storage layout) of a sharded leaf at stages 1-3,
+  the all-reduced full gradient otherwise, ``None`` for frozen leaves.
+  """
+  tx = spec.tx
+  axis, stage, n = tx.axis_name, tx.stage, tx.num_shards
+  hooked = hooked_leaves(spec)
+  gspecs = [_gather_spec(spec, i) if h else None for i, h in enumerate(hooked)]
+  if key is not None:
+    key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+
+  def diff_inputs():
+    out = []
+    for i, (x, r) in enumerate(zip(leaves, spec.leaves)):
+      if not r.trainable:
+        out.append(None)
+      elif hooked[i]:
+        out.append(_gather.sink_like(r.shard.shard_shape(n), r.reduce_dtype, axis))
+      else:
+        out.append(jax.lax.pcast(x, axis, to="varying"))
+    return out
+
+  def run_loss(diff, mb, k, ms, mode):
+    params = model_params(spec, leaves, diff, hooked, gspecs)
+    if mode == "all":
+      params = _gather.gather(params)
+    return call(loss_fn, params, mb, k, ms)
+
+  micro = (batch if accum_steps == 1 else
+           jax.tree.map(lambda x: _split_micro(x, accum_steps), batch))
+  first = micro if accum_steps == 1 else jax.tree.map(lambda x: x[0], micro)
+  micro_key = lambda i: None if key is None else jax.random.fold_in(key, i)
+
+  # Decide, from the traced program, whether the loss gathers what it uses.
+  diff0 = diff_inputs()
+  sinks = [d if h else None for d, h in zip(diff0, hooked)]
+  srcs = [x if h else None for x, h in zip(leaves, hooked)]
+  tags = ([i for i, h in enumerate(hooked) if h] * 2)
+
+  def probe(sinks, srcs, mb, k, ms, gather_all=False):
+    d = [s if h else d for s, d, h in zip(sinks, diff0, hooked)]
+    ls = [s if h else x for s, x, h in zip(srcs, leaves, hooked)]
+    params = model_params(spec, ls, d, hooked, gspecs)
+    if gather_all:
+      params = _gather.gather(params)
+    return call(loss_fn, params, mb, k, ms)
+
+  args = (sinks, srcs, first, micro_key(0), model_state)
+  n_rest = len(jax.tree.leaves(args)) - len(tags)
+  mode = resolve_gather(spec, gather_mode, probe, args, tags + [None] * n_rest,
+                        "train step") if stage >= 2 else "model"
+
+  def one(mb, k, ms):
+    def f(diff):
+      loss, new_ms, aux = run_loss(diff, mb, k, ms, mode)
+      return loss, (new_ms, aux)
+    (loss, (new_ms, aux)), g = jax.value_and_grad(f, has_aux=True)(diff_inputs())
+    g = [None if x is None else x.astype(r.reduce_dtype)
+         for x, r in zip(g, spec.leaves)]
+    return g, loss, aux, new_ms
+
+  if accum_steps == 1:
+    grads, loss, aux, new_ms = one(micro, micro_key(0), model_state)
+  else:
+    g_shape, l_shape, a_shape, _ = jax.eval_shape(
+        lambda mb: one(mb, micro_key(0), model_state), first)
+    zeros = jax.tree.map(
+        lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axis, to="varying"),
+        (g_shape, l_shape, a_shape))
+
+    def body(carry, xs):
+      acc, ms = carry
+      mb, i = xs
+      g, loss, aux, ms = one(mb, micro_key(i), ms)
+      return (jax.tree.map(jnp.add, acc, (g, loss, aux)), ms), None
+    ms0 = (None if model_state is None else
+           jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"),
+                        model_state))
+    ((grads, loss, aux), new_ms), _ = jax.lax.scan(
+        body, (zeros, ms0), (micro, jnp.arange(accum_steps)))
+
+  scale = 1.0 / (n * accum_steps)
+  out = []
+  for i, (g, r) in enumerate(zip(grads, spec.leaves)):
+    if g is None:
+      out.append(None)
+    elif hooked[i]:                       # already reduce-scattered
+      out.append(g * scale)
+    elif stage >= 1 and r.shard.sharded:
+      g = jax.lax.psum_scatter(r.shard.to_storage(g), axis,
+                               scatter_dimension=r.shard.dim, tiled=True)
+      out.append(g * scale)
+    else:                                 # stage 0, or a replicated leaf
+      out.append(jax.lax.psum(g, axis) * scale)
+  loss = jax.lax.psum(loss, axis) * scale
+  # float aux: mean over devices and micro-batches; integer aux (counts):
+  # summed over both.
+  aux = jax.tree.map(lambda a: jax.lax.psum(a, axis) * scale
+                     if jnp.issubdtype(a.dtype, jnp.inexact)
+                     else jax.lax.psum(a, axis), aux)
+  if new_ms is not None:
+    new_ms = jax.tree.map(lambda x: sync_model_state(x, axis), new_ms)
+  return out, loss, aux, new_ms
+
+
+def sync_model_state(x, axis):
+  """Floating state: mean over the data axis (synchronised batch norm);
+  anything else (counters, keys): device 0's value, on every device."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jax.lax.pmean(x, axis)
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(x)
+    return jax.random.wrap_key_data(sync_model_state(jax.random.key_data(x), axis),
+                                    impl=impl)
+  first = jax.lax.axis_index(axis) == 0
+  return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axis)
+
+
+# --------------------------------------------------------------------------
+# global: the shard_map around it
+# --------------------------------------------------------------------------
+def sharded_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps,
+                  gather_mode, params, batch, key, model_state):
+  """Runs :func:`local_grads` in ``shard_map``; grads as global arrays."""
+  tx = spec.tx
+  axis, stage = tx.axis_name, tx.stage
+  grad_specs = [None if not r.trainable else (r.shard.spec(axis) if stage >= 1
+                                              else P())
+                for r in spec.leaves]
+  param_specs = [r.param.spec(axis) for r in spec.leaves]
+  batch_specs = jax.tree.map(lambda _: P(axis), batch)
+  rep = lambda t: jax.tree.map(lambda _: P(), t)
+  local = lambda p, b, k, ms: local_grads(spec, call, loss_fn, accum_steps,
+                                          gather_mode, p, b, k, ms)
+  return jax.shard_map(
+      local, mesh=tx.mesh,
+      in_specs=(param_specs, batch_specs, rep(key), rep(model_state)),
+      out_specs=(grad_specs, P(), P(), P()))(
+          jax.tree.leaves(params), batch, key, model_state)
+
+
+def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
+                   accum_steps: int = 1, gather: str = "auto") -> Callable:
+  """Sharded ``jax.value_and_grad`` for ``tx``'s stage, returning gradients
+  in the stage's layout.
+
+  The gradient half of :func:`zerojax.train_step`, usable alone: the loss
+  runs per device on its rows of the batch inside ``shard_map``, and the
+  gradient is all-reduced (stage 0), reduce-scattered after the backward
+  (stage 1), or reduce-scattered layer by layer through
+  :func:`zerojax.gather` (stages 2-3).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch[, key=])`` returning the mean loss over
+      its rows, or ``(loss, aux)`` with ``has_aux=True``.
+    tx: a :class:`zerojax.ZeroTransformation`.
+    has_aux: as in ``jax.value_and_grad``. Floating aux leaves are averaged
+      over devices and micro-batches, integer ones (counts) summed.
+    accum_steps: micro-batches per call (accumulated inside).
+    gather: as in :func:`zerojax.train_step`.
+
+  Returns:
+    ``fn(params, batch, *, key=None) -> (value, grads)`` with ``value`` the
+    loss, or ``(loss, aux)``. ``params`` is the params tree as you hold it
+    (stages 0-2: replicated) or a :class:`zerojax.ZeroState` (any stage;
+    needed at stage 3, whose params are stored sharded; its step key is
+    used when it carries one). ``grads`` has the params' structure: at
+    stage 0 the full gradient, replicated; at stages 1-3 each sharded leaf
+    as its storage shard (padded like the master copy, sharded over the
+    data axis), ready for ``tx.update`` or :func:`zerojax.apply_gradients`.
+    With ``key``, the loss is called with ``key=`` folded per device and
+    micro-batch. Jitted; nothing is donated.
+
+  Example:
+    >>> grad_fn = zerojax.value_and_grad(loss_fn, tx)
+    >>> loss, grads = grad_fn(params, batch)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+  """
+  check_options(loss_fn, gather, accum_steps, "zerojax.value_and_grad")
+  from zerojax._step import place_batch
+
+  @jax.jit
+  def run(params, batch, key):
+    if isinstance(params, ZeroState):
+      spec, model, ms = params.spec, params.params, params.model_state
+      if key is None and params.key is not None:
+        key = jax.random.fold_in(params.key, params.step)
+    else:
+      spec, model, ms = _spec_for(params, tx), params, None
+      model = jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(
+              x, NamedSharding(tx.mesh, P())), model)
+    call = LossCall(has_key=key is not None, has_model_state=False,
+                    has_aux=has_aux)
+    grads, loss, aux, _ = sharded_grads(spec, call, loss_fn, accum_steps,
+                                        gather, model, batch, key, ms)
+    grads = spec.unflatten_params([
+        g if g is not None else np.zeros(r.aval.shape, jax.dtypes.float0)
+        for g, r in zip(grads, spec.leaves)])
+    return ((loss, aux) if has_aux else loss), grads
+
+  def fn(params, batch, *, key=None):
+    if isinstance(params, ZeroState):
+      if params.model_state is not None:
+        raise ValueError(
+            "zerojax.value_and_grad: this state carries model_state, whose "
+            "update value_and_grad cannot return; use zerojax.train_step.")
+      if params.spec.tx.config != tx.config:
+        raise ValueError("zerojax.value_and_grad: the state was laid out by "
+                         "another ZeroTransformation than this one.")
+    elif tx.stage == 3:
+      raise ValueError(
+          "zerojax.value_and_grad at stage 3: the parameters are stored "
+          "sharded, so pass the ZeroState from zerojax.init (not a params "
+          "tree): grad_fn(state, batch).")
+    return run(params, place_batch(batch, tx, accum_steps), key)
+  return fn
+
+
+def _spec_for(params, tx) -> StateSpec:
+  return make_spec(params, tx)
+
+
+def check_options(loss_fn, gather, accum_steps, where):
+  if gather not in GATHER_MODES:
+    raise ValueError(f"{where}: gather={gather!r}; use 'auto', "
+                     f"'model' (the loss calls zerojax.gather per layer) or "
+                     f"'all' (zerojax gathers the whole tree first).")
+  if not isinstance(accum_steps, int) or accum_steps < 1:
+    raise ValueError(f"{where}: accum_steps={accum_steps!r} must be "
+                     f"an int >= 1.")
+  if not callable(loss_fn):
+    raise TypeError(f"{where}: loss_fn must be callable.")
