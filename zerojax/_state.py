@@ -289,13 +289,20 @@ def _build_state(stored, spec: StateSpec) -> ZeroState:
       spec=spec)
 
 
+@functools.lru_cache(maxsize=8)
+def _fresh_copy(sharding):
+  return jax.jit(lambda x: jnp.copy(x), out_shardings=sharding)
+
+
 def _replicated(tree, spec: StateSpec):
   """Host or device values, the same on every process -> replicated arrays."""
   rep = NamedSharding(spec.tx.mesh, P())
 
   def put(x):
     if jax.process_count() == 1:
-      return jax.device_put(x, rep)
+      # A fresh buffer: the train step donates the state, and device_put
+      # may alias the caller's array (it does for replicated placement).
+      return _fresh_copy(rep)(x)
     if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
       return jax.random.wrap_key_data(put(jax.random.key_data(x)),
                                       impl=jax.random.key_impl(x))

@@ -86,7 +86,26 @@ def _state_tree(state: ZeroState) -> dict:
   tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
   if state.master is not None:
     tree["master"] = state.master
+  if state.key is not None:
+    tree["key"] = _key_data(state.key)
+  if state.model_state is not None:
+    tree["model_state"] = state.model_state
   return tree
+
+
+def _is_typed_key(key) -> bool:
+  return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(key):
+  return jax.random.key_data(key) if _is_typed_key(key) else key
+
+
+def _key_meta(key) -> str | None:
+  """How to rebuild the key: its PRNG implementation, or "raw" (uint32)."""
+  if key is None:
+    return None
+  return str(jax.random.key_impl(key)) if _is_typed_key(key) else "raw"
 
 
 class Checkpointer:
@@ -126,7 +145,9 @@ class Checkpointer:
       raise TypeError(f"Checkpointer.save: expected a ZeroState, got "
                       f"{type(state).__name__}.")
     step = int(jax.device_get(state.step))
-    meta = dict(describe(state.spec), extra=extra or {})
+    meta = dict(describe(state.spec), extra=extra or {},
+                key=_key_meta(state.key),
+                model_state=state.model_state is not None)
     return self._manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state_tree(state)),
                                       meta=ocp.args.JsonSave(meta)),
@@ -183,7 +204,8 @@ class Checkpointer:
     return step
 
   def restore(self, params_template, tx: ZeroTransformation,
-              step: int | None = None) -> tuple[ZeroState, dict]:
+              step: int | None = None, *,
+              model_state_template=None) -> tuple[ZeroState, dict]:
     """Restores a step (default: the latest) into ``tx``'s layout.
 
     Args:
@@ -193,6 +215,9 @@ class Checkpointer:
       tx: the target :class:`ZeroTransformation` (any stage, mesh, policy;
         the same inner optimizer).
       step: which step; default the latest committed one.
+      model_state_template: the model state's structure (arrays or
+        ShapeDtypeStructs), needed when the checkpoint holds model state.
+        The PRNG key, when saved, is restored without a template.
 
     Returns:
       ``(state, extra)``: the state laid out for ``tx``, and the ``extra``
@@ -204,6 +229,20 @@ class Checkpointer:
     source = _source_spec(meta, params_template, tx, self.directory / str(step))
     _check_compatible(meta, source, target, self.directory / str(step))
     abstract = _restore_targets(source, target)
+    rep = NamedSharding(tx.mesh, P())
+    if meta.get("key"):
+      shape = (2,) if meta["key"] == "raw" else tuple(jax.eval_shape(
+          lambda: jax.random.key_data(jax.random.key(0, impl=meta["key"]))).shape)
+      abstract["key"] = jax.ShapeDtypeStruct(shape, jnp.uint32, sharding=rep)
+    if meta.get("model_state"):
+      if model_state_template is None:
+        raise CheckpointError(
+            f"zerojax checkpoint {self.directory}/{step} holds model state; "
+            f"pass its structure: restore(params_template, tx, "
+            f"model_state_template=...).")
+      abstract["model_state"] = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep),
+          model_state_template)
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract)))
@@ -213,9 +252,14 @@ class Checkpointer:
           f"({type(e).__name__}: {str(e)[:300]}). It may be corrupted or "
           f"partially written; restore an earlier step (available: "
           f"{self.all_steps()}). Nothing was changed.") from e
+    tree = dict(out["state"])
+    key, model_state = tree.pop("key", None), tree.pop("model_state", None)
+    if key is not None and meta["key"] != "raw":
+      key = jax.random.wrap_key_data(key, impl=meta["key"])
     convert = jax.jit(lambda t: _convert(t, source, target),
                       out_shardings=target.shardings())
-    return convert(out["state"]), meta.get("extra", {})
+    state = convert(tree).replace(key=key, model_state=model_state)
+    return state, meta.get("extra", {})
 
 
 def _policy_from(meta) -> Policy:
