@@ -86,6 +86,10 @@ def update(config, grads, state, params, **extra_args):
     raise ValueError(f"{where}: the gradients have {len(g_leaves)} leaves, "
                      f"the params {len(p_leaves)}; pass gradients with the "
                      f"params' structure.")
+  rep = NamedSharding(config.mesh, P())
+  # The params are the caller's, replicated: pin them so, then view them
+  # sharded (left free, XLA may pick an input layout JAX cannot express).
+  p_leaves = [jax.lax.with_sharding_constraint(p, rep) for p in p_leaves]
   g_view, w_view = [], []
   for g, p, r in zip(g_leaves, p_leaves, spec.leaves):
     if not r.trainable:
@@ -96,7 +100,6 @@ def update(config, grads, state, params, **extra_args):
     w_view.append(_update.constrain(p, spec, r.shard))
   updates, new_opt = _update.inner_update(spec, g_view, w_view, state,
                                           extra_args)
-  rep = NamedSharding(config.mesh, P())
   out = [jnp.zeros_like(p) if u is None else
          jax.lax.with_sharding_constraint(u, rep)
          for u, p in zip(updates, p_leaves)]

@@ -49,6 +49,7 @@ class GatherSpec:
   size: int
   stage: int
   reduce_dtype: Any
+  path: str = ""          # the leaf's keystr in the params tree, for errors
 
 
 class UngatheredParamError(TypeError):
@@ -86,7 +87,8 @@ class ShardedParam:
 
   def _misuse(self, *args, **kwargs):
     raise UngatheredParamError(
-        f"zerojax: a sharded parameter of shape {self.shape} was used without "
+        f"zerojax: sharded parameter params{self.spec.path} (shape "
+        f"{self.shape}) was used without "
         f"being gathered. Call zerojax.gather(params) (or on the layer's "
         f"subtree) before using it, or build the step with "
         f"zerojax.train_step(..., gather='all').")

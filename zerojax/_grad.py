@@ -131,7 +131,7 @@ def _gather_spec(spec: StateSpec, i: int) -> _gather.GatherSpec:
   return _gather.GatherSpec(
       axis_name=spec.tx.axis_name, dim=r.shard.dim - len(r.aval.shape),
       size=r.aval.shape[r.shard.dim], stage=spec.stage,
-      reduce_dtype=r.reduce_dtype)
+      reduce_dtype=r.reduce_dtype, path=r.path)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:

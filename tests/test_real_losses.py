@@ -1,0 +1,164 @@
+"""Losses as people write them: exact at every stage, or a clear error.
+
+A loss that touches its params other than through ``zerojax.gather`` (an L2
+term over the tree, ``optax.tree.norm``, ``ravel_pytree``, ``jax.tree.map``)
+must give the unsharded result at stages 0-3 under the default settings.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import zerojax
+
+
+def _params():
+  k = jax.random.split(jax.random.key(0), 3)
+  return {"w1": jax.random.normal(k[0], (6, 12)) * 0.5,
+          "w2": jax.random.normal(k[1], (12, 3)) * 0.5,
+          "b": jnp.zeros((3,))}
+
+
+def _fit(q, b):
+  return jnp.mean((jnp.tanh(b["x"] @ q["w1"]) @ q["w2"] + q["b"][None] - b["y"]) ** 2)
+
+
+def l2_over_leaves(params, b):            # the issue's example
+  reg = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(params))
+  return _fit(zerojax.gather(params), b) + 1e-2 * reg
+
+
+def tree_norm(params, b):
+  return _fit(zerojax.gather(params), b) + 0.1 * optax.tree.norm(params)
+
+
+def ravel(params, b):
+  flat, _ = ravel_pytree(params)
+  return _fit(zerojax.gather(params), b) + 1e-2 * jnp.sum(flat ** 2)
+
+
+def tree_map_then_gather(params, b):
+  scaled = jax.tree.map(lambda x: 0.5 * x, params)
+  return _fit(zerojax.gather(scaled), b)
+
+
+def never_gathers(params, b):
+  return _fit(params, b)
+
+
+LOSSES = {f.__name__: f for f in (l2_over_leaves, tree_norm, ravel,
+                                  tree_map_then_gather, never_gathers)}
+
+
+def _data(n=3):
+  rng = np.random.default_rng(0)
+  return [{"x": rng.normal(size=(16, 6)).astype(np.float32),
+           "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(n)]
+
+
+def _reference(loss, opt, data):
+  params = _params()
+  state = opt.init(params)
+  losses = []
+  for b in data:
+    value, g = jax.value_and_grad(loss)(params, b)
+    updates, state = opt.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    losses.append(float(value))
+  return params, losses
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", LOSSES)
+def test_whole_tree_losses_equal_unsharded_optax(mesh, name, stage):
+  loss, data = LOSSES[name], _data()
+  want, want_losses = _reference(loss, optax.adam(1e-2), data)
+  tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  step = zerojax.train_step(loss, tx)
+  losses = []
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for b in data:
+      state, metrics = step(state, b)
+      losses.append(float(metrics["loss"]))
+  got = zerojax.gather_params(state)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  notes = [str(w.message) for w in caught if "zerojax" in str(w.message)]
+  if stage >= 2:   # the whole-tree path, said once, naming a leaf
+    assert len(notes) == 1 and "params['w1']" in notes[0], notes
+  else:
+    assert not notes, notes
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gather_model_rejects_an_ungathered_use_and_keeps_the_state(mesh, stage):
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  before = jax.tree.map(np.asarray, zerojax.gather_params(state))
+  step = zerojax.train_step(l2_over_leaves, tx, gather="model")
+  with pytest.raises(zerojax.UngatheredParamError,
+                     match=r"params\['b'\] by .*params\['w1'\] by integer_pow"):
+    step(state, _data(1)[0])
+  after = zerojax.gather_params(state)          # not donated, not updated
+  for k in before:
+    np.testing.assert_array_equal(after[k], before[k])
+  assert int(state.step) == 0
+
+
+def test_a_bug_in_the_loss_raises_once_and_unchanged(mesh):
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+
+  def buggy(params, b):
+    q = zerojax.gather(params)
+    return _fit(q, b) + b["missing_key"].sum()
+
+  step = zerojax.train_step(buggy, tx)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with pytest.raises(KeyError) as info:
+      step(state, _data(1)[0])
+  assert info.value.args == ("missing_key",)
+  assert not [w for w in caught if "zerojax" in str(w.message)]
+  assert int(state.step) == 0
+
+
+def test_per_layer_loss_takes_the_lean_path_silently(mesh):
+  """A loss that only gathers is not sent down the whole-tree path."""
+  from tests import toy
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    hlo = step.lower(state, toy.batches(1)[0]).compile().as_text()
+  loops = [c for c in zerojax.collectives(hlo, 8)
+           if c.kind == "all-gather" and c.count == toy.LAYERS]
+  assert loops, "per-layer gathers inside the scan"
+
+
+def test_slicing_a_leaf_not_marked_stacked_raises(mesh):
+  """A leaf declared not a layer stack may be sharded on dim 0; scanning
+  over it then raises in gather instead of gathering the wrong axis."""
+  params = {"layers": jnp.ones((8, 3))}       # dim 0 pads least -> sharded
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh, stacked=False)
+  state = zerojax.init(params, tx)
+  assert state.spec.leaves[0].shard.dim == 0
+
+  def loss(p, b):
+    def body(h, w):
+      return h + zerojax.gather(w).sum(), None
+    h, _ = jax.lax.scan(body, 0.0, p["layers"])
+    return h * b["x"].mean()
+
+  with pytest.raises(ValueError, match="not marked as a layer stack"):
+    zerojax.train_step(loss, tx, gather="model")(state, {"x": np.ones((8,))})
