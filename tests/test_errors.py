@@ -21,13 +21,17 @@ def setup(mesh):
   return params, tx, state, step
 
 
-def _intact(state, step):
-  """The state was not donated or half-updated: a good step still runs."""
-  before = zerojax.gather_params(state)
+def _intact(state, step, params=None):
+  """The state was not donated or half-updated: its arrays still hold the
+  values zerojax.init gave them, and a good step still runs."""
+  params = toy.init_params(jax.random.key(0)) if params is None else params
+  fresh = zerojax.init(params, state.spec.tx)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                          jax.tree.leaves(fresh)):
+    assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
   assert int(state.step) == 0
   new, metrics = step(state, toy.batches(1)[0])
   assert int(new.step) == 1 and np.isfinite(float(metrics["loss"]))
-  del before
 
 
 def test_batch_not_divisible(setup):

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -54,13 +55,26 @@ def setup():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp32_parity(setup, mesh, opt_name, stage):
   params, data = setup
-  want = toy.reference(params, OPTIMIZERS[opt_name](), data)
+  want, want_opt = toy.reference(params, OPTIMIZERS[opt_name](), data,
+                                 with_state=True)
   tx = zerojax.zero(OPTIMIZERS[opt_name](), stage=stage, mesh=mesh)
   state, _ = _run(params, tx, data)
   got = zerojax.gather_params(state)
   assert int(state.step) == STEPS
+  assert jax.tree.structure(got) == jax.tree.structure(params)
   err = toy.rel_err(_float_leaves(got), _float_leaves(want))
   assert err < 1e-6, f"{opt_name} stage {stage}: relative error {err:.2e}"
+  # the optimizer state too: same structure, same moments and counters
+  got_opt = zerojax.gather_opt_state(state)
+  assert jax.tree.structure(got_opt) == jax.tree.structure(want_opt)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got_opt)[0],
+                          jax.tree.leaves(want_opt)):
+    assert a.shape == b.shape and a.dtype == b.dtype, jax.tree_util.keystr(path)
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7,
+                                 err_msg=jax.tree_util.keystr(path))
+    else:
+      assert (np.asarray(a) == np.asarray(b)).all(), jax.tree_util.keystr(path)
   # The integer buffer is carried untouched.
   assert (got["ids"] == params["ids"]).all()
 

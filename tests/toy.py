@@ -60,7 +60,7 @@ def _trained(x):
 
 
 def reference(params, opt, data, *, param_dtype=None, reduce_dtype=None,
-              devices=1):
+              devices=1, with_state=False):
   """Plain Optax on one device, with the same mixed-precision policy.
 
   With ``devices > 1`` each batch is split in ``devices`` chunks whose
@@ -95,7 +95,7 @@ def reference(params, opt, data, *, param_dtype=None, reduce_dtype=None,
 
   for batch in data:
     master, state = step(master, state, batch)
-  return master
+  return (master, state) if with_state else master
 
 
 def rel_err(got, want):

@@ -24,6 +24,7 @@ from zerojax._grad import value_and_grad as value_and_grad
 from zerojax._state import LeafSpec as LeafSpec
 from zerojax._state import StateSpec as StateSpec
 from zerojax._state import ZeroState as ZeroState
+from zerojax._state import gather_opt_state as gather_opt_state
 from zerojax._state import gather_params as gather_params
 from zerojax._state import init as init
 from zerojax._state import init_from as init_from
@@ -44,7 +45,7 @@ __all__ = [
     "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
     "UngatheredParamError", "ZeroConfig", "ZeroState", "ZeroTransformation",
     "apply_gradients", "collective_bytes", "collectives", "eval_step",
-    "gather", "gather_params", "init", "init_from", "layout_rows",
+    "gather", "gather_opt_state", "gather_params", "init", "init_from", "layout_rows",
     "layout_table", "make_mesh", "report", "shard_batch", "state_bytes",
     "theory_bytes", "train_step", "value_and_grad", "zero",
 ]

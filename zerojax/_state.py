@@ -473,3 +473,21 @@ def _gather_replicated(state: ZeroState, use_master: bool):
   rep = NamedSharding(state.spec.tx.mesh, P())
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rep),
                       _gather(state, use_master))
+
+
+def gather_opt_state(state: ZeroState):
+  """The inner optimizer's state, full and unpadded (replicated): what
+  unsharded Optax would hold, e.g. to inspect moments or compare runs."""
+  if not isinstance(state, ZeroState):
+    raise TypeError(f"zerojax.gather_opt_state: expected a ZeroState, got "
+                    f"{type(state).__name__}.")
+  return _gather_opt_jit(state.replace(key=None, model_state=None))
+
+
+@jax.jit
+def _gather_opt_jit(state: ZeroState):
+  spec = state.spec
+  rep = NamedSharding(spec.tx.mesh, P())
+  return jax.tree.unflatten(spec.opt_def, [
+      jax.lax.with_sharding_constraint(l.to_logical(x), rep)
+      for x, l in zip(jax.tree.leaves(state.opt_state), spec.opt_layouts)])
