@@ -1,0 +1,190 @@
+"""The layered API: the Optax drop-in, value_and_grad, apply_gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zerojax
+from tests import toy
+
+
+def _params():
+  k = jax.random.split(jax.random.key(0), 2)
+  return {"w1": jax.random.normal(k[0], (6, 12)) * 0.5,    # uneven: padded
+          "w2": jax.random.normal(k[1], (12, 3)) * 0.5,
+          "b": jnp.zeros((3,))}
+
+
+def loss(p, b):
+  h = jnp.tanh(b["x"] @ zerojax.gather(p["w1"]))
+  out = h @ zerojax.gather(p["w2"]) + zerojax.gather(p["b"])[None]
+  return jnp.mean((out - b["y"]) ** 2)
+
+
+def _data(n=3):
+  rng = np.random.default_rng(0)
+  return [{"x": rng.normal(size=(16, 6)).astype(np.float32),
+           "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(n)]
+
+
+def existing_loop(tx, data, params=None):
+  """An existing Optax loop, as written without zerojax."""
+  params = _params() if params is None else params
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    grads = jax.grad(loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for batch in data:
+    params, opt_state = step(params, opt_state, batch)
+  return params, opt_state
+
+
+def test_zero_is_a_real_optax_transformation(mesh):
+  tx = zerojax.zero(optax.adamw(1e-2), stage=1, mesh=mesh)
+  assert isinstance(tx, optax.GradientTransformationExtraArgs)
+  assert tx.stage == 1 and tx.num_shards == 8
+  chained = optax.chain(optax.clip_by_global_norm(1.0), optax.scale(1.0))
+  assert isinstance(zerojax.zero(chained, stage=2, mesh=mesh),
+                    optax.GradientTransformation)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "clip_adamw", "adafactor"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_existing_optax_loop_changes_one_line(mesh, stage, opt):
+  make = {"adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+          "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.1),
+                                            optax.adamw(1e-2)),
+          "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4)}[opt]
+  data = _data()
+  want, want_state = existing_loop(make(), data)
+  got, got_state = existing_loop(zerojax.zero(make(), stage=stage, mesh=mesh),
+                                 data)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+  # the optimizer state is the inner one, laid out for the stage
+  assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
+  sharded = [x for x in jax.tree.leaves(got_state)
+             if "data" in str(x.sharding.spec)]
+  if stage == 0:
+    assert not sharded
+  else:
+    big = [x for x in jax.tree.leaves(want_state) if x.ndim >= 1 and x.size >= 8]
+    assert len(sharded) == len(big)
+    for x in sharded:     # each device holds 1/8 of the (padded) leaf
+      assert x.addressable_shards[0].data.size * 8 == x.size
+
+
+def test_nnx_optimizer_changes_one_line(mesh):
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(6, 12, rngs=rngs)
+      self.l2 = nnx.Linear(12, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jnp.tanh(self.l1(x)))
+
+  def train(tx):
+    model = Model(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+      grads = nnx.grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+      optimizer.update(model, grads)
+
+    for batch in _data():
+      step(model, optimizer, batch)
+    return nnx.state(model, nnx.Param), optimizer
+
+  want, _ = train(optax.adamw(1e-2))
+  got, optimizer = train(zerojax.zero(optax.adamw(1e-2), stage=1, mesh=mesh))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  specs = {str(x.sharding.spec) for x in jax.tree.leaves(optimizer.opt_state)
+           if x.ndim}
+  assert any("data" in s for s in specs)
+  assert int(optimizer.step[...]) == 3
+
+
+def test_drop_in_forwards_extra_args(mesh):
+  def opt():
+    return optax.chain(optax.sgd(0.5), optax.contrib.reduce_on_plateau(
+        factor=0.5, patience=0, rtol=0.5))
+
+  def run(tx):
+    params, state = _params(), tx.init(_params())
+    for batch in _data(1) * 4:
+      value, grads = jax.value_and_grad(loss)(params, batch)
+      updates, state = tx.update(grads, state, params, value=value)
+      params = optax.apply_updates(params, updates)
+    return params
+
+  want, got = run(opt()), run(zerojax.zero(opt(), stage=1, mesh=mesh))
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_value_and_grad_in_the_stage_layout_then_tx_update(mesh, stage):
+  tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=mesh)
+  grad_fn = zerojax.value_and_grad(loss, tx)
+  params, opt_state = _params(), tx.init(_params())
+  ref, ref_tx = _params(), optax.adam(1e-2)
+  ref_state = ref_tx.init(ref)
+  for batch in _data():
+    value, grads = grad_fn(params, batch)
+    # w1 is (6, 12): its gradient comes back as the padded storage shard
+    assert grads["w1"].shape == (8, 12)
+    assert "data" in str(grads["w1"].sharding.spec)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    ref_value, g = jax.value_and_grad(loss)(ref, batch)
+    u, ref_state = ref_tx.update(g, ref_state, ref)
+    ref = optax.apply_updates(ref, u)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+  for k in ref:
+    np.testing.assert_allclose(params[k], ref[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_train_step_is_value_and_grad_then_apply_gradients(mesh, stage):
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh,
+                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  params = toy.init_params(jax.random.key(0))
+  grad_fn = zerojax.value_and_grad(toy.loss_fn, tx)
+  a = zerojax.init(params, tx)
+  b = zerojax.init(params, tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  for batch in toy.batches(2):
+    _, grads = grad_fn(a, batch)
+    a = zerojax.apply_gradients(a, grads)
+    b, _ = step(b, batch)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x, np.float32),
+                                  np.asarray(y, np.float32))
+
+
+def test_drop_in_refuses_what_it_cannot_do(mesh):
+  with pytest.raises(ValueError, match="stage 3 .* zerojax.init \\+ zerojax.train_step"):
+    zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh).init(_params())
+  bf16 = zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh,
+                      policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  with pytest.raises(ValueError, match="master copy"):
+    bf16.init(_params())
+  tx = zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh)
+  state = tx.init(_params())
+  with pytest.raises(ValueError, match="needs params in update"):
+    tx.update(_params(), state)
+  with pytest.raises(ValueError, match=r"gradient\['w1'\] has shape \[6, 5\]"):
+    tx.update(dict(_params(), w1=jnp.zeros((6, 5))), state, _params())
+  with pytest.raises(ValueError, match="pass the ZeroState"):
+    zerojax.value_and_grad(loss, zerojax.zero(optax.adam(1e-2), stage=3,
+                                              mesh=mesh))(_params(), _data(1)[0])
