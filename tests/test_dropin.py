@@ -76,7 +76,8 @@ def test_existing_optax_loop_changes_one_line(mesh, stage, opt):
   if stage == 0:
     assert not sharded
   else:
-    big = [x for x in jax.tree.leaves(want_state) if x.ndim >= 1 and x.size >= 8]
+    big = [x for x in jax.tree.leaves(want_state)
+           if x.ndim >= 1 and jnp.issubdtype(x.dtype, jnp.floating)]
     assert len(sharded) == len(big)
     for x in sharded:     # each device holds 1/8 of the (padded) leaf
       assert x.addressable_shards[0].data.size * 8 == x.size
@@ -142,7 +143,7 @@ def test_value_and_grad_in_the_stage_layout_then_tx_update(mesh, stage):
   for batch in _data():
     value, grads = grad_fn(params, batch)
     # w1 is (6, 12): its gradient comes back as the padded storage shard
-    assert grads["w1"].shape == (8, 12)
+    assert grads["w1"].shape == (6, 16)
     assert "data" in str(grads["w1"].sharding.spec)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)

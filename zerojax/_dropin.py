@@ -27,6 +27,8 @@ state zerojax owns: :func:`zerojax.init` + :func:`zerojax.train_step`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -77,7 +79,20 @@ def init(config, params):
 
 
 def update(config, grads, state, params, **extra_args):
-  """Optax ``update``: replicated updates in the params' structure."""
+  """Optax ``update``: replicated updates in the params' structure.
+
+  Jitted (once per configuration and shapes), so it also works in a loop
+  that is not: the sharding constraints need a ``jit`` around them."""
+  _spec(config, params, "ZeroTransformation.update")     # errors, eagerly
+  return _update_jitted(config)(grads, state, params, extra_args)
+
+
+@functools.lru_cache(maxsize=32)
+def _update_jitted(config):
+  return jax.jit(functools.partial(_update_body, config))
+
+
+def _update_body(config, grads, state, params, extra_args):
   where = "ZeroTransformation.update"
   spec = _spec(config, params, where)
   g_leaves, g_def = jax.tree.flatten(grads)
@@ -96,6 +111,8 @@ def update(config, grads, state, params, **extra_args):
       g_view.append(None)
       w_view.append(None)
       continue
+    if tuple(g.shape) == tuple(r.aval.shape):   # pin, as the params above
+      g = jax.lax.with_sharding_constraint(g, rep)
     g_view.append(_update.grad_view(spec, g, r, where))
     w_view.append(_update.constrain(p, spec, r.shard))
   updates, new_opt = _update.inner_update(spec, g_view, w_view, state,

@@ -71,7 +71,8 @@ def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
         f"optimizer's state for these params has {len(spec.opt_layouts)}. "
         f"Pass the state that tx.init (or zerojax.init) returned.")
   opt_logical = jax.tree.unflatten(opt_def, [
-      constrain(l.to_logical(x), spec, l) for x, l in zip(leaves, spec.opt_layouts)])
+      constrain(l.to_logical(constrain(x, spec, l)), spec, l)
+      for x, l in zip(leaves, spec.opt_layouts)])
   g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree,
