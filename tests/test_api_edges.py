@@ -1,0 +1,134 @@
+"""What a real user hits: eval at stage 3, the context mesh, the two ways
+into init, and the layout of leaves that are not layer stacks."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zerojax
+from tests import toy
+
+D, V, B = 64, 64, 32
+
+
+def _eval_memory(layers, gather):
+  tx = zerojax.zero(optax.adamw(1e-3), stage=3)
+  state = zerojax.init(toy.layered_params(layers, D, V), tx)
+  batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
+  evaluate = zerojax.eval_step(toy.layered_loss, tx, gather=gather)
+  return evaluate.lower(state, batch).compile()
+
+
+def test_eval_gathers_per_layer_at_stage3():
+  lean = _eval_memory(16, "model")
+  whole = _eval_memory(16, "all")
+  colls = zerojax.collectives(lean.as_text(), 8)
+  # the layer weights are all-gathered inside the loop, once per layer
+  loop = [c for c in colls if c.kind == "all-gather" and c.count == 16]
+  assert sum(c.total_elements for c in loop) == 16 * (D * D + D)
+  # and never all at once: the whole-tree eval holds 16 full layers
+  assert (whole.memory_analysis().temp_size_in_bytes
+          - lean.memory_analysis().temp_size_in_bytes) > 8 * D * D * 4
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_eval_equals_the_unsharded_loss(mesh, stage):
+  params = toy.layered_params(4, D, V)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.integers(0, V, (B,)).astype(np.int32),
+           "y": rng.integers(0, V, (B,)).astype(np.int32)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")          # the lean path, no fallback
+    got = float(zerojax.eval_step(toy.layered_loss, tx)(state, batch))
+  np.testing.assert_allclose(got, float(toy.layered_loss(params, batch)),
+                             rtol=1e-5)
+
+
+def test_eval_of_a_whole_tree_loss_is_exact(mesh):
+  params = toy.layered_params(2, D, V)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh)
+  state = zerojax.init(params, tx)
+
+  def loss(p, b):
+    return toy.layered_loss(p, b) + 1e-3 * optax.tree.norm(p)
+  batch = {"x": np.zeros((B,), np.int32), "y": np.ones((B,), np.int32)}
+  with pytest.warns(UserWarning, match="eval step"):
+    got = float(zerojax.eval_step(loss, tx)(state, batch))
+  np.testing.assert_allclose(got, float(loss(params, batch)), rtol=1e-5)
+
+
+def test_zero_takes_the_context_mesh():
+  devices = jax.devices()[:4]
+  mesh = jax.make_mesh((4,), ("data",), devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    tx = zerojax.zero(optax.sgd(0.1), stage=1)
+  assert tx.mesh == mesh and tx.num_shards == 4
+  assert zerojax.zero(optax.sgd(0.1), stage=1).num_shards == 8   # no context
+
+
+def test_init_rejects_modules_and_functions(mesh):
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"nnx.Module .* nnx.split\(model, nnx.Param"):
+    zerojax.init(model, tx)
+  with pytest.raises(TypeError, match="zerojax.init_from"):
+    zerojax.init(lambda key: {"w": jnp.ones(3)}, tx)
+
+  class CallablePytree:                 # an Equinox-style module
+    def __init__(self):
+      self.w, self.act = jnp.ones((3,)), jnp.tanh
+
+    def __call__(self, x):
+      return self.act(x * self.w)
+  jax.tree_util.register_pytree_node(
+      CallablePytree, lambda m: ((m.w, m.act), None),
+      lambda _, c: CallablePytree())
+  with pytest.raises(TypeError, match="not a params tree|not an array"):
+    zerojax.init(CallablePytree(), tx)
+  with pytest.raises(TypeError, match="init_fn must be callable"):
+    zerojax.init_from({"w": jnp.ones(3)}, tx)
+
+
+def test_init_from_never_holds_a_full_copy(mesh):
+  tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
+  init_fn = lambda key: {"w": jax.random.normal(key, (64, 1024))}
+  state = zerojax.init_from(init_fn, tx, jax.random.key(0))
+  for x in jax.tree.leaves(state):
+    if x.ndim:
+      assert {s.data.shape for s in x.addressable_shards} == {(64, 128)}
+  # XLA partitions the initialiser itself: no full (64, 1024) buffer
+  compiled = jax.jit(
+      lambda k: zerojax.init_from(init_fn, tx, k).params).lower(
+          jax.random.key(0)).compile()
+  assert "f32[64,1024]" not in compiled.as_text()
+
+
+def test_leaves_that_are_not_stacks_shard_their_leading_dim(mesh):
+  params = {"head": jnp.zeros((768, 50)), "blocks": jnp.zeros((4, 16, 16))}
+  default = zerojax.init(params, zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh))
+  by_path = zerojax.init(params, zerojax.zero(
+      optax.adam(0.1), stage=3, mesh=mesh,
+      stacked=lambda path, shape: "blocks" in path))
+  d = {r.path: r.shard for r in default.spec.leaves}
+  s = {r.path: r.shard for r in by_path.spec.leaves}
+  assert d["['head']"].dim == 1 and d["['head']"].pad == 6      # 50 -> 56
+  assert s["['head']"].dim == 0 and s["['head']"].pad == 0      # 768 / 8
+  assert s["['blocks']"].dim == 1                               # layer axis kept
+  # the moments follow their param's layout, so the update stays local
+  mu = by_path.opt_state[0].mu
+  assert mu["head"].sharding.spec == by_path.params["head"].sharding.spec
+
+
+def test_stacked_must_say_true_or_false(mesh):
+  with pytest.raises(TypeError, match="must return True"):
+    zerojax.init({"w": jnp.zeros((8, 8))},
+                 zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh,
+                              stacked=lambda path, shape: "yes"))
