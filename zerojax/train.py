@@ -50,6 +50,9 @@ class TrainConfig:
   warmup: int = _opt(40, "warm-up steps")
   weight_decay: float = _opt(0.1, "AdamW weight decay")
   clip: float = _opt(1.0, "global-norm gradient clipping threshold")
+  dropout: float = _opt(0.0, "residual dropout rate (0: off); keys come from "
+                             "the training state, distinct per step, device "
+                             "and micro-batch, and are checkpointed")
   eval_every: int = _opt(50, "steps between held-out evaluations")
   eval_batches: int = _opt(4, "held-out batches per evaluation")
   log_every: int = _opt(10, "steps between metrics lines")
@@ -99,6 +102,8 @@ def parse_args(argv=None) -> TrainConfig:
         f"--batch={config.batch} does not split over --devices="
         f"{config.devices} x --accum={config.accum}; use a multiple of {m} "
         f"(e.g. {-(-config.batch // m) * m})")
+  if not 0.0 <= config.dropout < 1.0:
+    problems.append(f"--dropout={config.dropout} must be in [0, 1)")
   if config.resume and not config.checkpoint_dir:
     problems.append("--resume needs --checkpoint-dir")
   if problems:
@@ -148,7 +153,8 @@ def main(config: TrainConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
   model = gpt.GPTConfig(vocab=256, seq_len=config.seq_len, width=config.width,
-                        depth=config.depth, heads=config.heads)
+                        depth=config.depth, heads=config.heads,
+                        dropout=config.dropout)
   train_tokens, val_tokens = data.split(data.corpus_bytes())
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, config.lr, min(config.warmup, config.steps // 2), config.steps,
@@ -169,16 +175,24 @@ def main(config: TrainConfig) -> dict:
                                    save_every=config.save_every, keep=3)
   if config.resume:
     state, extra = ckpt.restore(jax.eval_shape(init_params, key), tx)
+    if config.dropout and state.key is None:    # saved by a run without
+      state = state.replace(key=jax.device_put(
+          jax.random.fold_in(key, 1),
+          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
     start = int(extra["data_step"])
     say(f"zerojax.train: resumed from {config.checkpoint_dir} at step "
         f"{start}", flush=True)
   else:
-    state = zerojax.init_from(init_params, tx, key)   # created sharded, under jit
+    # created sharded, under jit; with dropout, the state carries the root key
+    state = zerojax.init_from(
+        init_params, tx, key,
+        key=jax.random.fold_in(key, 1) if config.dropout else None)
   start = start or 0
-  loss_fn = functools.partial(gpt.loss, config=model)
+  loss_fn = functools.partial(gpt.loss, config=model)   # key= when dropout
+  eval_fn = lambda p, b, key=None: gpt.loss(p, b, model)   # eval: no dropout
   train_step = zerojax.train_step(loss_fn, tx, accum_steps=config.accum,
                                   gather="model")
-  evaluate = zerojax.eval_step(loss_fn, tx)
+  evaluate = zerojax.eval_step(eval_fn, tx)
   rows = distributed.local_rows(
       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
       config.batch)

@@ -34,6 +34,7 @@ class GPTConfig:
   mlp_ratio: int = 4        # F = mlp_ratio * D
   scan_unroll: int = 1      # layers per scan iteration (2: XLA may gather
                             # layer i+1 while layer i computes)
+  dropout: float = 0.0      # residual dropout rate in training (needs a key)
 
   def __post_init__(self):
     if self.width % self.heads:
@@ -42,6 +43,8 @@ class GPTConfig:
     for name in ("vocab", "seq_len", "width", "depth", "heads", "mlp_ratio"):
       if getattr(self, name) < 1:
         raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1.")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
 
 
 
@@ -85,9 +88,20 @@ def _layer_norm(x_BxTxD, scale_D, bias_D):
   return (y * scale_D[None, None, :] + bias_D[None, None, :]).astype(x_BxTxD.dtype)
 
 
-def _block(config: GPTConfig, x_BxTxD, layer):
-  """One pre-norm transformer block; ``layer`` holds one layer's shards."""
+def _dropout(x, rate, key):
+  if key is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _block(config: GPTConfig, x_BxTxD, layer, key=None):
+  """One pre-norm transformer block; ``layer`` holds one layer's shards.
+
+  With ``key``, residual dropout (rate ``config.dropout``) on the attention
+  and MLP outputs."""
   layer = gather(layer)                    # ZeRO-3: this layer's weights only
+  k_att, k_mlp = jax.random.split(key) if key is not None else (None, None)
   b, t, d = x_BxTxD.shape
   h, k = config.heads, d // config.heads
 
@@ -102,35 +116,47 @@ def _block(config: GPTConfig, x_BxTxD, layer):
   probs_BxHxTxT = jax.nn.softmax(logits_BxHxTxT, axis=-1).astype(y.dtype)
   att_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT, v_BxTxHxK)
   att_BxTxD = att_BxTxHxK.reshape(b, t, d) @ layer["proj_LxDxD"]
-  x_BxTxD = x_BxTxD + att_BxTxD + layer["proj_bias_LxD"][None, None, :]
+  att_BxTxD = _dropout(att_BxTxD + layer["proj_bias_LxD"][None, None, :],
+                       config.dropout, k_att)
+  x_BxTxD = x_BxTxD + att_BxTxD
 
   y = _layer_norm(x_BxTxD, layer["ln2_scale_LxD"], layer["ln2_bias_LxD"])
   y_BxTxF = jax.nn.gelu(y @ layer["fc1_LxDxF"]
                         + layer["fc1_bias_LxF"][None, None, :])
   y_BxTxD = y_BxTxF @ layer["fc2_LxFxD"] + layer["fc2_bias_LxD"][None, None, :]
-  return x_BxTxD + y_BxTxD, None
+  return x_BxTxD + _dropout(y_BxTxD, config.dropout, k_mlp), None
 
 
-def forward(params, tokens_BxT, config: GPTConfig):
-  """Logits ``(B, T, V)`` in fp32 for integer tokens ``(B, T)``."""
+def forward(params, tokens_BxT, config: GPTConfig, key=None):
+  """Logits ``(B, T, V)`` in fp32 for integer tokens ``(B, T)``.
+
+  ``key``: training mode with dropout (when ``config.dropout > 0``)."""
   t = tokens_BxT.shape[1]
   if t > config.seq_len:
     raise ValueError(f"gpt.forward: {t} tokens exceed seq_len={config.seq_len}.")
   embed_VxD = gather(params["embed_VxD"])
   pos_TxD = gather(params["pos_TxD"])
   x_BxTxD = embed_VxD[tokens_BxT] + pos_TxD[None, :t, :]
-  block = jax.checkpoint(lambda x, layer: _block(config, x, layer))
-  x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, params["blocks"],
-                            unroll=config.scan_unroll)
+  if key is not None and config.dropout > 0:
+    keys_L = jax.random.split(key, config.depth)        # one key per layer
+    block = jax.checkpoint(lambda x, lk: _block(config, x, lk[0], lk[1]))
+    xs = (params["blocks"], keys_L)
+  else:
+    block = jax.checkpoint(lambda x, layer: _block(config, x, layer))
+    xs = params["blocks"]
+  x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, xs, unroll=config.scan_unroll)
   x_BxTxD = _layer_norm(x_BxTxD, gather(params["lnf_scale_D"]),
                         gather(params["lnf_bias_D"]))
   return jnp.einsum("btd,dv->btv", x_BxTxD, gather(params["head_DxV"]),
                     preferred_element_type=jnp.float32)
 
 
-def loss(params, batch, config: GPTConfig):
-  """Mean next-token cross-entropy; ``batch = {"x": (B,T), "y": (B,T)}``."""
-  logits_BxTxV = forward(params, batch["x"], config)
+def loss(params, batch, config: GPTConfig, key=None):
+  """Mean next-token cross-entropy; ``batch = {"x": (B,T), "y": (B,T)}``.
+
+  With ``key`` (zerojax passes one when the state has a key) and
+  ``config.dropout > 0``, trains with dropout."""
+  logits_BxTxV = forward(params, batch["x"], config, key)
   return optax.softmax_cross_entropy_with_integer_labels(
       logits_BxTxV, batch["y"]).mean()
 
