@@ -168,3 +168,57 @@ def test_plain_linen_model_warns_and_falls_back_at_stage3(mesh):
   for a, b in zip(jax.tree.leaves(zerojax.gather_params(state)),
                   jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_nnx_gathered_and_scan_keep_batch_statistics(mesh):
+  """Only Params are gathered: BatchNorm's running averages, written during
+  the call, land in the module (in and out of a scan)."""
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.bn(x)
+
+  bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+  zerojax.nnx.gathered(bn)(jnp.full((2, 4), 3.0))
+  np.testing.assert_allclose(bn.mean[...], 0.03, rtol=1e-6)   # momentum 0.99
+
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Block(rngs)
+  stacked = make(nnx.Rngs(0))
+  zerojax.nnx.scan(stacked, jnp.full((2, 4), 3.0))
+  # layer 0 saw the input (mean 3), later layers its normalised output
+  np.testing.assert_allclose(stacked.bn.mean[...][0], 0.03, rtol=1e-5)
+  assert float(jnp.abs(stacked.bn.mean[...][1:]).max()) < 1e-3
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_nnx_batch_norm_statistics_train_as_model_state(mesh, stage):
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(5, WIDTH, use_bias=False, rngs=rngs)
+      self.bn = nnx.BatchNorm(WIDTH, rngs=rngs)
+      self.out = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+    def __call__(self, x):
+      g = zerojax.nnx.gathered
+      return g(self.out)(g(self.bn)(g(self.lin)(x)))
+
+  graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+
+  def loss(p, b, *, model_state):
+    model = nnx.merge(graphdef, p, model_state)
+    out = jnp.mean((model(b["x"]) - b["y"]) ** 2)
+    return out, nnx.state(model, nnx.Not(nnx.Param))
+
+  tx = zerojax.zero(optax.sgd(0.0), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx, model_state=rest)
+  state, _ = zerojax.train_step(loss, tx)(state, BATCH)
+  # sgd(0): weights unchanged, so the statistics are those of lin(x): the
+  # mean over devices of each device's batch mean is the global batch mean
+  h = np.asarray(BATCH["x"]) @ np.asarray(params["lin"]["kernel"][...])
+  np.testing.assert_allclose(state.model_state["bn"]["mean"][...],
+                             0.01 * h.mean(0), rtol=1e-4, atol=1e-7)

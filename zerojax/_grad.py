@@ -65,7 +65,10 @@ class LossCall:
     if self.has_key:
       kw["key"] = key
     if self.has_model_state:
-      kw["model_state"] = model_state
+      # Rebuilt here, inside whatever transformation calls the loss: Flax
+      # NNX variables may only be mutated at the trace that created them.
+      leaves, treedef = jax.tree.flatten(model_state)
+      kw["model_state"] = jax.tree.unflatten(treedef, leaves)
     return self.parse(loss_fn(params, batch, **kw), model_state)
 
   def parse(self, out, model_state):

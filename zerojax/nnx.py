@@ -30,9 +30,14 @@ from zerojax._gather import gather
 
 
 def gathered(module: nnx.Module) -> nnx.Module:
-  """A copy of ``module`` whose parameters are gathered (full) for use."""
-  graphdef, state = nnx.split(module)
-  return nnx.merge(graphdef, gather(state))
+  """``module`` with its parameters gathered (full) for use.
+
+  Only ``nnx.Param`` variables are gathered (into a new view); every other
+  variable (batch statistics, RNG counters) is the module's own object, so
+  what a call writes to it (BatchNorm's running averages) lands in
+  ``module``."""
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  return nnx.merge(graphdef, gather(params), rest)
 
 
 def scan(stacked: nnx.Module, carry, *,
@@ -50,13 +55,16 @@ def scan(stacked: nnx.Module, carry, *,
   Returns:
     The output of the last layer.
   """
-  graphdef, state = nnx.split(stacked)
+  graphdef, params, rest = nnx.split(stacked, nnx.Param, ...)
 
-  def body(carry, layer_state):
-    layer = nnx.merge(graphdef, gather(layer_state))
-    return call(layer, carry), None
+  def body(carry, layer):
+    layer_params, layer_rest = layer
+    module = nnx.merge(graphdef, gather(layer_params), layer_rest)
+    out = call(module, carry)
+    return out, nnx.state(module, nnx.Not(nnx.Param))   # updated stats
 
   if remat:
     body = jax.checkpoint(body)
-  carry, _ = jax.lax.scan(body, carry, state)
+  carry, new_rest = jax.lax.scan(body, carry, (params, rest))
+  nnx.update(stacked, new_rest)        # e.g. each layer's BatchNorm averages
   return carry
