@@ -18,7 +18,11 @@ from zerojax._state import ZeroState
 def _category(section: str, path) -> str:
   if section != "opt_state":
     return section
+  # the optimizer's field (mu, nu, count): the last attribute on the path,
+  # not counting the params' own NNX Variable nodes (``.value``)
   names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+  while names and names[-1] == "value" and len(names) > 1:
+    names.pop()
   return "opt_state." + (names[-1] if names else "leaf")
 
 
