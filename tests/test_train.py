@@ -199,6 +199,7 @@ def test_gpt_dropout_is_the_same_run_at_stage3_and_stage0(mesh):
   assert float(m["loss"]) != pytest.approx(out[0][1], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_main_job_with_dropout(tmp_path):
   out = tmp_path / "run"
   proc = subprocess.run(

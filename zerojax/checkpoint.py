@@ -372,25 +372,24 @@ def _restore_targets(source: StateSpec, target: StateSpec) -> dict:
 
 
 def _convert(tree: dict, source: StateSpec, target: StateSpec) -> ZeroState:
-  """Saved layout -> target layout (under jit)."""
+  """Saved layout -> target layout (under jit), with :func:`_layout.convert`
+  from the most precise saved copy of each param (master, else params)."""
+  convert = _layout.convert
   params = jax.tree.leaves(tree["params"])
   master = (source.from_optimizer_view(tree["master"]) if "master" in tree
             else [None] * len(params))
-  weights = []      # the most precise logical copy of each param
-  for i, p in enumerate(params):
-    if master[i] is not None:
-      weights.append(source.shard_layouts[i].to_logical(master[i]))
-    else:
-      weights.append(source.param_layouts[i].to_logical(p))
+  # (stored array, its layout) of the most precise copy of each param
+  best = [(m, s.shard) if m is not None else (p, s.param)
+          for p, m, s in zip(params, master, source.leaves)]
   new_params = target.unflatten_params([
-      target.param_layouts[i].to_storage(w.astype(target.compute_dtype(i)))
-      for i, w in enumerate(weights)])
+      convert(x, layout, t.param, t.compute_dtype)
+      for (x, layout), t in zip(best, target.leaves)])
   new_master = None
   if target.policy.has_master:
     new_master = target.optimizer_view([
-        target.shard_layouts[i].to_storage(w.astype(target.master_dtype(i)))
-        if target.trainable[i] else None for i, w in enumerate(weights)])
-  opt = [tl.to_storage(sl.to_logical(x)) for x, sl, tl in zip(
+        convert(x, layout, t.shard, t.master_dtype) if t.trainable else None
+        for (x, layout), t in zip(best, target.leaves)])
+  opt = [convert(x, sl, tl) for x, sl, tl in zip(
       jax.tree.leaves(tree["opt_state"]), source.opt_layouts, target.opt_layouts)]
   return ZeroState(step=tree["step"], params=new_params, master=new_master,
                    opt_state=jax.tree.unflatten(target.opt_def, opt), spec=target)
