@@ -3,7 +3,10 @@
     python experiments/bench_stages.py                 # writes runs/bench_stages/
     python experiments/bench_stages.py --precision bf16 --width 512
 
-Configurations: zerojax stages 0 (plain DP), 1, 2, 3, and two GSPMD peers
+Configurations: zerojax stages 0 (plain DP), 1, 2, 3 (append ``b``, e.g.
+``3b``, to mark only the scanned blocks as layer stacks, so embeddings and
+head may shard their leading dimension), the Optax drop-in ``dropin1``
+(an unchanged ``jax.jit`` + ``jax.grad`` + ``tx.update`` loop), and two GSPMD peers
 (``experiments/peers.py``): ``fsdp`` (params and optimizer state sharded
 with NamedSharding, plain jit) and ``zero1`` (params replicated, optimizer
 state sharded, plain jit). Same model, data, seed, optimizer, precision.
@@ -16,7 +19,7 @@ paper's Figure 1) and ``<out>/step_time.png``.
 
 ``bench.json`` schema: ``{"runs": [run, ...]}``, one run per configuration:
 
-- ``name``, ``config`` ("0".."3", "fsdp", "zero1"), ``stage`` (int, null for
+- ``name``, ``config`` ("0".."3", "3b", "dropin1", "fsdp", "zero1"), ``stage`` (int, null for
   peers), ``n_devices``, ``n_params``, ``precision``
 - ``step_time_s``: median over ``--steps`` steps after one warm-up step;
   ``compile_s`` apart
@@ -71,8 +74,8 @@ def worker(args) -> dict:
   rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   jax.devices()
   rss_runtime = rss()
-  model = gpt.GPTConfig(width=args.width, depth=args.depth, heads=args.heads,
-                        seq_len=args.seq_len)
+  model = gpt.GPTConfig(vocab=args.vocab, width=args.width, depth=args.depth,
+                        heads=args.heads, seq_len=args.seq_len)
   bf16 = args.precision == "bf16"
   optimizer = optax.adamw(1e-3)
   loss_fn = functools.partial(gpt.loss, config=model)
@@ -86,10 +89,15 @@ def worker(args) -> dict:
       jax.tree_util.keystr(path): int(x.addressable_shards[0].data.nbytes)
       for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-  if args.config.isdigit():                       # zerojax stage
-    stage = int(args.config)
+  if args.config.rstrip("b").isdigit():           # zerojax stage
+    stage = int(args.config.rstrip("b"))
     policy = zerojax.Policy(param_dtype=jnp.bfloat16) if bf16 else zerojax.Policy()
-    tx = zerojax.zero(optimizer, stage=stage, mesh=mesh, policy=policy)
+    # "3b": only the scanned blocks are layer stacks, so the embeddings and
+    # the head may be sharded along their leading (major) dimension
+    stacked = ((lambda path, shape: "blocks" in path)
+               if args.config.endswith("b") else None)
+    tx = zerojax.zero(optimizer, stage=stage, mesh=mesh, policy=policy,
+                      stacked=stacked)
     # created sharded under jit: no device ever holds the full model
     state = zerojax.init_from(functools.partial(gpt.init, model), tx, key)
     step = zerojax.train_step(loss_fn, tx, gather="model")
@@ -103,7 +111,7 @@ def worker(args) -> dict:
     theory_elems = rep.theory_collective_elements
     argument = rep.xla_memory["argument"]
     xla_memory = rep.xla_memory
-    name = f"zerojax stage {stage}"
+    name = f"zerojax stage {stage}" + (" (stacks: blocks)" if stacked else "")
   elif args.config.startswith("dropin"):          # the Optax drop-in path
     stage = None
     d_stage = int(args.config[-1])
@@ -288,6 +296,9 @@ def charts(runs, outdir):
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--width", type=int, default=256)
+  p.add_argument("--vocab", type=int, default=256,
+                 help="output classes (the data are bytes; e.g. 50257 for "
+                      "GPT-2's unstacked head and embedding shapes)")
   p.add_argument("--depth", type=int, default=8)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--seq-len", type=int, default=128)
