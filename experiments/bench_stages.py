@@ -112,74 +112,49 @@ def worker(args) -> dict:
     argument = rep.xla_memory["argument"]
     xla_memory = rep.xla_memory
     name = f"zerojax stage {stage}" + (" (stacks: blocks)" if stacked else "")
-  elif args.config.startswith("dropin"):          # the Optax drop-in path
-    stage = None
-    d_stage = int(args.config[-1])
-    if bf16:
-      raise SystemExit("the drop-in keeps no master copy: use --precision fp32")
-    tx = zerojax.zero(optimizer, stage=d_stage, mesh=mesh)
-    rep_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    data_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    p = jax.device_put(gpt.init(model, key), rep_s)    # a DP loop's params
-    o = tx.init(p)
+  else:              # a plain-jit loop: the Optax drop-in or a GSPMD peer
+    stage, n = None, 8
+    if args.config.startswith("dropin"):
+      d_stage = int(args.config[-1])
+      if bf16:
+        raise SystemExit("the drop-in keeps no master copy: use --precision fp32")
+      tx = zerojax.zero(optimizer, stage=d_stage, mesh=mesh)
+      rep_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      data_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+      p = jax.device_put(gpt.init(model, key), rep_s)    # a DP loop's params
+      o = tx.init(p)
 
-    @jax.jit
-    def dropin_step(params, opt_state, batch):          # the user's own loop
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+      @jax.jit
+      def jitted(params, opt_state, batch):               # the user's own loop
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+      put = lambda b: jax.device_put(b, data_s)
+      like, name = 1, f"Optax drop-in, stage {d_stage}"
+    else:
+      jitted, p, o = peers.make_peer(args.config, loss_fn, optimizer,
+                                     gpt.init(model, key), mesh,
+                                     compute_dtype=jnp.bfloat16 if bf16 else None)
+      put = lambda b: b
+      like = 3 if args.config == "fsdp" else 1
+      name = f"GSPMD peer: {args.config}"
     state = (p, o)
-    put = lambda b: jax.device_put(b, data_s)
     t0 = time.perf_counter()
-    compiled = dropin_step.lower(p, o, put(batch_at(0))).compile()
+    compiled = jitted.lower(p, o, put(batch_at(0))).compile()
     compile_s = time.perf_counter() - t0
-    colls = zerojax.collectives(compiled.as_text(), 8)
     coll_bytes, coll_elems = {}, {}
-    for c in colls:
+    for c in zerojax.collectives(compiled.as_text(), n):
       coll_bytes[c.kind] = coll_bytes.get(c.kind, 0) + c.total_bytes
       coll_elems[c.kind] = coll_elems.get(c.kind, 0) + c.total_elements
+
     def run_step(st, b):
-      p, o, m = dropin_step(st[0], st[1], put(b))
+      p, o, m = jitted(st[0], st[1], put(b))
       return (p, o), m
     pb, ob = shard_bytes(p), shard_bytes(o)
     measured = {"params": sum(pb.values())}
     for k, v in ob.items():
       cat = "opt_state." + k.split(".")[-1].split("[")[0] if "." in k else "opt_state"
       measured[cat] = measured.get(cat, 0) + v
-    theory_state = {"params": 4 * n_params, "opt_state.mu": 4 * n_params / 8,
-                    "opt_state.nu": 4 * n_params / 8}
-    theory_elems = {"reduce-scatter": n_params, "all-gather": n_params}
-    mem = compiled.memory_analysis()
-    argument = mem.argument_size_in_bytes
-    xla_memory = {"argument": mem.argument_size_in_bytes,
-                  "output": mem.output_size_in_bytes,
-                  "temp": mem.temp_size_in_bytes,
-                  "alias": mem.alias_size_in_bytes}
-    name = f"Optax drop-in, stage {d_stage}"
-  else:                                           # a GSPMD peer
-    stage = None
-    jitted, p, o = peers.make_peer(args.config, loss_fn, optimizer,
-                                   gpt.init(model, key), mesh,
-                                   compute_dtype=jnp.bfloat16 if bf16 else None)
-    state = (p, o)
-    t0 = time.perf_counter()
-    compiled = jitted.lower(p, o, batch_at(0)).compile()
-    compile_s = time.perf_counter() - t0
-    colls = zerojax.collectives(compiled.as_text(), 8)
-    coll_bytes, coll_elems = {}, {}
-    for c in colls:
-      coll_bytes[c.kind] = coll_bytes.get(c.kind, 0) + c.total_bytes
-      coll_elems[c.kind] = coll_elems.get(c.kind, 0) + c.total_elements
-    def run_step(st, b):
-      p, o, m = jitted(st[0], st[1], b)
-      return (p, o), m
-    pb, ob = shard_bytes(p), shard_bytes(o)
-    measured = {"params": sum(pb.values())}
-    for k, v in ob.items():
-      cat = "opt_state." + k.split(".")[-1].split("[")[0] if "." in k else "opt_state"
-      measured[cat] = measured.get(cat, 0) + v
-    n = 8
-    like = 3 if args.config == "fsdp" else 1
     theory_state = {"params": 4 * n_params / (n if like == 3 else 1),
                     "opt_state.mu": 4 * n_params / n,
                     "opt_state.nu": 4 * n_params / n}
@@ -192,7 +167,6 @@ def worker(args) -> dict:
                   "output": mem.output_size_in_bytes,
                   "temp": mem.temp_size_in_bytes,
                   "alias": mem.alias_size_in_bytes}
-    name = f"GSPMD peer: {args.config}"
 
   state, metrics = run_step(state, batch_at(0))        # warm-up
   jax.block_until_ready(metrics)
