@@ -408,7 +408,7 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
       if key is None and params.key is not None:
         key = jax.random.fold_in(params.key, params.step)
     else:
-      spec, model, ms = _spec_for(params, tx), params, None
+      spec, model, ms = make_spec(params, tx), params, None
       model = jax.tree.map(
           lambda x: jax.lax.with_sharding_constraint(
               x, NamedSharding(tx.mesh, P())), model)
@@ -437,10 +437,6 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
           "tree): grad_fn(state, batch).")
     return run(params, place_batch(batch, tx, accum_steps), key)
   return fn
-
-
-def _spec_for(params, tx) -> StateSpec:
-  return make_spec(params, tx)
 
 
 def check_options(loss_fn, gather, accum_steps, where):
