@@ -189,3 +189,20 @@ def test_drop_in_refuses_what_it_cannot_do(mesh):
   with pytest.raises(ValueError, match="pass the ZeroState"):
     zerojax.value_and_grad(loss, zerojax.zero(optax.adam(1e-2), stage=3,
                                               mesh=mesh))(_params(), _data(1)[0])
+
+
+def test_sharded_gradients_stay_sharded_in_tx_update(mesh):
+  """Gradients from value_and_grad (stage 2) enter tx.update sharded: the
+  update all-gathers only the updates (one Ψ), never the gradients."""
+  params = {"w": jnp.ones((8, 16)), "v": jnp.ones((16,))}
+  tx = zerojax.zero(optax.adam(1e-2), stage=2, mesh=mesh)
+  opt_state = tx.init(params)
+  batch = {"x": np.ones((16, 8), np.float32)}
+  loss = lambda p, b: jnp.sum(jnp.tanh(b["x"] @ zerojax.gather(p["w"]))
+                              * zerojax.gather(p["v"])[None])
+  _, grads = zerojax.value_and_grad(loss, tx)(params, batch)
+  assert all("data" in str(g.sharding.spec) for g in jax.tree.leaves(grads))
+  hlo = jax.jit(tx.update).lower(grads, opt_state, params).compile().as_text()
+  gathered = sum(c.total_elements for c in zerojax.collectives(hlo, 8)
+                 if c.kind == "all-gather")
+  assert gathered == 8 * 16 + 16

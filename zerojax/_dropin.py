@@ -84,6 +84,14 @@ def update(config, grads, state, params, **extra_args):
   Jitted (once per configuration and shapes), so it also works in a loop
   that is not: the sharding constraints need a ``jit`` around them."""
   _spec(config, params, "ZeroTransformation.update")     # errors, eagerly
+  # Called eagerly with uncommitted gradients (jax.grad outside jit), let
+  # them be replicated, as they are: left free, XLA may pick an input
+  # layout JAX cannot express. Traced or committed values are left alone
+  # (a gradient sharded by zerojax.value_and_grad stays sharded).
+  rep = NamedSharding(config.mesh, P())
+  commit = lambda x: (x if isinstance(x, jax.core.Tracer) or (
+      isinstance(x, jax.Array) and x.committed) else jax.device_put(x, rep))
+  grads = jax.tree.map(commit, grads)
   return _update_jitted(config)(grads, state, params, extra_args)
 
 
@@ -111,8 +119,6 @@ def _update_body(config, grads, state, params, extra_args):
       g_view.append(None)
       w_view.append(None)
       continue
-    if tuple(g.shape) == tuple(r.aval.shape):   # pin, as the params above
-      g = jax.lax.with_sharding_constraint(g, rep)
     g_view.append(_update.grad_view(spec, g, r, where))
     w_view.append(_update.constrain(p, spec, r.shard))
   updates, new_opt = _update.inner_update(spec, g_view, w_view, state,
