@@ -162,3 +162,72 @@ def test_slicing_a_leaf_not_marked_stacked_raises(mesh):
 
   with pytest.raises(ValueError, match="not marked as a layer stack"):
     zerojax.train_step(loss, tx, gather="model")(state, {"x": np.ones((8,))})
+
+
+def _layers():
+  k = jax.random.split(jax.random.key(2), 2)
+  return {"w": jax.random.normal(k[0], (4, 6, 6)) * 0.4,
+          "head": jax.random.normal(k[1], (6, 3)) * 0.4}
+
+
+def fori_gathers(params, b):
+  """Layers in a fori_loop (a while loop), each gathered where used; a cond
+  picks the activation. Lean: every use goes through gather."""
+  h = b["x"]
+
+  def step(i, h):
+    layer = zerojax.gather(params["w"])[i]
+    return jax.lax.cond(i % 2 == 0, jnp.tanh, jnp.sin, h @ layer)
+  h = jax.lax.fori_loop(0, 4, step, h)
+  return jnp.mean((h @ zerojax.gather(params["head"]) - b["y"]) ** 2)
+
+
+def while_without_gather(params, b):
+  """A while loop that reads the sharded leaves directly (counting positive
+  weights: on shards the count would be wrong): not lean, must be exact."""
+  def cond(c):
+    return c[0] < 2
+
+  def body(c):
+    i, count = c
+    positive = sum(jnp.sum(x > 0) for x in jax.tree.leaves(params))
+    return i + 1, count + positive.astype(jnp.int32)
+  # (the initial count is made from the batch so that, inside zerojax's
+  # shard_map, the carry is device-varying like the params it adds)
+  zero = jnp.sum(b["x"] > 1e30).astype(jnp.int32)
+  _, count = jax.lax.while_loop(cond, body, (0, zero))
+  q = zerojax.gather(params)
+  h = jnp.tanh(b["x"] @ q["w"][0])
+  return jnp.mean((h @ q["head"] - b["y"]) ** 2) + 1e-3 * count
+
+
+@pytest.mark.parametrize("loss,lean", [(fori_gathers, True),
+                                       (while_without_gather, False)],
+                         ids=["fori_cond_gathered", "while_ungathered"])
+def test_control_flow_is_followed(mesh, loss, lean):
+  rng = np.random.default_rng(1)
+  data = [{"x": rng.normal(size=(16, 6)).astype(np.float32),
+           "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(2)]
+  opt = optax.adam(1e-2)
+  params, state = _layers(), opt.init(_layers())
+  want_losses = []
+  for b in data:
+    value, g = jax.value_and_grad(loss)(params, b)
+    u, state = opt.update(g, state, params)
+    params = optax.apply_updates(params, u)
+    want_losses.append(float(value))
+  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
+  zstate = zerojax.init(_layers(), tx)
+  step = zerojax.train_step(loss, tx)
+  losses = []
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for b in data:
+      zstate, metrics = step(zstate, b)
+      losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  got = zerojax.gather_params(zstate)
+  for k in params:
+    np.testing.assert_allclose(got[k], params[k], rtol=1e-5, atol=1e-6)
+  notes = [str(w.message) for w in caught if "zerojax" in str(w.message)]
+  assert (not notes) if lean else ("params['head'] by" in notes[0]), notes
