@@ -83,7 +83,9 @@ def update(config, grads, state, params, **extra_args):
 
   Jitted (once per configuration and shapes), so it also works in a loop
   that is not: the sharding constraints need a ``jit`` around them."""
-  _spec(config, params, "ZeroTransformation.update")     # errors, eagerly
+  _check_config(config, "ZeroTransformation.update")     # cheap, eager
+  if params is None:
+    _spec(config, params, "ZeroTransformation.update")   # raises the fix
   # Called eagerly with uncommitted gradients (jax.grad outside jit), let
   # them be replicated, as they are: left free, XLA may pick an input
   # layout JAX cannot express. Traced or committed values are left alone
