@@ -8,9 +8,11 @@ elementwise-local whenever the optimizer is):
   than ``min_shard_size`` elements are replicated. The layout table says so;
   nothing is replicated silently.
 * Otherwise one dimension is sharded over the data axis. For arrays of rank
-  >= 2 the first dimension is never chosen: it is the axis a layer ``scan``
-  slices, and a model under ZeRO-3 must be able to slice a stacked
-  ``W[L, D, F]`` into per-layer shards ``W[D_data, F]``. Among the remaining
+  >= 2 that may be layer stacks (all of them by default; see ``stacked`` in
+  :func:`zerojax.zero`) the first dimension is never chosen: it is the axis
+  a layer ``scan`` slices, and a model under ZeRO-3 must be able to slice a
+  stacked ``W[L, D, F]`` into per-layer shards ``W[D_data, F]``. Leaves
+  marked as not stacks may use it. Among the remaining
   dimensions zerojax takes the one needing the least padding, the first
   (most major) on a tie: a collective over the major dimension of a
   layer's slice moves contiguous chunks, while one over a minor dimension
