@@ -61,8 +61,8 @@ def _data(n=3):
            "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(n)]
 
 
-def _reference(loss, opt, data):
-  params = _params()
+def _reference(loss, opt, data, params=None):
+  params = _params() if params is None else params
   state = opt.init(params)
   losses = []
   for b in data:
@@ -208,14 +208,7 @@ def test_control_flow_is_followed(mesh, loss, lean):
   rng = np.random.default_rng(1)
   data = [{"x": rng.normal(size=(16, 6)).astype(np.float32),
            "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(2)]
-  opt = optax.adam(1e-2)
-  params, state = _layers(), opt.init(_layers())
-  want_losses = []
-  for b in data:
-    value, g = jax.value_and_grad(loss)(params, b)
-    u, state = opt.update(g, state, params)
-    params = optax.apply_updates(params, u)
-    want_losses.append(float(value))
+  params, want_losses = _reference(loss, optax.adam(1e-2), data, _layers())
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
   zstate = zerojax.init(_layers(), tx)
   step = zerojax.train_step(loss, tx)

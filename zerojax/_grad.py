@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -33,7 +33,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import _gather, _grad, _update
-from zerojax._grad import LossCall, LossOutputError
+from zerojax._grad import LossCall
 from zerojax._state import StateSpec, ZeroState
 from zerojax._transform import ZeroTransformation
 

@@ -28,10 +28,7 @@ stage 0 on 1, with no offline conversion step.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import pathlib
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -19,7 +19,6 @@ import functools
 import json
 import os
 import pathlib
-import sys
 import time
 
 
