@@ -67,11 +67,12 @@ def test_mesh_without_data_axis():
     zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
 
 
-def test_mesh_with_another_axis():
-  mesh = jax.make_mesh((4, 2), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  with pytest.raises(ValueError, match=r"\{'model': 2\}"):
-    zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+def test_replica_axis_must_be_another_mesh_axis():
+  mesh = zerojax.make_mesh("replica=2,data=4")
+  with pytest.raises(ValueError, match=r"replica_axis='pod' is not a mesh axis"):
+    zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh, replica_axis="pod")
+  with pytest.raises(ValueError, match=r"replica_axis='data'"):
+    zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh, replica_axis="data")
 
 
 @pytest.mark.parametrize("stage", [-1, 4, "2", True, 1.0])

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _update
+from zerojax import _layout, _update
 from zerojax._state import StateSpec, make_spec
 
 
@@ -50,6 +50,13 @@ def _check_config(config, where: str):
         f"optimizer updates. Drop the policy (cast params yourself), or use "
         f"zerojax.init + zerojax.train_step for bf16 params with an fp32 "
         f"master.")
+  if config.model_specs is None and any(
+      s > 1 for s in config.model_axes.values()):
+    raise ValueError(
+        f"{where}: the mesh has model axes {config.model_axes} but zero() "
+        f"got no model_specs; the drop-in path cannot read the params' "
+        f"shardings inside jit. Pass zerojax.zero(..., model_specs=...) (a "
+        f"tree of PartitionSpec, e.g. zerojax.linen.model_specs(...)).")
 
 
 def _spec(config, params, where: str) -> StateSpec:
@@ -111,10 +118,13 @@ def _update_body(config, grads, state, params, extra_args):
     raise ValueError(f"{where}: the gradients have {len(g_leaves)} leaves, "
                      f"the params {len(p_leaves)}; pass gradients with the "
                      f"params' structure.")
-  rep = NamedSharding(config.mesh, P())
-  # The params are the caller's, replicated: pin them so, then view them
-  # sharded (left free, XLA may pick an input layout JAX cannot express).
-  p_leaves = [jax.lax.with_sharding_constraint(p, rep) for p in p_leaves]
+  # The params are the caller's, replicated over the data axis (sharded
+  # over model axes as the model says): pin them so, then view them sharded
+  # (left free, XLA may pick an input layout JAX cannot express).
+  held = [spec.sharding(_layout.replicated(r.aval.shape, r.param.model))
+          for r in spec.leaves]
+  p_leaves = [jax.lax.with_sharding_constraint(p, h)
+              for p, h in zip(p_leaves, held)]
   g_view, w_view = [], []
   for g, p, r in zip(g_leaves, p_leaves, spec.leaves):
     if not r.trainable:
@@ -126,7 +136,7 @@ def _update_body(config, grads, state, params, extra_args):
   updates, new_opt = _update.inner_update(spec, g_view, w_view, state,
                                           extra_args)
   out = [jnp.zeros_like(p) if u is None else
-         jax.lax.with_sharding_constraint(u, rep)
-         for u, p in zip(updates, p_leaves)]
+         jax.lax.with_sharding_constraint(u, h)
+         for u, p, h in zip(updates, p_leaves, held)]
   return (jax.tree.unflatten(g_def, out),
           jax.tree.unflatten(jax.tree.structure(state), new_opt))

@@ -50,6 +50,8 @@ class GatherSpec:
   stage: int
   reduce_dtype: Any
   path: str = ""          # the leaf's keystr in the params tree, for errors
+  replica: tuple = ()     # other manual axes the batch splits over (HSDP)
+  padded: int = 0         # size of ``dim`` in storage (0: next multiple)
 
 
 class UngatheredParamError(TypeError):
@@ -155,8 +157,11 @@ def _full_value(spec: GatherSpec, src):
     dim = src.ndim + spec.dim
     full = jax.lax.all_gather(src, spec.axis_name, axis=dim, tiled=True,
                               to="varying")
-    return jax.lax.slice_in_dim(full, 0, spec.size, axis=dim)
-  return jax.lax.pcast(src, spec.axis_name, to="varying")
+    full = jax.lax.slice_in_dim(full, 0, spec.size, axis=dim)
+    # Varying over the replica axis too: otherwise the transpose of the
+    # implicit broadcast would all-reduce the full cotangent over replicas.
+    return jax.lax.pcast(full, spec.replica, to="varying") if spec.replica else full
+  return jax.lax.pcast(src, (spec.axis_name,) + spec.replica, to="varying")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -177,7 +182,7 @@ def zerojax_gather_fwd(spec, sink, src):
 def zerojax_gather_bwd(spec, _, ct):
   dim = ct.ndim + spec.dim
   n = jax.lax.axis_size(spec.axis_name)
-  pad = -ct.shape[dim] % n
+  pad = (spec.padded - ct.shape[dim]) if spec.padded else -ct.shape[dim] % n
   if pad:
     widths = [(0, 0)] * ct.ndim
     widths[dim] = (0, pad)
@@ -190,7 +195,8 @@ def zerojax_gather_bwd(spec, _, ct):
 zerojax_gather.defvjp(zerojax_gather_fwd, zerojax_gather_bwd)
 
 
-def sink_like(src_shard_shape, dtype, axis_name):
-  """A zero gradient sink of the local shard's shape, device-varying."""
-  return jax.lax.pcast(jnp.zeros(src_shard_shape, np.dtype(dtype)), axis_name,
+def sink_like(src_shard_shape, dtype, axes):
+  """A zero gradient sink of the local shard's shape, device-varying over
+  ``axes`` (the data axis, and the replica axis under hybrid sharding)."""
+  return jax.lax.pcast(jnp.zeros(src_shard_shape, np.dtype(dtype)), axes,
                        to="varying")

@@ -133,7 +133,9 @@ def _gather_spec(spec: StateSpec, i: int) -> _gather.GatherSpec:
   return _gather.GatherSpec(
       axis_name=spec.tx.axis_name, dim=r.shard.dim - len(r.aval.shape),
       size=r.aval.shape[r.shard.dim], stage=spec.stage,
-      reduce_dtype=r.reduce_dtype, path=r.path)
+      reduce_dtype=r.reduce_dtype, path=r.path,
+      replica=tuple(a for a in spec.tx.batch_axes if a != spec.tx.axis_name),
+      padded=r.shard.padded)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:
@@ -225,10 +227,13 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
   """
   tx = spec.tx
   axis, stage, n = tx.axis_name, tx.stage, tx.num_shards
+  # every axis the batch splits over: (replica,) data
+  axes = tx.batch_axes
+  replica = tuple(a for a in axes if a != axis)
   hooked = hooked_leaves(spec)
   gspecs = [_gather_spec(spec, i) if h else None for i, h in enumerate(hooked)]
   if key is not None:
-    key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    key = jax.random.fold_in(key, jax.lax.axis_index(axes))
 
   def diff_inputs():
     out = []
@@ -236,9 +241,9 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
       if not r.trainable:
         out.append(None)
       elif hooked[i]:
-        out.append(_gather.sink_like(r.shard.shard_shape(n), r.reduce_dtype, axis))
+        out.append(_gather.sink_like(r.shard.shard_shape(n), r.reduce_dtype, axes))
       else:
-        out.append(jax.lax.pcast(x, axis, to="varying"))
+        out.append(jax.lax.pcast(x, axes, to="varying"))
     return out
 
   def run_loss(diff, mb, k, ms, mode):
@@ -286,7 +291,7 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
     g_shape, l_shape, a_shape, _ = jax.eval_shape(
         lambda mb: one(mb, micro_key(0), model_state), first)
     zeros = jax.tree.map(
-        lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axis, to="varying"),
+        lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"),
         (g_shape, l_shape, a_shape))
 
     def body(carry, xs):
@@ -295,37 +300,41 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
       g, loss, aux, ms = one(mb, micro_key(i), ms)
       return (jax.tree.map(jnp.add, acc, (g, loss, aux)), ms), None
     ms0 = (None if model_state is None else
-           jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"),
+           jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"),
                         model_state))
     ((grads, loss, aux), new_ms), _ = jax.lax.scan(
         body, (zeros, ms0), (micro, jnp.arange(accum_steps)))
 
-  scale = 1.0 / (n * accum_steps)
+  scale = 1.0 / (tx.batch_shards * accum_steps)
+  # Hybrid sharding: the data-axis shards are then summed over the replica
+  # axis, once per step (after accumulation): Ψ/N elements cross it.
+  over_replicas = ((lambda g: jax.lax.psum(g, replica)) if replica
+                   else (lambda g: g))
   out = []
   for i, (g, r) in enumerate(zip(grads, spec.leaves)):
     if g is None:
       out.append(None)
     elif hooked[i]:                       # already reduce-scattered
-      out.append(g * scale)
+      out.append(over_replicas(g) * scale)
     elif stage >= 1 and r.shard.sharded:
       g = jax.lax.psum_scatter(r.shard.to_storage(g), axis,
                                scatter_dimension=r.shard.dim, tiled=True)
-      out.append(g * scale)
+      out.append(over_replicas(g) * scale)
     else:                                 # stage 0, or a replicated leaf
-      out.append(jax.lax.psum(g, axis) * scale)
-  loss = jax.lax.psum(loss, axis) * scale
+      out.append(jax.lax.psum(g, axes) * scale)
+  loss = jax.lax.psum(loss, axes) * scale
   # float aux: mean over devices and micro-batches; integer aux (counts):
   # summed over both.
-  aux = jax.tree.map(lambda a: jax.lax.psum(a, axis) * scale
+  aux = jax.tree.map(lambda a: jax.lax.psum(a, axes) * scale
                      if jnp.issubdtype(a.dtype, jnp.inexact)
-                     else jax.lax.psum(a, axis), aux)
+                     else jax.lax.psum(a, axes), aux)
   if new_ms is not None:
-    new_ms = jax.tree.map(lambda x: sync_model_state(x, axis), new_ms)
+    new_ms = jax.tree.map(lambda x: sync_model_state(x, axes), new_ms)
   return out, loss, aux, new_ms
 
 
 def sync_model_state(x, axis):
-  """Floating state: mean over the data axis (synchronised batch norm);
+  """Floating state: mean over the batch axes (synchronised batch norm);
   anything else (counters, keys): device 0's value, on every device."""
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jax.lax.pmean(x, axis)
@@ -345,18 +354,20 @@ def sharded_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps,
   """Runs :func:`local_grads` in ``shard_map``; grads as global arrays."""
   tx = spec.tx
   axis, stage = tx.axis_name, tx.stage
-  grad_specs = [None if not r.trainable else (r.shard.spec(axis) if stage >= 1
-                                              else P())
+  grad_specs = [None if not r.trainable else
+                (r.shard.manual_spec(axis) if stage >= 1 else P())
                 for r in spec.leaves]
-  param_specs = [r.param.spec(axis) for r in spec.leaves]
-  batch_specs = jax.tree.map(lambda _: P(axis), batch)
+  param_specs = [r.param.manual_spec(axis) for r in spec.leaves]
+  batch_specs = jax.tree.map(lambda _: P(tx.batch_axes), batch)
   rep = lambda t: jax.tree.map(lambda _: P(), t)
   local = lambda p, b, k, ms: local_grads(spec, call, loss_fn, accum_steps,
                                           gather_mode, p, b, k, ms)
+  # Manual over the batch axes only: model (tensor-parallel) axes stay
+  # automatic, so XLA partitions the loss over them as the params say.
   return jax.shard_map(
       local, mesh=tx.mesh,
       in_specs=(param_specs, batch_specs, rep(key), rep(model_state)),
-      out_specs=(grad_specs, P(), P(), P()))(
+      out_specs=(grad_specs, P(), P(), P()), axis_names=set(tx.batch_axes))(
           jax.tree.leaves(params), batch, key, model_state)
 
 
@@ -408,9 +419,9 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
         key = jax.random.fold_in(params.key, params.step)
     else:
       spec, model, ms = make_spec(params, tx), params, None
-      model = jax.tree.map(
-          lambda x: jax.lax.with_sharding_constraint(
-              x, NamedSharding(tx.mesh, P())), model)
+      model = spec.unflatten_params([
+          jax.lax.with_sharding_constraint(x, spec.sharding(r.param))
+          for x, r in zip(jax.tree.leaves(model), spec.leaves)])
     call = LossCall(has_key=key is not None, has_model_state=False,
                     has_aux=has_aux)
     grads, loss, aux, _ = sharded_grads(spec, call, loss_fn, accum_steps,

@@ -27,6 +27,19 @@ elementwise-local whenever the optimizer is):
   (Adafactor's factored moments, masks that look at shapes) see exactly the
   shapes they would see unsharded. Padding costs at most N-1 rows per leaf and
   is reported per leaf.
+
+Tensor parallelism (a ``model`` axis, or any mesh axis other than the data
+and replica axes) composes with this rule: a leaf may carry a *model spec*,
+the mesh axes each of its dimensions is split over by the model itself
+(``LeafLayout.model``). Those dimensions are left to XLA; the data axis
+goes on a dimension the model spec does not use. Only when the model uses
+every candidate dimension does the data axis share one, *major* to the
+model axes: ``P(("data", "model"))``. Major because the data axis is the
+manual one inside ``shard_map``: a device's manual view must be a
+contiguous block, which ``("model", "data")`` is not (measured: with
+``("model", "data")`` each gather first moves the shards with a
+``collective-permute``; with ``("data", "model")`` it is a plain
+all-gather). The shared dimension is padded to a multiple of both sizes.
 """
 
 from __future__ import annotations
@@ -49,12 +62,15 @@ class LeafLayout:
     dim: the sharded dimension, or ``None`` when replicated.
     padded: size of ``dim`` in storage (a multiple of the axis size).
     reason: why a leaf is replicated (empty when sharded).
+    model: per dimension, the tuple of mesh axes the model shards it over
+      (tensor parallelism; left to XLA), or ``()`` when none.
   """
 
   shape: tuple[int, ...]
   dim: int | None = None
   padded: int = 0
   reason: str = ""
+  model: tuple = ()
 
   @property
   def sharded(self) -> bool:
@@ -72,7 +88,22 @@ class LeafLayout:
     s[self.dim] = self.padded
     return tuple(s)
 
+  def model_axes(self, d: int) -> tuple:
+    return tuple(self.model[d]) if self.model and d < len(self.model) else ()
+
   def spec(self, axis_name: str) -> P:
+    """The full storage spec: the data axis and the model axes."""
+    entries = []
+    for d in range(len(self.shape)):
+      axes = ((axis_name,) if d == self.dim else ()) + self.model_axes(d)
+      entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+      entries.pop()
+    return P(*entries)
+
+  def manual_spec(self, axis_name: str) -> P:
+    """The spec over the data axis only: a ``shard_map`` in/out spec (the
+    model axes are left automatic there)."""
     if not self.sharded:
       return P()
     return P(*([None] * self.dim + [axis_name]))
@@ -99,29 +130,42 @@ class LeafLayout:
 
 
 def plan_leaf(shape, dtype, n: int, min_shard_size: int,
-              stacked: bool = True) -> LeafLayout:
+              stacked: bool = True, model: tuple = (),
+              model_sizes: dict | None = None) -> LeafLayout:
   """The layout of a leaf of ``shape``/``dtype`` over ``n`` devices.
 
   ``stacked``: the leaf's leading dimension is a layer axis (a scan slices
   it), so it is never the sharded one. Leaves that are not stacks may be
-  sharded along any dimension, the leading one included.
+  sharded along any dimension, the leading one included. ``model``: the
+  leaf's model spec (per dimension, a tuple of mesh axes), with
+  ``model_sizes`` the sizes of those axes.
   """
   shape = tuple(int(d) for d in shape)
+  model = tuple(tuple(m) for m in model)
+  if not any(model):
+    model = ()
   if len(shape) == 0:
     return LeafLayout(shape, reason="scalar")
   if not jnp.issubdtype(dtype, jnp.floating):
-    return LeafLayout(shape, reason=f"{np.dtype(dtype).name} (not trained)")
+    return LeafLayout(shape, reason=f"{np.dtype(dtype).name} (not trained)",
+                      model=model)
   size = math.prod(shape)
   if size < min_shard_size:
-    return LeafLayout(shape, reason=f"{size} < min_shard_size={min_shard_size}")
+    return LeafLayout(shape, reason=f"{size} < min_shard_size={min_shard_size}",
+                      model=model)
   if size == 0:
-    return LeafLayout(shape, reason="empty")
+    return LeafLayout(shape, reason="empty", model=model)
+  sizes = model_sizes or {}
+  msize = lambda d: math.prod(
+      sizes[a] for a in (model[d] if d < len(model) else ()))
   candidates = (range(1, len(shape)) if len(shape) >= 2 and stacked
                 else range(len(shape)))
-  padded = lambda d: -(-shape[d] // n) * n
+  free = [d for d in candidates if msize(d) == 1]
+  candidates = free or list(candidates)
+  padded = lambda d: -(-shape[d] // (n * msize(d))) * n * msize(d)
   # least padding; on a tie the first (most major) candidate.
   dim = max(candidates, key=lambda d: (shape[d] - padded(d), -d))
-  return LeafLayout(shape, dim=dim, padded=padded(dim))
+  return LeafLayout(shape, dim=dim, padded=padded(dim), model=model)
 
 
 def convert(x, src: LeafLayout, dst: LeafLayout, dtype=None):
@@ -137,8 +181,10 @@ def convert(x, src: LeafLayout, dst: LeafLayout, dtype=None):
   return dst.to_storage(x)
 
 
-def replicated(shape) -> LeafLayout:
-  return LeafLayout(tuple(shape), reason="stage 0")
+def replicated(shape, model: tuple = (), reason: str = "stage 0") -> LeafLayout:
+  model = tuple(tuple(m) for m in model)
+  return LeafLayout(tuple(shape), reason=reason,
+                    model=model if any(model) else ())
 
 
 def sharding(mesh, layout: LeafLayout, axis_name: str) -> NamedSharding:

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _layout
+from zerojax import _layout, _model_axes
 from zerojax._transform import ZeroTransformation
 
 
@@ -205,10 +205,12 @@ def make_spec(params, tx: ZeroTransformation) -> StateSpec:
     paths.append(jax.tree_util.keystr(path))
   trainable = tuple(_is_floating(a.dtype) for a in avals)
   stacks = tuple(_is_stack(tx.stacked, p, a.shape) for p, a in zip(paths, avals))
-  param_layouts = tuple(tx.plan_param(a.shape, a.dtype, st)
-                        for a, st in zip(avals, stacks))
-  shard_layouts = tuple(tx.plan(a.shape, a.dtype, st)
-                        for a, st in zip(avals, stacks))
+  models = tuple(_model_axes.leaf_model_axes(tx.config, p, x)
+                 for p, (_, x) in zip(paths, paths_leaves))
+  param_layouts = tuple(tx.plan_param(a.shape, a.dtype, st, m)
+                        for a, st, m in zip(avals, stacks, models))
+  shard_layouts = tuple(tx.plan(a.shape, a.dtype, st, m)
+                        for a, st, m in zip(avals, stacks, models))
   policy = tx.policy
   view = jax.tree.unflatten(params_def, [
       jax.ShapeDtypeStruct(a.shape, policy.master(a.dtype)) if t
@@ -221,13 +223,14 @@ def make_spec(params, tx: ZeroTransformation) -> StateSpec:
                     for o in opt_leaves)
   # An optimizer leaf shaped like its param (a moment) shares its layout, so
   # an elementwise update stays local: match it by path suffix and shape.
-  by_path = {p: (a.shape, st) for p, a, st in zip(paths, avals, stacks)}
-  def opt_stack(path, shape):
-    for p, (pshape, st) in by_path.items():
+  by_path = {p: (a.shape, st, m)
+             for p, a, st, m in zip(paths, avals, stacks, models)}
+  def opt_like(path, shape):
+    for p, (pshape, st, m) in by_path.items():
       if path.endswith(p) and tuple(pshape) == tuple(shape):
-        return st
-    return True
-  opt_layouts = tuple(tx.plan(o.shape, o.dtype, opt_stack(p, o.shape))
+        return st, m
+    return True, ()
+  opt_layouts = tuple(tx.plan(o.shape, o.dtype, *opt_like(p, o.shape))
                       for p, o in zip(opt_paths, opt_avals))
   return StateSpec(tx, params_def, tuple(avals), trainable, param_layouts,
                    shard_layouts, opt_def, opt_avals, opt_layouts, tuple(paths))
@@ -470,9 +473,16 @@ def gather_params(state: ZeroState, *, master: bool = False):
 @functools.partial(jax.jit, static_argnums=1)
 def _gather_replicated(state: ZeroState, use_master: bool):
   """Compiled once per state layout (the spec is part of the treedef)."""
-  rep = NamedSharding(state.spec.tx.mesh, P())
-  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rep),
-                      _gather(state, use_master))
+  spec = state.spec
+  return spec.unflatten_params([
+      jax.lax.with_sharding_constraint(x, spec.sharding(_full(r.param)))
+      for x, r in zip(jax.tree.leaves(_gather(state, use_master)),
+                      spec.leaves)])
+
+
+def _full(layout):
+  """``layout`` gathered over the data axis: the model axes kept."""
+  return _layout.replicated(layout.shape, layout.model, reason="gathered")
 
 
 def gather_opt_state(state: ZeroState):
@@ -487,7 +497,6 @@ def gather_opt_state(state: ZeroState):
 @jax.jit
 def _gather_opt_jit(state: ZeroState):
   spec = state.spec
-  rep = NamedSharding(spec.tx.mesh, P())
   return jax.tree.unflatten(spec.opt_def, [
-      jax.lax.with_sharding_constraint(l.to_logical(x), rep)
+      jax.lax.with_sharding_constraint(l.to_logical(x), spec.sharding(_full(l)))
       for x, l in zip(jax.tree.leaves(state.opt_state), spec.opt_layouts)])

@@ -105,11 +105,11 @@ def _expected_signature(spec: StateSpec):
 
 def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
   """Checks the batch splits over devices x micro-batches; shards it."""
-  n = tx.num_shards
+  n = tx.batch_shards
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
     raise ValueError("zerojax train step: the batch has no arrays.")
-  sharding = NamedSharding(tx.mesh, P(tx.axis_name))
+  sharding = batch_sharding(tx)
   rows = None
   for path, x in leaves:
     shape = np.shape(x)
@@ -117,7 +117,7 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
       raise ValueError(
           f"zerojax train step: batch leaf {jax.tree_util.keystr(path)} is a "
           f"scalar; every batch leaf needs a leading batch dimension to split "
-          f"over the {tx.axis_name!r} axis.")
+          f"over the {' x '.join(map(repr, tx.batch_axes))} axes.")
     if rows is None:
       rows = shape[0]
     elif shape[0] != rows:
@@ -147,6 +147,12 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
   return jax.tree.map(put, batch)
 
 
+def batch_sharding(tx: ZeroTransformation) -> NamedSharding:
+  """Rows split over the batch axes (replica, then data); replicated over
+  model axes."""
+  return NamedSharding(tx.mesh, P(tx.batch_axes))
+
+
 def shard_batch(local_batch, tx: ZeroTransformation, global_rows: int):
   """A global batch from the rows this process feeds.
 
@@ -154,7 +160,7 @@ def shard_batch(local_batch, tx: ZeroTransformation, global_rows: int):
   says which); the result is a global array sharded along the data axis,
   as a train step expects. Single-process runs may pass the whole batch.
   """
-  sharding = NamedSharding(tx.mesh, P(tx.axis_name))
+  sharding = batch_sharding(tx)
   return jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(
           sharding, np.asarray(x), (global_rows,) + np.shape(x)[1:]),
@@ -289,7 +295,7 @@ def _eval_local(spec: StateSpec, call: LossCall, loss_fn, gather_mode, leaves,
   sinks = [jnp.zeros(r.param.shard_shape(n), r.reduce_dtype) if h else None
            for r, h in zip(spec.leaves, hooked)]
   if key is not None:
-    key = jax.random.fold_in(key, jax.lax.axis_index(tx.axis_name))
+    key = jax.random.fold_in(key, jax.lax.axis_index(tx.batch_axes))
 
   def probe(srcs, mb, k, ms, gather_all=False):
     ls = [s if h else x for s, x, h in zip(srcs, leaves, hooked)]
@@ -307,7 +313,7 @@ def _eval_local(spec: StateSpec, call: LossCall, loss_fn, gather_mode, leaves,
   if mode == "all":
     params = _gather.gather(params)
   loss, _, _ = call(loss_fn, params, batch, key, model_state)
-  return jax.lax.pmean(loss, tx.axis_name)
+  return jax.lax.pmean(loss, tx.batch_axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,12 +357,13 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
     axis = tx.axis_name
     call = LossCall(has_key=state.key is not None,
                     has_model_state=state.model_state is not None, has_aux=None)
-    param_specs = [r.param.spec(axis) for r in spec.leaves]
-    batch_specs = jax.tree.map(lambda _: P(axis), batch)
+    param_specs = [r.param.manual_spec(axis) for r in spec.leaves]
+    batch_specs = jax.tree.map(lambda _: P(tx.batch_axes), batch)
     rep = lambda t: jax.tree.map(lambda _: P(), t)
     key, ms = step_key(state), state.model_state
     fn = lambda p, b, k, m: _eval_local(spec, call, loss_fn, gather, p, b, k, m)
     return jax.shard_map(
         fn, mesh=tx.mesh, in_specs=(param_specs, batch_specs, rep(key), rep(ms)),
-        out_specs=P())(jax.tree.leaves(state.params), batch, key, ms)
+        out_specs=P(), axis_names=set(tx.batch_axes))(
+            jax.tree.leaves(state.params), batch, key, ms)
   return EvalStep(loss_fn, tx, gather, jax.jit(run))

@@ -43,23 +43,50 @@ class ZeroConfig:
   policy: Policy = Policy()
   min_shard_size: int = 0
   stacked: Any = None
+  replica_axis: str | None = None
+  model_specs: Any = None
 
   @property
   def num_shards(self) -> int:
+    """Devices along the data axis: the N of the ZeRO formulas."""
     return data_axis_size(self.mesh, self.axis_name)
 
-  def plan(self, shape, dtype, stacked: bool = True) -> _layout.LeafLayout:
+  @property
+  def num_replicas(self) -> int:
+    return int(self.mesh.shape[self.replica_axis]) if self.replica_axis else 1
+
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The axes the batch splits over (and ``shard_map`` is manual over):
+    replica, then data."""
+    return ((self.replica_axis,) if self.replica_axis else ()) + (
+        self.axis_name,)
+
+  @property
+  def batch_shards(self) -> int:
+    return self.num_replicas * self.num_shards
+
+  @property
+  def model_axes(self) -> dict[str, int]:
+    """Mesh axes left to XLA (tensor parallelism), with their sizes."""
+    return {a: int(s) for a, s in self.mesh.shape.items()
+            if a not in self.batch_axes}
+
+  def plan(self, shape, dtype, stacked: bool = True,
+           model: tuple = ()) -> _layout.LeafLayout:
     """The layout of a master/optimizer/gradient leaf at this stage."""
     if self.stage == 0:
-      return _layout.replicated(shape)
+      return _layout.replicated(shape, model)
     return _layout.plan_leaf(shape, dtype, self.num_shards,
-                             self.min_shard_size, stacked=stacked)
+                             self.min_shard_size, stacked=stacked,
+                             model=model, model_sizes=self.model_axes)
 
-  def plan_param(self, shape, dtype, stacked: bool = True) -> _layout.LeafLayout:
+  def plan_param(self, shape, dtype, stacked: bool = True,
+                 model: tuple = ()) -> _layout.LeafLayout:
     """The layout of a parameter leaf: sharded only at stage 3."""
     if self.stage < 3:
-      return _layout.LeafLayout(tuple(shape), reason=f"stage {self.stage}")
-    return self.plan(shape, dtype, stacked)
+      return _layout.replicated(shape, model, reason=f"stage {self.stage}")
+    return self.plan(shape, dtype, stacked, model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +142,20 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   min_shard_size = property(lambda self: self.config.min_shard_size)
   stacked = property(lambda self: self.config.stacked)
   num_shards = property(lambda self: self.config.num_shards)
+  replica_axis = property(lambda self: self.config.replica_axis)
+  num_replicas = property(lambda self: self.config.num_replicas)
+  batch_axes = property(lambda self: self.config.batch_axes)
+  batch_shards = property(lambda self: self.config.batch_shards)
+  model_axes = property(lambda self: self.config.model_axes)
+  model_specs = property(lambda self: self.config.model_specs)
 
-  def plan(self, shape, dtype, stacked: bool = True) -> _layout.LeafLayout:
-    return self.config.plan(shape, dtype, stacked)
+  def plan(self, shape, dtype, stacked: bool = True,
+           model: tuple = ()) -> _layout.LeafLayout:
+    return self.config.plan(shape, dtype, stacked, model)
 
-  def plan_param(self, shape, dtype, stacked: bool = True) -> _layout.LeafLayout:
-    return self.config.plan_param(shape, dtype, stacked)
+  def plan_param(self, shape, dtype, stacked: bool = True,
+                 model: tuple = ()) -> _layout.LeafLayout:
+    return self.config.plan_param(shape, dtype, stacked, model)
 
   def replace(self, **changes) -> "ZeroTransformation":
     """The same transformation with some configuration fields changed."""
@@ -128,8 +163,13 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
   def __repr__(self):
     c = self.config
+    extra = ""
+    if c.replica_axis:
+      extra += f", replica_axis={c.replica_axis!r} ({c.num_replicas})"
+    if c.model_axes:
+      extra += f", model_axes={c.model_axes}"
     return (f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
-            f"num_shards={c.num_shards}, policy={c.policy})")
+            f"num_shards={c.num_shards}{extra}, policy={c.policy})")
 
 
 def from_config(config: ZeroConfig) -> ZeroTransformation:
@@ -153,6 +193,8 @@ def zero(
     policy: Policy | None = None,
     min_shard_size: int = 0,
     stacked=None,
+    replica_axis: str | None = None,
+    model_specs=None,
 ) -> ZeroTransformation:
   """Wraps an Optax optimizer to shard training state at a ZeRO stage.
 
@@ -182,6 +224,18 @@ def zero(
       of the leaf's ``jax.tree_util.keystr`` path, e.g.
       ``lambda path, shape: "blocks" in path``. A leaf wrongly marked as
       not stacked raises in :func:`zerojax.gather` when a scan slices it.
+    replica_axis: a mesh axis the batch also splits over but the state is
+      *replicated* across (hybrid sharding, HSDP: shard inside a slice or
+      node, replicate across them). Gradients are reduce-scattered over the
+      data axis, then the shards all-reduced over this axis (Ψ/N elements,
+      once per step). Default: the mesh's ``"replica"`` axis if it has one.
+    model_specs: the model's own (tensor-parallel) shardings over the mesh
+      axes other than data and replica: a pytree of ``PartitionSpec``
+      shaped like the params (see ``zerojax.linen.model_specs`` and
+      ``zerojax.nnx.model_specs``), or a function ``(path, shape) ->
+      PartitionSpec``. Default: read from the params' own ``NamedSharding``
+      where they carry one, else replicated over those axes. Those axes are
+      left to XLA; zerojax adds the data axis on another dimension.
 
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and
@@ -213,13 +267,18 @@ def zero(
   if mesh is None:
     mesh = _context_mesh(axis_name)
   data_axis_size(mesh, axis_name)
-  others = {a: s for a, s in mesh.shape.items() if a != axis_name and s > 1}
-  if others:
-    raise ValueError(
-        f"zerojax.zero: the mesh has non-trivial axes {others} besides "
-        f"{axis_name!r}; zerojax shards over the data axis only and does not "
-        f"compose with tensor or pipeline parallel axes yet. Pass a 1-D mesh "
-        f"from zerojax.make_mesh().")
+  if replica_axis is None and "replica" in mesh.axis_names and (
+      axis_name != "replica"):
+    replica_axis = "replica"
+  if replica_axis is not None:
+    if replica_axis not in mesh.axis_names or replica_axis == axis_name:
+      raise ValueError(
+          f"zerojax.zero: replica_axis={replica_axis!r} is not a mesh axis "
+          f"other than the data axis {axis_name!r} (the mesh has "
+          f"{tuple(mesh.axis_names)}). Build the mesh with "
+          f"zerojax.make_mesh('replica=2,data=4').")
+  from zerojax import _model_axes
+  model_specs = _model_axes.as_lookup(model_specs)
   policy = Policy() if policy is None else policy
   if not isinstance(policy, Policy):
     raise TypeError(f"zerojax.zero: policy must be a zerojax.Policy, got "
@@ -230,4 +289,5 @@ def zero(
       raise ValueError(f"zerojax.Policy: {name}={dt!r} is not a floating "
                        f"dtype.")
   return from_config(ZeroConfig(inner, stage, mesh, axis_name, policy,
-                                min_shard_size, stacked))
+                                min_shard_size, stacked, replica_axis,
+                                model_specs))

@@ -151,8 +151,9 @@ def new_params(spec: StateSpec, params, new_w):
               for s, l in zip(shards, layouts)]
     full = jax.shard_map(
         all_gather, mesh=tx.mesh,
-        in_specs=([l.spec(axis) for l in layouts],),
-        out_specs=[P()] * len(layouts))([out[i] for i in gather_idx])
+        in_specs=([l.manual_spec(axis) for l in layouts],),
+        out_specs=[P()] * len(layouts), axis_names={axis})(
+            [out[i] for i in gather_idx])
     for i, f in zip(gather_idx, full):
       out[i] = f
   return spec.unflatten_params(out)
