@@ -52,6 +52,37 @@ class GatherSpec:
   path: str = ""          # the leaf's keystr in the params tree, for errors
   replica: tuple = ()     # other manual axes the batch splits over (HSDP)
   padded: int = 0         # size of ``dim`` in storage (0: next multiple)
+  model: tuple = ()       # the leaf's model spec, per dimension (TP axes)
+
+
+def _entries(model, ndim):
+  """The last ``ndim`` per-dimension model specs (scan slices leading dims)."""
+  dims = list(model)[-ndim:] if ndim else []
+  dims = [()] * (ndim - len(dims)) + [tuple(a) for a in dims]
+  return [None if not a else a[0] if len(a) == 1 else a for a in dims]
+
+
+def over_model_shards(fn, x, model, dim):
+  """Runs the data-axis collective ``fn`` on each model shard of ``x``.
+
+  Inside the step's ``shard_map`` the data axis is manual and the model
+  axes are automatic. XLA partitions a manual-axis collective there only on
+  an operand replicated over the automatic axes: left alone it would first
+  all-gather a tensor-parallel weight over ``model`` and then move the full
+  weight over ``data`` (measured: Ψ over data, not Ψ/M). Made manual over
+  the leaf's model axes too (a nested ``shard_map``), each device gathers
+  or reduce-scatters only its model shard: Ψ/M over data, nothing over
+  model. Not used when the data axis shares its dimension with the model
+  (``P(("data", "model"))``): there the model-local blocks are not
+  contiguous after the gather, and XLA's own route is the exact one.
+  """
+  entries = _entries(model, x.ndim)
+  if not any(entries) or entries[dim] is not None:
+    return fn(x)
+  axes = {a for e in entries if e for a in ((e,) if isinstance(e, str) else e)}
+  spec = jax.sharding.PartitionSpec(*entries)
+  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(),
+                       in_specs=spec, out_specs=spec, axis_names=axes)(x)
 
 
 class UngatheredParamError(TypeError):
@@ -155,8 +186,9 @@ def _full_value(spec: GatherSpec, src):
   _check_rank(spec, src)
   if spec.stage == 3:
     dim = src.ndim + spec.dim
-    full = jax.lax.all_gather(src, spec.axis_name, axis=dim, tiled=True,
-                              to="varying")
+    full = over_model_shards(
+        lambda s: jax.lax.all_gather(s, spec.axis_name, axis=dim, tiled=True,
+                                     to="varying"), src, spec.model, dim)
     full = jax.lax.slice_in_dim(full, 0, spec.size, axis=dim)
     # Varying over the replica axis too: otherwise the transpose of the
     # implicit broadcast would all-reduce the full cotangent over replicas.
@@ -187,8 +219,10 @@ def zerojax_gather_bwd(spec, _, ct):
     widths = [(0, 0)] * ct.ndim
     widths[dim] = (0, pad)
     ct = jnp.pad(ct, widths)
-  shard = jax.lax.psum_scatter(ct.astype(spec.reduce_dtype), spec.axis_name,
-                               scatter_dimension=dim, tiled=True)
+  shard = over_model_shards(
+      lambda c: jax.lax.psum_scatter(c, spec.axis_name, scatter_dimension=dim,
+                                     tiled=True),
+      ct.astype(spec.reduce_dtype), spec.model, dim)
   return shard, None
 
 

@@ -135,7 +135,7 @@ def _gather_spec(spec: StateSpec, i: int) -> _gather.GatherSpec:
       size=r.aval.shape[r.shard.dim], stage=spec.stage,
       reduce_dtype=r.reduce_dtype, path=r.path,
       replica=tuple(a for a in spec.tx.batch_axes if a != spec.tx.axis_name),
-      padded=r.shard.padded)
+      padded=r.shard.padded, model=r.shard.model)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:
@@ -317,8 +317,10 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
     elif hooked[i]:                       # already reduce-scattered
       out.append(over_replicas(g) * scale)
     elif stage >= 1 and r.shard.sharded:
-      g = jax.lax.psum_scatter(r.shard.to_storage(g), axis,
-                               scatter_dimension=r.shard.dim, tiled=True)
+      g = _gather.over_model_shards(
+          lambda x, d=r.shard.dim: jax.lax.psum_scatter(
+              x, axis, scatter_dimension=d, tiled=True),
+          r.shard.to_storage(g), r.shard.model, r.shard.dim)
       out.append(over_replicas(g) * scale)
     else:                                 # stage 0, or a replicated leaf
       out.append(jax.lax.psum(g, axes) * scale)

@@ -17,6 +17,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
           "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -44,6 +46,7 @@ class Collective:
   bytes: int           # full-buffer bytes of one execution (all buffers)
   count: int           # executions per step (loop trip counts applied)
   computation: str     # HLO computation it sits in
+  groups: tuple = ()   # device ids of each replica group (partition ids)
 
   @property
   def total_bytes(self) -> int:
@@ -61,6 +64,55 @@ def _dtype_bytes(dtype: str) -> int:
   if m:
     return 1
   raise ValueError(f"zerojax._hlo: unknown HLO element type {dtype!r}")
+
+
+def _iota(dims, perm, n):
+  ids = np.arange(n).reshape(dims)
+  return ids.transpose(perm) if perm else ids
+
+
+def replica_groups(rest: str, num_devices: int) -> tuple:
+  """The replica groups of one collective, as tuples of device ids.
+
+  Reads the explicit (``{{0,2},{1,3}}``), iota (``[4,2]<=[2,4]T(1,0)``) and
+  mesh (``mesh['axis_0'=2,...] device_ids=(...) {'axis_1'}``) forms, and a
+  collective-permute's source-target pairs; ``()`` when none is given
+  (every device in one group)."""
+  m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", rest)
+  if m and m.group(1).strip():
+    return tuple(tuple(int(x) for x in g.split(",") if x.strip())
+                 for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
+  m = re.search(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}", rest)
+  if m:
+    return tuple(tuple(int(x) for x in g.split(","))
+                 for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                rest)
+  if m:
+    shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else None
+    ids = _iota(dims, perm, math.prod(dims)).reshape(shape)
+    return tuple(tuple(int(x) for x in g) for g in ids.reshape(shape[0], -1))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
+                r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", rest)
+  if m:
+    sizes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names = [n for n, _ in sizes]
+    shape = [int(v) for _, v in sizes]
+    n = math.prod(shape)
+    if m.group(2):
+      dims = [int(x) for x in m.group(2).split(",")]
+      perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else None
+      ids = _iota(dims, perm, n).reshape(shape)
+    else:
+      ids = np.arange(n).reshape(shape)
+    over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+    keep = [i for i in range(len(shape)) if i not in over]
+    ids = ids.transpose(keep + over).reshape(
+        -1, math.prod(shape[i] for i in over) if over else 1)
+    return tuple(tuple(int(x) for x in g) for g in ids)
+  return ()
 
 
 def _group_size(rest: str, default: int) -> int:
@@ -135,7 +187,9 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
                 for dt, dims in _SHAPE_RE.findall(result)]
       if not shapes:
         continue
-      group = _group_size(rest, num_devices)
+      groups = replica_groups(rest, num_devices)
+      group = (len(groups[0]) if groups and kind != "collective-permute"
+               else _group_size(rest, num_devices))
       scale = group if kind == "reduce-scatter" else 1
       nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes) * scale
       nelems = sum(math.prod(s) for _, s in shapes) * scale
@@ -143,8 +197,39 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       if kind == "reduce-scatter" and s0:
         s0 = (s0[0] * group,) + s0[1:]  # the dimension is unknown; size is right
       out.append(Collective(kind, dt0, s0, group, nelems, nbytes, factor,
-                              name))
+                              name, groups))
   return out
+
+
+def axes_of(c: Collective, mesh) -> tuple[str, ...]:
+  """The mesh axes a collective spans: those whose coordinate varies inside
+  one of its replica groups (device ``i`` is ``mesh.devices.flat[i]``, the
+  order of the program's device assignment)."""
+  shape = mesh.devices.shape
+  if not c.groups:
+    return tuple(a for a, s in zip(mesh.axis_names, shape) if s > 1)
+  varies = set()
+  for g in c.groups:
+    coords = np.array(np.unravel_index(np.asarray(g), shape))
+    varies |= {i for i in range(len(shape)) if len(set(coords[i])) > 1}
+  return tuple(mesh.axis_names[i] for i in sorted(varies))
+
+
+def crosses_processes(c: Collective, mesh) -> bool:
+  """Whether any replica group holds devices of more than one process."""
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices).reshape(-1)
+  groups = c.groups or (tuple(range(procs.size)),)
+  return any(len({int(procs[i]) for i in g}) > 1 for g in groups)
+
+
+def bytes_by_axis(hlo_text: str, mesh) -> dict[tuple[str, str], int]:
+  """Bytes per step by ``(collective kind, spanned axes)``, the axes joined
+  with ``+`` (e.g. ``("all-reduce", "replica")``); full-buffer convention
+  over each group."""
+  totals: dict[tuple[str, str], int] = collections.defaultdict(int)
+  for c in collectives(hlo_text, mesh.devices.size):
+    totals[(c.kind, "+".join(axes_of(c, mesh)) or "-")] += c.total_bytes
+  return dict(totals)
 
 
 def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, int]:

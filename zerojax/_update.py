@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import _layout
+from zerojax import _gather, _layout
 from zerojax._state import StateSpec, ZeroState
 
 
@@ -146,9 +146,10 @@ def new_params(spec: StateSpec, params, new_w):
     layouts = [spec.leaves[i].shard for i in gather_idx]
 
     def all_gather(shards):
-      return [l.to_logical(jax.lax.all_gather(s, axis, axis=l.dim, tiled=True,
-                                              to="invarying"))
-              for s, l in zip(shards, layouts)]
+      return [l.to_logical(_gather.over_model_shards(
+          lambda x, d=l.dim: jax.lax.all_gather(x, axis, axis=d, tiled=True,
+                                                to="invarying"),
+          s, l.model, l.dim)) for s, l in zip(shards, layouts)]
     full = jax.shard_map(
         all_gather, mesh=tx.mesh,
         in_specs=([l.manual_spec(axis) for l in layouts],),
