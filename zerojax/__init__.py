@@ -8,13 +8,17 @@ from zerojax._gather import ShardedParam as ShardedParam
 from zerojax._gather import UngatheredParamError as UngatheredParamError
 from zerojax._gather import gather as gather
 from zerojax._hlo import Collective as Collective
+from zerojax._hlo import axes_of as collective_axes
+from zerojax._hlo import bytes_by_axis as bytes_by_axis
 from zerojax._hlo import collective_bytes as collective_bytes
+from zerojax._hlo import crosses_processes as crosses_processes
 from zerojax._hlo import collectives as collectives
 from zerojax._inspect import layout_rows as layout_rows
 from zerojax._inspect import layout_table as layout_table
 from zerojax._inspect import state_bytes as state_bytes
 from zerojax._inspect import theory_bytes as theory_bytes
 from zerojax._layout import LeafLayout as LeafLayout
+from zerojax._model_axes import ModelSpecError as ModelSpecError
 from zerojax._mesh import make_mesh as make_mesh
 from zerojax._policy import Policy as Policy
 from zerojax._report import Report as Report
@@ -41,10 +45,11 @@ from zerojax._update import apply_gradients as apply_gradients
 __version__ = "0.1.0"
 
 __all__ = [
-    "Collective", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError",
+    "Collective", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError", "ModelSpecError",
     "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
     "UngatheredParamError", "ZeroConfig", "ZeroState", "ZeroTransformation",
-    "apply_gradients", "collective_bytes", "collectives", "eval_step",
+    "apply_gradients", "bytes_by_axis", "collective_axes", "collective_bytes",
+    "crosses_processes", "collectives", "eval_step",
     "gather", "gather_opt_state", "gather_params", "init", "init_from", "layout_rows",
     "layout_table", "make_mesh", "report", "shard_batch", "state_bytes",
     "theory_bytes", "train_step", "value_and_grad", "zero",
