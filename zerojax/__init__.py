@@ -35,6 +35,7 @@ from zerojax._state import init_from as init_from
 from zerojax._step import EvalStep as EvalStep
 from zerojax._step import TrainStep as TrainStep
 from zerojax._step import eval_step as eval_step
+from zerojax._step import batch_sharding as batch_sharding
 from zerojax._step import shard_batch as shard_batch
 from zerojax._step import train_step as train_step
 from zerojax._transform import ZeroConfig as ZeroConfig
@@ -48,7 +49,7 @@ __all__ = [
     "Collective", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError", "ModelSpecError",
     "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
     "UngatheredParamError", "ZeroConfig", "ZeroState", "ZeroTransformation",
-    "apply_gradients", "bytes_by_axis", "collective_axes", "collective_bytes",
+    "apply_gradients", "batch_sharding", "bytes_by_axis", "collective_axes", "collective_bytes",
     "crosses_processes", "collectives", "eval_step",
     "gather", "gather_opt_state", "gather_params", "init", "init_from", "layout_rows",
     "layout_table", "make_mesh", "report", "shard_batch", "state_bytes",

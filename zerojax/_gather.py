@@ -62,8 +62,11 @@ def _entries(model, ndim):
   return [None if not a else a[0] if len(a) == 1 else a for a in dims]
 
 
-def over_model_shards(fn, x, model, dim):
+def over_model_shards(fn, x, model, dim=None):
   """Runs the data-axis collective ``fn`` on each model shard of ``x``.
+
+  ``dim``: the dimension ``fn`` gathers or scatters; ``None`` for an
+  elementwise collective (``psum``), which is always run per model shard.
 
   Inside the step's ``shard_map`` the data axis is manual and the model
   axes are automatic. XLA partitions a manual-axis collective there only on
@@ -72,17 +75,29 @@ def over_model_shards(fn, x, model, dim):
   weight over ``data`` (measured: Ψ over data, not Ψ/M). Made manual over
   the leaf's model axes too (a nested ``shard_map``), each device gathers
   or reduce-scatters only its model shard: Ψ/M over data, nothing over
-  model. Not used when the data axis shares its dimension with the model
-  (``P(("data", "model"))``): there the model-local blocks are not
-  contiguous after the gather, and XLA's own route is the exact one.
+  model. Where the data axis shares its dimension with the model
+  (``P(("data", "model"))``) the model-local blocks are not contiguous
+  after a gather, so that dimension enters whole over the model axes (XLA
+  gathers it over ``model`` first: the bytes XLA's own route moves).
+
+  Every data-axis collective runs this way, manual over all the automatic
+  axes, even for leaves the model does not shard: XLA CPU aborts compiling
+  bf16 collectives over a manual axis inside a region automatic over
+  another (measured with jax 0.10.2 on the GPT at 4 x 2: "Invalid binary
+  instruction opcode copy"; fine once the operand is manual everywhere).
   """
   entries = _entries(model, x.ndim)
-  if not any(entries) or entries[dim] is not None:
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = {a for a, t, n in zip(mesh.axis_names, mesh.axis_types,
+                               mesh.axis_sizes)
+          if t != jax.sharding.AxisType.Manual and n > 1}
+  if not axes:
     return fn(x)
-  axes = {a for e in entries if e for a in ((e,) if isinstance(e, str) else e)}
+  if dim is not None and entries[dim] is not None:
+    entries[dim] = None      # shared with the data axis: whole over model
   spec = jax.sharding.PartitionSpec(*entries)
-  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(),
-                       in_specs=spec, out_specs=spec, axis_names=axes)(x)
+  return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
+                       axis_names=axes)(x)
 
 
 class UngatheredParamError(TypeError):

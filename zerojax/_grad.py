@@ -308,22 +308,25 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
   scale = 1.0 / (tx.batch_shards * accum_steps)
   # Hybrid sharding: the data-axis shards are then summed over the replica
   # axis, once per step (after accumulation): Ψ/N elements cross it.
-  over_replicas = ((lambda g: jax.lax.psum(g, replica)) if replica
-                   else (lambda g: g))
+  def psum(g, over, layout):
+    if not over:
+      return g
+    return _gather.over_model_shards(lambda x: jax.lax.psum(x, over), g,
+                                     layout.model)
   out = []
   for i, (g, r) in enumerate(zip(grads, spec.leaves)):
     if g is None:
       out.append(None)
     elif hooked[i]:                       # already reduce-scattered
-      out.append(over_replicas(g) * scale)
+      out.append(psum(g, replica, r.shard) * scale)
     elif stage >= 1 and r.shard.sharded:
       g = _gather.over_model_shards(
           lambda x, d=r.shard.dim: jax.lax.psum_scatter(
               x, axis, scatter_dimension=d, tiled=True),
           r.shard.to_storage(g), r.shard.model, r.shard.dim)
-      out.append(over_replicas(g) * scale)
+      out.append(psum(g, replica, r.shard) * scale)
     else:                                 # stage 0, or a replicated leaf
-      out.append(jax.lax.psum(g, axes) * scale)
+      out.append(psum(g, axes, r.param) * scale)
   loss = jax.lax.psum(loss, axes) * scale
   # float aux: mean over devices and micro-batches; integer aux (counts):
   # summed over both.

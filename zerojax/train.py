@@ -32,8 +32,12 @@ class TrainConfig:
 
   stage: int = _opt(3, "ZeRO stage: 0 plain data parallel, 1 shard optimizer "
                        "state, 2 and gradients, 3 and parameters")
-  devices: int = _opt(8, "data-parallel devices; on a CPU-only machine this "
-                         "many fake CPU devices are created")
+  devices: int = _opt(8, "devices; on a CPU-only machine this many fake CPU "
+                         "devices are created")
+  mesh: str = _opt("", "mesh axes, e.g. replica=2,data=4 (hybrid sharding: "
+                       "state sharded over data, replicated over replica) or "
+                       "data=4,model=2 (tensor parallelism over model, "
+                       "Megatron layout); empty: data over all devices")
   width: int = _opt(128, "model width D")
   depth: int = _opt(4, "number of transformer blocks L")
   heads: int = _opt(4, "attention heads (must divide width)")
@@ -95,11 +99,23 @@ def parse_args(argv=None) -> TrainConfig:
   if config.width % config.heads:
     problems.append(f"--heads={config.heads} does not divide "
                     f"--width={config.width}")
-  if config.batch % (config.devices * config.accum):
-    m = config.devices * config.accum
+  splits, over = config.devices, f"--devices={config.devices}"
+  if config.mesh:
+    from zerojax._mesh import parse_axes
+    try:
+      axes = parse_axes(config.mesh, config.devices)
+    except ValueError as e:
+      problems.append(f"--mesh={config.mesh}: {e}")
+      axes = {"data": config.devices}
+    if "data" not in axes:
+      problems.append(f"--mesh={config.mesh} has no data axis")
+    splits = axes.get("data", 1) * axes.get("replica", 1)
+    over = f"the {splits} replica x data devices of --mesh={config.mesh}"
+  if config.batch % (splits * config.accum):
+    m = splits * config.accum
     problems.append(
-        f"--batch={config.batch} does not split over --devices="
-        f"{config.devices} x --accum={config.accum}; use a multiple of {m} "
+        f"--batch={config.batch} does not split over {over} x "
+        f"--accum={config.accum}; use a multiple of {m} "
         f"(e.g. {-(-config.batch // m) * m})")
   if not 0.0 <= config.dropout < 1.0:
     problems.append(f"--dropout={config.dropout} must be in [0, 1)")
@@ -143,7 +159,7 @@ def main(config: TrainConfig) -> dict:
   from zerojax.models import gpt
 
   devices = _setup_devices(config.devices)
-  mesh = zerojax.make_mesh(devices=devices)
+  mesh = zerojax.make_mesh(config.mesh or None, devices=devices)
   main_process = distributed.is_main()     # logs, plots and prints
   say = print if main_process else (lambda *a, **k: None)
   host = lambda x: np.asarray(x.addressable_data(0))   # a replicated value
@@ -165,7 +181,11 @@ def main(config: TrainConfig) -> dict:
                                               x.shape[-1] != 1, p)))
   policy = (zerojax.Policy(param_dtype=jnp.bfloat16)
             if config.precision == "bf16" else zerojax.Policy())
-  tx = zerojax.zero(optimizer, stage=config.stage, mesh=mesh, policy=policy)
+  tp = any(mesh.shape[a] > 1 for a in mesh.axis_names
+           if a not in ("data", "replica"))
+  tx = zerojax.zero(optimizer, stage=config.stage, mesh=mesh, policy=policy,
+                    model_specs=gpt.model_specs() if tp else None,
+                    stacked=gpt.is_layer_stack if tp else None)
   init_params = lambda key: gpt.init(model, key)
   key = jax.random.key(config.seed)
   ckpt = start = None
@@ -192,9 +212,7 @@ def main(config: TrainConfig) -> dict:
   train_step = zerojax.train_step(loss_fn, tx, accum_steps=config.accum,
                                   gather="model")
   evaluate = zerojax.eval_step(eval_fn, tx)
-  rows = distributed.local_rows(
-      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
-      config.batch)
+  rows = distributed.local_rows(zerojax.batch_sharding(tx), config.batch)
 
   def batch_at(tokens, seed, step):       # this process's rows only
     local = data.batch_at(tokens, seed=seed, step=step, batch=config.batch,
@@ -209,7 +227,8 @@ def main(config: TrainConfig) -> dict:
 
   say(f"zerojax.train: GPT {gpt.num_params(model):,} params, stage "
         f"{config.stage}, {config.precision}, {len(devices)} x "
-        f"{devices[0].platform} devices, batch {config.batch} x "
+        f"{devices[0].platform} devices (mesh {dict(mesh.shape)}), batch "
+        f"{config.batch} x "
         f"{config.seq_len} bytes", flush=True)
   records = []
   tokens_per_step = config.batch * config.seq_len
@@ -277,6 +296,7 @@ def main(config: TrainConfig) -> dict:
   speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
   summary = {
       "stage": config.stage, "n_devices": len(devices),
+      "mesh": dict(mesh.shape),
       "n_params": gpt.num_params(model), "steps": config.steps,
       "wall_s": wall, "first_eval_loss": evals[0], "last_eval_loss": evals[-1],
       "eval_drop": 1 - evals[-1] / evals[0],

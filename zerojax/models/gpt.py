@@ -48,6 +48,48 @@ class GPTConfig:
 
 
 
+# Logical axis names of every parameter's dimensions (None: never split).
+# ``heads``, ``mlp`` and ``vocab`` are the tensor-parallel dimensions of a
+# Megatron layout (column-parallel qkv and fc1, row-parallel proj and fc2,
+# vocabulary-parallel embedding and head); ``embed`` is the model width.
+LOGICAL_AXES = {
+    "embed_VxD": ("vocab", "embed"), "pos_TxD": (None, "embed"),
+    "blocks": {
+        "ln1_scale_LxD": ("layers", "embed"), "ln1_bias_LxD": ("layers", "embed"),
+        "qkv_LxDx3D": ("layers", "embed", "heads"),
+        "qkv_bias_Lx3D": ("layers", "heads"),
+        "proj_LxDxD": ("layers", "heads", "embed"),
+        "proj_bias_LxD": ("layers", "embed"),
+        "ln2_scale_LxD": ("layers", "embed"), "ln2_bias_LxD": ("layers", "embed"),
+        "fc1_LxDxF": ("layers", "embed", "mlp"), "fc1_bias_LxF": ("layers", "mlp"),
+        "fc2_LxFxD": ("layers", "mlp", "embed"), "fc2_bias_LxD": ("layers", "embed"),
+    },
+    "lnf_scale_D": ("embed",), "lnf_bias_D": ("embed",),
+    "head_DxV": ("embed", "vocab"),
+}
+
+# Logical axis -> mesh axis: Megatron-style tensor parallelism over "model".
+TP_RULES = (("heads", "model"), ("mlp", "model"), ("vocab", "model"))
+
+
+def model_specs(rules=TP_RULES):
+  """The params' ``PartitionSpec`` tree for ``rules`` (pairs of logical axis
+  and mesh axis, as in Flax's logical partitioning); for
+  ``zerojax.zero(..., model_specs=...)``."""
+  table = dict(rules)
+  to_spec = lambda names: jax.sharding.PartitionSpec(
+      *(table.get(n) if n is not None else None for n in names))
+  return jax.tree.map(to_spec, LOGICAL_AXES,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def is_layer_stack(path: str, shape) -> bool:
+  """For ``zerojax.zero(stacked=...)``: only the blocks are layer stacks, so
+  the embedding and head may be sharded along any dimension."""
+  del shape
+  return "blocks" in path
+
+
 def num_params(config: GPTConfig) -> int:
   """Parameter count, from abstract shapes (allocates nothing)."""
   shapes = jax.eval_shape(lambda: init(config, jax.random.key(0)))
