@@ -28,6 +28,8 @@ stage 0 on 1, with no offline conversion step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pathlib
 
 import jax
@@ -53,8 +55,15 @@ def _dtype_name(dt) -> str | None:
 
 
 def _layout_json(layout: _layout.LeafLayout) -> dict:
-  return {"shape": list(layout.shape), "dim": layout.dim,
-          "padded": layout.padded}
+  return {"dim": layout.dim, "padded": layout.padded,
+          "model": [list(m) for m in layout.model]}
+
+
+def _layout_from(entry: dict, shape) -> _layout.LeafLayout:
+  return _layout.LeafLayout(
+      tuple(shape), dim=entry["dim"], padded=entry["padded"],
+      reason="" if entry["dim"] is not None else "saved replicated",
+      model=tuple(tuple(m) for m in entry["model"]))
 
 
 def describe(spec: StateSpec) -> dict:
@@ -69,6 +78,14 @@ def describe(spec: StateSpec) -> dict:
   return {
       "format": FORMAT, "stage": spec.stage, "n_devices": spec.tx.num_shards,
       "min_shard_size": spec.tx.min_shard_size,
+      # the mesh and every leaf's layout, so that any other mesh (1-D,
+      # hybrid, tensor-parallel) can read it
+      "mesh": {a: int(n) for a, n in spec.tx.mesh.shape.items()},
+      "axis_name": spec.tx.axis_name, "replica_axis": spec.tx.replica_axis,
+      "layouts": {
+          "param": [_layout_json(l) for l in spec.param_layouts],
+          "shard": [_layout_json(l) for l in spec.shard_layouts],
+          "opt": [_layout_json(l) for l in spec.opt_layouts]},
       "policy": {"param_dtype": _dtype_name(pol.param_dtype),
                  "master_dtype": _dtype_name(pol.master_dtype),
                  "reduce_dtype": _dtype_name(pol.reduce_dtype)},
@@ -290,12 +307,31 @@ def _source_spec(meta, params_template, tx, where) -> StateSpec:
       jax.tree.structure(params_template),
       [jax.ShapeDtypeStruct(tuple(saved[p]["shape"]), np.dtype(saved[p]["dtype"]))
        for p in paths])
-  mesh = AbstractMesh((meta["n_devices"],), (tx.axis_name,),
-                      axis_types=(AxisType.Auto,))
+  if "mesh" not in meta:          # written before meshes had more axes
+    mesh = AbstractMesh((meta["n_devices"],), (tx.axis_name,),
+                        axis_types=(AxisType.Auto,))
+    source_tx = tx.replace(stage=meta["stage"], mesh=mesh,
+                           policy=_policy_from(meta),
+                           min_shard_size=meta["min_shard_size"])
+    return make_spec(avals, source_tx)
+  names = tuple(meta["mesh"])
+  mesh = AbstractMesh(tuple(meta["mesh"].values()), names,
+                      axis_types=(AxisType.Auto,) * len(names))
   source_tx = tx.replace(stage=meta["stage"], mesh=mesh,
                          policy=_policy_from(meta),
-                         min_shard_size=meta["min_shard_size"])
-  return make_spec(avals, source_tx)
+                         min_shard_size=meta["min_shard_size"],
+                         axis_name=meta["axis_name"],
+                         replica_axis=meta["replica_axis"], model_specs=None)
+  spec = make_spec(avals, source_tx)
+  lay = meta["layouts"]
+  return dataclasses.replace(
+      spec,
+      param_layouts=tuple(_layout_from(e, a.shape)
+                          for e, a in zip(lay["param"], spec.params_avals)),
+      shard_layouts=tuple(_layout_from(e, a.shape)
+                          for e, a in zip(lay["shard"], spec.params_avals)),
+      opt_layouts=tuple(_layout_from(e, a.shape)
+                        for e, a in zip(lay["opt"], spec.opt_avals)))
 
 
 def _check_compatible(meta, source: StateSpec, target: StateSpec, where):
@@ -341,7 +377,9 @@ def _restore_targets(source: StateSpec, target: StateSpec) -> dict:
         np.dtype(src_sds.dtype) == np.dtype(dst_dtype)):
       sharding = target.sharding(dst_layout)
     elif src_layout.sharded and shape[src_layout.dim] % n == 0:
-      sharding = NamedSharding(mesh, src_layout.spec(axis))
+      # the saved dimension over the target's data axis (the saved model
+      # axes may not exist here)
+      sharding = NamedSharding(mesh, src_layout.manual_spec(axis))
     else:
       sharding = NamedSharding(mesh, P())
     return jax.ShapeDtypeStruct(shape, src_sds.dtype, sharding=sharding)
