@@ -403,3 +403,26 @@ def test_checkpoint_restores_across_meshes_bitwise(setup, tmp_path, src, dst):
   tp = "model" in src_mesh or "model" in dst_mesh
   assert float(m1["loss"]) == pytest.approx(float(m2["loss"]),
                                             rel=2e-4 if tp else 1e-6)
+
+
+def test_layout_table_and_report_show_each_axis():
+  mesh = zerojax.make_mesh("replica=2,data=2,model=2")
+  tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh,
+                    model_specs=LAYERED_SPECS, stacked=STACKED)
+  state = zerojax.init(toy.layered_params(L, D, V), tx)
+  table = zerojax.layout_table(state)
+  assert "replicated over 'replica'" in table
+  assert "dim 1 over 'data'; model: dim 2 over 'model'" in table
+  rows = {r["path"]: r for r in zerojax.layout_rows(state)}
+  assert rows["params['layers']['w']"]["placement"] == "P(None, 'data', 'model')"
+  # bytes per device: 1/(N_data x M) of a tensor-parallel leaf
+  assert rows["params['layers']['w']"]["bytes_per_device"] == L * D * D * 4 // 4
+  step = zerojax.train_step(toy.layered_loss, tx, gather="model")
+  rep = zerojax.report(step, state, {"x": np.zeros((16,), np.int32),
+                                     "y": np.zeros((16,), np.int32)})
+  assert rep.bytes_by_axis["all-reduce over replica"] == (
+      rep.theory_collective_bytes["all-reduce"])
+  assert rep.bytes_by_axis["reduce-scatter over data"] == (
+      rep.theory_collective_bytes["reduce-scatter"])
+  assert rep.state_bytes["params"] == rep.theory_state_bytes["params"]
+  assert "all-reduce over replica" in str(rep)

@@ -51,12 +51,16 @@ def layout_rows(state: ZeroState) -> list[dict]:
           how += f" (padded {layout.shape[layout.dim]}->{layout.padded})"
       else:
         how = "replicated" + (f" ({layout.reason})" if layout.reason else "")
+      model = [f"dim {d} over {'+'.join(map(repr, m))}"
+               for d, m in enumerate(layout.model) if m]
+      if model:
+        how += "; model: " + ", ".join(model)
       rows.append(dict(
           category=_category(section, path), section=section,
           path=section + jax.tree_util.keystr(path),
           shape=tuple(layout.shape), dtype=np.dtype(x.dtype).name,
           storage_shape=tuple(x.shape), sharded=layout.sharded, how=how,
-          dim=layout.dim,
+          dim=layout.dim, placement=str(layout.spec(spec.tx.axis_name)),
           bytes_per_device=_shard_nbytes(x) if hasattr(x, "addressable_shards")
           else int(np.prod(layout.shard_shape(spec.tx.num_shards))
                    * np.dtype(x.dtype).itemsize)))
@@ -72,8 +76,14 @@ def layout_table(state: ZeroState) -> str:
   widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
   fmt = lambda cols: "  ".join(c.ljust(w) if i < 4 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(cols, widths)))
-  lines = [f"zerojax stage {state.spec.stage} over {state.spec.tx.num_shards} "
-           f"devices ({state.spec.tx.axis_name!r})", fmt(head),
+  tx = state.spec.tx
+  where = f"devices ({tx.axis_name!r})"
+  if len(tx.mesh.axis_names) > 1:
+    where += (f" of mesh {dict(tx.mesh.shape)}"
+              + (f", replicated over {tx.replica_axis!r}" if tx.replica_axis
+                 else ""))
+  lines = [f"zerojax stage {state.spec.stage} over {tx.num_shards} "
+           f"{where}", fmt(head),
            fmt(["-" * w for w in widths])]
   lines += [fmt(b) for b in body]
   lines.append("")
@@ -101,8 +111,11 @@ def theory_bytes(state: ZeroState) -> dict[str, float]:
   spec = state.spec
   n, stage = spec.tx.num_shards, spec.stage
   out: dict[str, float] = collections.defaultdict(float)
+  sizes = spec.tx.model_axes
+  msize = lambda layout: int(np.prod(
+      [sizes[ax] for m in layout.model for ax in m] or [1]))
   for i, a in enumerate(spec.params_avals):
-    size = int(np.prod(a.shape))
+    size = int(np.prod(a.shape)) / msize(spec.shard_layouts[i])
     out["params"] += size * np.dtype(spec.compute_dtype(i)).itemsize / (
         n if stage == 3 else 1)
     if spec.trainable[i]:
@@ -113,9 +126,9 @@ def theory_bytes(state: ZeroState) -> dict[str, float]:
           n if stage >= 2 else 1)
   opt_paths = jax.tree_util.tree_flatten_with_path(
       jax.tree.unflatten(spec.opt_def, list(spec.opt_avals)))[0]
-  for path, a in opt_paths:
+  for (path, a), layout in zip(opt_paths, spec.opt_layouts):
     shardable = stage >= 1 and len(a.shape) > 0    # scalars (count) stay whole
     out[_category("opt_state", path)] += (
         int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-        / (n if shardable else 1))
+        / (n if shardable else 1) / msize(layout))
   return dict(out)

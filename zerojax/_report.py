@@ -8,7 +8,10 @@ Three sources, each labelled:
   times their trip counts, each collective counted by its full buffer), next
   to the formula: stage 0 all-reduce Ψ; stages 1-2 reduce-scatter Ψ +
   all-gather Ψ; stage 3 all-gather 2Ψ + reduce-scatter Ψ (times the
-  micro-batches where the stage reduces or gathers per micro-batch);
+  micro-batches where the stage reduces or gathers per micro-batch); on a
+  mesh with a model axis each tensor-parallel leaf counts Ψ_leaf/M, and
+  with a replica axis an all-reduce of Ψ/N is added; also bytes per mesh
+  axis (from each collective's replica groups) and crossing processes;
 * **XLA's memory analysis** of the compiled step (argument, output, temp,
   alias bytes per device). On CPU its temp figure misses buffers inside loop
   bodies; do not read it as the peak.
@@ -37,7 +40,8 @@ def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
   for i, a in enumerate(spec.params_avals):
     if not spec.trainable[i]:
       continue
-    size = int(np.prod(a.shape))
+    # a tensor-parallel leaf: each data-axis group moves its model shard
+    size = int(np.prod(a.shape)) // _model_size(spec, spec.shard_layouts[i])
     elems += size
     rbytes += size * np.dtype(spec.reduce_dtype(i)).itemsize
     cbytes += size * np.dtype(spec.compute_dtype(i)).itemsize
@@ -46,8 +50,17 @@ def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
     return {"all-reduce": (elems, rbytes)}
   rs = 1 if stage == 1 else k
   ag = {1: 1, 2: 1, 3: 2 * k}[stage]
-  return {"reduce-scatter": (rs * elems, rs * rbytes),
-          "all-gather": (ag * elems, ag * cbytes)}
+  out = {"reduce-scatter": (rs * elems, rs * rbytes),
+         "all-gather": (ag * elems, ag * cbytes)}
+  if spec.tx.replica_axis:     # hybrid: the shard, summed over replicas once
+    n = spec.tx.num_shards
+    out["all-reduce"] = (elems // n, rbytes // n)
+  return out
+
+
+def _model_size(spec, layout) -> int:
+  sizes = spec.tx.model_axes
+  return int(np.prod([sizes[a] for m in layout.model for a in m] or [1]))
 
 
 @dataclasses.dataclass
@@ -65,6 +78,9 @@ class Report:
   theory_collective_elements: dict
   theory_collective_bytes: dict
   xla_memory: dict
+  mesh: dict = dataclasses.field(default_factory=dict)
+  bytes_by_axis: dict = dataclasses.field(default_factory=dict)
+  cross_process_bytes: int = 0
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -99,6 +115,12 @@ class Report:
       m = self.collective_elements.get(kind, 0)
       t = self.theory_collective_elements.get(kind, 0)
       lines.append(f"  {kind:<38}{m:>10,}  {t:>12,}")
+    if self.bytes_by_axis:
+      lines += ["", f"collective bytes per step by mesh axis (mesh "
+                f"{self.mesh})"]
+      for key, b in sorted(self.bytes_by_axis.items()):
+        lines.append(f"  {key:<38}{b:>14,}")
+      lines.append(f"  {'crossing processes':<38}{self.cross_process_bytes:>14,}")
     lines += ["", "XLA memory analysis per device (temp misses loop-body "
               "buffers on CPU): " + ", ".join(
                   f"{k} {v:,}" for k, v in self.xla_memory.items())]
@@ -135,7 +157,15 @@ def report(step, state: ZeroState, batch) -> Report:
   compiled = step.lower(state, batch).compile()
   spec = state.spec
   n = spec.tx.num_shards
-  colls = _hlo.collectives(compiled.as_text(), n)
+  mesh = spec.tx.mesh
+  colls = _hlo.collectives(compiled.as_text(), mesh.devices.size)
+  by_axis = collections.Counter()
+  crossing = 0
+  for c in colls:
+    by_axis[f"{c.kind} over {'+'.join(_hlo.axes_of(c, mesh)) or '-'}"] += (
+        c.total_bytes)
+    if _hlo.crosses_processes(c, mesh):
+      crossing += c.total_bytes
   by_kind_b, by_kind_e = collections.Counter(), collections.Counter()
   for c in colls:
     by_kind_b[c.kind] += c.total_bytes
@@ -155,4 +185,6 @@ def report(step, state: ZeroState, batch) -> Report:
       xla_memory={"argument": mem.argument_size_in_bytes,
                   "output": mem.output_size_in_bytes,
                   "temp": mem.temp_size_in_bytes,
-                  "alias": mem.alias_size_in_bytes})
+                  "alias": mem.alias_size_in_bytes},
+      mesh={a: int(s) for a, s in mesh.shape.items()},
+      bytes_by_axis=dict(by_axis), cross_process_bytes=crossing)
