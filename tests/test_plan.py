@@ -52,3 +52,54 @@ def test_cli_json_and_errors():
   bad = subprocess.run([sys.executable, "-m", "zerojax.plan", "--devices", "8"],
                        capture_output=True, text=True)
   assert bad.returncode == 2 and "--params or --width" in bad.stderr
+
+
+def test_hsdp_70b_on_4_slices_keeps_state_traffic_off_dcn():
+  """70B, 4 slices x 256 chips: flat ZeRO-3 over 1024 against HSDP."""
+  config = gpt.config_for_params(70e9)
+  abstract = plan.abstract_gpt(config)
+  flat = plan.plan_stage(abstract, 3, mesh={"data": 1024})
+  hsdp = plan.plan_stage(abstract, 3, mesh={"replica": 4, "data": 256})
+  psi = gpt.num_params(config)
+  # memory: 16Ψ/N with N the data axis
+  assert flat.total == pytest.approx(16 * psi / 1024, rel=0.01)
+  assert hsdp.total == pytest.approx(16 * psi / 256, rel=0.01)
+  # the replica all-reduce is the bf16 shard: 2Ψ/256 bytes
+  assert hsdp.collectives["all-reduce over replica"] == pytest.approx(
+      2 * psi / 256, rel=1e-3)
+  f = plan.comm_time(flat, slices=4)
+  h = plan.comm_time(hsdp, slices=4)
+  # hierarchical: flat moves 3 x 2Ψ x 3/4 / 256 per chip over DCN, HSDP
+  # only the all-reduce, 2 x 2Ψ x 3/4 / 256
+  assert f["data"]["slow_bytes"] == pytest.approx(3 * 2 * psi * 0.75 / 256,
+                                                  rel=1e-3)
+  assert h["data"]["slow_bytes"] == 0
+  assert h["replica"]["slow_bytes"] == pytest.approx(2 * 2 * psi * 0.75 / 256,
+                                                     rel=1e-3)
+  # a flat ring across slices: every byte of the ring crosses DCN
+  ring = plan.comm_time(flat, slices=4, algorithm="ring")
+  assert ring["data"]["slow_bytes"] == pytest.approx(3 * 2 * psi * 1023 / 1024,
+                                                     rel=1e-3)
+  assert ring["data"]["seconds"] > 20 * h["replica"]["seconds"]
+
+
+def test_tensor_parallel_mesh_divides_state_by_the_model_axis():
+  config = gpt.GPTConfig(vocab=512, seq_len=64, width=256, depth=2, heads=4)
+  abstract = plan.abstract_gpt(config)
+  dp = plan.plan_stage(abstract, 3, mesh={"data": 8})
+  tp = plan.plan_stage(abstract, 3, mesh={"data": 8, "model": 4})
+  # every GPT leaf but the norms, biases of width D and positions is split
+  assert tp.total < dp.total / 3
+  assert tp.collectives["all-gather"] < dp.collectives["all-gather"] / 3
+
+
+def test_cli_mesh_prints_the_communication_table():
+  out = subprocess.run([sys.executable, "-m", "zerojax.plan", "--params",
+                        "70e9", "--mesh", "replica=4,data=256"],
+                       capture_output=True, text=True, check=True).stdout
+  assert "DCN 6e+09 B/s per chip" in out
+  assert [l for l in out.splitlines() if "replica |" in l]
+  bad = subprocess.run([sys.executable, "-m", "zerojax.plan", "--params",
+                        "1e9", "--mesh", "model=8"], capture_output=True,
+                       text=True)
+  assert bad.returncode == 2 and "no data axis" in bad.stderr

@@ -31,10 +31,11 @@ DEFAULT_AXIS = "data"
 REPLICA_AXIS = "replica"
 
 
-def parse_axes(axes, n_devices: int) -> dict[str, int]:
+def parse_axes(axes, n_devices: int | None) -> dict[str, int]:
   """``"replica=2,data=4"`` or ``{"replica": 2, "data": -1}`` -> sizes.
 
-  One size may be -1: whatever the device count leaves for it."""
+  One size may be -1: whatever the device count leaves for it.
+  ``n_devices=None``: no device count to check against (no -1 allowed)."""
   if isinstance(axes, str):
     out = {}
     for part in axes.replace(" ", "").split(","):
@@ -59,6 +60,10 @@ def parse_axes(axes, n_devices: int) -> dict[str, int]:
     raise ValueError(f"zerojax mesh {axes}: sizes must be >= 1, with at most "
                      f"one -1 (the rest of the devices).")
   known = math.prod(v for v in sizes.values() if v != -1)
+  if n_devices is None:
+    if free:
+      raise ValueError(f"zerojax mesh {axes}: give every axis a size (no -1).")
+    return sizes
   if free:
     if n_devices % known:
       raise ValueError(f"zerojax mesh {axes}: {n_devices} devices do not "

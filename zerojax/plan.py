@@ -3,6 +3,8 @@
     python -m zerojax.plan --params 7.5e9 --devices 64
     python -m zerojax.plan --params 1e12 --devices 1024 --memory-gb 32
     python -m zerojax.plan --width 4096 --depth 32 --vocab 50257 --devices 256
+    python -m zerojax.plan --params 70e9 --mesh replica=4,data=256 --slices 4
+    python -m zerojax.plan --params 70e9 --mesh data=64,model=8 --hardware h100
 
 For a GPT-shaped model (from a parameter count, or an explicit config) on N
 data-parallel devices, prints for each ZeRO stage the per-device bytes of
@@ -16,6 +18,23 @@ of dimensions that do not divide N is included.
 
 Model-state memory only, as in the ZeRO paper's Figure 1: activations,
 temporary buffers and fragmentation come on top.
+
+With ``--mesh`` (axes ``replica``, ``data``, ``model``) and ``--slices``
+(TPU slices or GPU nodes; the outermost axes are split across them, as
+:func:`zerojax.make_mesh` lays them out), each stage also gets its
+communication per step and mesh axis: bytes each chip sends over the fast
+links (ICI / NVLink) and over the slow ones (DCN / InfiniBand), and the
+seconds they take at the ``--hardware`` bandwidths. The model: ring
+collectives; a group of ``a`` chips moving a full buffer of ``B`` bytes
+sends ``(a-1)/a B`` per chip (all-gather, reduce-scatter; twice that for an
+all-reduce) over the fast links; a group spanning ``s`` slices also moves
+``(s-1)/s B`` into each slice, spread over its ``a/s`` chips' slow links
+(hierarchical collectives: the in-slice part moves ``(i-1)/i B`` over the
+group's ``i = a/s`` chips per slice); time = fast bytes / fast bandwidth +
+slow bytes / slow bandwidth (no overlap with compute). ``--collectives
+ring`` instead prices one flat ring per group, whose slow hops each carry
+``(a-1)/a B``: what a collective that is not decomposed by slice costs. Tensor-parallel activation
+traffic over ``model`` depends on the batch and is not counted.
 """
 
 from __future__ import annotations
@@ -38,6 +57,16 @@ from zerojax.models import gpt
 
 GB = 1e9
 
+# Bytes per second per chip and direction (stated in the output).
+HARDWARE = {
+    # TPU v5p: ICI ~1.8e11 B/s per axis; DCN ~6e9 B/s per chip
+    "tpu-v5p": {"fast": 1.8e11, "slow": 6e9, "fast_name": "ICI",
+                "slow_name": "DCN"},
+    # H100 SXM: NVLink 900 GB/s bidirectional; one 400 Gb/s NDR NIC per GPU
+    "h100": {"fast": 4.5e11, "slow": 5e10, "fast_name": "NVLink",
+             "slow_name": "InfiniBand"},
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
@@ -49,24 +78,40 @@ class StagePlan:
   optimizer: float
   grads: float
   collectives: dict        # kind -> bytes per step (full-buffer convention)
+  mesh: dict = dataclasses.field(default_factory=dict)
+  comm: dict = dataclasses.field(default_factory=dict)   # per axis, see comm_time
 
   @property
   def total(self) -> float:
     return self.params + self.master + self.optimizer + self.grads
 
 
-def plan_stage(abstract_params, stage: int, n_devices: int, *,
-               optimizer=None, policy: Policy | None = None) -> StagePlan:
-  """Per-device bytes and collective bytes for one stage, from zerojax's layouts."""
-  mesh = AbstractMesh((n_devices,), ("data",), axis_types=(AxisType.Auto,))
+def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
+               mesh: dict | None = None, optimizer=None,
+               policy: Policy | None = None, model_specs=None) -> StagePlan:
+  """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
+
+  ``mesh``: axis sizes (e.g. ``{"replica": 4, "data": 256}``); default a
+  1-D data mesh of ``n_devices``. Collective bytes are per data-axis group
+  (full-buffer convention), plus ``"all-reduce over replica"`` (the shard,
+  hybrid sharding)."""
+  mesh = {"data": n_devices} if mesh is None else dict(mesh)
+  amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh),
+                       axis_types=(AxisType.Auto,) * len(mesh))
   optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
   policy = Policy(param_dtype=jnp.bfloat16) if policy is None else policy
-  spec = make_spec(abstract_params, zero(optimizer, stage=stage, mesh=mesh,
-                                         policy=policy))
-  n = n_devices
-  shard = lambda layout: math.prod(layout.shard_shape(n))
+  tp = mesh.get("model", 1) > 1
+  if tp and model_specs is None:
+    model_specs = gpt.model_specs()
+  tx = zero(optimizer, stage=stage, mesh=amesh, policy=policy,
+            model_specs=model_specs if tp else None,
+            stacked=gpt.is_layer_stack if tp else None)
+  spec = make_spec(abstract_params, tx)
+  n = tx.num_shards
+  msize = lambda layout: math.prod(mesh[a] for m in layout.model for a in m)
+  shard = lambda layout: math.prod(layout.shard_shape(n)) / msize(layout)
   params = master = grads = 0.0
-  rs = ag = ar = 0.0
+  rs = ag = ar = arr = 0.0
   for i, a in enumerate(spec.params_avals):
     pl, sl = spec.param_layouts[i], spec.shard_layouts[i]
     c = np.dtype(spec.compute_dtype(i)).itemsize
@@ -76,20 +121,78 @@ def plan_stage(abstract_params, stage: int, n_devices: int, *,
     r = np.dtype(spec.reduce_dtype(i)).itemsize
     if policy.has_master:
       master += shard(sl) * np.dtype(spec.master_dtype(i)).itemsize
-    grads += (shard(sl) if stage >= 2 else math.prod(a.shape)) * r
-    full = math.prod(sl.storage_shape)
+    grads += (shard(sl) if stage >= 2 else math.prod(a.shape) / msize(sl)) * r
+    full = math.prod(sl.storage_shape) / msize(sl)   # one data group's buffer
     if stage == 0 or not sl.sharded:
       ar += full * r
     else:
       rs += full * r
       ag += full * c * (2 if stage == 3 else 1)
+      if tx.replica_axis:
+        arr += full / n * r
   optimizer_bytes = sum(shard(l) * np.dtype(a.dtype).itemsize
                         for l, a in zip(spec.opt_layouts, spec.opt_avals))
   n_params = sum(math.prod(a.shape) for a in spec.params_avals)
   colls = {k: v for k, v in (("all-reduce", ar), ("reduce-scatter", rs),
-                             ("all-gather", ag)) if v}
+                             ("all-gather", ag),
+                             ("all-reduce over replica", arr)) if v}
   return StagePlan(stage, n_params, n, params, master, optimizer_bytes, grads,
-                   colls)
+                   colls, mesh)
+
+
+def _slices_spanned(mesh: dict, axes: tuple, slices: int) -> tuple[int, int]:
+  """(chips in one group of ``axes``, slices such a group spans): the
+  device order is the mesh's, slices cut it into equal contiguous blocks."""
+  names = list(mesh)
+  total = math.prod(mesh.values())
+  chips = total // slices
+  size = math.prod(mesh[a] for a in axes)
+  # the group's extent in the flat order: from its innermost axis's stride
+  # to its outermost axis's span
+  outer = min(names.index(a) for a in axes)
+  extent = math.prod(mesh[a] for a in names[outer:])
+  return size, max(1, min(slices, extent // chips))
+
+
+def comm_time(p: StagePlan, slices: int = 1, hardware: str = "tpu-v5p",
+              fast: float | None = None, slow: float | None = None,
+              algorithm: str = "hierarchical") -> dict:
+  """Per mesh axis: bytes per chip over fast and slow links, and seconds.
+
+  See the module docstring for the model; ``algorithm="ring"``: one flat
+  ring per group, whose slow hops each carry the whole ring's traffic."""
+  hw = dict(HARDWARE[hardware])
+  fast = hw["fast"] if fast is None else fast
+  slow = hw["slow"] if slow is None else slow
+  mesh = p.mesh
+  batch_axes = tuple(a for a in ("replica", "data") if a in mesh)
+  out = {}
+
+  def add(label, axes, kind_factor, buffer):
+    a, s = _slices_spanned(mesh, axes, slices)
+    if a <= 1 or not buffer:
+      return
+    inside = a // s                   # the group's chips in one slice
+    if algorithm == "ring" and s > 1:
+      sl = kind_factor * (a - 1) / a * buffer
+      f = sl if inside > 1 else 0.0     # every hop crosses when inside = 1
+    else:
+      f = kind_factor * (inside - 1) / inside * buffer
+      sl = kind_factor * (s - 1) / s * buffer / inside if s > 1 else 0.0
+    e = out.setdefault(label, {"fast_bytes": 0.0, "slow_bytes": 0.0})
+    e["fast_bytes"] += f
+    e["slow_bytes"] += sl
+  c = p.collectives
+  if p.stage == 0:
+    add("+".join(batch_axes), batch_axes, 2, c.get("all-reduce", 0))
+  else:
+    add("data", ("data",), 1, c.get("reduce-scatter", 0) + c.get("all-gather", 0))
+    add("data", ("data",), 2, c.get("all-reduce", 0))   # replicated leaves
+    if "replica" in mesh:
+      add("replica", ("replica",), 2, c.get("all-reduce over replica", 0))
+  for e in out.values():
+    e["seconds"] = e["fast_bytes"] / fast + e["slow_bytes"] / slow
+  return out
 
 
 def abstract_gpt(config: gpt.GPTConfig):
@@ -129,6 +232,20 @@ def _table(plans) -> str:
                    + [line(r) for r in rows])
 
 
+def _comm_table(plans, hw) -> str:
+  head = ("stage", "axis", f"{hw['fast_name']} GB/chip",
+          f"{hw['slow_name']} GB/chip", "seconds/step")
+  rows = []
+  for p in plans:
+    for axis, e in p.comm.items():
+      rows.append((str(p.stage), axis, f"{e['fast_bytes'] / GB:.3f}",
+                   f"{e['slow_bytes'] / GB:.3f}", f"{e['seconds']:.3f}"))
+  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+  line = lambda cols: "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
+  return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                   + [line(r) for r in rows])
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(
       prog="python -m zerojax.plan",
@@ -142,8 +259,23 @@ def main(argv=None):
   p.add_argument("--depth", type=int, help="explicit GPT depth")
   p.add_argument("--vocab", type=int, default=50257, help="with --width/--depth")
   p.add_argument("--seq-len", type=int, default=2048, help="context length")
-  p.add_argument("--devices", type=int, required=True,
-                 help="data-parallel devices N")
+  p.add_argument("--devices", type=int, default=None,
+                 help="data-parallel devices N (a 1-D mesh)")
+  p.add_argument("--mesh", default=None,
+                 help="mesh axes instead of --devices, e.g. "
+                      "replica=4,data=256 or data=64,model=8")
+  p.add_argument("--slices", type=int, default=None,
+                 help="TPU slices / GPU nodes the devices span (default: the "
+                      "replica axis size, else 1)")
+  p.add_argument("--hardware", choices=sorted(HARDWARE), default="tpu-v5p",
+                 help="link bandwidth defaults")
+  p.add_argument("--fast-bw", type=float, default=None,
+                 help="in-slice bytes/s per chip (overrides --hardware)")
+  p.add_argument("--slow-bw", type=float, default=None,
+                 help="cross-slice bytes/s per chip (overrides --hardware)")
+  p.add_argument("--collectives", choices=["hierarchical", "ring"],
+                 default="hierarchical",
+                 help="how a collective spanning slices is priced")
   p.add_argument("--memory-gb", type=float, default=None,
                  help="also find the largest GPT whose model state fits this "
                       "many GB (1e9 bytes) per device, at each stage")
@@ -153,16 +285,45 @@ def main(argv=None):
     p.error("give either --params or --width and --depth")
   if args.width is not None and args.depth is None:
     p.error("--width needs --depth")
-  if args.devices < 1:
-    p.error(f"--devices={args.devices} must be >= 1")
+  if (args.devices is None) == (args.mesh is None):
+    p.error("give either --devices or --mesh")
+  if args.mesh is not None:
+    from zerojax._mesh import parse_axes
+    try:
+      mesh = parse_axes(args.mesh, None)
+    except ValueError as e:
+      p.error(f"--mesh {args.mesh}: {e}")
+    if "data" not in mesh:
+      p.error(f"--mesh {args.mesh} has no data axis")
+  else:
+    if args.devices < 1:
+      p.error(f"--devices={args.devices} must be >= 1")
+    mesh = {"data": args.devices}
+  args.devices = mesh["data"]
+  slices = args.slices or mesh.get("replica", 1)
+  if math.prod(mesh.values()) % slices:
+    p.error(f"--slices={slices} does not divide the "
+            f"{math.prod(mesh.values())} devices")
   if args.params is not None:
     config = gpt.config_for_params(args.params, seq_len=args.seq_len)
   else:
     config = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len,
                            width=args.width, depth=args.depth,
                            heads=max(1, args.width // 128))
+  if mesh.get("model", 1) > 1:
+    bad = [n for n, d in (("heads", config.width), ("mlp", 4 * config.width),
+                          ("vocab", config.vocab)) if d % mesh["model"]]
+    if bad:
+      config = dataclasses.replace(
+          config, vocab=-(-config.vocab // mesh["model"]) * mesh["model"])
   abstract = abstract_gpt(config)
-  plans = [plan_stage(abstract, s, args.devices) for s in range(4)]
+  plans = [plan_stage(abstract, s, mesh=mesh) for s in range(4)]
+  for x in plans:
+    x.comm.update(comm_time(x, slices, args.hardware, args.fast_bw,
+                            args.slow_bw, args.collectives))
+  hw = HARDWARE[args.hardware]
+  fast = args.fast_bw or hw["fast"]
+  slow = args.slow_bw or hw["slow"]
   fitting = {}
   if args.memory_gb:
     for s in range(4):
@@ -175,9 +336,16 @@ def main(argv=None):
                       "largest_fitting": fitting}, indent=2))
     return
   print(f"GPT {plans[0].n_params:,} params (width {config.width}, depth "
-        f"{config.depth}, vocab {config.vocab}) on N = {args.devices} devices; "
-        f"bf16 params/grads, fp32 master + AdamW moments; GB = 1e9 bytes")
+        f"{config.depth}, vocab {config.vocab}) on mesh {mesh} (N = "
+        f"{args.devices} data devices); bf16 params/grads, fp32 master + "
+        f"AdamW moments; GB = 1e9 bytes")
   print(_table(plans))
+  if len(mesh) > 1 or slices > 1:
+    print(f"\ncommunication per step and chip, {slices} slice(s); "
+          f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
+          f"{hw['slow_name']} {slow:.3g} B/s per chip ({args.collectives} "
+          f"collectives, no overlap; TP activations not counted)")
+    print(_comm_table(plans, hw))
   if fitting:
     print(f"\nlargest GPT whose model state fits {args.memory_gb:g} GB per device:")
     for s, n in fitting.items():
