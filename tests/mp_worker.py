@@ -5,6 +5,7 @@
     python -m tests.mp_worker restore STAGE DIR OUT    # restore, save params
     python -m tests.mp_worker die     STAGE            # process 1 dies at step 2
     python -m tests.mp_worker init    COORD N ID TIMEOUT
+    python -m tests.mp_worker hsdp    STAGE OUT JSON   # replica=2 across processes
 """
 
 import os
@@ -29,10 +30,10 @@ def main(mode, *rest):
 
   stage = int(rest[0])
   params = toy.init_params(jax.random.key(0))
-  tx = zerojax.zero(optax.adamw(1e-2), stage=stage)
+  mesh = zerojax.make_mesh("replica=2,data=4") if mode == "hsdp" else None
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh)
   step = zerojax.train_step(toy.loss_fn, tx)
-  rows = distributed.local_rows(
-      jax.sharding.NamedSharding(tx.mesh, jax.sharding.PartitionSpec("data")), 32)
+  rows = distributed.local_rows(zerojax.batch_sharding(tx), 32)
   batches = [zerojax.shard_batch({k: v[rows] for k, v in b.items()}, tx, 32)
              for b in toy.batches(5, seed=11)]
 
@@ -41,7 +42,35 @@ def main(mode, *rest):
     if distributed.is_main():
       np.savez(out, *[np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(full)])
 
-  if mode == "train":
+  if mode == "hsdp":
+    import json
+    state = zerojax.init(params, tx)
+    # which collectives cross processes, for this mesh and the 1-D one
+    table = {}
+    for name, t in (("hsdp", tx), ("flat", zerojax.zero(optax.adamw(1e-2),
+                                                        stage=stage))):
+      s0 = zerojax.init(params, t)
+      st = zerojax.train_step(toy.loss_fn, t)
+      hlo = st.lower(s0, batches[0]).compile().as_text()
+      table[name] = [
+          {"kind": c.kind, "axes": list(zerojax.collective_axes(c, t.mesh)),
+           "elements": c.total_elements, "bytes": c.total_bytes}
+          for c in zerojax.collectives(hlo, 8)
+          if zerojax.crosses_processes(c, t.mesh)]
+    spec = state.spec
+    table["shard_elements"] = sum(
+        int(np.prod(r.shard.storage_shape)) // tx.num_shards
+        for r in spec.leaves if r.trainable and r.shard.sharded)
+    table["replica_is_process"] = all(
+        d.process_index == r for r in range(2)
+        for d in tx.mesh.devices[r].reshape(-1))
+    for b in batches:
+      state, _ = step(state, b)
+    save_params(state, rest[1])
+    if distributed.is_main():
+      with open(rest[2], "w") as f:
+        json.dump(table, f)
+  elif mode == "train":
     state = zerojax.init(params, tx)
     for b in batches:
       state, _ = step(state, b)

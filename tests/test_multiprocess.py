@@ -117,3 +117,28 @@ def test_wrong_process_count_and_unreachable_coordinator(tmp_path):
                          f"127.0.0.1:{port}", "2", "2", "5"],
                         cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert proc.returncode != 0 and "process_id=2 is outside 0..1" in proc.stderr
+
+
+def test_hsdp_across_processes_equals_one_and_only_all_reduces_cross(tmp_path):
+  """replica=2 across the 2 processes, data=4 inside each: the same numbers
+  as the 1 x 8 run, and the only parameter-sized traffic between the
+  processes is the all-reduce of the Ψ/4 shard (1-D ZeRO-3 sends its
+  all-gathers and reduce-scatters across)."""
+  import json
+  out, table_path = tmp_path / "p.npz", tmp_path / "cross.json"
+  assert _launch(tmp_path, "hsdp", 3, out, table_path) == 0
+  _, want = _single(3, 5)
+  for a, b in zip(_load(out), want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  table = json.loads(table_path.read_text())
+  assert table["replica_is_process"]
+  big = [c for c in table["hsdp"] if c["elements"] > 16]
+  assert {c["kind"] for c in big} == {"all-reduce"}
+  assert all(c["axes"] == ["replica"] for c in big)
+  assert sum(c["elements"] for c in big) == table["shard_elements"]
+  flat = [c for c in table["flat"] if c["elements"] > 16]
+  assert {c["kind"] for c in flat} == {"all-gather", "reduce-scatter"}
+  hsdp_bytes = sum(c["bytes"] for c in table["hsdp"])
+  flat_bytes = sum(c["bytes"] for c in table["flat"])
+  print(f"cross-process bytes per step: HSDP {hsdp_bytes:,}, 1-D {flat_bytes:,}")
+  assert hsdp_bytes * 4 < flat_bytes
