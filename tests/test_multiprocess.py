@@ -142,3 +142,77 @@ def test_hsdp_across_processes_equals_one_and_only_all_reduces_cross(tmp_path):
   flat_bytes = sum(c["bytes"] for c in table["flat"])
   print(f"cross-process bytes per step: HSDP {hsdp_bytes:,}, 1-D {flat_bytes:,}")
   assert hsdp_bytes * 4 < flat_bytes
+
+
+def _start_two(cmd, logs):
+  """2 processes x 4 devices, as zerojax.launch starts them, but ours to
+  signal."""
+  port = launch.free_port()
+  procs = []
+  for i in range(2):
+    env = dict(os.environ, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
+               ZEROJAX_NUM_PROCESSES="2", ZEROJAX_PROCESS_ID=str(i),
+               XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT,
+                                  stdout=open(logs / f"p{i}.log", "w"),
+                                  stderr=subprocess.STDOUT))
+  return procs
+
+
+def test_sigterm_to_one_process_saves_an_agreed_step_and_resumes_exactly(tmp_path):
+  """Spot-VM preemption: SIGTERM to process 1 only. Both processes stop at
+  the same step, save it and exit 0; the resumed run ends where the
+  straight run ends (HSDP mesh, replica across the processes)."""
+  import json
+  import signal
+  flags = ["--mesh", "replica=2,data=4", "--width", "32", "--depth", "2",
+           "--heads", "2", "--seq-len", "32", "--batch", "16", "--steps",
+           "150", "--eval-every", "20", "--log-every", "5",
+           "--sample-len", "0", "--save-every", "1000", "--lr", "1e-2"]
+  cmd = [sys.executable, "-m", "zerojax.train", *flags]
+  straight = tmp_path / "straight"
+  assert launch.launch(cmd + ["--out", str(straight)], 2, 4,
+                       log_dir=tmp_path / "l0", timeout_s=300, stream=False) == 0
+  ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+  logs = tmp_path / "l1"
+  logs.mkdir()
+  procs = _start_two(cmd + ["--out", str(run), "--checkpoint-dir", str(ckpt)],
+                     logs)
+  metrics = run / "metrics.jsonl"
+  deadline = time.monotonic() + 240
+  while time.monotonic() < deadline:   # training runs (flushed at evals)
+    if metrics.exists() and metrics.read_text().count('"loss"') >= 2:
+      break
+    assert all(p.poll() is None for p in procs), (logs / "p0.log").read_text()
+    time.sleep(0.2)
+  procs[1].send_signal(signal.SIGTERM)
+  codes = [p.wait(timeout=240) for p in procs]
+  out = [(logs / f"p{i}.log").read_text() for i in range(2)]
+  assert codes == [0, 0], out
+  summary = json.loads((run / "summary.json").read_text())
+  stop = summary["preempted_at"]
+  assert stop is not None and 20 <= stop < 150
+  assert f"preempted; stopping at step {stop}" in out[0]
+  assert checkpoint.Checkpointer(ckpt).all_steps() == [stop]
+  # resume: the same command with --resume finishes the 150 steps
+  assert launch.launch(cmd + ["--out", str(run), "--checkpoint-dir",
+                              str(ckpt), "--resume"], 2, 4,
+                       log_dir=tmp_path / "l2", timeout_s=300,
+                       stream=False) == 0
+  resumed = json.loads((run / "summary.json").read_text())
+  want = json.loads((straight / "summary.json").read_text())
+  assert resumed["last_eval_loss"] == pytest.approx(want["last_eval_loss"],
+                                                    rel=1e-6)
+  last = lambda d: [json.loads(l) for l in (d / "metrics.jsonl").read_text()
+                    .splitlines() if '"loss"' in l][-1]
+  assert last(run)["step"] == last(straight)["step"] == 150
+  assert last(run)["loss"] == pytest.approx(last(straight)["loss"], rel=1e-6)
+
+
+def test_single_process_sigterm_is_a_preemption_point():
+  from zerojax import distributed
+  import signal
+  assert distributed.preemption_point(1) is False     # installs the handler
+  os.kill(os.getpid(), signal.SIGTERM)
+  assert distributed.preemption_point(2) is True

@@ -127,3 +127,45 @@ def local_rows(sharding, n_rows: int) -> slice:
     raise ValueError("zerojax: this process's devices do not hold a contiguous "
                      "block of the batch; build the mesh with zerojax.make_mesh().")
   return slice(lo, hi)
+
+
+_sigterm = {"installed": False, "seen": False}
+
+
+def _on_sigterm(signum, frame):
+  del signum, frame
+  _sigterm["seen"] = True
+
+
+def preemption_point(step: int) -> bool:
+  """True at the step every process agrees to save and stop at, after a
+  preemption notice (SIGTERM, as spot TPU and GPU VMs get).
+
+  Call it once per step, with the same ``step`` on every process, after the
+  step's update; when it returns True, save a checkpoint of that step and
+  exit. Multi-process: JAX's preemption sync point
+  (``multihost_utils.reached_preemption_sync_point``): a notice to any
+  process reaches all, and they agree on the next step every one of them
+  reaches, so they all save the same one. Single process: True from the
+  first call after this process got SIGTERM (the handler is installed on
+  the first call).
+
+  Example::
+
+      for step in range(start + 1, steps + 1):
+        state, metrics = train_step(state, next_batch(step))
+        if zerojax.distributed.preemption_point(step):
+          ckpt.save(state, extra={"data_step": step}, force=True)
+          ckpt.wait()
+          break
+  """
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+  if not _sigterm["installed"]:
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm["installed"] = True
+  return _sigterm["seen"]

@@ -255,9 +255,21 @@ def main(config: TrainConfig) -> dict:
     t_window, window_steps = now, 0
     return rec
 
+  preempted = None
   for step in bar:
     state, metrics = train_step(state, batch_at(train_tokens, config.seed, step))
     window_steps += 1
+    if distributed.preemption_point(step):
+      # SIGTERM (spot VM preemption) on any process: every process stops at
+      # this same step, saves it and exits cleanly; --resume continues.
+      preempted = step
+      if ckpt is not None:
+        ckpt.save(state, extra={"data_step": step, "seed": config.seed},
+                  force=True)
+      say(f"zerojax.train: preempted; stopping at step {step}"
+          + (f", saved to {config.checkpoint_dir}" if ckpt is not None else
+             " (no --checkpoint-dir: nothing saved)"), flush=True)
+      break
     if ckpt is not None and (step % config.save_every == 0
                              or step == config.steps):
       # asynchronous: training goes on while the bytes are written
@@ -296,7 +308,7 @@ def main(config: TrainConfig) -> dict:
   speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
   summary = {
       "stage": config.stage, "n_devices": len(devices),
-      "mesh": dict(mesh.shape),
+      "mesh": dict(mesh.shape), "preempted_at": preempted,
       "n_params": gpt.num_params(model), "steps": config.steps,
       "wall_s": wall, "first_eval_loss": evals[0], "last_eval_loss": evals[-1],
       "eval_drop": 1 - evals[-1] / evals[0],
@@ -310,7 +322,7 @@ def main(config: TrainConfig) -> dict:
   say(f"done in {wall:.0f}s: held-out loss {evals[0]:.3f} -> {evals[-1]:.3f} "
         f"({100 * summary['eval_drop']:.0f}% lower), "
         f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; wrote {out}/")
-  if config.sample_len:
+  if config.sample_len and preempted is None:
     full = zerojax.gather_params(state)
     prompt = np.frombuffer(b"The ", dtype=np.uint8).astype(np.int32)
     n = min(config.sample_len, config.seq_len - len(prompt))
