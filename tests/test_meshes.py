@@ -426,3 +426,37 @@ def test_layout_table_and_report_show_each_axis():
       rep.theory_collective_bytes["reduce-scatter"])
   assert rep.state_bytes["params"] == rep.theory_state_bytes["params"]
   assert "all-reduce over replica" in str(rep)
+
+
+def test_a_model_axis_no_param_uses_warns(setup):
+  params, _ = setup
+  tx = zerojax.zero(optax.adam(1e-2), stage=1,
+                    mesh=zerojax.make_mesh("data=4,model=2"))
+  with pytest.warns(UserWarning, match=r"\{'model': 2\} split no parameter"):
+    zerojax.init(params, tx)
+
+
+def test_dropin_on_a_tensor_parallel_mesh(setup):
+  """The Optax drop-in on (data, model): needs model_specs (it cannot read
+  shardings inside jit), then equals plain Optax."""
+  params, data = setup
+  mesh = zerojax.make_mesh("data=4,model=2")
+  with pytest.raises(ValueError, match="model_specs"):
+    zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh).init(params)
+  tx = zerojax.zero(optax.adamw(1e-2), stage=1, mesh=mesh, model_specs=SPECS)
+  opt_state = tx.init(params)
+  mu = opt_state[0].mu["layers"]["w"]
+  assert mu.sharding.spec == P(None, "data", "model")
+
+  @jax.jit
+  def step(p, s, b):
+    g = jax.grad(toy.loss_fn, allow_int=True)(p, b)
+    g = jax.tree.map(lambda x, q: x if jnp.issubdtype(q.dtype, jnp.floating)
+                     else np.zeros(q.shape, jax.dtypes.float0), g, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  p = params
+  for b in data:
+    p, opt_state = step(p, opt_state, b)
+  want = toy.reference(params, optax.adamw(1e-2), data)
+  assert toy.rel_err(_floats(p), _floats(want)) < 1e-6

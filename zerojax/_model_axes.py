@@ -55,6 +55,10 @@ class SpecTable:
 
   def __call__(self, path: str, shape):
     table = dict(self.entries)
+    # a boxed leaf (linen Partitioned, NNX Variable) flattens to ``.value``
+    for p in (path, path.removesuffix(".value")):
+      if p in table:
+        return table[p]
     if path not in table:
       known = ", ".join(p for p, _ in self.entries[:4])
       raise ModelSpecError(

@@ -333,7 +333,24 @@ def _root_key(key, where: str):
       f"jax.random.PRNGKey(seed) or an int seed.")
 
 
+def _warn_idle_model_axes(spec: StateSpec, where: str):
+  """A model axis no parameter is split over repeats all work along it."""
+  used = {a for l in spec.shard_layouts + spec.param_layouts
+          for m in l.model for a in m}
+  idle = {a: n for a, n in spec.tx.model_axes.items() if n > 1 and a not in used}
+  if idle:
+    import warnings
+    warnings.warn(
+        f"{where}: mesh axes {idle} split no parameter (no model spec uses "
+        f"them), so every device along them holds and computes the same "
+        f"thing. Pass the model's shardings: zerojax.zero(..., model_specs="
+        f"zerojax.linen.model_specs(variables, rules)) (or nnx.model_specs, "
+        f"or a tree of PartitionSpec), or drop the axis from the mesh.",
+        stacklevel=3)
+
+
 def _with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
+  _warn_idle_model_axes(state.spec, where)
   key = _root_key(key, where)
   if model_state is not None:
     for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:

@@ -50,3 +50,27 @@ def scan_layers(block_cls, length: int, *, remat: bool = True,
                  split_rngs={"params": True}, length=length,
                  metadata_params={nn.PARTITION_NAME: partition_name},
                  **scan_kwargs)
+
+
+def model_specs(variables, rules=None):
+  """Mesh ``PartitionSpec`` of each param, from linen's logical partitioning.
+
+  Args:
+    variables: the output of ``model.init`` (or its ``"params"``), with
+      ``nn.with_logical_partitioning`` / ``nn.Partitioned`` boxes.
+    rules: logical-to-mesh axis rules, e.g. ``(("mlp", "model"),
+      ("embed", None))``; ``None`` when the boxes already name mesh axes.
+
+  Returns:
+    A tree of ``PartitionSpec`` shaped like ``nn.unbox(params)``, for
+    ``zerojax.zero(..., model_specs=...)``: the model's tensor-parallel
+    layout, over which zerojax adds the data axis.
+  """
+  import jax
+  from jax.sharding import PartitionSpec as P
+  params = variables.get("params", variables) if hasattr(variables, "get") else variables
+  logical = nn.get_partition_spec(params)
+  if rules is None:
+    return logical
+  return jax.tree.map(lambda s: nn.logical_to_mesh_axes(tuple(s), rules),
+                      logical, is_leaf=lambda x: isinstance(x, P))

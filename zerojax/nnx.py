@@ -68,3 +68,29 @@ def scan(stacked: nnx.Module, carry, *,
   carry, new_rest = jax.lax.scan(body, carry, (params, rest))
   nnx.update(stacked, new_rest)        # e.g. each layer's BatchNorm averages
   return carry
+
+
+def model_specs(params, rules=None):
+  """Mesh ``PartitionSpec`` of each param, from NNX sharding metadata.
+
+  Args:
+    params: an ``nnx.State`` of parameters (``nnx.split(model, nnx.Param,
+      ...)[1]``) whose variables carry sharding metadata
+      (``nnx.with_partitioning``).
+    rules: logical-to-mesh axis rules when the metadata names logical axes,
+      e.g. ``(("mlp", "model"),)``; ``None`` when it names mesh axes.
+
+  Returns:
+    A tree of ``PartitionSpec`` with the params' structure, for
+    ``zerojax.zero(..., model_specs=...)``. Params created under
+    ``jax.set_mesh`` already carry these shardings, and zerojax reads them
+    without this.
+  """
+  from jax.sharding import PartitionSpec as P
+  from flax.linen import logical_to_mesh_axes
+  specs = nnx.get_partition_spec(params)
+  leaf = lambda x: isinstance(x, P)
+  if rules is None:
+    return specs
+  return jax.tree.map(lambda s: logical_to_mesh_axes(tuple(s), rules), specs,
+                      is_leaf=leaf)
