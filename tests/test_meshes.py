@@ -462,3 +462,30 @@ def test_dropin_on_a_tensor_parallel_mesh(setup):
     p, opt_state = step(p, opt_state, b)
   want = toy.reference(params, optax.adamw(1e-2), data)
   assert toy.rel_err(_floats(p), _floats(want)) < 1e-6
+
+
+def test_model_state_and_aux_on_a_pod_mesh_equal_the_flat_mesh(setup):
+  """Model state averages over replica x data (all batch devices), integer
+  state follows device 0, aux is averaged: as on the 1-D mesh."""
+  params, data = setup
+
+  def loss(p, batch, *, model_state):
+    l = toy.loss_fn(p, batch)
+    stats = {"mean": 0.9 * model_state["mean"]
+             + 0.1 * batch["x"].astype(jnp.float32).mean(),
+             "count": model_state["count"] + 1}
+    return l, stats, {"rows": jnp.asarray(batch["x"].shape[0], jnp.float32)}
+  ms0 = {"mean": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
+  out = []
+  for mesh_axes, specs in (("data=8", None), ("replica=2,data=2,model=2", SPECS)):
+    tx = zerojax.zero(optax.adam(1e-2), stage=3,
+                      mesh=zerojax.make_mesh(mesh_axes), model_specs=specs)
+    state = zerojax.init(params, tx, model_state=ms0)
+    step = zerojax.train_step(loss, tx, gather="model")
+    for b in data:
+      state, m = step(state, b)
+    out.append((state.model_state, m["aux"]["rows"]))
+  (ms1, rows1), (ms2, rows2) = out
+  assert float(ms1["mean"]) == pytest.approx(float(ms2["mean"]), rel=1e-6)
+  assert int(ms1["count"]) == int(ms2["count"]) == STEPS
+  assert float(rows1) == float(rows2) == 4.0     # 32 rows over 8 batch devices

@@ -330,25 +330,32 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
   loss = jax.lax.psum(loss, axes) * scale
   # float aux: mean over devices and micro-batches; integer aux (counts):
   # summed over both.
-  aux = jax.tree.map(lambda a: jax.lax.psum(a, axes) * scale
+  aux = jax.tree.map(lambda a: _psum(a, axes) * scale
                      if jnp.issubdtype(a.dtype, jnp.inexact)
-                     else jax.lax.psum(a, axes), aux)
+                     else _psum(a, axes), aux)
   if new_ms is not None:
     new_ms = jax.tree.map(lambda x: sync_model_state(x, axes), new_ms)
   return out, loss, aux, new_ms
+
+
+def _psum(x, axes):
+  """``psum`` over manual ``axes``, run manual over any automatic (model)
+  axes too: see ``_gather.over_model_shards`` (XLA CPU aborts on bf16
+  collectives in partially automatic regions)."""
+  return _gather.over_model_shards(lambda v: jax.lax.psum(v, axes), x, ())
 
 
 def sync_model_state(x, axis):
   """Floating state: mean over the batch axes (synchronised batch norm);
   anything else (counters, keys): device 0's value, on every device."""
   if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jax.lax.pmean(x, axis)
+    return _psum(x, axis) / jax.lax.axis_size(axis)
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     impl = jax.random.key_impl(x)
     return jax.random.wrap_key_data(sync_model_state(jax.random.key_data(x), axis),
                                     impl=impl)
   first = jax.lax.axis_index(axis) == 0
-  return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axis)
+  return _psum(jnp.where(first, x, jnp.zeros_like(x)), axis)
 
 
 # --------------------------------------------------------------------------
