@@ -490,3 +490,20 @@ def test_model_state_and_aux_on_a_pod_mesh_equal_the_flat_mesh(setup):
   assert int(ms1["count"]) == int(ms2["count"]) == STEPS
   # 32 rows over the batch devices: 8 on the flat mesh, replica x data = 4
   assert (float(rows1), float(rows2)) == (4.0, 8.0)
+
+
+def test_value_and_grad_then_apply_gradients_on_a_pod_mesh(setup):
+  """The two public halves on replica x data x model compose to the step."""
+  params, data = setup
+  tx = _tx(optax.adamw(1e-2), 3, "replica=2,data=2,model=2")
+  state = zerojax.init(params, tx)
+  grad_fn = zerojax.value_and_grad(toy.loss_fn, tx, gather="model")
+  loss, grads = grad_fn(state, data[0])
+  assert grads["layers"]["w"].sharding.spec == P(None, "data", "model")
+  by_halves = zerojax.apply_gradients(state, grads)
+  by_step, m = zerojax.train_step(toy.loss_fn, tx, gather="model",
+                                  donate=False)(state, data[0])
+  assert float(loss) == pytest.approx(float(m["loss"]), rel=1e-6)
+  for a, b in zip(jax.tree.leaves(zerojax.gather_params(by_halves)),
+                  jax.tree.leaves(zerojax.gather_params(by_step))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
