@@ -15,7 +15,6 @@ replicated.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 

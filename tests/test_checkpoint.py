@@ -1,6 +1,5 @@
 """Sharded checkpoints: exact resume, restore across layouts, crash safety."""
 
-import os
 import pathlib
 import subprocess
 import sys

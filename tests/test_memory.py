@@ -6,8 +6,6 @@ the temp figure misses some buffers inside loop bodies, so the tests only
 compare stages and depths, never assert an absolute peak.
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

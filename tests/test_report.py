@@ -4,7 +4,6 @@ import json
 import pathlib
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from zerojax import _audit, _gather
 from zerojax._state import StateSpec, ZeroState, make_spec
