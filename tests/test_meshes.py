@@ -507,3 +507,21 @@ def test_value_and_grad_then_apply_gradients_on_a_pod_mesh(setup):
   for a, b in zip(jax.tree.leaves(zerojax.gather_params(by_halves)),
                   jax.tree.leaves(zerojax.gather_params(by_step))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_value_and_grad_reads_the_model_sharding_of_a_params_tree(setup):
+  """Stage 1 with params placed tensor-parallel by the user (no
+  model_specs): the gradients keep the model axis and equal plain jax.grad."""
+  params, data = setup
+  mesh = zerojax.make_mesh("data=4,model=2")
+  placed = jax.tree.map(
+      lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(
+          mesh, s if s is not None else P())), params, SPECS,
+      is_leaf=lambda x: x is None)
+  tx = zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh)
+  loss, grads = zerojax.value_and_grad(toy.loss_fn, tx)(placed, data[0])
+  assert grads["layers"]["w"].sharding.spec == P(None, "data", "model")
+  want = jax.grad(toy.loss_fn, allow_int=True)(params, data[0])
+  w = grads["layers"]["w"]
+  np.testing.assert_allclose(np.asarray(w)[:, :WIDTH], want["layers"]["w"],
+                             rtol=1e-5, atol=1e-7)

@@ -25,6 +25,7 @@ shards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -34,7 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax import _audit, _gather
-from zerojax._state import StateSpec, ZeroState, make_spec
+from zerojax._state import StateSpec, ZeroState, make_spec, model_axes_of
 
 GATHER_MODES = ("auto", "model", "all")
 
@@ -423,14 +424,14 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
   check_options(loss_fn, gather, accum_steps, "zerojax.value_and_grad")
   from zerojax._step import place_batch
 
-  @jax.jit
-  def run(params, batch, key):
+  @functools.partial(jax.jit, static_argnums=3)
+  def run(params, batch, key, models):
     if isinstance(params, ZeroState):
       spec, model, ms = params.spec, params.params, params.model_state
       if key is None and params.key is not None:
         key = jax.random.fold_in(params.key, params.step)
     else:
-      spec, model, ms = make_spec(params, tx), params, None
+      spec, model, ms = make_spec(params, tx, models), params, None
       model = spec.unflatten_params([
           jax.lax.with_sharding_constraint(x, spec.sharding(r.param))
           for x, r in zip(jax.tree.leaves(model), spec.leaves)])
@@ -457,7 +458,10 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
           "zerojax.value_and_grad at stage 3: the parameters are stored "
           "sharded, so pass the ZeroState from zerojax.init (not a params "
           "tree): grad_fn(state, batch).")
-    return run(params, place_batch(batch, tx, accum_steps), key)
+    # A params tree's model shardings are read here, outside the jit.
+    models = (None if isinstance(params, ZeroState)
+              else model_axes_of(params, tx))
+    return run(params, place_batch(batch, tx, accum_steps), key, models)
   return fn
 
 

@@ -185,8 +185,11 @@ class ZeroState:
     return dataclasses.replace(self, **kw)
 
 
-def make_spec(params, tx: ZeroTransformation) -> StateSpec:
-  """Plans every leaf's layout from shapes alone (no allocation)."""
+def make_spec(params, tx: ZeroTransformation, models=None) -> StateSpec:
+  """Plans every leaf's layout from shapes alone (no allocation).
+
+  ``models``: each leaf's model spec, when ``params`` are tracers (which
+  carry no sharding to read it from); see :func:`model_axes_of`."""
   if not isinstance(tx, ZeroTransformation):
     raise TypeError(
         f"zerojax: expected the ZeroTransformation returned by zerojax.zero(), "
@@ -205,8 +208,8 @@ def make_spec(params, tx: ZeroTransformation) -> StateSpec:
     paths.append(jax.tree_util.keystr(path))
   trainable = tuple(_is_floating(a.dtype) for a in avals)
   stacks = tuple(_is_stack(tx.stacked, p, a.shape) for p, a in zip(paths, avals))
-  models = tuple(_model_axes.leaf_model_axes(tx.config, p, x)
-                 for p, (_, x) in zip(paths, paths_leaves))
+  if models is None:
+    models = model_axes_of(params, tx)
   param_layouts = tuple(tx.plan_param(a.shape, a.dtype, st, m)
                         for a, st, m in zip(avals, stacks, models))
   shard_layouts = tuple(tx.plan(a.shape, a.dtype, st, m)
@@ -234,6 +237,15 @@ def make_spec(params, tx: ZeroTransformation) -> StateSpec:
                       for p, o in zip(opt_paths, opt_avals))
   return StateSpec(tx, params_def, tuple(avals), trainable, param_layouts,
                    shard_layouts, opt_def, opt_avals, opt_layouts, tuple(paths))
+
+
+def model_axes_of(params, tx: ZeroTransformation) -> tuple:
+  """Each param leaf's model spec (from ``tx``'s model_specs or the leaf's
+  own ``NamedSharding``), in ``jax.tree.leaves`` order. Read it outside a
+  ``jit``: a tracer has no sharding to read."""
+  return tuple(_model_axes.leaf_model_axes(tx.config,
+                                           jax.tree_util.keystr(p), x)
+               for p, x in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
 def _is_stack(stacked, path: str, shape) -> bool:
