@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _layout, _update
-from zerojax._state import StateSpec, make_spec
+from zerojax import _update
+from zerojax._state import StateSpec, _full, make_spec
 
 
 def _check_config(config, where: str):
@@ -121,8 +121,7 @@ def _update_body(config, grads, state, params, extra_args):
   # The params are the caller's, replicated over the data axis (sharded
   # over model axes as the model says): pin them so, then view them sharded
   # (left free, XLA may pick an input layout JAX cannot express).
-  held = [spec.sharding(_layout.replicated(r.aval.shape, r.param.model))
-          for r in spec.leaves]
+  held = [spec.sharding(_full(r.param)) for r in spec.leaves]
   p_leaves = [jax.lax.with_sharding_constraint(p, h)
               for p, h in zip(p_leaves, held)]
   g_view, w_view = [], []

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _gather, _grad, _update
+from zerojax import _gather, _grad, _state, _update
 from zerojax._grad import LossCall
 from zerojax._state import StateSpec, ZeroState
 from zerojax._transform import ZeroTransformation
@@ -137,7 +137,9 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
     if isinstance(x, jax.Array) and x.sharding == sharding:
       return x
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return _move(x, sharding)   # jax.reshard refuses Auto axes
+      # resharded under jit, across processes too (jax.reshard
+      # refuses Auto axes)
+      return _state._fresh_copy(sharding)(x)
     if jax.process_count() > 1:
       raise ValueError(
           "zerojax train step: in a multi-process run the batch must be a "
@@ -145,16 +147,6 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
           "jax.make_array_from_process_local_data.")
     return jax.device_put(x, sharding)
   return jax.tree.map(put, batch)
-
-
-@functools.lru_cache(maxsize=16)
-def _mover(sharding):
-  return jax.jit(lambda x: x, out_shardings=sharding)
-
-
-def _move(x, sharding):
-  """A global array resharded (across processes too) under ``jit``."""
-  return _mover(sharding)(x)
 
 
 def batch_sharding(tx: ZeroTransformation) -> NamedSharding:
