@@ -103,3 +103,21 @@ def test_cli_mesh_prints_the_communication_table():
                         "1e9", "--mesh", "model=8"], capture_output=True,
                        text=True)
   assert bad.returncode == 2 and "no data axis" in bad.stderr
+
+
+def test_offload_moves_master_and_moments_to_host():
+  """ZeRO-Offload's split, 7.5B on 64 devices: device keeps bf16 params and
+  gradients (their stage's share); the host 12 Ψ / N (fp32 master + moments)."""
+  abstract = plan.abstract_gpt(gpt.config_for_params(7.5e9))
+  for s in range(4):
+    on = plan.plan_stage(abstract, s, 64)
+    off = plan.plan_stage(abstract, s, 64, offload=True)
+    assert off.total == on.total and on.host == 0 and on.device == on.total
+    assert off.host == pytest.approx(on.master + on.optimizer)
+    assert off.device == pytest.approx(on.params + on.grads)
+  s3 = plan.plan_stage(abstract, 3, 64, offload=True)
+  assert s3.host / 1e9 == pytest.approx(12 * 7.5 / 64, rel=1e-3)
+  assert s3.device / 1e9 == pytest.approx(4 * 7.5 / 64, rel=1e-3)
+  # the largest model a device holds grows: only 4 Ψ / N stays on it
+  big = plan.largest_fitting(32e9, 3, 64, offload=True)
+  assert gpt.num_params(big) == pytest.approx(512e9, rel=0.01)

@@ -15,6 +15,7 @@ from zerojax._hlo import crosses_processes as crosses_processes
 from zerojax._hlo import collectives as collectives
 from zerojax._inspect import layout_rows as layout_rows
 from zerojax._inspect import layout_table as layout_table
+from zerojax._inspect import memory_bytes as memory_bytes
 from zerojax._inspect import state_bytes as state_bytes
 from zerojax._inspect import theory_bytes as theory_bytes
 from zerojax._layout import LeafLayout as LeafLayout
@@ -52,6 +53,6 @@ __all__ = [
     "apply_gradients", "batch_sharding", "bytes_by_axis", "collective_axes", "collective_bytes",
     "crosses_processes", "collectives", "eval_step",
     "gather", "gather_opt_state", "gather_params", "init", "init_from", "layout_rows",
-    "layout_table", "make_mesh", "report", "shard_batch", "state_bytes",
+    "layout_table", "make_mesh", "memory_bytes", "report", "shard_batch", "state_bytes",
     "theory_bytes", "train_step", "value_and_grad", "zero",
 ]

@@ -73,7 +73,7 @@ def init(config, params):
   """The inner optimizer's state for ``params``, sharded for the stage."""
   spec = _spec(config, params, "ZeroTransformation.init")
   leaves = jax.tree.leaves(params)
-  shardings = [spec.sharding(l) for l in spec.opt_layouts]
+  shardings = [spec.sharding(l, host=True) for l in spec.opt_layouts]
 
   def build(leaves):
     view = spec.optimizer_view([

@@ -238,3 +238,38 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, int]:
   for c in collectives(hlo_text, num_devices):
     totals[c.kind] += c.total_bytes
   return dict(totals)
+
+
+_ENTRY_LAYOUT_RE = re.compile(r"entry_computation_layout=\{(.*?)\}(?:,\s*\w+=|\s*$)",
+                              re.M)
+_LAYOUT_SHAPE_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]"
+                              r"(?:\{([^}]*)\})?")
+# XLA's memory-space numbers as they appear in layouts: S(5) is host memory
+# (JAX's ``pinned_host``); no annotation is the device's own memory.
+_MEMORY_SPACES = {None: "device", "5": "pinned_host"}
+
+
+def entry_bytes_by_memory(hlo_text: str) -> dict[str, dict[str, int]]:
+  """Per-device bytes of the compiled program's arguments and outputs, by
+  the memory space XLA placed them in (``S(n)`` in the entry layout):
+  ``{"arguments": {"device": b, "pinned_host": b}, "outputs": {...}}``.
+
+  On CPU, ``compiled.memory_analysis()`` reports host-space bytes as 0 and
+  counts host arguments with the device's; the entry layout is where XLA
+  records which buffers are host-resident."""
+  m = _ENTRY_LAYOUT_RE.search(hlo_text)
+  if not m:
+    raise ValueError("entry_bytes_by_memory: no entry_computation_layout in "
+                     "the HLO text; pass compiled.as_text().")
+  args, _, outs = m.group(1).partition("->")
+  out = {}
+  for name, part in (("arguments", args), ("outputs", outs)):
+    sums: dict[str, int] = collections.defaultdict(int)
+    for dtype, dims, layout in _LAYOUT_SHAPE_RE.findall(part):
+      space = re.search(r"S\((\d+)\)", layout or "")
+      kind = _MEMORY_SPACES.get(space.group(1) if space else None,
+                                f"S({space.group(1)})" if space else "device")
+      n = math.prod(int(d) for d in dims.split(",") if d)
+      sums[kind] += n * _dtype_bytes(dtype)
+    out[name] = dict(sums)
+  return out

@@ -31,6 +31,12 @@ def _shard_nbytes(x) -> int:
   return int(shards[0].data.nbytes) if shards else 0
 
 
+def _memory_kind(x) -> str:
+  """Where an array lives: ``device``, or ``pinned_host`` when offloaded."""
+  sharding = getattr(x, "sharding", None)
+  return getattr(sharding, "memory_kind", None) or "device"
+
+
 def layout_rows(state: ZeroState) -> list[dict]:
   """One row per state leaf: path, shapes, sharding, bytes per device."""
   spec = state.spec
@@ -61,6 +67,7 @@ def layout_rows(state: ZeroState) -> list[dict]:
           shape=tuple(layout.shape), dtype=np.dtype(x.dtype).name,
           storage_shape=tuple(x.shape), sharded=layout.sharded, how=how,
           dim=layout.dim, placement=str(layout.spec(spec.tx.axis_name)),
+          memory=_memory_kind(x),
           bytes_per_device=_shard_nbytes(x) if hasattr(x, "addressable_shards")
           else int(np.prod(layout.shard_shape(spec.tx.num_shards))
                    * np.dtype(x.dtype).itemsize)))
@@ -89,7 +96,22 @@ def layout_table(state: ZeroState) -> str:
   lines.append("")
   for cat, nbytes in state_bytes(state).items():
     lines.append(f"{cat:<28} {nbytes:>14,} bytes/device")
+  by_memory = memory_bytes(state)
+  if set(by_memory) != {"device"}:
+    lines.append("")
+    for kind, nbytes in by_memory.items():
+      lines.append(f"{'in ' + kind + ' memory':<28} {nbytes:>14,} bytes/device")
   return "\n".join(lines)
+
+
+def memory_bytes(state: ZeroState) -> dict[str, int]:
+  """Persistent state bytes per device by memory kind (``device``, and
+  ``pinned_host`` for the master copy and optimizer state with
+  ``zero(..., offload=True)``), from the arrays themselves."""
+  out: dict[str, int] = collections.defaultdict(int)
+  for r in layout_rows(state):
+    out[r["memory"]] += r["bytes_per_device"]
+  return dict(out)
 
 
 def state_bytes(state: ZeroState) -> dict[str, int]:

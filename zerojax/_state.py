@@ -27,7 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import _layout, _model_axes
-from zerojax._transform import ZeroTransformation
+from zerojax._transform import HOST_MEMORY, ZeroTransformation
 
 
 def _is_floating(dtype) -> bool:
@@ -127,30 +127,50 @@ class StateSpec:
     return self.policy.reduce(self.params_avals[i].dtype)
 
   # --- shardings and shapes ----------------------------------------------
-  def sharding(self, layout) -> NamedSharding:
-    return _layout.sharding(self.tx.mesh, layout, self.tx.axis_name)
+  def sharding(self, layout, host: bool = False) -> NamedSharding:
+    """``layout``'s sharding; ``host=True`` for the master copy and the
+    optimizer state, which live in host memory when ``tx.offload``."""
+    s = _layout.sharding(self.tx.mesh, layout, self.tx.axis_name)
+    if host and self.tx.offload:
+      s = s.with_memory_kind(HOST_MEMORY)
+    return s
+
+  def fetch(self, x, layout):
+    """Master / optimizer leaf ``x`` -> device memory (under ``jit``; a
+    no-op without offload). XLA computes only on device-memory operands."""
+    if not self.tx.offload:
+      return x
+    return jax.device_put(x, self.sharding(layout))
+
+  def stash(self, x, layout):
+    """Master / optimizer leaf ``x`` -> where the state keeps it (host
+    memory with offload)."""
+    if not self.tx.offload:
+      return x
+    return jax.device_put(x, self.sharding(layout, host=True))
 
   def shardings(self) -> "ZeroState":
     """A :class:`ZeroState` of ``NamedSharding``, for ``out_shardings``."""
-    return self._build(lambda layout, dtype: self.sharding(layout))
+    return self._build(lambda layout, dtype, host: self.sharding(layout, host))
 
   def abstract(self) -> "ZeroState":
     """The state as ``jax.ShapeDtypeStruct`` with shardings; allocates nothing."""
-    return self._build(lambda layout, dtype: jax.ShapeDtypeStruct(
-        layout.storage_shape, dtype, sharding=self.sharding(layout)))
+    return self._build(lambda layout, dtype, host: jax.ShapeDtypeStruct(
+        layout.storage_shape, dtype, sharding=self.sharding(layout, host)))
 
   def _build(self, make) -> "ZeroState":
     n = len(self.params_avals)
     params = self.unflatten_params(
-        [make(self.param_layouts[i], self.compute_dtype(i)) for i in range(n)])
+        [make(self.param_layouts[i], self.compute_dtype(i), False)
+         for i in range(n)])
     master = None
     if self.policy.has_master:
       master = self.optimizer_view(
-          [make(self.shard_layouts[i], self.master_dtype(i)) if self.trainable[i]
-           else None for i in range(n)])
+          [make(self.shard_layouts[i], self.master_dtype(i), True)
+           if self.trainable[i] else None for i in range(n)])
     opt = jax.tree.unflatten(self.opt_def, [
-        make(l, a.dtype) for l, a in zip(self.opt_layouts, self.opt_avals)])
-    step = make(_layout.LeafLayout(()), jnp.int32)
+        make(l, a.dtype, True) for l, a in zip(self.opt_layouts, self.opt_avals)])
+    step = make(_layout.LeafLayout(()), jnp.int32, False)
     return ZeroState(step=step, params=params, master=master, opt_state=opt,
                      spec=self)
 
@@ -477,7 +497,8 @@ def _gather(state: ZeroState, use_master: bool):
             if use_master and state.master is not None
             else [None] * len(spec.leaves))
   return spec.unflatten_params([
-      r.shard.to_logical(m) if m is not None else r.param.to_logical(p)
+      r.shard.to_logical(spec.fetch(m, r.shard)) if m is not None
+      else r.param.to_logical(p)
       for p, m, r in zip(jax.tree.leaves(state.params), master, spec.leaves)])
 
 
@@ -527,5 +548,6 @@ def gather_opt_state(state: ZeroState):
 def _gather_opt_jit(state: ZeroState):
   spec = state.spec
   return jax.tree.unflatten(spec.opt_def, [
-      jax.lax.with_sharding_constraint(l.to_logical(x), spec.sharding(_full(l)))
+      jax.lax.with_sharding_constraint(l.to_logical(spec.fetch(x, l)),
+                                       spec.sharding(_full(l)))
       for x, l in zip(jax.tree.leaves(state.opt_state), spec.opt_layouts)])

@@ -45,6 +45,7 @@ class ZeroConfig:
   stacked: Any = None
   replica_axis: str | None = None
   model_specs: Any = None
+  offload: bool = False
 
   @property
   def num_shards(self) -> int:
@@ -148,6 +149,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   batch_shards = property(lambda self: self.config.batch_shards)
   model_axes = property(lambda self: self.config.model_axes)
   model_specs = property(lambda self: self.config.model_specs)
+  offload = property(lambda self: self.config.offload)
 
   def plan(self, shape, dtype, stacked: bool = True,
            model: tuple = ()) -> _layout.LeafLayout:
@@ -168,6 +170,8 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       extra += f", replica_axis={c.replica_axis!r} ({c.num_replicas})"
     if c.model_axes:
       extra += f", model_axes={c.model_axes}"
+    if c.offload:
+      extra += ", offload=True"
     return (f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
             f"num_shards={c.num_shards}{extra}, policy={c.policy})")
 
@@ -195,6 +199,7 @@ def zero(
     stacked=None,
     replica_axis: str | None = None,
     model_specs=None,
+    offload: bool = False,
 ) -> ZeroTransformation:
   """Wraps an Optax optimizer to shard training state at a ZeRO stage.
 
@@ -236,6 +241,13 @@ def zero(
       PartitionSpec``. Default: read from the params' own ``NamedSharding``
       where they carry one, else replicated over those axes. Those axes are
       left to XLA; zerojax adds the data axis on another dimension.
+    offload: keep the master copy and the optimizer state in host memory
+      (JAX memory kind ``pinned_host``; ZeRO-Offload's placement). The step
+      brings them into device memory for the update and writes them back;
+      params and gradients stay on device. Same numbers as without
+      (bitwise). Device memory then holds params, gradients and the
+      update's working set; the host holds ``(4 + K) Ψ / N`` bytes (fp32
+      master plus K bytes of optimizer state per parameter).
 
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and
@@ -288,6 +300,29 @@ def zero(
     if dt is not None and not jnp.issubdtype(dt, jnp.floating):
       raise ValueError(f"zerojax.Policy: {name}={dt!r} is not a floating "
                        f"dtype.")
+  if not isinstance(offload, bool):
+    raise TypeError(f"zerojax.zero: offload={offload!r}; pass True (master "
+                    f"copy and optimizer state in host memory) or False.")
+  if offload:
+    _check_host_memory(mesh)
   return from_config(ZeroConfig(inner, stage, mesh, axis_name, policy,
                                 min_shard_size, stacked, replica_axis,
-                                model_specs))
+                                model_specs, offload))
+
+
+HOST_MEMORY = "pinned_host"
+
+
+def _check_host_memory(mesh: Mesh):
+  """Offload needs a ``pinned_host`` memory on every device of the mesh."""
+  for d in mesh.devices.flat:
+    try:
+      kinds = {m.kind for m in d.addressable_memories()}
+    except Exception:     # a backend without memory kinds
+      kinds = set()
+    if HOST_MEMORY not in kinds:
+      raise ValueError(
+          f"zerojax.zero(offload=True): device {d} has memories "
+          f"{sorted(kinds) or 'of no named kind'}, no {HOST_MEMORY!r}; this "
+          f"backend cannot hold the optimizer state in host memory. Use "
+          f"offload=False (or a higher stage to shrink it).")

@@ -71,7 +71,7 @@ def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
         f"optimizer's state for these params has {len(spec.opt_layouts)}. "
         f"Pass the state that tx.init (or zerojax.init) returned.")
   opt_logical = jax.tree.unflatten(opt_def, [
-      constrain(l.to_logical(constrain(x, spec, l)), spec, l)
+      constrain(l.to_logical(constrain(spec.fetch(x, l), spec, l)), spec, l)
       for x, l in zip(leaves, spec.opt_layouts)])
   g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
@@ -84,7 +84,8 @@ def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
     raise ValueError(
         "zerojax: the inner optimizer's update returned a state with "
         f"{len(new_leaves)} leaves, its init {len(spec.opt_layouts)}.")
-  new_leaves = [constrain(l.to_storage(x.astype(a.dtype)), spec, l)
+  new_leaves = [spec.stash(constrain(l.to_storage(x.astype(a.dtype)), spec, l),
+                           l)
                 for x, l, a in zip(new_leaves, spec.opt_layouts, spec.opt_avals)]
   return spec.from_optimizer_view(updates), new_leaves
 
@@ -103,7 +104,8 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
       w_view.append(None)
       continue
     g_view.append(grad_view(spec, g, r, where))
-    w = r.shard.to_logical(m) if m is not None else r.param.to_logical(p)
+    w = (r.shard.to_logical(spec.fetch(m, r.shard)) if m is not None
+         else r.param.to_logical(p))
     w_view.append(constrain(w, spec, r.shard))
   updates, new_opt = inner_update(spec, g_view, w_view, state.opt_state,
                                   extra_args)
@@ -112,8 +114,9 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   new_master = None
   if state.master is not None:
     new_master = spec.optimizer_view([
-        None if w is None else
-        constrain(r.shard.to_storage(w.astype(r.master_dtype)), spec, r.shard)
+        None if w is None else spec.stash(
+            constrain(r.shard.to_storage(w.astype(r.master_dtype)), spec,
+                      r.shard), r.shard)
         for w, r in zip(new_w, spec.leaves)])
   new_state = state.replace(
       step=state.step + 1, params=new_params(spec, params, new_w),

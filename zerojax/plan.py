@@ -80,16 +80,32 @@ class StagePlan:
   collectives: dict        # kind -> bytes per step (full-buffer convention)
   mesh: dict = dataclasses.field(default_factory=dict)
   comm: dict = dataclasses.field(default_factory=dict)   # per axis, see comm_time
+  offload: bool = False    # master + optimizer state in host memory
 
   @property
   def total(self) -> float:
     return self.params + self.master + self.optimizer + self.grads
 
+  @property
+  def host(self) -> float:
+    """Bytes per device kept in host memory (offload: master + optimizer)."""
+    return self.master + self.optimizer if self.offload else 0.0
+
+  @property
+  def device(self) -> float:
+    """Bytes per device in the accelerator's own memory."""
+    return self.total - self.host
+
 
 def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
                mesh: dict | None = None, optimizer=None,
-               policy: Policy | None = None, model_specs=None) -> StagePlan:
+               policy: Policy | None = None, model_specs=None,
+               offload: bool = False) -> StagePlan:
   """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
+
+  ``offload``: the master copy and optimizer state in host memory
+  (``zero(..., offload=True)``); :attr:`StagePlan.device` and
+  :attr:`StagePlan.host` split the total.
 
   ``mesh``: axis sizes (e.g. ``{"replica": 4, "data": 256}``); default a
   1-D data mesh of ``n_devices``. Collective bytes are per data-axis group
@@ -137,7 +153,7 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
                              ("all-gather", ag),
                              ("all-reduce over replica", arr)) if v}
   return StagePlan(stage, n_params, n, params, master, optimizer_bytes, grads,
-                   colls, mesh)
+                   colls, mesh, offload=offload)
 
 
 def _slices_spanned(mesh: dict, axes: tuple, slices: int) -> tuple[int, int]:
@@ -200,10 +216,13 @@ def abstract_gpt(config: gpt.GPTConfig):
 
 
 def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
-                    seq_len: int = 2048) -> gpt.GPTConfig | None:
-  """The largest GPT (by the count search) whose model state fits."""
+                    seq_len: int = 2048,
+                    offload: bool = False) -> gpt.GPTConfig | None:
+  """The largest GPT (by the count search) whose model state fits (its
+  device-memory part, with ``offload``)."""
   fits = lambda psi: plan_stage(abstract_gpt(gpt.config_for_params(
-      psi, seq_len=seq_len)), stage, n_devices).total <= memory_bytes
+      psi, seq_len=seq_len)), stage, n_devices,
+      offload=offload).device <= memory_bytes
   lo, hi = 1e7, 1e7
   if not fits(lo):
     return None
@@ -218,11 +237,14 @@ def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
 
 
 def _table(plans) -> str:
+  offload = any(p.offload for p in plans)
   head = ("stage", "params GB", "master GB", "optimizer GB", "grads GB",
-          "total GB/device", "AR GB/step", "RS GB/step", "AG GB/step")
+          "total GB/device", *(("device GB", "host GB") if offload else ()),
+          "AR GB/step", "RS GB/step", "AG GB/step")
   rows = [(str(p.stage), f"{p.params / GB:.2f}", f"{p.master / GB:.2f}",
            f"{p.optimizer / GB:.2f}", f"{p.grads / GB:.2f}",
            f"{p.total / GB:.2f}",
+           *((f"{p.device / GB:.2f}", f"{p.host / GB:.2f}") if offload else ()),
            *(f"{p.collectives.get(k, 0) / GB:.1f}"
              for k in ("all-reduce", "reduce-scatter", "all-gather")))
           for p in plans]
@@ -279,6 +301,10 @@ def main(argv=None):
   p.add_argument("--memory-gb", type=float, default=None,
                  help="also find the largest GPT whose model state fits this "
                       "many GB (1e9 bytes) per device, at each stage")
+  p.add_argument("--offload", action="store_true",
+                 help="master copy and optimizer state in host memory "
+                      "(zero(..., offload=True)): device and host GB apart; "
+                      "--memory-gb then bounds device memory")
   p.add_argument("--json", action="store_true", help="print JSON instead")
   args = p.parse_args(argv)
   if (args.params is None) == (args.width is None):
@@ -317,7 +343,8 @@ def main(argv=None):
       config = dataclasses.replace(
           config, vocab=-(-config.vocab // mesh["model"]) * mesh["model"])
   abstract = abstract_gpt(config)
-  plans = [plan_stage(abstract, s, mesh=mesh) for s in range(4)]
+  plans = [plan_stage(abstract, s, mesh=mesh, offload=args.offload)
+           for s in range(4)]
   for x in plans:
     x.comm.update(comm_time(x, slices, args.hardware, args.fast_bw,
                             args.slow_bw, args.collectives))
@@ -327,11 +354,13 @@ def main(argv=None):
   fitting = {}
   if args.memory_gb:
     for s in range(4):
-      c = largest_fitting(args.memory_gb * GB, s, args.devices, args.seq_len)
+      c = largest_fitting(args.memory_gb * GB, s, args.devices, args.seq_len,
+                          offload=args.offload)
       fitting[s] = None if c is None else gpt.num_params(c)
   if args.json:
     print(json.dumps({"config": dataclasses.asdict(config),
-                      "plans": [dict(dataclasses.asdict(x), total=x.total)
+                      "plans": [dict(dataclasses.asdict(x), total=x.total,
+                                     device=x.device, host=x.host)
                                 for x in plans],
                       "largest_fitting": fitting}, indent=2))
     return

@@ -66,6 +66,8 @@ class TrainConfig:
                                  "asynchronous) here; empty: no checkpoints")
   save_every: int = _opt(100, "steps between checkpoints (the last step is "
                               "always saved)")
+  offload: bool = _opt(False, "keep the fp32 master copy and the optimizer "
+                               "state in host memory (pinned_host)")
   resume: bool = _opt(False, "continue from the latest checkpoint in "
                              "--checkpoint-dir (any stage or device count "
                              "can restore it)")
@@ -185,7 +187,8 @@ def main(config: TrainConfig) -> dict:
            if a not in ("data", "replica"))
   tx = zerojax.zero(optimizer, stage=config.stage, mesh=mesh, policy=policy,
                     model_specs=gpt.model_specs() if tp else None,
-                    stacked=gpt.is_layer_stack if tp else None)
+                    stacked=gpt.is_layer_stack if tp else None,
+                    offload=config.offload)
   init_params = lambda key: gpt.init(model, key)
   key = jax.random.key(config.seed)
   ckpt = start = None

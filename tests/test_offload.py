@@ -1,0 +1,172 @@
+"""Host offload: master copy and optimizer state in ``pinned_host`` memory.
+
+The step brings them into device memory for the update and writes them
+back. The numbers must be the same as without offload, bit for bit; the
+arrays must really live in host memory between steps; checkpoints must move
+between offloaded and non-offloaded layouts.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax import _hlo, checkpoint
+from tests import toy
+
+BF16 = zerojax.Policy(param_dtype=jnp.bfloat16)
+
+
+def _train(stage, offload, policy=None, steps=3, optimizer=None):
+  tx = zerojax.zero(optimizer or optax.adamw(1e-2), stage=stage,
+                    offload=offload, policy=policy)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  for b in toy.batches(steps):
+    state, metrics = step(state, b)
+  return state, metrics
+
+
+def _leaves(state):
+  return [np.asarray(x) for x in
+          jax.tree.leaves((state.params, state.master, state.opt_state))]
+
+
+def _kinds(tree):
+  return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("policy", [None, BF16], ids=["fp32", "bf16+master"])
+def test_offloaded_training_is_bitwise_equal_to_on_device(stage, policy):
+  plain, m0 = _train(stage, False, policy)
+  off, m1 = _train(stage, True, policy)
+  a, b = _leaves(plain), _leaves(off)
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.dtype == y.dtype and np.array_equal(x, y)
+  assert float(m0["loss"]) == float(m1["loss"])
+
+
+def test_clipping_optimizer_is_bitwise_equal_offloaded():
+  opt = lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
+  a = _leaves(_train(3, False, optimizer=opt())[0])
+  b = _leaves(_train(3, True, optimizer=opt())[0])
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_master_and_opt_state_live_in_host_memory_between_steps(stage):
+  state, _ = _train(stage, True, BF16, steps=2)
+  assert _kinds(state.master) == {"pinned_host"}
+  assert _kinds(state.opt_state) == {"pinned_host"}
+  assert _kinds(state.params) == {"device"}
+  assert _kinds(state.step) == {"device"}
+  # the byte split by memory kind is the master + optimizer state
+  by_kind = zerojax.memory_bytes(state)
+  rows = zerojax.layout_rows(state)
+  host = sum(r["bytes_per_device"] for r in rows
+             if r["section"] in ("master", "opt_state"))
+  assert by_kind["pinned_host"] == host > 0
+  assert by_kind["device"] == sum(r["bytes_per_device"] for r in rows
+                                  if r["section"] == "params")
+  assert "in pinned_host memory" in zerojax.layout_table(state)
+
+
+def test_fresh_state_is_offloaded_on_both_init_paths():
+  built = {}
+  for off in (False, True):
+    tx = zerojax.zero(optax.adam(1e-2), stage=2, offload=off, policy=BF16)
+    built[off] = (zerojax.init(toy.init_params(jax.random.key(0)), tx),
+                  zerojax.init_from(toy.init_params, tx, jax.random.key(0)))
+  for s in built[True]:
+    assert _kinds((s.master, s.opt_state)) == {"pinned_host"}
+    assert _kinds(s.params) == {"device"}
+  for plain, off in zip(built[False], built[True]):
+    for x, y in zip(_leaves(plain), _leaves(off)):
+      assert np.array_equal(x, y)
+
+
+def test_compiled_step_reads_and_writes_state_in_host_memory_space():
+  # XLA's own record of where the step's buffers live: the entry layout
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=True, policy=BF16)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  hlo = step.lower(state, toy.batches(1)[0]).compile().as_text()
+  spaces = _hlo.entry_bytes_by_memory(hlo)
+  host = zerojax.memory_bytes(state)["pinned_host"]
+  assert spaces["arguments"]["pinned_host"] == host
+  assert spaces["outputs"]["pinned_host"] == host
+  plain = zerojax.zero(optax.adamw(1e-2), stage=3, policy=BF16)
+  pstate = zerojax.init(toy.init_params(jax.random.key(0)), plain)
+  phlo = zerojax.train_step(toy.loss_fn, plain).lower(
+      pstate, toy.batches(1)[0]).compile().as_text()
+  assert "pinned_host" not in _hlo.entry_bytes_by_memory(phlo)["arguments"]
+
+
+def test_gathers_eval_and_split_step_work_offloaded():
+  plain, _ = _train(3, False, BF16, steps=2)
+  off, _ = _train(3, True, BF16, steps=2)
+  for f in (lambda s: zerojax.gather_params(s, master=True),
+            zerojax.gather_opt_state):
+    for x, y in zip(jax.tree.leaves(f(plain)), jax.tree.leaves(f(off))):
+      assert np.array_equal(np.asarray(x), np.asarray(y))
+  batch = toy.batches(1, seed=5)[0]
+  ev = lambda s: float(zerojax.eval_step(toy.loss_fn, s.spec.tx)(s, batch))
+  assert ev(plain) == ev(off)
+  # value_and_grad + apply_gradients, the loop users write themselves
+  outs = []
+  for s in (plain, off):
+    tx = s.spec.tx
+    loss, grads = zerojax.value_and_grad(toy.loss_fn, tx)(s, batch)
+    new = zerojax.apply_gradients(s, grads)
+    outs.append(new)
+  assert _kinds((outs[1].master, outs[1].opt_state)) == {"pinned_host"}
+  for x, y in zip(_leaves(outs[0]), _leaves(outs[1])):
+    assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("save_offloaded", [True, False])
+def test_checkpoint_moves_between_offloaded_and_on_device(tmp_path,
+                                                          save_offloaded):
+  state, _ = _train(3, save_offloaded, BF16, steps=2)
+  params = toy.init_params(jax.random.key(0))
+  with checkpoint.Checkpointer(tmp_path / "ckpt", async_save=False) as ck:
+    ck.save(state)
+    for stage in (1, 3):
+      tx = zerojax.zero(optax.adamw(1e-2), stage=stage, policy=BF16,
+                        offload=not save_offloaded)
+      restored, _ = ck.restore(params, tx)
+      want = "pinned_host" if not save_offloaded else "device"
+      assert _kinds((restored.master, restored.opt_state)) == {want}
+      for f in (lambda s: zerojax.gather_params(s, master=True),
+                zerojax.gather_opt_state):
+        for x, y in zip(jax.tree.leaves(f(state)), jax.tree.leaves(f(restored))):
+          assert np.array_equal(np.asarray(x), np.asarray(y))
+      # training goes on from the restored state
+      step = zerojax.train_step(toy.loss_fn, tx)
+      restored, m = step(restored, toy.batches(1, seed=9)[0])
+      assert np.isfinite(float(m["loss"]))
+
+
+def test_dropin_offloads_the_optimizer_state():
+  params = toy.init_params(jax.random.key(0))
+  grads = jax.grad(toy.loss_fn, allow_int=True)(params, toy.batches(1)[0])
+  outs = []
+  for off in (False, True):
+    tx = zerojax.zero(optax.adamw(1e-2), stage=1, offload=off)
+    opt = tx.init(params)
+    updates, opt = tx.update(grads, opt, params)
+    outs.append((updates, opt))
+  assert _kinds(outs[1][1]) == {"pinned_host"}
+  for x, y in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_offload_flag_is_validated():
+  with pytest.raises(TypeError, match="offload"):
+    zerojax.zero(optax.adam(1e-3), stage=1, offload="cpu")
+  assert "offload=True" in repr(zerojax.zero(optax.adam(1e-3), stage=1,
+                                             offload=True))
