@@ -484,11 +484,47 @@ def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
                     f"{type(init_fn).__name__}; for a params tree use "
                     f"zerojax.init(params, tx).")
   spec = make_spec(jax.eval_shape(init_fn, *args), tx)
-  build = lambda *a: _build_state(
-      jax.tree.map(lambda x, l: l.to_storage(x), init_fn(*a),
-                   spec.unflatten_params(spec.shard_layouts)), spec)
-  state = jax.jit(build, out_shardings=spec.shardings())(*args)
+  stored = [None] * len(spec.leaves)
+  for group in _init_groups(spec):
+    # One jit per group of leaves: XLA drops the other leaves' work (their
+    # random number generation), so the initialiser's temporaries -- about
+    # twice the shard it produces, on CPU -- exist for one group at a time,
+    # never for the whole model at once.
+    def build_group(*a, group=group):
+      leaves = jax.tree.leaves(init_fn(*a))
+      return [spec.shard_layouts[i].to_storage(leaves[i]) for i in group]
+    out = jax.jit(build_group, out_shardings=[
+        spec.sharding(spec.shard_layouts[i]) for i in group])(*args)
+    for i, x in zip(group, out):
+      stored[i] = x
+  # the shards are ours: donated, so the state's params (or master) reuse
+  # their buffers where the layouts agree, instead of a second copy
+  state = _build_donating(spec)(spec.unflatten_params(stored))
   return _with_extras(state, key, model_state, "zerojax.init_from")
+
+
+def _init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
+  """Param leaves in groups of about ``1/parts`` of the bytes (a larger
+  leaf alone): at most ``parts`` plus the number of large leaves jits."""
+  sizes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+           for a in spec.params_avals]
+  budget = max(sum(sizes) / parts, 1)
+  groups, current, held = [], [], 0
+  for i, size in enumerate(sizes):
+    if current and held + size > budget:
+      groups.append(current)
+      current, held = [], 0
+    current.append(i)
+    held += size
+  if current:
+    groups.append(current)
+  return groups
+
+
+@functools.lru_cache(maxsize=64)
+def _build_donating(spec):
+  return jax.jit(lambda p: _build_state(p, spec), out_shardings=spec.shardings(),
+                 donate_argnums=0)
 
 
 def _gather(state: ZeroState, use_master: bool):
