@@ -196,11 +196,13 @@ def search(config, precision, args, log, start=None) -> dict:
       lo = d
       if hi is None:
         d += step
+        step *= 2                        # widen the bracket geometrically
         continue
     else:
       hi = d
       if lo == 0 and d > 1:
         d = max(1, d - step)
+        step *= 2
         if d in tried:
           break
         continue

@@ -566,6 +566,26 @@ def _gather_replicated(state: ZeroState, use_master: bool):
                       spec.leaves)])
 
 
+def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
+  """Param leaf ``index`` (``jax.tree.leaves`` order) full and unpadded,
+  replicated; the rest of the state is not touched (export, inspection)."""
+  spec = state.spec
+  r = spec.leaves[index]
+  m = spec.from_optimizer_view(state.master)[index] if (
+      master and state.master is not None) else None
+  if m is not None:
+    return _gather_one(m, r.shard, spec, True)
+  return _gather_one(jax.tree.leaves(state.params)[index], r.param, spec, False)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _gather_one(x, layout, spec, is_master):
+  if is_master:
+    x = spec.fetch(x, layout)
+  return jax.lax.with_sharding_constraint(layout.to_logical(x),
+                                          spec.sharding(_full(layout)))
+
+
 def _full(layout):
   """``layout`` gathered over the data axis: the model axes kept."""
   return _layout.replicated(layout.shape, layout.model, reason="gathered")

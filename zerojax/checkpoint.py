@@ -439,12 +439,18 @@ def export_params(state: ZeroState, path=None):
 
       params = orbax.checkpoint.StandardCheckpointer().restore(path)
 
+  One leaf at a time: each is gathered, copied to host memory and released
+  before the next, so the devices never hold the whole model unsharded
+  (only the host's NumPy result does).
+
   Returns:
     The params pytree (same structure as given to ``zerojax.init``) of NumPy
     arrays.
   """
-  from zerojax._state import gather_params
-  full = jax.tree.map(np.asarray, gather_params(state, master=True))
+  from zerojax._state import gather_leaf
+  full = state.spec.unflatten_params([
+      np.asarray(gather_leaf(state, i, master=True))
+      for i in range(len(state.spec.leaves))])
   if path is not None:
     path = pathlib.Path(path).absolute()
     with ocp.StandardCheckpointer() as ckptr:
