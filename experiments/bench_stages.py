@@ -8,8 +8,9 @@ Configurations: zerojax stages 0 (plain DP), 1, 2, 3 (append ``b``, e.g.
 head may shard their leading dimension), the Optax drop-in ``dropin1``
 (an unchanged ``jax.jit`` + ``jax.grad`` + ``tx.update`` loop), and two GSPMD peers
 (``experiments/peers.py``): ``fsdp`` (params and optimizer state sharded
-with NamedSharding, plain jit) and ``zero1`` (params replicated, optimizer
-state sharded, plain jit). Same model, data, seed, optimizer, precision.
+with NamedSharding, plain jit), ``zero1`` (params replicated, optimizer
+state sharded, plain jit) and, on request, ``dp`` (both replicated: plain
+data parallelism). Same model, data, seed, optimizer, precision.
 Each runs in its own fresh subprocess (8 fake CPU devices), so its peak RSS
 is its own.
 
@@ -136,7 +137,7 @@ def worker(args) -> dict:
                                      gpt.init(model, key), mesh,
                                      compute_dtype=jnp.bfloat16 if bf16 else None)
       put = lambda b: b
-      like = 3 if args.config == "fsdp" else 1
+      like = {"fsdp": 3, "dp": 0}.get(args.config, 1)
       name = f"GSPMD peer: {args.config}"
     state = (p, o)
     t0 = time.perf_counter()
@@ -156,11 +157,12 @@ def worker(args) -> dict:
       cat = "opt_state." + k.split(".")[-1].split("[")[0] if "." in k else "opt_state"
       measured[cat] = measured.get(cat, 0) + v
     theory_state = {"params": 4 * n_params / (n if like == 3 else 1),
-                    "opt_state.mu": 4 * n_params / n,
-                    "opt_state.nu": 4 * n_params / n}
+                    "opt_state.mu": 4 * n_params / (n if like else 1),
+                    "opt_state.nu": 4 * n_params / (n if like else 1)}
     theory_elems = ({"reduce-scatter": n_params, "all-gather": 2 * n_params}
                     if like == 3 else
-                    {"reduce-scatter": n_params, "all-gather": n_params})
+                    {"reduce-scatter": n_params, "all-gather": n_params}
+                    if like == 1 else {"all-reduce": n_params})
     mem = compiled.memory_analysis()
     argument = mem.argument_size_in_bytes
     xla_memory = {"argument": mem.argument_size_in_bytes,
@@ -280,7 +282,7 @@ def main():
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--precision", choices=["bf16", "fp32"], default="fp32")
   p.add_argument("--configs", default="0,1,2,3,fsdp,zero1,dropin1",
-                 help="zerojax stages and GSPMD peers (fsdp, zero1) to run")
+                 help="zerojax stages and GSPMD peers (fsdp, zero1, dp) to run")
   p.add_argument("--out", default="runs/bench_stages")
   p.add_argument("--config", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -6,6 +6,7 @@ Plain ``jax.jit`` with ``NamedSharding`` on params and optimizer state, no
 * ``fsdp``: params (fp32 master, cast to the compute dtype inside the loss)
   and optimizer state sharded over ``data`` -- the layout of ZeRO-3.
 * ``zero1``: params replicated, optimizer state sharded -- ZeRO-1's layout.
+* ``dp``: params and optimizer state replicated -- plain data parallelism.
 
 Each leaf is sharded along its largest dimension that divides the device
 count, as hand-written FSDP rules do; leaves with no such dimension are
@@ -34,8 +35,8 @@ def make_peer(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
   rep = jax.tree.map(lambda x: NamedSharding(mesh, P()), params)
   param_sh = sharded if kind == "fsdp" else rep
   opt_shapes = jax.eval_shape(optimizer.init, params)
-  opt_sh = jax.tree.map(lambda x: NamedSharding(mesh, _fsdp_spec(x, n)),
-                        opt_shapes)
+  opt_sh = jax.tree.map(lambda x: NamedSharding(
+      mesh, P() if kind == "dp" else _fsdp_spec(x, n)), opt_shapes)
   params = jax.jit(lambda p: p, out_shardings=param_sh)(params)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
   batch_sh = NamedSharding(mesh, P("data"))
