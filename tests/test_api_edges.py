@@ -132,3 +132,26 @@ def test_stacked_must_say_true_or_false(mesh):
     zerojax.init({"w": jnp.zeros((8, 8))},
                  zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh,
                               stacked=lambda path, shape: "yes"))
+
+
+def test_init_from_builds_leaf_groups_of_an_eighth_of_the_bytes(mesh):
+  from zerojax import _state
+  init_fn = lambda key: {f"w{i}": jax.random.normal(jax.random.fold_in(key, i),
+                                                    (16 * (i + 1), 64))
+                         for i in range(10)}
+  tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
+  spec = _state.make_spec(jax.eval_shape(init_fn, jax.random.key(0)), tx)
+  groups = _state._init_groups(spec)
+  assert [i for g in groups for i in g] == list(range(10))       # all, in order
+  sizes = [int(np.prod(a.shape)) * 4 for a in spec.params_avals]
+  budget = sum(sizes) / 8
+  for g in groups:
+    assert len(g) == 1 or sum(sizes[i] for i in g) <= budget, (g, budget)
+  assert 1 < len(groups) <= 8 + sum(s > budget for s in sizes)
+  # built group by group (XLA drops the others' work), the state is the one
+  # a single program computing every leaf gives, bit for bit
+  key = jax.random.key(0)
+  grouped = zerojax.init_from(init_fn, tx, key)
+  whole = zerojax.init(jax.jit(init_fn)(key), tx)
+  for x, y in zip(jax.tree.leaves(grouped), jax.tree.leaves(whole)):
+    assert x.sharding == y.sharding and np.array_equal(x, y)
