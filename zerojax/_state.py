@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -371,7 +372,6 @@ def _warn_idle_model_axes(spec: StateSpec, where: str):
           for m in l.model for a in m}
   idle = {a: n for a, n in spec.tx.model_axes.items() if n > 1 and a not in used}
   if idle:
-    import warnings
     warnings.warn(
         f"{where}: mesh axes {idle} split no parameter (no model spec uses "
         f"them), so every device along them holds and computes the same "
@@ -499,7 +499,11 @@ def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
       stored[i] = x
   # the shards are ours: donated, so the state's params (or master) reuse
   # their buffers where the layouts agree, instead of a second copy
-  state = _build_donating(spec)(spec.unflatten_params(stored))
+  with warnings.catch_warnings():
+    # where no state leaf has a shard's shape and dtype (e.g. bf16 params,
+    # or a master in host memory) the donation simply frees it
+    warnings.filterwarnings("ignore", message="Some donated buffers")
+    state = _build_donating(spec)(spec.unflatten_params(stored))
   return _with_extras(state, key, model_state, "zerojax.init_from")
 
 
