@@ -15,18 +15,22 @@ depth is within ``--tolerance`` (3%) of the largest that trains).
 For each configuration (stage 0-3 and stage 3 with host offload, in fp32 and
 in bf16 params + fp32 master: both 16 bytes per parameter with Adam) the
 search starts at the planner's prediction for the same machine -- 8 devices
-sharing ``--cap-gib`` of RAM, ``cap / 8`` each, model state only
-(:func:`zerojax.plan.plan_stage`) -- and bisects on depth.
+sharing ``--cap-gib`` of RAM, ``cap / 8`` each: the model state
+(:func:`zerojax.plan.plan_stage`) plus the step's working set
+(:func:`zerojax.plan.working_set`) -- and bisects on depth. ``--report
+a.json b.json`` merges runs into one table and chart.
 
 Output: a table on stdout, ``<out>/max_model.json`` (every attempt with its
 phase-by-phase RSS, and per configuration the largest depth, its parameter
 count, peak RSS, step time and the floor) and ``<out>/max_model.png``.
 
-The floor of a stage-3 run: the model state (16 Ψ bytes; on CPU host and
-device memory are one RAM, so offload does not lower it), plus each of the 8
-fake devices' working set (two gathered layers in the compute dtype, the
-layer's full gradient before its reduce-scatter, and the saved
-activations), plus the runtime's own RSS measured before the model exists.
+The floor of a run: 8 x the planner's per-device model state (16 Ψ bytes in
+all at stage 3; on CPU host and device memory are one RAM, so offload does
+not lower it), plus each of the 8 fake devices' working set
+(:func:`zerojax.plan.working_set`: at stage 3 two gathered layers in the
+compute dtype and the layer's full gradient before its reduce-scatter; the
+saved activations and logits), plus the runtime's own RSS measured before
+the model exists.
 """
 
 from __future__ import annotations
@@ -104,33 +108,52 @@ def child(args) -> dict:
   shutil.rmtree(where, ignore_errors=True)
   eval_loss = float(zerojax.eval_step(loss_fn, tx)(state, batch_at(0, held_out)))
   mark("eval")
-  n = gpt.num_params(model)
-  c = np.dtype(policy.compute(jnp.float32)).itemsize
-  layer = gpt._block_params(args.width)
-  per_device = ((2 * c + 4) * layer                  # two gathered + full grad
-                + args.depth * (args.batch // 8) * args.seq_len * args.width * 4)
-  return {"n_params": n, "phases": phases, "step_s": times, "losses": losses,
-          "save_s": save_s, "eval_loss": eval_loss, "peak_rss": peak(),
+  return {"n_params": gpt.num_params(model), "phases": phases,
+          "step_s": times, "losses": losses, "save_s": save_s,
+          "eval_loss": eval_loss, "peak_rss": peak(),
           "runtime_rss": phases["runtime"]["rss"],
-          "floor": 16 * n + 8 * per_device + phases["runtime"]["rss"],
           "state_bytes": int(sum(x.size * x.dtype.itemsize for x in
                                  jax.tree.leaves(state)))}
 
 
-def predicted_depth(config: str, precision: str, args) -> int:
-  """The planner's largest depth: model state within cap / 8 per device."""
+def floor(config: str, precision: str, depth: int, runtime: int, args) -> float:
+  """The least RSS a run can have: 8 x (the planner's model state per
+  device + the step's working set) + the runtime measured before the model."""
+  import jax.numpy as jnp
+  from zerojax import plan
+  from zerojax._policy import Policy
+  from zerojax.models import gpt
+  policy = Policy(param_dtype=jnp.bfloat16) if precision == "bf16" else Policy()
+  cfg = gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
+                      heads=max(1, args.width // 128), seq_len=args.seq_len)
+  stage = int(config[0])
+  per_device = (plan.plan_stage(plan.abstract_gpt(cfg), stage, 8,
+                                policy=policy).total
+                + plan.working_set(cfg, stage, args.batch // 8, policy))
+  return 8 * per_device + runtime
+
+
+def predicted_depth(config: str, precision: str, args,
+                    working: bool = True) -> int:
+  """The planner's largest depth: model state (plus, with ``working``, the
+  step's working set, :func:`zerojax.plan.working_set`) within cap / 8 per
+  device."""
   import jax.numpy as jnp
   from zerojax import plan
   from zerojax._policy import Policy
   from zerojax.models import gpt
   policy = Policy(param_dtype=jnp.bfloat16) if precision == "bf16" else Policy()
   budget = args.cap_gib * GIB / 8
+  stage = int(config[0])
   def fits(depth):
     cfg = gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
                         heads=max(1, args.width // 128), seq_len=args.seq_len)
     # on CPU host memory is the same RAM: offload's host bytes count too
-    return plan.plan_stage(plan.abstract_gpt(cfg), int(config[0]), 8,
-                           policy=policy).total <= budget
+    need = plan.plan_stage(plan.abstract_gpt(cfg), stage, 8,
+                           policy=policy).total
+    if working:
+      need += plan.working_set(cfg, stage, args.batch // 8, policy)
+    return need <= budget
   lo, hi = 0, 1
   while fits(hi):
     lo, hi = hi, hi * 2
@@ -224,23 +247,30 @@ def predicted_params(depth, args):
 
 
 def table(results, args) -> str:
-  lines = ["| config | precision | largest Ψ | depth | planner Ψ | measured / "
-           "planner | peak RSS GiB | floor GiB | peak / floor | step s |",
+  lines = ["| config | precision | largest Ψ (depth) | first failing depth | "
+           "planner Ψ: state / + working set | measured / planner (+ws) | "
+           "peak RSS GiB | floor GiB | peak / floor | step s |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     b = r["largest"]
     name = "stage 3 + offload" if r["config"] == "3o" else f"stage {r['config']}"
-    pred = predicted_params(r["predicted_depth"], args)
+    state = predicted_params(predicted_depth(r["config"], r["precision"], args,
+                                             working=False), args)
+    pred = predicted_params(predicted_depth(r["config"], r["precision"], args),
+                            args)
     if b is None:
-      lines.append(f"| {name} | {r['precision']} | none fits | - | {pred / 1e6:,.0f}M "
-                   f"| - | - | - | - | - |")
+      lines.append(f"| {name} | {r['precision']} | none fits | - | "
+                   f"{state / 1e6:,.0f}M / {pred / 1e6:,.0f}M | - | - | - | - | - |")
       continue
+    low = floor(r["config"], r["precision"], r["largest_depth"],
+                b["runtime_rss"], args)
     lines.append(
-        f"| {name} | {r['precision']} | {b['n_params'] / 1e6:,.1f}M | "
-        f"{r['largest_depth']}{'' if r['resolved'] else ' (unresolved)'} | "
-        f"{pred / 1e6:,.1f}M | {b['n_params'] / pred:.3f} | "
-        f"{b['peak_rss'] / GIB:.2f} | {b['floor'] / GIB:.2f} | "
-        f"{b['peak_rss'] / b['floor']:.3f} | {b['step_s'][-1]:.1f} |")
+        f"| {name} | {r['precision']} | {b['n_params'] / 1e6:,.1f}M "
+        f"({r['largest_depth']}) | {r['first_failing_depth']} | "
+        f"{state / 1e6:,.1f}M / {pred / 1e6:,.1f}M | "
+        f"{b['n_params'] / state:.3f} ({b['n_params'] / pred:.3f}) | "
+        f"{b['peak_rss'] / GIB:.2f} | {low / GIB:.2f} | "
+        f"{b['peak_rss'] / low:.3f} | {b['step_s'][-1]:.1f} |")
   return "\n".join(lines)
 
 
@@ -251,12 +281,13 @@ def chart(results, path, args):
   names = [("3+off" if r["config"] == "3o" else r["config"]) + "\n" + r["precision"]
            for r in results]
   got = [(r["largest"]["n_params"] if r["largest"] else 0) / 1e6 for r in results]
-  pred = [predicted_params(r["predicted_depth"], args) / 1e6 for r in results]
+  pred = [predicted_params(predicted_depth(r["config"], r["precision"], args),
+                           args) / 1e6 for r in results]
   x = range(len(results))
   fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(results)), 4))
   ax.bar([i - 0.2 for i in x], got, 0.4, label="measured (trains under the cap)")
-  ax.bar([i + 0.2 for i in x], pred, 0.4, label="planner (model state, cap / 8 "
-         "per device)")
+  ax.bar([i + 0.2 for i in x], pred, 0.4, label="planner (model state + "
+         "working set, cap / 8 per device)")
   ax.set_xticks(list(x), names)
   ax.set_ylabel("parameters (millions)")
   ax.set_title(f"Largest GPT under {args.cap_gib:g} GiB, 8 fake CPU devices "
@@ -286,6 +317,9 @@ def main(argv=None):
   p.add_argument("--timeout", type=float, default=1800,
                  help="seconds before an attempt is killed")
   p.add_argument("--out", default="runs/max_model")
+  p.add_argument("--report", nargs="+", metavar="JSON",
+                 help="no search: print the table and draw the chart of "
+                      "max_model.json files already written (merged)")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--config", default="3", help=argparse.SUPPRESS)
   p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
@@ -293,6 +327,19 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.child:
     print(json.dumps(child(args)))
+    return
+  if args.report:
+    runs = [json.loads(pathlib.Path(f).read_text()) for f in args.report]
+    for k in ("cap_gib", "width", "seq_len", "batch"):
+      setattr(args, k, runs[0]["args"][k])
+    results = [r for run in runs for r in run["results"]]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(table(results, args))
+    chart(results, out / "max_model.png", args)
+    (out / "max_model.json").write_text(json.dumps(
+        {"args": runs[0]["args"], "results": results}, indent=1))
+    print(f"wrote {out / 'max_model.json'} and {out / 'max_model.png'}")
     return
   bad = [c for c in args.configs.split(",") if c not in CONFIGS]
   if bad:

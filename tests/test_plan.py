@@ -121,3 +121,16 @@ def test_offload_moves_master_and_moments_to_host():
   # the largest model a device holds grows: only 4 Ψ / N stays on it
   big = plan.largest_fitting(32e9, 3, 64, offload=True)
   assert gpt.num_params(big) == pytest.approx(512e9, rel=0.01)
+
+
+def test_working_set_counts_gathered_layers_only_at_stage_3():
+  import jax.numpy as jnp
+  from zerojax import Policy
+  cfg = gpt.GPTConfig(vocab=256, width=1024, depth=4, heads=8, seq_len=64)
+  layer = gpt._block_params(1024)
+  acts = 64 * 1024 * 4 * 4 + 2 * 64 * 256 * 4         # batch 1 per device
+  fp32 = Policy()
+  assert plan.working_set(cfg, 3, 1, fp32) == 12 * layer + acts
+  assert plan.working_set(cfg, 3, 1, Policy(param_dtype=jnp.bfloat16)) == (
+      6 * layer + acts)
+  assert plan.working_set(cfg, 1, 1, fp32) == acts

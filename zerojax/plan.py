@@ -215,6 +215,24 @@ def abstract_gpt(config: gpt.GPTConfig):
   return jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
 
 
+def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
+                policy: Policy | None = None) -> float:
+  """Per-device bytes a GPT step needs beyond the model state (zerojax's
+  layer-scanned, rematerialised GPT): at stage 3 the forward and the
+  backward layer gathered in the compute dtype and the layer's full gradient
+  before its reduce-scatter; at every stage the saved activations (one
+  residual stream per layer, fp32) and the logits (fp32, with their
+  gradient). Temporary buffers inside a layer come on top."""
+  policy = Policy(param_dtype=jnp.bfloat16) if policy is None else policy
+  c = np.dtype(policy.compute(jnp.float32)).itemsize
+  r = np.dtype(policy.reduce(jnp.float32)).itemsize
+  layer = gpt._block_params(config.width, config.mlp_ratio)
+  tokens = batch_per_device * config.seq_len
+  gathered = (2 * c + r) * layer if stage == 3 else 0
+  return float(gathered + tokens * config.width * 4 * config.depth
+               + 2 * tokens * config.vocab * 4)
+
+
 def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
                     seq_len: int = 2048,
                     offload: bool = False) -> gpt.GPTConfig | None:
