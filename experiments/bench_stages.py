@@ -80,6 +80,15 @@ def worker(args) -> dict:
   bf16 = args.precision == "bf16"
   optimizer = optax.adamw(1e-3)
   loss_fn = functools.partial(gpt.loss, config=model)
+  if args.block_dtype:
+    # fp32 params, the blocks computed in a lower precision (a common user
+    # setup without a master copy): cast inside the loss
+    full_loss = loss_fn
+
+    def loss_fn(params, batch):
+      params = dict(params, blocks=jax.tree.map(
+          lambda x: x.astype(args.block_dtype), params["blocks"]))
+      return full_loss(params, batch)
   key = jax.random.key(0)
   n_params = gpt.num_params(model)
   tokens, _ = data.split(data.corpus_bytes())
@@ -281,6 +290,9 @@ def main():
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--precision", choices=["bf16", "fp32"], default="fp32")
+  p.add_argument("--block-dtype", choices=["bfloat16"], default=None,
+                 help="fp32 params cast to this dtype inside the loss for "
+                      "the transformer blocks (every configuration alike)")
   p.add_argument("--configs", default="0,1,2,3,fsdp,zero1,dropin1",
                  help="zerojax stages and GSPMD peers (fsdp, zero1, dp) to run")
   p.add_argument("--out", default="runs/bench_stages")
@@ -294,7 +306,7 @@ def main():
   for config in args.configs.split(","):
     cmd = [sys.executable, __file__, "--worker", "--config", config] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-        if k not in ("worker", "config", "configs", "out")]
+        if k not in ("worker", "config", "configs", "out") and v is not None]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
       sys.exit(f"{config} failed:\n{out.stderr[-3000:]}")
