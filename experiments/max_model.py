@@ -311,6 +311,8 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=2)
   p.add_argument("--max-attempts", type=int, default=6,
                  help="attempts per configuration")
+  p.add_argument("--start", type=int, default=None,
+                 help="first depth to try (default: the planner's)")
   p.add_argument("--tolerance", type=float, default=0.03,
                  help="stop when the first failing depth is within this "
                       "fraction of the largest fitting one")
@@ -358,7 +360,7 @@ def main(argv=None):
       # offload on CPU: the same RAM, so start from stage 3's answer
       start = next((r["largest_depth"] for r in results if config == "3o"
                     and r["config"] == "3" and r["precision"] == precision),
-                   None)
+                   args.start)
       results.append(search(config, precision, args, log, start))
       (out / "max_model.json").write_text(json.dumps(
           {"args": vars(args), "results": results}, indent=1))
