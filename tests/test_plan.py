@@ -134,3 +134,5 @@ def test_working_set_counts_gathered_layers_only_at_stage_3():
   assert plan.working_set(cfg, 3, 1, Policy(param_dtype=jnp.bfloat16)) == (
       6 * layer + acts)
   assert plan.working_set(cfg, 1, 1, fp32) == acts
+  # stage 0: the all-reduce's output is a second full gradient
+  assert plan.working_set(cfg, 0, 1, fp32) == acts + 4 * gpt.num_params(cfg)

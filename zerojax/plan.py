@@ -222,14 +222,17 @@ def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
   backward layer gathered in the compute dtype and the layer's full gradient
   before its reduce-scatter; at every stage the saved activations (one
   residual stream per layer, fp32) and the logits (fp32, with their
-  gradient). Temporary buffers inside a layer come on top."""
+  gradient); at stage 0 a second full gradient, the all-reduce's output
+  (XLA does not all-reduce in place: measured, zerojax and a plain-jit DP
+  step alike). Temporary buffers inside a layer come on top."""
   policy = Policy(param_dtype=jnp.bfloat16) if policy is None else policy
   c = np.dtype(policy.compute(jnp.float32)).itemsize
   r = np.dtype(policy.reduce(jnp.float32)).itemsize
   layer = gpt._block_params(config.width, config.mlp_ratio)
   tokens = batch_per_device * config.seq_len
   gathered = (2 * c + r) * layer if stage == 3 else 0
-  return float(gathered + tokens * config.width * 4 * config.depth
+  reduced = r * gpt.num_params(config) if stage == 0 else 0
+  return float(gathered + reduced + tokens * config.width * 4 * config.depth
                + 2 * tokens * config.vocab * 4)
 
 
