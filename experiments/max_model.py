@@ -55,7 +55,6 @@ def child(args) -> dict:
 
   import jax
   import jax.numpy as jnp
-  import numpy as np
   import optax
 
   import zerojax

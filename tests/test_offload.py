@@ -170,3 +170,12 @@ def test_offload_flag_is_validated():
     zerojax.zero(optax.adam(1e-3), stage=1, offload="cpu")
   assert "offload=True" in repr(zerojax.zero(optax.adam(1e-3), stage=1,
                                              offload=True))
+
+
+def test_state_and_step_must_agree_on_offload():
+  params = toy.init_params(jax.random.key(0))
+  state = zerojax.init(params, zerojax.zero(optax.adam(1e-2), stage=2))
+  step = zerojax.train_step(toy.loss_fn, zerojax.zero(optax.adam(1e-2), stage=2,
+                                                      offload=True))
+  with pytest.raises(ValueError, match="offload: state has False, step has True"):
+    step(state, toy.batches(1)[0])

@@ -50,7 +50,8 @@ def check_state(state, tx: ZeroTransformation) -> StateSpec:
   if have != tx:
     diffs = [f"{f}: state has {getattr(have, f)!r}, step has "
              f"{getattr(tx, f)!r}"
-             for f in ("stage", "axis_name", "policy", "min_shard_size")
+             for f in ("stage", "axis_name", "policy", "min_shard_size",
+                       "offload")
              if getattr(have, f) != getattr(tx, f)]
     if have.mesh != tx.mesh:
       diffs.append("mesh: the state lives on a different mesh")
