@@ -508,8 +508,10 @@ def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
 
 
 def _init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
-  """Param leaves in groups of about ``1/parts`` of the bytes (a larger
-  leaf alone): at most ``parts`` plus the number of large leaves jits."""
+  """Consecutive param leaves in groups of at most ``1/parts`` of the
+  bytes (a larger leaf alone). Any two neighbouring groups together exceed
+  the budget, so there are fewer than ``2 * parts + 1`` groups: that many
+  small jits of ``init_fn``, each traced anew."""
   sizes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
            for a in spec.params_avals]
   budget = max(sum(sizes) / parts, 1)
