@@ -14,6 +14,12 @@ data parallelism). Same model, data, seed, optimizer, precision.
 Each runs in its own fresh subprocess (8 fake CPU devices), so its peak RSS
 is its own.
 
+``fsdp2`` (on request; needs torch, ``pip install -e '.[bench]'``) is
+PyTorch FSDP2 on the same GPT, initial values and batches: 8 torchrun ranks
+over gloo (``experiments/fsdp2_peer.py``). Its peak RSS is summed over the
+ranks; compare the column "net of runtime" (peak minus the RSS before the
+model exists: 8 Python + torch runtimes there, one JAX runtime here).
+
 Output: a markdown table on stdout, ``<out>/bench.json``,
 ``<out>/memory.png`` (state per device stacked by category, as the ZeRO
 paper's Figure 1) and ``<out>/step_time.png``.
@@ -37,6 +43,9 @@ paper's Figure 1) and ``<out>/step_time.png``.
   HLO, loop bodies times trip counts, full-buffer convention;
   ``theory_collective_elements``: the formula for the layout
 - ``final_loss``: after the same steps (all configurations must agree)
+- ``fsdp2`` only: ``peak_rss_bytes_per_rank``, ``runtime_rss_bytes_per_rank``,
+  ``torch`` (version); collective bytes counted at FSDP2's
+  ``torch.distributed`` calls, not from an HLO
 - ``checkpoint`` (zerojax stages; null for peers): ``save_s`` (synchronous
   save, for timing), ``restore_s``, ``bytes_on_disk`` and
   ``state_bytes_global`` (the state's bytes, all shards, padding included)
@@ -227,9 +236,33 @@ def worker(args) -> dict:
   }
 
 
+def fsdp2(args) -> dict:
+  """PyTorch FSDP2 on the same GPT: export the initial params and batches
+  (JAX, its own process), then train under torchrun with 8 gloo ranks."""
+  import tempfile
+  try:
+    import torch  # noqa: F401
+  except ImportError:
+    sys.exit("fsdp2 needs torch: pip install -e '.[bench]' (torch 2.13.0, CPU)")
+  script = str(pathlib.Path(__file__).parent / "fsdp2_peer.py")
+  flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+           ("width", "vocab", "depth", "heads", "seq_len", "batch", "steps", "precision")]
+  if args.block_dtype:
+    sys.exit("fsdp2: --block-dtype is not mirrored in the torch model")
+  with tempfile.TemporaryDirectory(prefix="zerojax_fsdp2_") as where:
+    for cmd in ([sys.executable, script, "--export", where],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "8", script, "--train-from", where]):
+      out = subprocess.run(cmd + flags, capture_output=True, text=True, check=False)
+      if out.returncode:
+        sys.exit(f"fsdp2 failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def table(runs) -> str:
   mib = lambda x: f"{x / 2**20:,.2f}"
-  head = ("config", "step s", "vs stage 0", "peak RSS MiB", "state MiB/dev (theory)",
+  head = ("config", "step s", "vs stage 0", "peak RSS MiB", "net of runtime MiB",
+          "state MiB/dev (theory)",
           "AR MiB", "RS MiB", "AG MiB", "coll elems / theory", "final loss")
   base = next((r["step_time_s"] for r in runs if r["config"] == "0"), None)
   rows = []
@@ -241,7 +274,9 @@ def table(runs) -> str:
     ratio = sum(ce.get(k, 0) for k in te) / sum(te.values())
     rows.append((r["name"], f"{r['step_time_s']:.3f}",
                  f"{r['step_time_s'] / base:.2f}x" if base else "",
-                 mib(r["peak_rss_bytes"]), f"{mib(state)} ({mib(theory)})",
+                 mib(r["peak_rss_bytes"]),
+                 mib(r["peak_rss_bytes"] - r["runtime_rss_bytes"]),
+                 f"{mib(state)} ({mib(theory)})",
                  mib(cb.get("all-reduce", 0)), mib(cb.get("reduce-scatter", 0)),
                  mib(cb.get("all-gather", 0)), f"{ratio:.3f}",
                  f"{r['final_loss']:.5f}"))
@@ -294,7 +329,8 @@ def main():
                  help="fp32 params cast to this dtype inside the loss for "
                       "the transformer blocks (every configuration alike)")
   p.add_argument("--configs", default="0,1,2,3,fsdp,zero1,dropin1",
-                 help="zerojax stages and GSPMD peers (fsdp, zero1, dp) to run")
+                 help="zerojax stages and peers to run: GSPMD fsdp, zero1, dp; "
+                      "PyTorch FSDP2 fsdp2 (needs the [bench] extra)")
   p.add_argument("--out", default="runs/bench_stages")
   p.add_argument("--config", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -304,6 +340,10 @@ def main():
     return
   runs = []
   for config in args.configs.split(","):
+    if config == "fsdp2":
+      runs.append(fsdp2(args))
+      print(f"{config}: done", file=sys.stderr, flush=True)
+      continue
     cmd = [sys.executable, __file__, "--worker", "--config", config] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
         if k not in ("worker", "config", "configs", "out") and v is not None]
