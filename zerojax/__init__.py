@@ -22,6 +22,7 @@ from zerojax._layout import LeafLayout as LeafLayout
 from zerojax._model_axes import ModelSpecError as ModelSpecError
 from zerojax._mesh import make_mesh as make_mesh
 from zerojax._policy import Policy as Policy
+from zerojax._quant import ZeroPP as ZeroPP
 from zerojax._report import Report as Report
 from zerojax._report import report as report
 from zerojax._grad import LossOutputError as LossOutputError
@@ -49,7 +50,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Collective", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError", "ModelSpecError",
     "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
-    "UngatheredParamError", "ZeroConfig", "ZeroState", "ZeroTransformation",
+    "UngatheredParamError", "ZeroConfig", "ZeroPP", "ZeroState", "ZeroTransformation",
     "apply_gradients", "batch_sharding", "bytes_by_axis", "collective_axes", "collective_bytes",
     "crosses_processes", "collectives", "eval_step",
     "gather", "gather_opt_state", "gather_params", "init", "init_from", "layout_rows",

@@ -38,6 +38,13 @@ from zerojax._state import StateSpec, _full, make_spec
 
 
 def _check_config(config, where: str):
+  if config.zeropp.active:
+    raise ValueError(
+        f"{where}: zero(..., zeropp={config.zeropp}) quantizes the "
+        f"collectives zerojax runs, but in an Optax loop your jax.grad "
+        f"reduces the gradient (in full precision). Use zerojax.init + "
+        f"zerojax.train_step (or zerojax.value_and_grad + "
+        f"zerojax.apply_gradients) for ZeRO++, or drop zeropp=.")
   if config.stage == 3:
     raise ValueError(
         f"{where}: at stage 3 zerojax stores the parameters sharded, but in "

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax import _quant
+
 
 @dataclasses.dataclass(frozen=True)
 class GatherSpec:
@@ -53,6 +55,9 @@ class GatherSpec:
   replica: tuple = ()     # other manual axes the batch splits over (HSDP)
   padded: int = 0         # size of ``dim`` in storage (0: next multiple)
   model: tuple = ()       # the leaf's model spec, per dimension (TP axes)
+  weight_bits: int | None = None   # qwZ: quantized stage-3 all-gather
+  grad_bits: int | None = None     # qgZ: quantized reduce-scatter
+  block_size: int = 256            # elements per quantization block
 
 
 def _entries(model, ndim):
@@ -201,9 +206,13 @@ def _full_value(spec: GatherSpec, src):
   _check_rank(spec, src)
   if spec.stage == 3:
     dim = src.ndim + spec.dim
-    full = over_model_shards(
-        lambda s: jax.lax.all_gather(s, spec.axis_name, axis=dim, tiled=True,
-                                     to="varying"), src, spec.model, dim)
+    if spec.weight_bits:
+      gather_fn = lambda s: _quant.all_gather(
+          s, spec.axis_name, dim, spec.weight_bits, spec.block_size)
+    else:
+      gather_fn = lambda s: jax.lax.all_gather(
+          s, spec.axis_name, axis=dim, tiled=True, to="varying")
+    full = over_model_shards(gather_fn, src, spec.model, dim)
     full = jax.lax.slice_in_dim(full, 0, spec.size, axis=dim)
     # Varying over the replica axis too: otherwise the transpose of the
     # implicit broadcast would all-reduce the full cotangent over replicas.
@@ -235,10 +244,19 @@ def zerojax_gather_bwd(spec, _, ct):
     widths[dim] = (0, pad)
     ct = jnp.pad(ct, widths)
   shard = over_model_shards(
-      lambda c: jax.lax.psum_scatter(c, spec.axis_name, scatter_dimension=dim,
-                                     tiled=True),
-      ct.astype(spec.reduce_dtype), spec.model, dim)
+      lambda c: reduce_scatter(c, spec.axis_name, dim, spec),
+      ct, spec.model, dim)
   return shard, None
+
+
+def reduce_scatter(x, axis_name, dim: int, spec: GatherSpec):
+  """The gradient reduce-scatter: in ``spec.reduce_dtype``, or with qgZ as
+  an all-to-all of quantized blocks summed in fp32 (then cast)."""
+  if spec.grad_bits:
+    return _quant.reduce_scatter(x, axis_name, dim, spec.grad_bits,
+                                 spec.block_size).astype(spec.reduce_dtype)
+  return jax.lax.psum_scatter(x.astype(spec.reduce_dtype), axis_name,
+                              scatter_dimension=dim, tiled=True)
 
 
 zerojax_gather.defvjp(zerojax_gather_fwd, zerojax_gather_bwd)

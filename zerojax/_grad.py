@@ -129,14 +129,21 @@ def _split_micro(x, k):
   return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
 
-def _gather_spec(spec: StateSpec, i: int) -> _gather.GatherSpec:
+def _gather_spec(spec: StateSpec, i: int,
+                 quantized: bool = True) -> _gather.GatherSpec:
+  """Leaf ``i``'s gather; ``quantized``: with the tx's ZeRO++ settings
+  (training), else exact (evaluation)."""
   r = spec.leaves[i]
+  zeropp = spec.tx.zeropp
   return _gather.GatherSpec(
       axis_name=spec.tx.axis_name, dim=r.shard.dim - len(r.aval.shape),
       size=r.aval.shape[r.shard.dim], stage=spec.stage,
       reduce_dtype=r.reduce_dtype, path=r.path,
       replica=tuple(a for a in spec.tx.batch_axes if a != spec.tx.axis_name),
-      padded=r.shard.padded, model=r.shard.model)
+      padded=r.shard.padded, model=r.shard.model,
+      weight_bits=zeropp.weight_bits if quantized else None,
+      grad_bits=zeropp.grad_bits if quantized else None,
+      block_size=zeropp.block_size)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:
@@ -321,9 +328,9 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
     elif hooked[i]:                       # already reduce-scattered
       out.append(psum(g, replica, r.shard) * scale)
     elif stage >= 1 and r.shard.sharded:
+      gs = _gather_spec(spec, i)
       g = _gather.over_model_shards(
-          lambda x, d=r.shard.dim: jax.lax.psum_scatter(
-              x, axis, scatter_dimension=d, tiled=True),
+          lambda x, d=r.shard.dim: _gather.reduce_scatter(x, axis, d, gs),
           r.shard.to_storage(g), r.shard.model, r.shard.dim)
       out.append(psum(g, replica, r.shard) * scale)
     else:                                 # stage 0, or a replicated leaf

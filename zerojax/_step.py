@@ -51,7 +51,7 @@ def check_state(state, tx: ZeroTransformation) -> StateSpec:
     diffs = [f"{f}: state has {getattr(have, f)!r}, step has "
              f"{getattr(tx, f)!r}"
              for f in ("stage", "axis_name", "policy", "min_shard_size",
-                       "offload")
+                       "offload", "zeropp")
              if getattr(have, f) != getattr(tx, f)]
     if have.mesh != tx.mesh:
       diffs.append("mesh: the state lives on a different mesh")
@@ -292,7 +292,7 @@ def _eval_local(spec: StateSpec, call: LossCall, loss_fn, gather_mode, leaves,
   tx = spec.tx
   n = tx.num_shards
   hooked = [spec.stage == 3 and r.param.sharded for r in spec.leaves]
-  gspecs = [_grad._gather_spec(spec, i) if h else None
+  gspecs = [_grad._gather_spec(spec, i, quantized=False) if h else None
             for i, h in enumerate(hooked)]
   # A sink of the shard's shape (never differentiated, so never computed).
   sinks = [jnp.zeros(r.param.shard_shape(n), r.reduce_dtype) if h else None

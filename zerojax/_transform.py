@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from zerojax import _layout
 from zerojax._mesh import DEFAULT_AXIS, data_axis_size, make_mesh
 from zerojax._policy import Policy
+from zerojax._quant import ZeroPP
 
 STAGES = (0, 1, 2, 3)
 
@@ -46,6 +47,7 @@ class ZeroConfig:
   replica_axis: str | None = None
   model_specs: Any = None
   offload: bool = False
+  zeropp: ZeroPP = ZeroPP()
 
   @property
   def num_shards(self) -> int:
@@ -150,6 +152,7 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   model_axes = property(lambda self: self.config.model_axes)
   model_specs = property(lambda self: self.config.model_specs)
   offload = property(lambda self: self.config.offload)
+  zeropp = property(lambda self: self.config.zeropp)
 
   def plan(self, shape, dtype, stacked: bool = True,
            model: tuple = ()) -> _layout.LeafLayout:
@@ -172,6 +175,8 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       extra += f", model_axes={c.model_axes}"
     if c.offload:
       extra += ", offload=True"
+    if c.zeropp.active:
+      extra += f", zeropp={c.zeropp}"
     return (f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
             f"num_shards={c.num_shards}{extra}, policy={c.policy})")
 
@@ -200,6 +205,7 @@ def zero(
     replica_axis: str | None = None,
     model_specs=None,
     offload: bool = False,
+    zeropp: ZeroPP | None = None,
 ) -> ZeroTransformation:
   """Wraps an Optax optimizer to shard training state at a ZeRO stage.
 
@@ -248,6 +254,11 @@ def zero(
       (bitwise). Device memory then holds params, gradients and the
       update's working set; the host holds ``(4 + K) Ψ / N`` bytes (fp32
       master plus K bytes of optimizer state per parameter).
+    zeropp: ZeRO++'s quantized collectives, a :class:`zerojax.ZeroPP`:
+      int8 weight all-gathers at stage 3 (qwZ), int8 or int4 gradient
+      reduce-scatters at stages 1-3 (qgZ). Lossy, within stated per-block
+      bounds; off by default. They run in :func:`zerojax.train_step` and
+      :func:`zerojax.value_and_grad` (evaluation gathers exactly).
 
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and
@@ -305,9 +316,38 @@ def zero(
                     f"copy and optimizer state in host memory) or False.")
   if offload:
     _check_host_memory(mesh)
+  zeropp = ZeroPP() if zeropp is None else zeropp
+  _check_zeropp(zeropp, stage)
+  model_axes = {a: int(n) for a, n in mesh.shape.items()
+                if a not in (axis_name, replica_axis) and n > 1}
+  if zeropp.active and model_axes:
+    raise ValueError(
+        f"zerojax.zero: ZeroPP's quantized collectives are not supported on "
+        f"a mesh with model (tensor-parallel) axes {model_axes} yet (XLA "
+        f"rejects the quantized gather inside the per-model-shard region). "
+        f"Use a 1-D or replica x data mesh for zeropp=, or drop zeropp= on "
+        f"this mesh.")
   return from_config(ZeroConfig(inner, stage, mesh, axis_name, policy,
                                 min_shard_size, stacked, replica_axis,
-                                model_specs, offload))
+                                model_specs, offload, zeropp))
+
+
+def _check_zeropp(zeropp, stage: int):
+  if not isinstance(zeropp, ZeroPP):
+    raise TypeError(f"zerojax.zero: zeropp must be a zerojax.ZeroPP, got "
+                    f"{type(zeropp).__name__}; e.g. zeropp=zerojax.ZeroPP("
+                    f"weight_bits=8, grad_bits=8).")
+  if zeropp.weight_bits is not None and stage != 3:
+    raise ValueError(
+        f"zerojax.zero: ZeroPP(weight_bits={zeropp.weight_bits}) quantizes "
+        f"stage 3's weight all-gathers, but stage={stage} keeps the params "
+        f"replicated (no weight all-gather in the model). Use stage=3, or "
+        f"weight_bits=None.")
+  if zeropp.grad_bits is not None and stage == 0:
+    raise ValueError(
+        f"zerojax.zero: ZeroPP(grad_bits={zeropp.grad_bits}) quantizes the "
+        f"gradient reduce-scatter of stages 1-3; stage 0 all-reduces "
+        f"instead. Use stage >= 1, or grad_bits=None.")
 
 
 HOST_MEMORY = "pinned_host"

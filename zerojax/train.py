@@ -68,6 +68,12 @@ class TrainConfig:
                               "always saved)")
   offload: bool = _opt(False, "keep the fp32 master copy and the optimizer "
                                "state in host memory (pinned_host)")
+  weight_bits: int = _opt(0, "ZeRO++ qwZ: 8 all-gathers stage-3 weights as "
+                             "int8 blocks + scales; 0: off")
+  grad_bits: int = _opt(0, "ZeRO++ qgZ: 8 or 4 reduce-scatters gradients as "
+                           "int8 / int4 blocks (all-to-all, summed in fp32); "
+                           "0: off")
+  quant_block: int = _opt(256, "elements per quantization block (ZeRO++)")
   resume: bool = _opt(False, "continue from the latest checkpoint in "
                              "--checkpoint-dir (any stage or device count "
                              "can restore it)")
@@ -89,6 +95,10 @@ def parse_args(argv=None) -> TrainConfig:
       kw["choices"] = [0, 1, 2, 3]
     if f.name == "precision":
       kw["choices"] = ["bf16", "fp32"]
+    if f.name == "weight_bits":
+      kw["choices"] = [0, 8]
+    if f.name == "grad_bits":
+      kw["choices"] = [0, 8, 4]
     parser.add_argument(flag, dest=f.name, **kw)
   args = parser.parse_args(argv)
   config = TrainConfig(**vars(args))
@@ -188,7 +198,10 @@ def main(config: TrainConfig) -> dict:
   tx = zerojax.zero(optimizer, stage=config.stage, mesh=mesh, policy=policy,
                     model_specs=gpt.model_specs() if tp else None,
                     stacked=gpt.is_layer_stack if tp else None,
-                    offload=config.offload)
+                    offload=config.offload,
+                    zeropp=zerojax.ZeroPP(weight_bits=config.weight_bits or None,
+                                          grad_bits=config.grad_bits or None,
+                                          block_size=config.quant_block))
   init_params = lambda key: gpt.init(model, key)
   key = jax.random.key(config.seed)
   ckpt = start = None
@@ -229,7 +242,8 @@ def main(config: TrainConfig) -> dict:
     return float(np.mean([host(evaluate(state, b)) for b in val_batches]))
 
   say(f"zerojax.train: GPT {gpt.num_params(model):,} params, stage "
-        f"{config.stage}, {config.precision}, {len(devices)} x "
+        f"{config.stage}, {config.precision}, "
+        + (f"{tx.zeropp}, " if tx.zeropp.active else "") + f"{len(devices)} x "
         f"{devices[0].platform} devices (mesh {dict(mesh.shape)}), batch "
         f"{config.batch} x "
         f"{config.seq_len} bytes", flush=True)

@@ -1,0 +1,241 @@
+"""ZeRO++ (qwZ, qgZ): error bounds, the collectives XLA emits, training.
+
+Quantized collectives are lossy by design; what must hold is the stated
+per-block bound (int8: absmax/127, int4: absmax/7; the rounding gives half
+of that), exact zeros and exact repeated values, no overflow or drift when
+many devices' gradients are summed, any leaf shape and device count, and
+int8 / packed int4 on the wire.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+from zerojax import _quant
+from tests import toy
+
+
+def _bound(x, bits, block):
+  """Per-element bound from each element's block absmax (flattened x)."""
+  flat = np.asarray(x, np.float64).reshape(-1)
+  nb = -(-flat.size // block)
+  padded = np.zeros(nb * block)
+  padded[:flat.size] = np.abs(flat)
+  absmax = padded.reshape(nb, block).max(-1)
+  return np.repeat(absmax, block)[:flat.size], _quant.qmax(bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [2, 6, 256])
+def test_dequantization_error_is_within_absmax_over_qmax_per_block(bits, block):
+  rng = np.random.default_rng(0)
+  # 1,001 values whose blocks span 1e-30 .. 1e30, an odd count (padding)
+  x = (rng.standard_normal(1001) * 10.0 ** rng.uniform(-30, 30, 1001)).astype(np.float32)
+  q, scale = _quant.quantize(jnp.asarray(x), bits, block)
+  assert q.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
+  assert q.shape[-1] == (block if bits == 8 else block // 2)
+  y = np.asarray(_quant.dequantize(q, scale, bits, x.size), np.float64)
+  absmax, qmax = _bound(x, bits, block)
+  err = np.abs(y - x)
+  assert np.all(np.isfinite(y))
+  assert np.all(err <= absmax / qmax)                       # the stated bound
+  assert np.all(err <= absmax / (2 * qmax) * (1 + 1e-6) + 1e-45)   # rounding
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_zero_and_repeated_blocks_dequantize_exactly(bits):
+  x = jnp.concatenate([jnp.zeros(16), jnp.full((16,), -3.7), jnp.full((5,), 1e-30)])
+  q, scale = _quant.quantize(x, bits, 16)
+  y = _quant.dequantize(q, scale, bits, x.size)
+  np.testing.assert_array_equal(np.asarray(y[:16]), 0.0)
+  np.testing.assert_allclose(np.asarray(y[16:32]), -3.7, rtol=1e-7)
+  np.testing.assert_allclose(np.asarray(y[32:]), 1e-30, rtol=1e-7)
+
+
+@pytest.mark.parametrize("shape,dim", [((5, 13, 7), 1), ((3,), 0), ((9, 2), 0)])
+def test_quantized_all_gather_equals_gather_within_bound(mesh, shape, dim):
+  n = mesh.shape["data"]
+  full_shape = list(shape)
+  full_shape[dim] *= n
+  x = jax.random.normal(jax.random.key(1), full_shape) * 10.0
+  spec = P(*([None] * dim + ["data"]))
+  f = jax.jit(jax.shard_map(
+      lambda s: _quant.all_gather(s, "data", dim, 8, 6), mesh=mesh,
+      in_specs=spec, out_specs=P(), check_vma=False))
+  y = np.asarray(f(jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))))
+  # the bound per shard block: each device quantized its own shard
+  shards = np.split(np.asarray(x), n, axis=dim)
+  ys = np.split(y, n, axis=dim)
+  for s, t in zip(shards, ys):
+    absmax, qmax = _bound(s, 8, _quant.block_for(s.size, 6))
+    assert np.all(np.abs(t - s).reshape(-1) <= absmax / qmax)
+
+
+def _one_sgd_step(stage, zeropp, c_rows, leaves):
+  """params := 0 - mean over rows of c (SGD, lr 1, a linear loss): the
+  update is exactly minus the reduced gradient."""
+  tx = zerojax.zero(optax.sgd(1.0), stage=stage, zeropp=zeropp)
+  params = {k: jnp.zeros(v.shape[1:]) for k, v in c_rows.items()}
+  state = zerojax.init(params, tx)
+
+  def loss_fn(p, batch):
+    p = zerojax.gather(p)
+    return sum(jnp.sum(p[k] * batch[k].mean(0)) for k in leaves)
+  state, _ = zerojax.train_step(loss_fn, tx)(state, c_rows)
+  return {k: -np.asarray(v, np.float64)
+          for k, v in zerojax.gather_params(state).items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_reduce_scatter_spanning_magnitudes_zeros_and_equal_values(
+    stage, bits):
+  n = 8
+  rng = np.random.default_rng(stage)
+  # "span": 256 values, each 16-block 1e-30 .. 1e30 (8 chunks of 32 = 2
+  # blocks each); every device's row scaled differently
+  mags = np.repeat(10.0 ** np.linspace(-30, 30, 16), 16)
+  span = (rng.uniform(-1, 1, 256) * mags).astype(np.float32)
+  rows = {
+      "span": np.stack([span * (1 + 0.25 * i) for i in range(n)]),
+      "zeros": np.zeros((n, 40), np.float32),
+      # every device sends +127 for every element: a sum of int8 values
+      # would overflow; dequantized first it is exact
+      "equal": np.full((n, 24), 3.7, np.float32),
+  }
+  got = _one_sgd_step(stage, zerojax.ZeroPP(grad_bits=bits, block_size=16),
+                      rows, tuple(rows))
+  exact = {k: v.astype(np.float64).mean(0) for k, v in rows.items()}
+  np.testing.assert_array_equal(got["zeros"], 0.0)
+  np.testing.assert_allclose(got["equal"], 3.7, rtol=1e-6)
+  assert np.all(np.isfinite(got["span"]))
+  # error of a mean of n dequantized values <= mean of their block bounds
+  bound = np.mean([_bound(r, bits, 16)[0] for r in rows["span"]], axis=0)
+  err = np.abs(got["span"] - exact["span"])
+  assert np.all(err <= bound / _quant.qmax(bits) * (1 + 1e-5))
+  # and it is a real quantization (not an exact reduce-scatter in disguise)
+  assert np.any(err > 0)
+
+
+BF16 = zerojax.Policy(param_dtype=jnp.bfloat16)
+
+
+def _train(zeropp, policy=None, steps=3, stage=3):
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, zeropp=zeropp, policy=policy)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  losses = []
+  for b in toy.batches(steps):
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  return state, losses, step
+
+
+Q8, Q4 = zerojax.ZeroPP(8, 8, 4), zerojax.ZeroPP(8, 4, 4)
+
+
+@pytest.mark.parametrize("zeropp,policy", [
+    (Q8, None), (Q4, BF16),
+    pytest.param(Q4, None, marks=pytest.mark.slow),
+    pytest.param(Q8, BF16, marks=pytest.mark.slow)],
+    ids=["qwZ+qgZ8-fp32", "qwZ+qgZ4-bf16+master", "qwZ+qgZ4-fp32",
+         "qwZ+qgZ8-bf16+master"])
+def test_training_with_zeropp_stays_close_to_unquantized(policy, zeropp):
+  """The toy model (every leaf uneven over 8 devices), 3 AdamW steps."""
+  _, ref, _ = _train(None, policy)
+  state, got, _ = _train(zeropp, policy)
+  assert all(np.isfinite(got))
+  # measured: at most 4e-4 (int8), 1e-3 (int4) relative on these losses
+  np.testing.assert_allclose(got, ref, rtol=3e-3)
+  assert got != ref                      # quantization did happen
+  for x in jax.tree.leaves(zerojax.gather_params(state)):
+    assert np.all(np.isfinite(np.asarray(x, np.float32)))
+
+
+def _weight_gather_elems(step, state, batch, dtype):
+  colls = zerojax.collectives(step.lower(state, batch).compile().as_text(), 8)
+  return sum(c.total_elements for c in colls
+             if c.kind == "all-gather" and c.dtype == dtype)
+
+
+def test_collectives_move_int8_weights_and_int4_gradients():
+  from zerojax.models import gpt
+  from zerojax import data
+  cfg = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16)
+  tokens, _ = data.split(data.corpus_bytes())
+  batch = data.batch_at(tokens, seed=0, step=0, batch=8, seq_len=16)
+  out = {}
+  for name, zpp in (("plain", None), ("q", zerojax.ZeroPP(8, 4))):
+    tx = zerojax.zero(optax.adamw(1e-3), stage=3, zeropp=zpp)
+    state = zerojax.init_from(functools.partial(gpt.init, cfg), tx,
+                              jax.random.key(0))
+    step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
+                              gather="model")
+    colls = zerojax.collectives(step.lower(state, batch).compile().as_text(), 8)
+    by = {}
+    for c in colls:
+      by[(c.kind, c.dtype)] = by.get((c.kind, c.dtype), 0) + c.total_elements
+      by[(c.kind, "runs")] = by.get((c.kind, "runs"), 0) + c.count
+    out[name] = by
+  plain, q = out["plain"], out["q"]
+  weights, gathers = plain[("all-gather", "f32")], plain[("all-gather", "runs")]
+  grads, scatters = (plain[("reduce-scatter", "f32")],
+                     plain[("reduce-scatter", "runs")])
+  # qwZ: the weight all-gathers move int8: the same elements, plus at most
+  # one block of padding per device and gather; one f32 scale per block
+  assert weights <= q[("all-gather", "s8")] <= weights + gathers * 8 * 256
+  assert q[("all-gather", "f32")] < q[("all-gather", "s8")] / 8
+  # qgZ int4: no reduce-scatter left; an all-to-all of packed bytes (half
+  # the elements, at most a block of padding per chunk) plus f32 scales
+  assert not any(k == "reduce-scatter" for k, _ in q)
+  assert grads / 2 <= q[("all-to-all", "u8")] <= (grads + scatters * 8 * 256) / 2
+  assert q[("all-to-all", "f32")] < q[("all-to-all", "u8")] / 4
+
+
+def test_evaluation_gathers_exactly():
+  state, _, _ = _train(zerojax.ZeroPP(8, 8, 4), steps=1)
+  plain = zerojax.zero(optax.adamw(1e-2), stage=3)
+  params = zerojax.gather_params(state)
+  b = toy.batches(1, seed=5)[0]
+  got = zerojax.eval_step(toy.loss_fn, state.spec.tx)(state, b)
+  want = zerojax.eval_step(toy.loss_fn, plain)(zerojax.init(params, plain), b)
+  assert float(got) == float(want)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(weight_bits=4), "weight_bits=4"),
+    (dict(grad_bits=2), "grad_bits=2"),
+    (dict(block_size=7), "block_size=7"),
+])
+def test_bad_zeropp_settings_raise_with_the_fix(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    zerojax.ZeroPP(**kwargs)
+
+
+def test_zeropp_where_it_does_not_apply_raises(mesh):
+  with pytest.raises(ValueError, match="stage=3"):
+    zerojax.zero(optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(weight_bits=8))
+  with pytest.raises(ValueError, match="stage >= 1"):
+    zerojax.zero(optax.adamw(1e-3), stage=0, zeropp=zerojax.ZeroPP(grad_bits=8))
+  with pytest.raises(TypeError, match="zerojax.ZeroPP"):
+    zerojax.zero(optax.adamw(1e-3), stage=2, zeropp={"grad_bits": 8})
+  with pytest.raises(ValueError, match="model"):
+    zerojax.zero(optax.adamw(1e-3), stage=3, mesh=zerojax.make_mesh("data=4,model=2"),
+                 zeropp=zerojax.ZeroPP(grad_bits=8))
+  tx = zerojax.zero(optax.adamw(1e-3), stage=1, zeropp=zerojax.ZeroPP(grad_bits=8))
+  with pytest.raises(ValueError, match="jax.grad"):
+    tx.init(toy.init_params(jax.random.key(0)))
+
+
+def test_state_and_step_with_different_zeropp_say_so():
+  tx = zerojax.zero(optax.adamw(1e-3), stage=3)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx.replace(zeropp=zerojax.ZeroPP(8)))
+  with pytest.raises(ValueError, match="zeropp"):
+    step(state, toy.batches(1)[0])
