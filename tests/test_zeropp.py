@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax import _quant
+from zerojax import _zeropp
 from tests import toy
 
 
@@ -28,7 +28,7 @@ def _bound(x, bits, block):
   padded = np.zeros(nb * block)
   padded[:flat.size] = np.abs(flat)
   absmax = padded.reshape(nb, block).max(-1)
-  return np.repeat(absmax, block)[:flat.size], _quant.qmax(bits)
+  return np.repeat(absmax, block)[:flat.size], _zeropp.qmax(bits)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -37,10 +37,10 @@ def test_dequantization_error_is_within_absmax_over_qmax_per_block(bits, block):
   rng = np.random.default_rng(0)
   # 1,001 values whose blocks span 1e-30 .. 1e30, an odd count (padding)
   x = (rng.standard_normal(1001) * 10.0 ** rng.uniform(-30, 30, 1001)).astype(np.float32)
-  q, scale = _quant.quantize(jnp.asarray(x), bits, block)
+  q, scale = _zeropp.quantize(jnp.asarray(x), bits, block)
   assert q.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
   assert q.shape[-1] == (block if bits == 8 else block // 2)
-  y = np.asarray(_quant.dequantize(q, scale, bits, x.size), np.float64)
+  y = np.asarray(_zeropp.dequantize(q, scale, bits, x.size), np.float64)
   absmax, qmax = _bound(x, bits, block)
   err = np.abs(y - x)
   assert np.all(np.isfinite(y))
@@ -51,8 +51,8 @@ def test_dequantization_error_is_within_absmax_over_qmax_per_block(bits, block):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_zero_and_repeated_blocks_dequantize_exactly(bits):
   x = jnp.concatenate([jnp.zeros(16), jnp.full((16,), -3.7), jnp.full((5,), 1e-30)])
-  q, scale = _quant.quantize(x, bits, 16)
-  y = _quant.dequantize(q, scale, bits, x.size)
+  q, scale = _zeropp.quantize(x, bits, 16)
+  y = _zeropp.dequantize(q, scale, bits, x.size)
   np.testing.assert_array_equal(np.asarray(y[:16]), 0.0)
   np.testing.assert_allclose(np.asarray(y[16:32]), -3.7, rtol=1e-7)
   np.testing.assert_allclose(np.asarray(y[32:]), 1e-30, rtol=1e-7)
@@ -66,14 +66,14 @@ def test_quantized_all_gather_equals_gather_within_bound(mesh, shape, dim):
   x = jax.random.normal(jax.random.key(1), full_shape) * 10.0
   spec = P(*([None] * dim + ["data"]))
   f = jax.jit(jax.shard_map(
-      lambda s: _quant.all_gather(s, "data", dim, 8, 6), mesh=mesh,
+      lambda s: _zeropp.all_gather(s, "data", dim, 8, 6), mesh=mesh,
       in_specs=spec, out_specs=P(), check_vma=False))
   y = np.asarray(f(jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))))
   # the bound per shard block: each device quantized its own shard
   shards = np.split(np.asarray(x), n, axis=dim)
   ys = np.split(y, n, axis=dim)
   for s, t in zip(shards, ys):
-    absmax, qmax = _bound(s, 8, _quant.block_for(s.size, 6))
+    absmax, qmax = _bound(s, 8, _zeropp.block_for(s.size, 6))
     assert np.all(np.abs(t - s).reshape(-1) <= absmax / qmax)
 
 
@@ -92,10 +92,12 @@ def _one_sgd_step(stage, zeropp, c_rows, leaves):
           for k, v in zerojax.gather_params(state).items()}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage,hpz", [(1, None), (2, None), (3, None), (3, 4), (3, 2)],
+                         ids=["stage1", "stage2", "stage3", "stage3-hpz4", "stage3-hpz2"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_reduce_scatter_spanning_magnitudes_zeros_and_equal_values(
-    stage, bits):
+    stage, hpz, bits):
+  """Flat (one all-to-all) and hierarchical (hpZ: in-node, then across)."""
   n = 8
   rng = np.random.default_rng(stage)
   # "span": 256 values, each 16-block 1e-30 .. 1e30 (8 chunks of 32 = 2
@@ -109,16 +111,19 @@ def test_quantized_reduce_scatter_spanning_magnitudes_zeros_and_equal_values(
       # would overflow; dequantized first it is exact
       "equal": np.full((n, 24), 3.7, np.float32),
   }
-  got = _one_sgd_step(stage, zerojax.ZeroPP(grad_bits=bits, block_size=16),
+  got = _one_sgd_step(stage, zerojax.ZeroPP(grad_bits=bits, block_size=16,
+                                            hpz_size=hpz),
                       rows, tuple(rows))
   exact = {k: v.astype(np.float64).mean(0) for k, v in rows.items()}
   np.testing.assert_array_equal(got["zeros"], 0.0)
   np.testing.assert_allclose(got["equal"], 3.7, rtol=1e-6)
   assert np.all(np.isfinite(got["span"]))
   # error of a mean of n dequantized values <= mean of their block bounds
+  # (half of it from rounding once; hierarchical rounds twice: in-node
+  # sums are requantized, and their absmax <= the sum of the k absmaxes)
   bound = np.mean([_bound(r, bits, 16)[0] for r in rows["span"]], axis=0)
   err = np.abs(got["span"] - exact["span"])
-  assert np.all(err <= bound / _quant.qmax(bits) * (1 + 1e-5))
+  assert np.all(err <= bound / _zeropp.qmax(bits) * (1 + 1e-5))
   # and it is a real quantization (not an exact reduce-scatter in disguise)
   assert np.any(err > 0)
 
@@ -198,6 +203,48 @@ def test_collectives_move_int8_weights_and_int4_gradients():
   assert q[("all-to-all", "f32")] < q[("all-to-all", "u8")] / 4
 
 
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("policy", [None, BF16], ids=["fp32", "bf16+master"])
+def test_hpz_alone_is_bitwise_equal_to_stage3(k, policy):
+  """The secondary copy holds the same values: same gathers, same sums."""
+  plain, ref, _ = _train(None, policy, steps=2)
+  hpz, got, _ = _train(zerojax.ZeroPP(hpz_size=k), policy, steps=2)
+  assert got == ref
+  for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(hpz)):
+    assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def _node_span(c, k):
+  """Nodes (runs of k data-axis devices) each replica group spans, max."""
+  return max(len({d // k for d in g}) for g in c.groups)
+
+
+def test_hpz_backward_gathers_stay_inside_the_node():
+  k = 4
+  state, _, step = _train(zerojax.ZeroPP(hpz_size=k, weight_bits=8), steps=1)
+  colls = zerojax.collectives(
+      step.lower(state, toy.batches(1)[0]).compile().as_text(), 8)
+  gathers = [c for c in colls if c.kind == "all-gather"]
+  inside = [c for c in gathers if _node_span(c, k) == 1]
+  across = [c for c in gathers if _node_span(c, k) > 1]
+  # every gather inside a layer loop (forward and backward) is in-node
+  assert inside and all(c.count == 1 or _node_span(c, k) == 1 for c in gathers)
+  assert sum(c.count for c in inside) > sum(c.count for c in across)
+  # across nodes: only the secondary build, once per step, in int8 (+ f32
+  # scales), each group one device per node
+  assert across and all(c.count == 1 for c in across)
+  assert all(len(g) == 8 // k for c in across for g in c.groups)
+  assert {c.dtype for c in across} == {"s8", "f32"}
+  across_s8 = sum(c.total_elements for c in across if c.dtype == "s8")
+  leaves = [x for x in jax.tree.leaves(state.params)
+            if x.ndim and jnp.issubdtype(x.dtype, jnp.floating)]
+  # one secondary shard per device: each sharded param's 1/k (+ blocks)
+  secondary = sum(x.size // k for x in leaves)
+  assert secondary <= across_s8 <= secondary + len(leaves) * 2 * 8
+  # the gradient reduce-scatter still spans all devices (one per leaf)
+  assert all(_node_span(c, k) == 8 // k for c in colls if c.kind == "reduce-scatter")
+
+
 def test_evaluation_gathers_exactly():
   state, _, _ = _train(zerojax.ZeroPP(8, 8, 4), steps=1)
   plain = zerojax.zero(optax.adamw(1e-2), stage=3)
@@ -212,6 +259,7 @@ def test_evaluation_gathers_exactly():
     (dict(weight_bits=4), "weight_bits=4"),
     (dict(grad_bits=2), "grad_bits=2"),
     (dict(block_size=7), "block_size=7"),
+    (dict(hpz_size=1), "hpz_size=1"),
 ])
 def test_bad_zeropp_settings_raise_with_the_fix(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -225,6 +273,13 @@ def test_zeropp_where_it_does_not_apply_raises(mesh):
     zerojax.zero(optax.adamw(1e-3), stage=0, zeropp=zerojax.ZeroPP(grad_bits=8))
   with pytest.raises(TypeError, match="zerojax.ZeroPP"):
     zerojax.zero(optax.adamw(1e-3), stage=2, zeropp={"grad_bits": 8})
+  with pytest.raises(ValueError, match="hpz_size=3"):
+    zerojax.zero(optax.adamw(1e-3), stage=3, zeropp=zerojax.ZeroPP(hpz_size=3))
+  with pytest.raises(ValueError, match="stage=3"):
+    zerojax.zero(optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(hpz_size=4))
+  with pytest.raises(ValueError, match="replica"):
+    zerojax.zero(optax.adamw(1e-3), stage=3, mesh=zerojax.make_mesh("replica=2,data=4"),
+                 zeropp=zerojax.ZeroPP(hpz_size=2))
   with pytest.raises(ValueError, match="model"):
     zerojax.zero(optax.adamw(1e-3), stage=3, mesh=zerojax.make_mesh("data=4,model=2"),
                  zeropp=zerojax.ZeroPP(grad_bits=8))

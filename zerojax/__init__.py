@@ -22,7 +22,7 @@ from zerojax._layout import LeafLayout as LeafLayout
 from zerojax._model_axes import ModelSpecError as ModelSpecError
 from zerojax._mesh import make_mesh as make_mesh
 from zerojax._policy import Policy as Policy
-from zerojax._quant import ZeroPP as ZeroPP
+from zerojax._zeropp import ZeroPP as ZeroPP
 from zerojax._report import Report as Report
 from zerojax._report import report as report
 from zerojax._grad import LossOutputError as LossOutputError

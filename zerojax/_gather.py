@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import _quant
+from zerojax import _zeropp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,8 @@ class GatherSpec:
   weight_bits: int | None = None   # qwZ: quantized stage-3 all-gather
   grad_bits: int | None = None     # qgZ: quantized reduce-scatter
   block_size: int = 256            # elements per quantization block
+  hpz: int = 0                     # hpZ: ``src`` is the secondary shard
+                                   # (1/hpz of the leaf), gathered in-node
 
 
 def _entries(model, ndim):
@@ -206,8 +208,11 @@ def _full_value(spec: GatherSpec, src):
   _check_rank(spec, src)
   if spec.stage == 3:
     dim = src.ndim + spec.dim
-    if spec.weight_bits:
-      gather_fn = lambda s: _quant.all_gather(
+    if spec.hpz:
+      gather_fn = lambda s: _zeropp.gather_in_node(s, spec.axis_name, dim,
+                                                   spec.hpz)
+    elif spec.weight_bits:
+      gather_fn = lambda s: _zeropp.all_gather(
           s, spec.axis_name, dim, spec.weight_bits, spec.block_size)
     else:
       gather_fn = lambda s: jax.lax.all_gather(
@@ -253,8 +258,9 @@ def reduce_scatter(x, axis_name, dim: int, spec: GatherSpec):
   """The gradient reduce-scatter: in ``spec.reduce_dtype``, or with qgZ as
   an all-to-all of quantized blocks summed in fp32 (then cast)."""
   if spec.grad_bits:
-    return _quant.reduce_scatter(x, axis_name, dim, spec.grad_bits,
-                                 spec.block_size).astype(spec.reduce_dtype)
+    return _zeropp.reduce_scatter(x, axis_name, dim, spec.grad_bits,
+                                  spec.block_size, spec.hpz
+                                  ).astype(spec.reduce_dtype)
   return jax.lax.psum_scatter(x.astype(spec.reduce_dtype), axis_name,
                               scatter_dimension=dim, tiled=True)
 

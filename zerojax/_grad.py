@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax import _audit, _gather
+from zerojax import _audit, _gather, _zeropp
 from zerojax._state import StateSpec, ZeroState, make_spec, model_axes_of
 
 GATHER_MODES = ("auto", "model", "all")
@@ -143,7 +143,8 @@ def _gather_spec(spec: StateSpec, i: int,
       padded=r.shard.padded, model=r.shard.model,
       weight_bits=zeropp.weight_bits if quantized else None,
       grad_bits=zeropp.grad_bits if quantized else None,
-      block_size=zeropp.block_size)
+      block_size=zeropp.block_size,
+      hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:
@@ -240,6 +241,13 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
   replica = tuple(a for a in axes if a != axis)
   hooked = hooked_leaves(spec)
   gspecs = [_gather_spec(spec, i) if h else None for i, h in enumerate(hooked)]
+  if stage == 3 and tx.zeropp.hpz_size:
+    # hpZ: each sharded param's secondary shard, gathered across nodes once
+    # per step (outside the loss, its remat and the micro-batch loop)
+    zpp = tx.zeropp
+    leaves = [_zeropp.secondary(x, axis, r.shard.dim, zpp.hpz_size,
+                                zpp.weight_bits, zpp.block_size)
+              if h else x for x, h, r in zip(leaves, hooked, spec.leaves)]
   if key is not None:
     key = jax.random.fold_in(key, jax.lax.axis_index(axes))
 

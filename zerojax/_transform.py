@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from zerojax import _layout
 from zerojax._mesh import DEFAULT_AXIS, data_axis_size, make_mesh
 from zerojax._policy import Policy
-from zerojax._quant import ZeroPP
+from zerojax._zeropp import ZeroPP
 
 STAGES = (0, 1, 2, 3)
 
@@ -320,6 +320,20 @@ def zero(
   _check_zeropp(zeropp, stage)
   model_axes = {a: int(n) for a, n in mesh.shape.items()
                 if a not in (axis_name, replica_axis) and n > 1}
+  n = data_axis_size(mesh, axis_name)
+  k = zeropp.hpz_size
+  if k is not None and (n % k or k >= n):
+    raise ValueError(
+        f"zerojax.zero: ZeroPP(hpz_size={k}) must divide the data axis "
+        f"({axis_name!r} has {n} devices) and be smaller than it: the "
+        f"devices of one node, e.g. hpz_size={n // 2} for 2 nodes.")
+  if k is not None and replica_axis is not None:
+    raise ValueError(
+        f"zerojax.zero: ZeroPP(hpz_size={k}) with a replica axis "
+        f"({replica_axis!r}): under hybrid sharding the state is already "
+        f"replicated across nodes and every gather stays inside one. Use a "
+        f"1-D data mesh for hpZ (nodes are runs of {k} devices along it), "
+        f"or drop hpz_size.")
   if zeropp.active and model_axes:
     raise ValueError(
         f"zerojax.zero: ZeroPP's quantized collectives are not supported on "
@@ -343,6 +357,11 @@ def _check_zeropp(zeropp, stage: int):
         f"stage 3's weight all-gathers, but stage={stage} keeps the params "
         f"replicated (no weight all-gather in the model). Use stage=3, or "
         f"weight_bits=None.")
+  if zeropp.hpz_size is not None and stage != 3:
+    raise ValueError(
+        f"zerojax.zero: ZeroPP(hpz_size={zeropp.hpz_size}) keeps a secondary "
+        f"copy of stage 3's sharded params inside each node; stage={stage} "
+        f"keeps the params replicated. Use stage=3, or hpz_size=None.")
   if zeropp.grad_bits is not None and stage == 0:
     raise ValueError(
         f"zerojax.zero: ZeroPP(grad_bits={zeropp.grad_bits}) quantizes the "

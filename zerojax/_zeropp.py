@@ -1,4 +1,4 @@
-"""ZeRO++'s quantized collectives: :class:`ZeroPP`, qwZ and qgZ.
+"""ZeRO++: :class:`ZeroPP`, quantized collectives (qwZ, qgZ) and hpZ.
 
 Wang et al., ZeRO++: Extremely Efficient Collective Communication for Giant
 Model Training (arXiv 2306.10209). Stage 3 moves 3Ψ per step; ZeRO++ cuts
@@ -31,6 +31,21 @@ needs to divide anything, padding is never asserted on.
 
 The padded tail of the last block and the zero padding of an uneven shard
 are sliced off after dequantization, so they never reach the model.
+
+**hpZ** (``hpz_size=k``, the devices of one node): besides its primary
+shard (1/N of each stage-3 parameter, what the optimizer updates), every
+device holds, for the length of a step, a *secondary* shard: 1/k of each
+parameter, replicated across the N/k nodes. It is built once per step,
+before the loss, by one all-gather of the primary shards across nodes (the
+devices with the same index in every node: groups ``{l, l+k, ...}``); every
+per-layer gather after that, forward and rematerialised backward, runs
+inside a node (groups ``{0..k-1}, {k..2k-1}, ...``). With that grouping the
+secondary shard of device ``l`` holds primary chunks ``l, l+k, l+2k, ...``;
+a node's gather returns them in the order (local index, node), and a local
+transpose restores the weight's order. The gradient still reduce-scatters
+over all N devices into the primary layout. Nodes are consecutive runs of
+k devices along the data axis (``zerojax.make_mesh`` puts each process's
+devices together, so with one process per node, node = process).
 """
 
 from __future__ import annotations
@@ -59,6 +74,12 @@ class ZeroPP:
       ``policy.reduce_dtype``.
     block_size: elements per quantization block (one fp32 scale each, so
       scales add ``4 / block_size`` bytes per element). Even, at least 2.
+    hpz_size: hpZ's secondary partition size: the devices of one node
+      (DeepSpeed's ``zero_hpz_partition_size``). Stage 3 only; it must
+      divide the data axis and be smaller than it. Costs a secondary copy
+      of the params, ``Ψ / hpz_size`` elements in the compute dtype per
+      device during the step, and keeps the backward all-gathers inside a
+      node. ``None``: off.
 
   Quantized collectives are lossy: results are no longer equal to
   unsharded Optax, but within the per-block bounds above (tested). Leaves
@@ -76,6 +97,7 @@ class ZeroPP:
   weight_bits: int | None = None
   grad_bits: int | None = None
   block_size: int = 256
+  hpz_size: int | None = None
 
   def __post_init__(self):
     if self.weight_bits not in WEIGHT_BITS:
@@ -90,9 +112,25 @@ class ZeroPP:
                        f"an even int >= 2 (int4 packs two values a byte); "
                        f"256 is the default.")
 
+    if self.hpz_size is not None and (type(self.hpz_size) is not int
+                                      or self.hpz_size < 2):
+      raise ValueError(f"zerojax.ZeroPP: hpz_size={self.hpz_size!r} must be "
+                       f"an int >= 2 (devices per node) or None.")
+
   @property
   def active(self) -> bool:
-    return self.weight_bits is not None or self.grad_bits is not None
+    return (self.weight_bits is not None or self.grad_bits is not None
+            or self.hpz_size is not None)
+
+
+def node_groups(n: int, k: int) -> list[list[int]]:
+  """Data-axis indices of each node: ``[[0..k-1], [k..2k-1], ...]``."""
+  return [list(range(g * k, (g + 1) * k)) for g in range(n // k)]
+
+
+def cross_groups(n: int, k: int) -> list[list[int]]:
+  """The same local index in every node: ``[[l, l+k, ...] for l < k]``."""
+  return [list(range(l, n, k)) for l in range(k)]
 
 
 def qmax(bits: int) -> int:
@@ -147,14 +185,16 @@ def dequantize(q, scale, bits: int, m: int):
   return x[..., :m]
 
 
-def all_gather(x, axis_name, dim: int, bits: int, block: int):
+def all_gather(x, axis_name, dim: int, bits: int, block: int, groups=None):
   """qwZ: ``all_gather(x, axis_name, axis=dim, tiled=True)`` moving
-  ``bits``-bit blocks and fp32 scales; returns ``x.dtype``."""
-  n = jax.lax.axis_size(axis_name)
+  ``bits``-bit blocks and fp32 scales; returns ``x.dtype``. ``groups``:
+  ``axis_index_groups`` (hpZ)."""
+  n = len(groups[0]) if groups else jax.lax.axis_size(axis_name)
   m = x.size
   q, scale = quantize(x.reshape(-1), bits, block_for(m, block))
-  q = jax.lax.all_gather(q, axis_name, axis=0, tiled=False, to="varying")
-  scale = jax.lax.all_gather(scale, axis_name, axis=0, tiled=False, to="varying")
+  gather = lambda v: jax.lax.all_gather(v, axis_name, axis=0, tiled=False,
+                                        axis_index_groups=groups, to="varying")
+  q, scale = gather(q), gather(scale)
   shards = dequantize(q, scale, bits, m).reshape((n,) + x.shape)
   full = jnp.moveaxis(shards, 0, dim)          # (..., n, x.shape[dim], ...)
   shape = list(x.shape)
@@ -162,20 +202,69 @@ def all_gather(x, axis_name, dim: int, bits: int, block: int):
   return full.reshape(shape).astype(x.dtype)
 
 
-def reduce_scatter(x, axis_name, dim: int, bits: int, block: int):
+def _exchange_sum(x, axis_name, groups, bits: int, block: int):
+  """Row ``j`` of ``x`` ``(p, m)`` goes to member ``j`` of this device's
+  group, quantized; the ``p`` rows received are dequantized to fp32 and
+  summed: ``(m,)``."""
+  m = x.shape[-1]
+  q, scale = quantize(x, bits, block_for(m, block))
+  q = jax.lax.all_to_all(q, axis_name, 0, 0, axis_index_groups=groups)
+  scale = jax.lax.all_to_all(scale, axis_name, 0, 0, axis_index_groups=groups)
+  return dequantize(q, scale, bits, m).sum(axis=0)
+
+
+def reduce_scatter(x, axis_name, dim: int, bits: int, block: int,
+                   hpz: int = 0):
   """qgZ: ``psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)``
-  as an all-to-all of quantized chunks, summed in fp32 after
+  as all-to-alls of quantized chunks, summed in fp32 after
   dequantization. ``x.shape[dim]`` must divide by the axis size (callers
-  pad). Returns fp32."""
+  pad). Returns fp32.
+
+  ``hpz = k`` (nodes of k devices): hierarchical, as ZeRO++'s qgZ. First
+  inside the node: each device sends its in-node peer ``l`` the chunks of
+  the devices with local index ``l`` in every node, and sums the k it
+  receives; then across nodes: each device sends node ``g``'s member the
+  node sum for it, requantized. Only ``1/k`` of the gradient crosses
+  nodes; each element is rounded twice (the bound doubles)."""
   n = jax.lax.axis_size(axis_name)
   shape = list(x.shape)
   shape[dim : dim + 1] = [n, shape[dim] // n]
   chunks = jnp.moveaxis(x.reshape(shape), dim, 0)   # (n, ..., shard ...)
   shard_shape = chunks.shape[1:]
   m = int(np.prod(shard_shape))
-  q, scale = quantize(chunks.reshape(n, m), bits, block_for(m, block))
-  # chunk j goes to device j; from every device, its chunk for this one
-  q = jax.lax.all_to_all(q, axis_name, 0, 0)
-  scale = jax.lax.all_to_all(scale, axis_name, 0, 0)
-  parts = dequantize(q, scale, bits, m)              # (n, m) fp32
-  return parts.sum(axis=0).reshape(shard_shape)
+  chunks = chunks.reshape(n, m)
+  if not hpz:
+    # chunk j goes to device j; from every device, its chunk for this one
+    return _exchange_sum(chunks, axis_name, None, bits, block).reshape(shard_shape)
+  k = hpz
+  # chunk d = g*k + l: to in-node peer l go the chunks [g*k + l for g]
+  by_peer = jnp.swapaxes(chunks.reshape(n // k, k, m), 0, 1)   # (k, n/k, m)
+  node_sum = _exchange_sum(by_peer.reshape(k, -1), axis_name,
+                           node_groups(n, k), bits, block)
+  out = _exchange_sum(node_sum.reshape(n // k, m), axis_name,
+                      cross_groups(n, k), bits, block)
+  return out.reshape(shard_shape)
+
+
+def secondary(x, axis_name, dim: int, k: int, bits: int | None, block: int):
+  """hpZ: the secondary shard of primary shard ``x``, gathered across nodes
+  (quantized when ``bits``): primary chunks ``l, l+k, ...`` along ``dim``."""
+  n = jax.lax.axis_size(axis_name)
+  groups = cross_groups(n, k)
+  if bits:
+    return all_gather(x, axis_name, dim, bits, block, groups)
+  return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True,
+                            axis_index_groups=groups, to="varying")
+
+
+def gather_in_node(x, axis_name, dim: int, k: int):
+  """hpZ: the full (padded) weight from secondary shards, gathered inside
+  the node, reordered from (local index, node) to the primary order."""
+  n = jax.lax.axis_size(axis_name)
+  full = jax.lax.all_gather(x, axis_name, axis=dim, tiled=True,
+                            axis_index_groups=node_groups(n, k), to="varying")
+  shape = list(full.shape)
+  c = shape[dim] // n                          # one primary chunk
+  split = shape[:dim] + [k, n // k, c] + shape[dim + 1:]
+  full = jnp.swapaxes(full.reshape(split), dim, dim + 1)
+  return full.reshape(shape)
