@@ -211,6 +211,63 @@ def comm_time(p: StagePlan, slices: int = 1, hardware: str = "tpu-v5p",
   return out
 
 
+ZEROPP_ROWS = (
+    ("stage 3", {}),
+    ("qwZ", dict(weight_bits=8)),
+    ("qgZ int8", dict(grad_bits=8)),
+    ("qgZ int4", dict(grad_bits=4)),
+    ("hpZ", dict(hpz=True)),
+    ("qwZ + hpZ + qgZ int8", dict(weight_bits=8, grad_bits=8, hpz=True)),
+    ("qwZ + hpZ + qgZ int4", dict(weight_bits=8, grad_bits=4, hpz=True)),
+)
+
+
+def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
+                weight_bits=None, grad_bits=None, hpz=False, block=256,
+                param_bytes=2, fast=1.8e11, slow=6e9) -> dict:
+  """Stage 3's bytes per chip and step over fast and slow links, with
+  ZeRO++ settings (``zerojax.ZeroPP``) on a data axis of ``n_devices``
+  spanning ``slices`` nodes of ``k = n_devices / slices`` chips.
+
+  Per collective (Ψ elements, ``w`` bytes per gathered element: the param
+  dtype, or 1 + 4/block with qwZ; ``g``: the reduce dtype, or 1 or 0.5 +
+  4/block with qgZ), hierarchical like :func:`comm_time`:
+
+  * weight all-gathers, forward and backward: ``2 x`` a gather of Ψw over
+    all chips; with hpZ instead one gather of Ψw/k across nodes (the
+    secondary) and ``2 x`` in-node gathers of Ψ·param_bytes;
+  * gradients: reduce-scatter of Ψg; qgZ without hpZ a flat all-to-all,
+    whose cross-node share ``(n-k)/n`` cannot be reduced in the node first;
+    with hpZ the hierarchical all-to-all: Ψg inside the node, Ψg/k across.
+
+  Padding to blocks and devices is left out (below 1% at these sizes)."""
+  n, s = n_devices, slices
+  k = n // s
+  w = 1 + 4 / block if weight_bits else param_bytes
+  g = (grad_bits / 8 + 4 / block) if grad_bits else param_bytes
+  f = sl = 0.0
+
+  def hier(buffer, times=1):        # gather / reduce-scatter over all n
+    nonlocal f, sl
+    f += times * (k - 1) / k * buffer
+    sl += times * ((s - 1) / s * buffer / k if s > 1 else 0.0)
+  if hpz and s > 1:
+    sl += (s - 1) / s * n_params * w / k          # the secondary, once
+    f += 2 * (k - 1) / k * n_params * param_bytes  # in-node gathers
+  else:
+    hier(n_params * w, 2)
+  if grad_bits and hpz and s > 1:
+    f += (k - 1) / k * n_params * g
+    sl += (s - 1) / s * n_params * g / k
+  elif grad_bits:                                  # flat all-to-all
+    f += (k - 1) / n * n_params * g
+    sl += (n - k) / n * n_params * g
+  else:
+    hier(n_params * param_bytes)
+  return {"fast_bytes": f, "slow_bytes": sl,
+          "seconds": f / fast + sl / slow}
+
+
 def abstract_gpt(config: gpt.GPTConfig):
   return jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
 
@@ -326,6 +383,10 @@ def main(argv=None):
                  help="master copy and optimizer state in host memory "
                       "(zero(..., offload=True)): device and host GB apart; "
                       "--memory-gb then bounds device memory")
+  p.add_argument("--zeropp", action="store_true",
+                 help="also stage 3's communication per step with ZeRO++ "
+                      "(qwZ, qgZ, hpZ with nodes = --slices) on a 1-D data "
+                      "mesh of --devices")
   p.add_argument("--json", action="store_true", help="print JSON instead")
   args = p.parse_args(argv)
   if (args.params is None) == (args.width is None):
@@ -396,6 +457,23 @@ def main(argv=None):
           f"{hw['slow_name']} {slow:.3g} B/s per chip ({args.collectives} "
           f"collectives, no overlap; TP activations not counted)")
     print(_comm_table(plans, hw))
+  if args.zeropp:
+    if len(mesh) > 1 or slices < 2:
+      p.error("--zeropp: give --devices N and --slices S >= 2 (nodes)")
+    print(f"\nstage 3 with ZeRO++ (zerojax.ZeroPP, block 256), {args.devices} "
+          f"chips as {slices} nodes of {args.devices // slices}; "
+          f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
+          f"{hw['slow_name']} {slow:.3g} B/s per chip; GB per chip and step")
+    print(f"| setting | {hw['fast_name']} GB | {hw['slow_name']} GB | "
+          f"{hw['slow_name']} vs stage 3 | comm seconds/step |")
+    print("|---|---|---|---|---|")
+    base = None
+    for name, kw in ZEROPP_ROWS:
+      e = zeropp_comm(plans[3].n_params, args.devices, slices, fast=fast,
+                      slow=slow, **kw)
+      base = base or e["slow_bytes"]
+      print(f"| {name} | {e['fast_bytes'] / GB:.3f} | {e['slow_bytes'] / GB:.3f} "
+            f"| {e['slow_bytes'] / base:.3f} | {e['seconds']:.3f} |")
   if fitting:
     print(f"\nlargest GPT whose model state fits {args.memory_gb:g} GB per device:")
     for s, n in fitting.items():
