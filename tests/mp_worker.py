@@ -6,6 +6,7 @@
     python -m tests.mp_worker die     STAGE            # process 1 dies at step 2
     python -m tests.mp_worker init    COORD N ID TIMEOUT
     python -m tests.mp_worker hsdp    STAGE OUT JSON   # replica=2 across processes
+    python -m tests.mp_worker zeropp  3 OUT JSON       # ZeRO++, node = process
 """
 
 import os
@@ -14,6 +15,9 @@ import time
 
 import zerojax
 from zerojax import distributed
+
+# qwZ + hpZ (a node = one process's 4 devices) + hierarchical qgZ int4
+ZEROPP = zerojax.ZeroPP(weight_bits=8, grad_bits=4, block_size=4, hpz_size=4)
 
 
 def main(mode, *rest):
@@ -31,7 +35,8 @@ def main(mode, *rest):
   stage = int(rest[0])
   params = toy.init_params(jax.random.key(0))
   mesh = zerojax.make_mesh("replica=2,data=4") if mode == "hsdp" else None
-  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh)
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh,
+                    zeropp=ZEROPP if mode == "zeropp" else None)
   step = zerojax.train_step(toy.loss_fn, tx)
   rows = distributed.local_rows(zerojax.batch_sharding(tx), 32)
   batches = [zerojax.shard_batch({k: v[rows] for k, v in b.items()}, tx, 32)
@@ -42,7 +47,27 @@ def main(mode, *rest):
     if distributed.is_main():
       np.savez(out, *[np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(full)])
 
-  if mode == "hsdp":
+  if mode == "zeropp":
+    import json
+    state = zerojax.init(params, tx)
+    table = {}
+    for name, t in (("zeropp", tx), ("plain", zerojax.zero(optax.adamw(1e-2),
+                                                           stage=3))):
+      s0 = zerojax.init(params, t)
+      hlo = zerojax.train_step(toy.loss_fn, t).lower(s0, batches[0]).compile().as_text()
+      table[name] = [
+          {"kind": c.kind, "dtype": c.dtype, "count": c.count,
+           "groups": [list(g) for g in c.groups], "bytes": c.total_bytes}
+          for c in zerojax.collectives(hlo, 8)
+          if zerojax.crosses_processes(c, t.mesh)]
+    table["process_of"] = [d.process_index for d in tx.mesh.devices.reshape(-1)]
+    for b in batches:
+      state, _ = step(state, b)
+    save_params(state, rest[1])
+    if distributed.is_main():
+      with open(rest[2], "w") as f:
+        json.dump(table, f)
+  elif mode == "hsdp":
     import json
     state = zerojax.init(params, tx)
     # which collectives cross processes, for this mesh and the 1-D one

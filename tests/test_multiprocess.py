@@ -216,3 +216,38 @@ def test_single_process_sigterm_is_a_preemption_point():
   assert distributed.preemption_point(1) is False     # installs the handler
   os.kill(os.getpid(), signal.SIGTERM)
   assert distributed.preemption_point(2) is True
+
+
+def test_zeropp_across_two_processes_moves_only_the_secondary_and_node_sums(
+    tmp_path):
+  """ZeRO++ with node = process: the same params as one process with the
+  same settings; across processes only the once-per-step secondary build
+  (int8 + scales) and the hierarchical qgZ's second all-to-all (int4)."""
+  import json
+  from tests import mp_worker
+  out, table = tmp_path / "p.npz", tmp_path / "t.json"
+  assert _launch(tmp_path, "zeropp", 3, out, table) == 0
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, zeropp=mp_worker.ZEROPP)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  for b in toy.batches(5, seed=11):
+    state, _ = step(state, b)
+  want = [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
+  for a, b in zip(_load(out), want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  t = json.loads(table.read_text())
+  proc = t["process_of"]
+  assert proc == [0] * 4 + [1] * 4
+  crossing = t["zeropp"]
+  kinds = {(c["kind"], c["dtype"]) for c in crossing}
+  assert kinds <= {("all-gather", "s8"), ("all-gather", "f32"),
+                   ("all-to-all", "u8"), ("all-to-all", "f32"),
+                   ("all-reduce", "f32")}          # + the loss / aux scalars
+  for c in crossing:
+    if c["kind"] != "all-reduce":
+      # one device per process in every group: the cross-node groups
+      assert all(sorted(proc[d] for d in g) == [0, 1] for g in c["groups"])
+    if c["kind"] == "all-gather":
+      assert c["count"] == 1                      # once per step, not per layer
+  plain = sum(c["bytes"] for c in t["plain"])
+  assert sum(c["bytes"] for c in crossing) < plain / 4
