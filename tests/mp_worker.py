@@ -47,48 +47,32 @@ def main(mode, *rest):
     if distributed.is_main():
       np.savez(out, *[np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(full)])
 
-  if mode == "zeropp":
+  def crossing(t):
+    """The collectives of ``t``'s train step that span both processes."""
+    hlo = zerojax.train_step(toy.loss_fn, t).lower(
+        zerojax.init(params, t), batches[0]).compile().as_text()
+    return [{"kind": c.kind, "dtype": c.dtype, "count": c.count,
+             "axes": list(zerojax.collective_axes(c, t.mesh)),
+             "groups": [list(g) for g in c.groups],
+             "elements": c.total_elements, "bytes": c.total_bytes}
+            for c in zerojax.collectives(hlo, 8)
+            if zerojax.crosses_processes(c, t.mesh)]
+
+  if mode in ("zeropp", "hsdp"):
     import json
     state = zerojax.init(params, tx)
-    table = {}
-    for name, t in (("zeropp", tx), ("plain", zerojax.zero(optax.adamw(1e-2),
-                                                           stage=3))):
-      s0 = zerojax.init(params, t)
-      hlo = zerojax.train_step(toy.loss_fn, t).lower(s0, batches[0]).compile().as_text()
-      table[name] = [
-          {"kind": c.kind, "dtype": c.dtype, "count": c.count,
-           "groups": [list(g) for g in c.groups], "bytes": c.total_bytes}
-          for c in zerojax.collectives(hlo, 8)
-          if zerojax.crosses_processes(c, t.mesh)]
-    table["process_of"] = [d.process_index for d in tx.mesh.devices.reshape(-1)]
-    for b in batches:
-      state, _ = step(state, b)
-    save_params(state, rest[1])
-    if distributed.is_main():
-      with open(rest[2], "w") as f:
-        json.dump(table, f)
-  elif mode == "hsdp":
-    import json
-    state = zerojax.init(params, tx)
-    # which collectives cross processes, for this mesh and the 1-D one
-    table = {}
-    for name, t in (("hsdp", tx), ("flat", zerojax.zero(optax.adamw(1e-2),
-                                                        stage=stage))):
-      s0 = zerojax.init(params, t)
-      st = zerojax.train_step(toy.loss_fn, t)
-      hlo = st.lower(s0, batches[0]).compile().as_text()
-      table[name] = [
-          {"kind": c.kind, "axes": list(zerojax.collective_axes(c, t.mesh)),
-           "elements": c.total_elements, "bytes": c.total_bytes}
-          for c in zerojax.collectives(hlo, 8)
-          if zerojax.crosses_processes(c, t.mesh)]
-    spec = state.spec
-    table["shard_elements"] = sum(
-        int(np.prod(r.shard.storage_shape)) // tx.num_shards
-        for r in spec.leaves if r.trainable and r.shard.sharded)
-    table["replica_is_process"] = all(
-        d.process_index == r for r in range(2)
-        for d in tx.mesh.devices[r].reshape(-1))
+    # which collectives cross processes, for this setting and the plain
+    # 1-D mesh at the same stage
+    table = {mode: crossing(tx),
+             "plain": crossing(zerojax.zero(optax.adamw(1e-2), stage=stage)),
+             "process_of": [d.process_index for d in tx.mesh.devices.reshape(-1)]}
+    if mode == "hsdp":
+      table["shard_elements"] = sum(
+          int(np.prod(r.shard.storage_shape)) // tx.num_shards
+          for r in state.spec.leaves if r.trainable and r.shard.sharded)
+      table["replica_is_process"] = all(
+          d.process_index == r for r in range(2)
+          for d in tx.mesh.devices[r].reshape(-1))
     for b in batches:
       state, _ = step(state, b)
     save_params(state, rest[1])

@@ -341,7 +341,10 @@ def test_gpt_parity_on_pod_meshes(gpt_setup, mesh_axes, stage):
   rest = lambda t: [x for p, x in jax.tree_util.tree_flatten_with_path(t)[0]
                     if "qkv_bias" not in jax.tree_util.keystr(p)] + [qv_bias(t)]
   err = toy.rel_err(rest(got), rest(want))
-  assert err < 2e-6, f"stage {stage} on {mesh_axes}: {err:.2e}"
+  # Measured 1.2-1.4e-6 on one machine of this kind and 2.0-2.3e-6 on
+  # another (the same code: XLA CPU's kernels differ by CPU); a layout or
+  # reduction error is orders of magnitude larger.
+  assert err < 5e-6, f"stage {stage} on {mesh_axes}: {err:.2e}"
 
 
 def test_main_job_runs_tensor_parallel_in_bf16(tmp_path):

@@ -136,10 +136,10 @@ def test_hsdp_across_processes_equals_one_and_only_all_reduces_cross(tmp_path):
   assert {c["kind"] for c in big} == {"all-reduce"}
   assert all(c["axes"] == ["replica"] for c in big)
   assert sum(c["elements"] for c in big) == table["shard_elements"]
-  flat = [c for c in table["flat"] if c["elements"] > 16]
+  flat = [c for c in table["plain"] if c["elements"] > 16]
   assert {c["kind"] for c in flat} == {"all-gather", "reduce-scatter"}
   hsdp_bytes = sum(c["bytes"] for c in table["hsdp"])
-  flat_bytes = sum(c["bytes"] for c in table["flat"])
+  flat_bytes = sum(c["bytes"] for c in table["plain"])
   print(f"cross-process bytes per step: HSDP {hsdp_bytes:,}, 1-D {flat_bytes:,}")
   assert hsdp_bytes * 4 < flat_bytes
 
