@@ -294,3 +294,28 @@ def test_state_and_step_with_different_zeropp_say_so():
   step = zerojax.train_step(toy.loss_fn, tx.replace(zeropp=zerojax.ZeroPP(8)))
   with pytest.raises(ValueError, match="zeropp"):
     step(state, toy.batches(1)[0])
+
+
+def test_six_devices_in_nodes_of_three_any_leaf_shape():
+  """A device count that is not a power of two (ZeRO++ users hit "must be
+  a multiple of 8" on 24 GPUs): 6 devices, nodes of 3, the toy model's
+  uneven leaves, the default block size; close to plain stage 3 on the
+  same 6 devices, and hpZ alone exactly equal."""
+  mesh = zerojax.make_mesh(devices=jax.devices()[:6])
+
+  def run(zeropp):
+    tx = zerojax.zero(optax.adamw(1e-2), stage=3, mesh=mesh, zeropp=zeropp)
+    state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+    step = zerojax.train_step(toy.loss_fn, tx)
+    losses = []
+    for b in toy.batches(2, size=30):
+      state, m = step(state, b)
+      losses.append(float(m["loss"]))
+    return losses, [np.asarray(x) for x in jax.tree.leaves(state.params)]
+  ref, ref_p = run(None)
+  got, _ = run(zerojax.ZeroPP(weight_bits=8, grad_bits=4, hpz_size=3))
+  assert all(np.isfinite(got)) and got != ref
+  np.testing.assert_allclose(got, ref, rtol=3e-3)
+  same, same_p = run(zerojax.ZeroPP(hpz_size=3))
+  assert same == ref
+  assert all(np.array_equal(a, b) for a, b in zip(same_p, ref_p))
