@@ -74,6 +74,9 @@ class TrainConfig:
                            "int8 / int4 blocks (all-to-all, summed in fp32); "
                            "0: off")
   quant_block: int = _opt(256, "elements per quantization block (ZeRO++)")
+  hpz_size: int = _opt(0, "ZeRO++ hpZ: devices per node; a secondary copy "
+                          "of the params is sharded inside each node so the "
+                          "per-layer all-gathers stay there (stage 3); 0: off")
   resume: bool = _opt(False, "continue from the latest checkpoint in "
                              "--checkpoint-dir (any stage or device count "
                              "can restore it)")
@@ -131,6 +134,19 @@ def parse_args(argv=None) -> TrainConfig:
         f"(e.g. {-(-config.batch // m) * m})")
   if not 0.0 <= config.dropout < 1.0:
     problems.append(f"--dropout={config.dropout} must be in [0, 1)")
+  if config.quant_block < 2 or config.quant_block % 2:
+    problems.append(f"--quant-block={config.quant_block} must be even and >= 2")
+  data = splits // (axes.get("replica", 1) if config.mesh else 1)
+  if config.hpz_size and (config.hpz_size < 2 or data % config.hpz_size
+                          or config.hpz_size >= data or config.stage != 3):
+    problems.append(f"--hpz-size={config.hpz_size} must divide the {data} data "
+                    f"devices, be >= 2 and smaller than them, at --stage 3 "
+                    f"(e.g. --hpz-size {max(2, data // 2)} for 2 nodes)")
+  if config.weight_bits and config.stage != 3:
+    problems.append(f"--weight-bits={config.weight_bits} quantizes stage 3's "
+                    f"weight all-gathers; use --stage 3")
+  if config.grad_bits and config.stage == 0:
+    problems.append(f"--grad-bits={config.grad_bits} needs --stage >= 1")
   if config.resume and not config.checkpoint_dir:
     problems.append("--resume needs --checkpoint-dir")
   if problems:
@@ -201,7 +217,8 @@ def main(config: TrainConfig) -> dict:
                     offload=config.offload,
                     zeropp=zerojax.ZeroPP(weight_bits=config.weight_bits or None,
                                           grad_bits=config.grad_bits or None,
-                                          block_size=config.quant_block))
+                                          block_size=config.quant_block,
+                                          hpz_size=config.hpz_size or None))
   init_params = lambda key: gpt.init(model, key)
   key = jax.random.key(config.seed)
   ckpt = start = None
