@@ -254,10 +254,11 @@ def zero(
       (bitwise). Device memory then holds params, gradients and the
       update's working set; the host holds ``(4 + K) Ψ / N`` bytes (fp32
       master plus K bytes of optimizer state per parameter).
-    zeropp: ZeRO++'s quantized collectives, a :class:`zerojax.ZeroPP`:
-      int8 weight all-gathers at stage 3 (qwZ), int8 or int4 gradient
-      reduce-scatters at stages 1-3 (qgZ). Lossy, within stated per-block
-      bounds; off by default. They run in :func:`zerojax.train_step` and
+    zeropp: ZeRO++, a :class:`zerojax.ZeroPP`: int8 weight all-gathers at
+      stage 3 (qwZ), int8 or int4 gradient reduce-scatters at stages 1-3
+      (qgZ), a secondary partition inside nodes at stage 3 (hpZ). The
+      quantized ones are lossy, within stated per-block bounds; off by
+      default. They run in :func:`zerojax.train_step` and
       :func:`zerojax.value_and_grad` (evaluation gathers exactly).
 
   Returns:
@@ -317,36 +318,15 @@ def zero(
   if offload:
     _check_host_memory(mesh)
   zeropp = ZeroPP() if zeropp is None else zeropp
-  _check_zeropp(zeropp, stage)
-  model_axes = {a: int(n) for a, n in mesh.shape.items()
-                if a not in (axis_name, replica_axis) and n > 1}
-  n = data_axis_size(mesh, axis_name)
-  k = zeropp.hpz_size
-  if k is not None and (n % k or k >= n):
-    raise ValueError(
-        f"zerojax.zero: ZeroPP(hpz_size={k}) must divide the data axis "
-        f"({axis_name!r} has {n} devices) and be smaller than it: the "
-        f"devices of one node, e.g. hpz_size={n // 2} for 2 nodes.")
-  if k is not None and replica_axis is not None:
-    raise ValueError(
-        f"zerojax.zero: ZeroPP(hpz_size={k}) with a replica axis "
-        f"({replica_axis!r}): under hybrid sharding the state is already "
-        f"replicated across nodes and every gather stays inside one. Use a "
-        f"1-D data mesh for hpZ (nodes are runs of {k} devices along it), "
-        f"or drop hpz_size.")
-  if zeropp.active and model_axes:
-    raise ValueError(
-        f"zerojax.zero: ZeroPP's quantized collectives are not supported on "
-        f"a mesh with model (tensor-parallel) axes {model_axes} yet (XLA "
-        f"rejects the quantized gather inside the per-model-shard region). "
-        f"Use a 1-D or replica x data mesh for zeropp=, or drop zeropp= on "
-        f"this mesh.")
+  _check_zeropp(zeropp, stage, mesh, axis_name, replica_axis)
   return from_config(ZeroConfig(inner, stage, mesh, axis_name, policy,
                                 min_shard_size, stacked, replica_axis,
                                 model_specs, offload, zeropp))
 
 
-def _check_zeropp(zeropp, stage: int):
+def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str,
+                  replica_axis: str | None):
+  """Where each ZeRO++ setting applies; errors name the setting and fix."""
   if not isinstance(zeropp, ZeroPP):
     raise TypeError(f"zerojax.zero: zeropp must be a zerojax.ZeroPP, got "
                     f"{type(zeropp).__name__}; e.g. zeropp=zerojax.ZeroPP("
@@ -367,6 +347,28 @@ def _check_zeropp(zeropp, stage: int):
         f"zerojax.zero: ZeroPP(grad_bits={zeropp.grad_bits}) quantizes the "
         f"gradient reduce-scatter of stages 1-3; stage 0 all-reduces "
         f"instead. Use stage >= 1, or grad_bits=None.")
+  n, k = data_axis_size(mesh, axis_name), zeropp.hpz_size
+  if k is not None and (n % k or k >= n):
+    raise ValueError(
+        f"zerojax.zero: ZeroPP(hpz_size={k}) must divide the data axis "
+        f"({axis_name!r} has {n} devices) and be smaller than it: the "
+        f"devices of one node, e.g. hpz_size={n // 2} for 2 nodes.")
+  if k is not None and replica_axis is not None:
+    raise ValueError(
+        f"zerojax.zero: ZeroPP(hpz_size={k}) with a replica axis "
+        f"({replica_axis!r}): under hybrid sharding the state is already "
+        f"replicated across nodes and every gather stays inside one. Use a "
+        f"1-D data mesh for hpZ (nodes are runs of {k} devices along it), "
+        f"or drop hpz_size.")
+  model_axes = {a: int(s) for a, s in mesh.shape.items()
+                if a not in (axis_name, replica_axis) and s > 1}
+  if zeropp.active and model_axes:
+    raise ValueError(
+        f"zerojax.zero: ZeroPP (qwZ, qgZ, hpZ) is not supported on "
+        f"a mesh with model (tensor-parallel) axes {model_axes} yet (XLA "
+        f"rejects the quantized gather inside the per-model-shard region). "
+        f"Use a 1-D or replica x data mesh for zeropp=, or drop zeropp= on "
+        f"this mesh.")
 
 
 HOST_MEMORY = "pinned_host"
