@@ -172,6 +172,16 @@ def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
     return mode if mode == "all" else "model"
   try:
     misuse = _audit.ungathered_uses(probe, args, tagged)
+  except _audit.AuditUnreadable as e:
+    # zerojax's limitation, not the loss's: said as such, never as a misuse
+    if mode == "model":
+      raise RuntimeError(
+          f"zerojax {what}, gather='model': {e}. zerojax cannot prove the "
+          f"loss only gathers its sharded parameters, so it will not run it "
+          f"on shards. Use gather='all' (the whole tree gathered first: "
+          f"exact, not lean) and report the primitive to zerojax.") from e
+    warn_unreadable(spec, str(e), what)
+    return "all"
   except _gather.UngatheredParamError as e:
     if mode == "model":
       raise
@@ -210,13 +220,27 @@ def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
   return "all"
 
 
-def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
+def _whole_tree_cost(spec: StateSpec) -> str:
   full = sum(int(np.prod(r.aval.shape)) * np.dtype(r.compute_dtype).itemsize
              for r in spec.leaves)
-  cost = (f"all {full / 2**20:.1f} MiB of full weights are live per device "
+  return (f"all {full / 2**20:.1f} MiB of full weights are live per device "
           f"at once, instead of one layer's" if spec.stage == 3 else
           f"the full gradient ({full / 2**20:.1f} MiB per device in compute "
           f"dtype) is produced before it is reduce-scattered")
+
+
+def warn_unreadable(spec: StateSpec, reason: str, what: str):
+  warnings.warn(
+      f"zerojax stage {spec.stage} {what}: {reason}, so it cannot prove that "
+      f"the loss uses its sharded parameters only through zerojax.gather. "
+      f"To stay exact it gathers the whole parameter tree at the start of "
+      f"the loss (not lean): {_whole_tree_cost(spec)}. This is a limitation "
+      f"of zerojax with this JAX release, not a fault in your loss; please "
+      f"report it. gather='all' silences this warning.", stacklevel=3)
+
+
+def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
+  cost = _whole_tree_cost(spec)
   warnings.warn(
       f"zerojax stage {spec.stage} {what}: loss_fn does not only gather its "
       f"parameters ({reason}), so zerojax gathers the whole parameter tree "
