@@ -28,12 +28,14 @@ state zerojax owns: :func:`zerojax.init` + :func:`zerojax.train_step`.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _update
+from zerojax import _state, _update
 from zerojax._state import StateSpec, _full, make_spec
 
 
@@ -80,9 +82,13 @@ def init(config, params):
   """The inner optimizer's state for ``params``, sharded for the stage."""
   spec = _spec(config, params, "ZeroTransformation.init")
   leaves = jax.tree.leaves(params)
+  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+    _state.warn_untrained(spec, "ZeroTransformation.init")
+    _warn_off_mesh(spec, leaves)
   shardings = [spec.sharding(l, host=True) for l in spec.opt_layouts]
 
   def build(leaves):
+    leaves = _hold(spec, leaves)
     view = spec.optimizer_view([
         x if r.trainable else None for x, r in zip(leaves, spec.leaves)])
     state = spec.tx.inner.init(view)
@@ -92,11 +98,44 @@ def init(config, params):
   return jax.tree.unflatten(spec.opt_def, stored)
 
 
+def _hold(spec: StateSpec, p_leaves):
+  """The caller's params pinned where a drop-in loop holds them: replicated
+  over the data axis, sharded over model axes as the model says. (Left
+  free under an outer ``jit``, XLA may pick an input layout for them that
+  JAX cannot express, e.g. a (2,) leaf tiled 2 x 4 over 8 devices.)"""
+  return [jax.lax.with_sharding_constraint(p, spec.sharding(_full(r.param)))
+          for p, r in zip(p_leaves, spec.leaves)]
+
+
+def _warn_off_mesh(spec: StateSpec, leaves):
+  """Params not on the mesh come back from the first step on it, so a
+  user's jitted step compiles a second time: say how to place them."""
+  mesh_devices = set(spec.tx.mesh.devices.flat)
+  off = [r.path for x, r in zip(leaves, spec.leaves)
+         if not (isinstance(x, jax.Array) and x.committed
+                 and set(x.sharding.device_set) == mesh_devices)]
+  if off and len(mesh_devices) > 1:
+    what = (f"params{off[0]}" + (f" and {len(off) - 1} more leaves"
+                                 if len(off) > 1 else "")) if off[0] else (
+        "the params")
+    verb = "is" if len(off) == 1 and off[0] else "are"
+    warnings.warn(
+        f"ZeroTransformation.init: {what} "
+        f"{verb} not placed on the mesh's {len(mesh_devices)} devices, so the "
+        f"first update returns them there and a jitted step compiles a "
+        f"second time. Create the params under jax.set_mesh(tx.mesh), or "
+        f"place them first: params = jax.device_put(params, "
+        f"jax.sharding.NamedSharding(tx.mesh, jax.sharding.PartitionSpec())).",
+        stacklevel=4)
+
+
 def update(config, grads, state, params, **extra_args):
   """Optax ``update``: replicated updates in the params' structure.
 
   Jitted (once per configuration and shapes), so it also works in a loop
-  that is not: the sharding constraints need a ``jit`` around them."""
+  that is not: the sharding constraints need a ``jit`` around them. Extra
+  arguments that are arrays are traced; any others (callables, strings,
+  Python numbers) reach the inner optimizer as they are."""
   _check_config(config, "ZeroTransformation.update")     # cheap, eager
   if params is None:
     _spec(config, params, "ZeroTransformation.update")   # raises the fix
@@ -108,15 +147,16 @@ def update(config, grads, state, params, **extra_args):
   commit = lambda x: (x if isinstance(x, jax.core.Tracer) or (
       isinstance(x, jax.Array) and x.committed) else jax.device_put(x, rep))
   grads = jax.tree.map(commit, grads)
-  return _update_jitted(config)(grads, state, params, extra_args)
+  arrays, static = _update.split_extra_args(extra_args)
+  return _update_jitted(config, static)(grads, state, params, arrays)
 
 
 @functools.lru_cache(maxsize=32)
-def _update_jitted(config):
-  return jax.jit(functools.partial(_update_body, config))
+def _update_jitted(config, static):
+  return jax.jit(functools.partial(_update_body, config, static))
 
 
-def _update_body(config, grads, state, params, extra_args):
+def _update_body(config, static, grads, state, params, arrays):
   where = "ZeroTransformation.update"
   spec = _spec(config, params, where)
   g_leaves, g_def = jax.tree.flatten(grads)
@@ -125,24 +165,26 @@ def _update_body(config, grads, state, params, extra_args):
     raise ValueError(f"{where}: the gradients have {len(g_leaves)} leaves, "
                      f"the params {len(p_leaves)}; pass gradients with the "
                      f"params' structure.")
-  # The params are the caller's, replicated over the data axis (sharded
-  # over model axes as the model says): pin them so, then view them sharded
-  # (left free, XLA may pick an input layout JAX cannot express).
-  held = [spec.sharding(_full(r.param)) for r in spec.leaves]
-  p_leaves = [jax.lax.with_sharding_constraint(p, h)
-              for p, h in zip(p_leaves, held)]
+  # The params are the caller's, replicated over the data axis: pin them
+  # so, then view them sharded. Gradients in the params' shape are pinned
+  # the same way where their storage differs (padding); in any other shape
+  # they are the stage's storage, already sharded.
+  p_leaves = _hold(spec, p_leaves)
   g_view, w_view = [], []
   for g, p, r in zip(g_leaves, p_leaves, spec.leaves):
     if not r.trainable:
       g_view.append(None)
       w_view.append(None)
       continue
+    if (tuple(np.shape(g)) == tuple(r.aval.shape)
+        and r.aval.shape != r.shard.storage_shape):
+      g = jax.lax.with_sharding_constraint(g, spec.sharding(_full(r.param)))
     g_view.append(_update.grad_view(spec, g, r, where))
     w_view.append(_update.constrain(p, spec, r.shard))
-  updates, new_opt = _update.inner_update(spec, g_view, w_view, state,
-                                          extra_args)
+  updates, new_opt = _update.inner_update(
+      spec, g_view, w_view, state, _update.join_extra_args(arrays, static))
   out = [jnp.zeros_like(p) if u is None else
-         jax.lax.with_sharding_constraint(u, h)
-         for u, p, h in zip(updates, p_leaves, held)]
+         jax.lax.with_sharding_constraint(u, spec.sharding(_full(r.param)))
+         for u, p, r in zip(updates, p_leaves, spec.leaves)]
   return (jax.tree.unflatten(g_def, out),
           jax.tree.unflatten(jax.tree.structure(state), new_opt))

@@ -12,7 +12,7 @@ import collections
 import jax
 import numpy as np
 
-from zerojax._state import ZeroState
+from zerojax._state import ZeroState, _dtype
 
 
 def _category(section: str, path) -> str:
@@ -64,13 +64,13 @@ def layout_rows(state: ZeroState) -> list[dict]:
       rows.append(dict(
           category=_category(section, path), section=section,
           path=section + jax.tree_util.keystr(path),
-          shape=tuple(layout.shape), dtype=np.dtype(x.dtype).name,
+          shape=tuple(layout.shape), dtype=str(_dtype(x.dtype)),
           storage_shape=tuple(x.shape), sharded=layout.sharded, how=how,
           dim=layout.dim, placement=str(layout.spec(spec.tx.axis_name)),
           memory=_memory_kind(x),
           bytes_per_device=_shard_nbytes(x) if hasattr(x, "addressable_shards")
           else int(np.prod(layout.shard_shape(spec.tx.num_shards))
-                   * np.dtype(x.dtype).itemsize)))
+                   * x.dtype.itemsize)))
   return rows
 
 
@@ -151,6 +151,6 @@ def theory_bytes(state: ZeroState) -> dict[str, float]:
   for (path, a), layout in zip(opt_paths, spec.opt_layouts):
     shardable = stage >= 1 and len(a.shape) > 0    # scalars (count) stay whole
     out[_category("opt_state", path)] += (
-        int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        int(np.prod(a.shape)) * a.dtype.itemsize
         / (n if shardable else 1) / msize(layout))
   return dict(out)

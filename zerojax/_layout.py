@@ -4,7 +4,8 @@ The rule (one function, :func:`plan_leaf`, used for params, fp32 master
 weights, gradients and every optimizer-state leaf alike, so that an update is
 elementwise-local whenever the optimizer is):
 
-* Scalars, non-floating leaves (integer counters, masks) and leaves with fewer
+* Scalars, leaves that are neither floating nor complex (integer counters,
+  masks, PRNG keys) and leaves with fewer
   than ``min_shard_size`` elements are replicated. The layout table says so;
   nothing is replicated silently.
 * Otherwise one dimension is sharded over the data axis. For arrays of rank
@@ -146,7 +147,9 @@ def plan_leaf(shape, dtype, n: int, min_shard_size: int,
     model = ()
   if len(shape) == 0:
     return LeafLayout(shape, reason="scalar")
-  if not jnp.issubdtype(dtype, jnp.floating):
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return LeafLayout(shape, reason=f"{dtype} (carried)", model=model)
+  if not jnp.issubdtype(dtype, jnp.inexact):
     return LeafLayout(shape, reason=f"{np.dtype(dtype).name} (not trained)",
                       model=model)
   size = math.prod(shape)

@@ -10,8 +10,10 @@ Storage per stage (``L`` = a leaf's :class:`~zerojax._layout.LeafLayout`):
   rule applied to its own shape (so moments share their param's layout and
   Adafactor's factored rows and columns get their own).
 
-Non-floating parameter leaves (integer buffers, masks) are carried but not
-trained: the inner optimizer sees ``optax.MaskedNode()`` in their place.
+Floating and complex parameter leaves are trained (what ``jax.grad`` can
+differentiate). Other leaves (integer buffers, masks) are carried but not
+trained: the inner optimizer sees ``optax.MaskedNode()`` in their place,
+and :func:`init` warns naming them.
 """
 
 from __future__ import annotations
@@ -31,8 +33,17 @@ from zerojax import _layout, _model_axes
 from zerojax._transform import HOST_MEMORY, ZeroTransformation
 
 
-def _is_floating(dtype) -> bool:
-  return bool(jnp.issubdtype(dtype, jnp.floating))
+def _is_trainable(dtype) -> bool:
+  """Floating or complex: the leaves ``jax.grad`` differentiates."""
+  return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _dtype(dtype):
+  """``np.dtype`` of a leaf, or JAX's own dtype object for extended dtypes
+  (typed PRNG keys in an optimizer state), which NumPy cannot interpret."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return dtype
+  return np.dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +53,7 @@ class LeafSpec:
   Attributes:
     path: ``jax.tree_util.keystr`` of the leaf in the params tree.
     aval: logical (unpadded) shape and dtype as given to ``init``.
-    trainable: floating leaves are trained; others are carried.
+    trainable: floating and complex leaves are trained; others are carried.
     param: layout of the parameter as stored (sharded at stage 3).
     shard: layout of its master copy, gradient and moments.
     compute_dtype / master_dtype / reduce_dtype: from the policy.
@@ -73,7 +84,7 @@ class StateSpec:
   tx: ZeroTransformation
   params_def: Any            # PyTreeDef of the params
   params_avals: tuple        # logical jax.ShapeDtypeStruct of each param
-  trainable: tuple           # bool per param: floating leaves are trained
+  trainable: tuple           # bool per param: inexact leaves are trained
   param_layouts: tuple       # LeafLayout of each param as stored
   shard_layouts: tuple       # LeafLayout of each master / gradient leaf
   opt_def: Any               # PyTreeDef of the inner optimizer state
@@ -227,7 +238,10 @@ def make_spec(params, tx: ZeroTransformation, models=None) -> StateSpec:
           f"module pass eqx.filter(model, eqx.is_inexact_array)).")
     avals.append(jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype)))
     paths.append(jax.tree_util.keystr(path))
-  trainable = tuple(_is_floating(a.dtype) for a in avals)
+  trainable = tuple(_is_trainable(a.dtype) for a in avals)
+  for p, a, t in zip(paths, avals, trainable):
+    if t:
+      tx.policy.check_leaf(p, a.dtype)
   stacks = tuple(_is_stack(tx.stacked, p, a.shape) for p, a in zip(paths, avals))
   if models is None:
     models = model_axes_of(params, tx)
@@ -243,7 +257,7 @@ def make_spec(params, tx: ZeroTransformation, models=None) -> StateSpec:
   opt_paths = [jax.tree_util.keystr(p) for p, _ in
                jax.tree_util.tree_flatten_with_path(opt_shape)[0]]
   opt_leaves, opt_def = jax.tree.flatten(opt_shape)
-  opt_avals = tuple(jax.ShapeDtypeStruct(tuple(o.shape), np.dtype(o.dtype))
+  opt_avals = tuple(jax.ShapeDtypeStruct(tuple(o.shape), _dtype(o.dtype))
                     for o in opt_leaves)
   # An optimizer leaf shaped like its param (a moment) shares its layout, so
   # an elementwise update stays local: match it by path suffix and shape.
@@ -381,7 +395,24 @@ def _warn_idle_model_axes(spec: StateSpec, where: str):
         stacklevel=3)
 
 
+def warn_untrained(spec: StateSpec, where: str):
+  """Leaves zerojax carries but does not train are said, not only listed."""
+  frozen = [(r.path, _dtype(r.aval.dtype)) for r in spec.leaves
+            if not r.trainable]
+  if not frozen:
+    return
+  names = ", ".join(f"params{p} ({d})" for p, d in frozen[:4])
+  more = f" and {len(frozen) - 4} more" if len(frozen) > 4 else ""
+  warnings.warn(
+      f"{where}: {names}{more} are neither floating nor complex, so they are "
+      f"carried unchanged and not trained (jax.grad cannot differentiate "
+      f"them, so Optax would not train them either). Pass such buffers as "
+      f"model_state (or drop them from the params) to silence this.",
+      stacklevel=3)
+
+
 def _with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
+  warn_untrained(state.spec, where)
   _warn_idle_model_axes(state.spec, where)
   key = _root_key(key, where)
   if model_state is not None:

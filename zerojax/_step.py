@@ -94,7 +94,7 @@ _SECTIONS = ("params", "master", "opt_state")
 
 def _signature(state: ZeroState):
   return tuple((jax.tree.structure(getattr(state, n)),
-                tuple((tuple(x.shape), np.dtype(x.dtype))
+                tuple((tuple(x.shape), _state._dtype(x.dtype))
                       for x in jax.tree.leaves(getattr(state, n))))
                for n in _SECTIONS)
 
@@ -228,12 +228,13 @@ class TrainStep:
 
   def __call__(self, state: ZeroState, batch, **extra_args):
     batch = self._prepare(state, batch)
-    return self._jitted(state, batch, extra_args)
+    return self._jitted(state, batch, *_update.split_extra_args(extra_args))
 
   def lower(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO."""
     batch = self._prepare(state, batch)
-    return self._jitted.lower(state, batch, extra_args)
+    return self._jitted.lower(state, batch,
+                              *_update.split_extra_args(extra_args))
 
 
 def train_step(
@@ -277,10 +278,11 @@ def train_step(
   """
   _grad.check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
 
-  def fn(state, batch, extra_args):
-    return _step(state, batch, extra_args, loss_fn=loss_fn,
-                 accum_steps=accum_steps, gather_mode=gather)
-  jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
+  def fn(state, batch, arrays, static):
+    return _step(state, batch, _update.join_extra_args(arrays, static),
+                 loss_fn=loss_fn, accum_steps=accum_steps, gather_mode=gather)
+  jitted = jax.jit(fn, donate_argnums=(0,) if donate else (),
+                   static_argnums=3)
   return TrainStep(loss_fn, tx, accum_steps, gather, donate, jitted)
 
 

@@ -14,7 +14,10 @@ drop-in ``ZeroTransformation.update``: one code path for all three.
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
@@ -84,15 +87,71 @@ def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
     raise ValueError(
         "zerojax: the inner optimizer's update returned a state with "
         f"{len(new_leaves)} leaves, its init {len(spec.opt_layouts)}.")
-  new_leaves = [spec.stash(constrain(l.to_storage(x.astype(a.dtype)), spec, l),
+  new_leaves = [spec.stash(constrain(l.to_storage(_cast(x, a.dtype)), spec, l),
                            l)
                 for x, l, a in zip(new_leaves, spec.opt_layouts, spec.opt_avals)]
   return spec.from_optimizer_view(updates), new_leaves
 
 
+def _cast(x, dtype):
+  """``x`` in the state's dtype (an optimizer may promote, e.g. a bf16
+  moment to fp32); typed PRNG keys are left as they are."""
+  return x if x.dtype == dtype else x.astype(dtype)
+
+
+class _Static:
+  """A non-array extra argument, passed to ``jit`` as static: compared by
+  value when hashable, else by identity."""
+
+  def __init__(self, value):
+    self.value = value
+    try:
+      self._key = ("value", hash(value), value)
+    except TypeError:
+      self._key = ("id", id(value))
+
+  def __hash__(self):
+    return hash(self._key[:2])
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and (
+        self._key[0] == other._key[0] and (
+            self.value is other.value if self._key[0] == "id"
+            else self._key[1:] == other._key[1:]))
+
+
+def _is_array_like(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex,
+                        bool)) or hasattr(x, "__jax_array__")
+
+
+def split_extra_args(extra_args: dict):
+  """``(arrays, static)``: extra ``update`` arguments whose leaves are all
+  arrays or numbers (traced by ``jit``), and the rest (callables such as
+  ``optax.contrib.sophia``'s ``obj_fn``, strings) as a hashable tuple for a
+  static argument. :func:`join_extra_args` puts them back together."""
+  arrays, static = {}, []
+  for k, v in extra_args.items():
+    if all(_is_array_like(x) for x in jax.tree.leaves(v)):
+      arrays[k] = v
+    else:
+      static.append((k, _Static(v)))
+  return arrays, tuple(sorted(static, key=lambda kv: kv[0]))
+
+
+def join_extra_args(arrays: dict, static: tuple) -> dict:
+  return {**arrays, **{k: v.value for k, v in static}}
+
+
 def update_state(state: ZeroState, grads, extra_args, where: str):
   """``state`` after one optimizer update with ``grads`` (per-param list,
-  storage or logical; ``None`` for frozen). Returns ``(state, grad_norm)``."""
+  storage or logical; ``None`` for frozen). Returns ``(state, grad_norm)``.
+
+  ``grads`` are gradients as ``jax.grad`` gives them. For a complex leaf
+  that is the conjugate of the direction of steepest ascent, so it is
+  conjugated before the optimizer sees it: Optax's convention for complex
+  parameters (its own tests do the same), under which every optimizer
+  descends."""
   spec = state.spec
   params = jax.tree.leaves(state.params)
   master = (spec.from_optimizer_view(state.master) if state.master is not None
@@ -103,7 +162,8 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
       g_view.append(None)
       w_view.append(None)
       continue
-    g_view.append(grad_view(spec, g, r, where))
+    g = grad_view(spec, g, r, where)
+    g_view.append(g.conj() if jnp.iscomplexobj(g) else g)
     w = (r.shard.to_logical(spec.fetch(m, r.shard)) if m is not None
          else r.param.to_logical(p))
     w_view.append(constrain(w, spec, r.shard))
@@ -189,7 +249,8 @@ def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
   for g, r in zip(flat, state.spec.leaves):
     if r.trainable:
       _check_shape(state.spec, g, r)
-  return _apply_jit(state, grads, extra_args)
+  arrays, static = split_extra_args(extra_args)
+  return _apply_jit(state, grads, arrays, static)
 
 
 def _check_shape(spec, g, r):
@@ -201,8 +262,9 @@ def _check_shape(spec, g, r):
         f"{list(r.shard.storage_shape)} at stage {spec.stage}).")
 
 
-@jax.jit
-def _apply_jit(state, grads, extra_args):
+@functools.partial(jax.jit, static_argnums=3)
+def _apply_jit(state, grads, arrays, static):
+  extra_args = join_extra_args(arrays, static)
   spec = state.spec
   flat = [g if r.trainable else None
           for g, r in zip(jax.tree.leaves(grads), spec.leaves)]

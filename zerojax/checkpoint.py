@@ -51,7 +51,16 @@ class CheckpointError(ValueError):
 
 
 def _dtype_name(dt) -> str | None:
-  return None if dt is None else np.dtype(dt).name
+  """A dtype as the metadata spells it (``key<fry>`` for a typed key)."""
+  if dt is None:
+    return None
+  if jax.dtypes.issubdtype(dt, jax.dtypes.extended):
+    return str(dt)
+  return np.dtype(dt).name
+
+
+def _is_key_dtype(dt) -> bool:
+  return jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
 
 
 def _layout_json(layout: _layout.LeafLayout) -> dict:
@@ -102,6 +111,8 @@ def _state_tree(state: ZeroState) -> dict:
     tree["master"] = state.master
   if state.key is not None:
     tree["key"] = _key_data(state.key)
+  # typed keys in the optimizer state (optax.noisy_sgd) as their raw data
+  tree["opt_state"] = jax.tree.map(_key_data, state.opt_state)
   if state.model_state is not None:
     tree["model_state"] = state.model_state
   return tree
@@ -161,6 +172,8 @@ class Checkpointer:
     step = int(jax.device_get(state.step))
     meta = dict(describe(state.spec), extra=extra or {},
                 key=_key_meta(state.key),
+                opt_keys=[_key_meta(x) if _is_typed_key(x) else None
+                          for x in jax.tree.leaves(state.opt_state)],
                 model_state=state.model_state is not None)
     return self._manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state_tree(state)),
@@ -270,6 +283,11 @@ class Checkpointer:
     key, model_state = tree.pop("key", None), tree.pop("model_state", None)
     if key is not None and meta["key"] != "raw":
       key = jax.random.wrap_key_data(key, impl=meta["key"])
+    impls = meta.get("opt_keys") or []
+    tree["opt_state"] = jax.tree.unflatten(source.opt_def, [
+        jax.random.wrap_key_data(x, impl=impl) if impl not in (None, "raw")
+        else x for x, impl in zip(jax.tree.leaves(tree["opt_state"]),
+                                  impls + [None] * len(source.opt_avals))])
     convert = jax.jit(lambda t: _convert(t, source, target),
                       out_shardings=target.shardings())
     state = convert(tree).replace(key=key, model_state=model_state)
@@ -336,7 +354,7 @@ def _source_spec(meta, params_template, tx, where) -> StateSpec:
 
 def _check_compatible(meta, source: StateSpec, target: StateSpec, where):
   saved = [(e["path"], tuple(e["shape"]), e["dtype"]) for e in meta["opt_state"]]
-  have = [(tuple(a.shape), np.dtype(a.dtype).name) for a in target.opt_avals]
+  have = [(tuple(a.shape), _dtype_name(a.dtype)) for a in target.opt_avals]
   if len(saved) != len(have) or any(
       (s[1], s[2]) != h for s, h in zip(saved, have)):
     first = next((s for s, h in zip(saved, have) if (s[1], s[2]) != h),
@@ -400,10 +418,18 @@ def _restore_targets(source: StateSpec, target: StateSpec) -> dict:
              target.master_dtype(i))
         for i in range(n_params)])
   tree["opt_state"] = jax.tree.unflatten(source.opt_def, [
+      _key_data_struct(s, mesh) if _is_key_dtype(s.dtype) else
       pick(s, sl, tl, a.dtype) for s, sl, tl, a in zip(
           jax.tree.leaves(src_abs.opt_state), source.opt_layouts,
           target.opt_layouts, target.opt_avals)])
   return tree
+
+
+def _key_data_struct(key_struct, mesh):
+  """Where a typed key's raw data is read: replicated, its data's shape."""
+  data = jax.eval_shape(jax.random.key_data, key_struct)
+  return jax.ShapeDtypeStruct(data.shape, data.dtype,
+                              sharding=NamedSharding(mesh, P()))
 
 
 def _convert(tree: dict, source: StateSpec, target: StateSpec) -> ZeroState:

@@ -146,7 +146,7 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
       ag += full * c * (2 if stage == 3 else 1)
       if tx.replica_axis:
         arr += full / n * r
-  optimizer_bytes = sum(shard(l) * np.dtype(a.dtype).itemsize
+  optimizer_bytes = sum(shard(l) * a.dtype.itemsize
                         for l, a in zip(spec.opt_layouts, spec.opt_avals))
   n_params = sum(math.prod(a.shape) for a in spec.params_avals)
   colls = {k: v for k, v in (("all-reduce", ar), ("reduce-scatter", rs),
