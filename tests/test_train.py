@@ -209,3 +209,69 @@ def test_main_job_with_dropout(tmp_path):
   summary = json.loads((out / "summary.json").read_text())
   assert summary["config"]["dropout"] == 0.1
   assert summary["last_eval_loss"] < summary["first_eval_loss"]
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_dot_product_attention_matches_the_einsum_reference(dtype, tol):
+  """jax.nn.dot_product_attention (XLA's implementation on CPU; cuDNN's on
+  GPU) gives the reference attention's numbers."""
+  k = jax.random.split(jax.random.key(5), 3)
+  q, kk, v = (jax.random.normal(x, (2, 16, 4, 8)).astype(dtype) for x in k)
+  want = gpt.attend(q, kk, v, "einsum").astype(jnp.float32)
+  got = gpt.attend(q, kk, v, "xla").astype(jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_remat_policies_and_attention_kernels_give_the_same_gradients():
+  batch = data.batch_at(data.corpus_bytes(), seed=0, step=0, batch=4, seq_len=16)
+  base = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16,
+                       attention="einsum", remat="full")
+  params = gpt.init(base, jax.random.key(0))
+  want_l, want_g = jax.value_and_grad(gpt.loss)(params, batch, base)
+  for attention in ("einsum", "xla"):
+    for remat in ("full", "dots", "none"):
+      config = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16,
+                             attention=attention, remat=remat)
+      l, g = jax.value_and_grad(gpt.loss)(params, batch, config)
+      np.testing.assert_allclose(l, want_l, rtol=1e-5)
+      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="remat='some'"):
+    gpt.GPTConfig(remat="some")
+  assert gpt.GPTConfig().resolved("gpu").attention == "cudnn"
+  assert gpt.GPTConfig().resolved("gpu").remat == "dots"
+  assert gpt.GPTConfig().resolved("cpu").attention == "einsum"
+
+
+def test_gpt_fast_kernels_stay_lean_and_exact_at_stage3(mesh):
+  """dot_product_attention + the dots-saveable policy (the GPU defaults)
+  under ZeRO-3: per-layer gathers only (gather='model'), Optax's numbers."""
+  model = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16,
+                        attention="xla", remat="dots")
+  batches = [data.batch_at(data.corpus_bytes(), seed=0, step=i, batch=8,
+                           seq_len=16) for i in range(2)]
+  params, opt = gpt.init(model, jax.random.key(0)), optax.sgd(0.5)
+  opt_state = opt.init(params)
+  for b in batches:
+    g = jax.grad(gpt.loss)(params, b, model)
+    u, opt_state = opt.update(g, opt_state, params)
+    params = optax.apply_updates(params, u)
+  tx = zerojax.zero(optax.sgd(0.5), stage=3, mesh=mesh)
+  state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
+  step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
+                            gather="model")
+  for b in batches:
+    state, _ = step(state, b)
+  got = zerojax.gather_params(state)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_mfu_from_the_peak_table():
+  from zerojax import hardware
+
+  class Dev:
+    device_kind = "NVIDIA H100 80GB HBM3"
+  assert hardware.peak_flops(Dev()) == pytest.approx(989.4e12)
+  assert hardware.mfu(1000.0, 1e9, [Dev()]) == pytest.approx(1e12 / 989.4e12)
+  assert hardware.mfu(1000.0, 1e9, jax.devices()[:1]) is None     # a CPU

@@ -1,10 +1,13 @@
 """The main job: train a byte-level GPT on CPython's embedded docs corpus.
 
-    python -m zerojax.train                  # ZeRO-3, bf16 + fp32 master, 8 devices
+    python -m zerojax.train                  # ZeRO-3, bf16 + fp32 master
     python -m zerojax.train --stage 1 --steps 100 --out runs/s1
 
-Runs on whatever devices JAX finds; on a CPU-only machine it creates
-``--devices`` fake CPU devices (8 by default) so the sharding is real.
+Runs on every accelerator JAX finds (one GPU: a data axis of 1, still
+ZeRO-3 through zerojax), with a model sized for it (about 300M params,
+context 1024, cuDNN attention); on a CPU-only machine it creates
+``--devices`` fake CPU devices (8 by default) so the sharding is real, and
+trains a small model in a few minutes.
 Writes ``<out>/metrics.jsonl`` (one object per logged step: ``step``,
 ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, and ``eval_loss`` at
 evaluations), ``<out>/loss.png`` and ``<out>/summary.json``, and prints a
@@ -19,6 +22,7 @@ import functools
 import json
 import os
 import pathlib
+import sys
 import time
 
 
@@ -32,19 +36,23 @@ class TrainConfig:
 
   stage: int = _opt(3, "ZeRO stage: 0 plain data parallel, 1 shard optimizer "
                        "state, 2 and gradients, 3 and parameters")
-  devices: int = _opt(8, "devices; on a CPU-only machine this many fake CPU "
-                         "devices are created")
+  devices: int = _opt(0, "devices; 0: every accelerator JAX sees, or 8 fake "
+                         "CPU devices on a CPU-only machine (which creates "
+                         "this many)")
   mesh: str = _opt("", "mesh axes, e.g. replica=2,data=4 (hybrid sharding: "
                        "state sharded over data, replicated over replica) or "
                        "data=4,model=2 (tensor parallelism over model, "
                        "Megatron layout); empty: data over all devices")
-  width: int = _opt(128, "model width D")
-  depth: int = _opt(4, "number of transformer blocks L")
-  heads: int = _opt(4, "attention heads (must divide width)")
-  seq_len: int = _opt(128, "context length in bytes")
+  width: int = _opt(0, "model width D; 0: 128 on CPU, 1024 on an accelerator")
+  depth: int = _opt(0, "transformer blocks L; 0: 4 on CPU, 24 on an "
+                       "accelerator")
+  heads: int = _opt(0, "attention heads (must divide width); 0: 4 on CPU, "
+                       "width / 128 on an accelerator")
+  seq_len: int = _opt(0, "context length in bytes; 0: 128 on CPU, 1024 on "
+                         "an accelerator")
   steps: int = _opt(400, "optimizer steps")
-  batch: int = _opt(32, "global batch (sequences per step); must divide by "
-                        "devices x accum")
+  batch: int = _opt(0, "global batch (sequences per step); must divide by "
+                       "devices x accum; 0: 32 on CPU, 16 per accelerator")
   accum: int = _opt(1, "gradient-accumulation micro-batches per step")
   precision: str = _opt("bf16", "bf16: bf16 params/compute with an fp32 "
                                 "master copy; fp32: everything fp32")
@@ -53,6 +61,11 @@ class TrainConfig:
   warmup: int = _opt(40, "warm-up steps")
   weight_decay: float = _opt(0.1, "AdamW weight decay")
   clip: float = _opt(1.0, "global-norm gradient clipping threshold")
+  attention: str = _opt("auto", "attention kernel: auto (cuDNN's fused kernel "
+                                 "on GPU, the einsum reference elsewhere), "
+                                 "einsum, xla, cudnn")
+  remat: str = _opt("auto", "checkpoint policy of each block: auto (dots on "
+                            "GPU, full elsewhere), full, dots, none")
   dropout: float = _opt(0.0, "residual dropout rate (0: off); keys come from "
                              "the training state, distinct per step, device "
                              "and micro-batch, and are checkpointed")
@@ -102,20 +115,44 @@ def parse_args(argv=None) -> TrainConfig:
       kw["choices"] = [0, 8]
     if f.name == "grad_bits":
       kw["choices"] = [0, 8, 4]
+    if f.name == "attention":
+      from zerojax.models import gpt
+      kw["choices"] = list(gpt.ATTENTION)
+    if f.name == "remat":
+      from zerojax.models import gpt
+      kw["choices"] = list(gpt.REMAT)
     parser.add_argument(flag, dest=f.name, **kw)
   args = parser.parse_args(argv)
   config = TrainConfig(**vars(args))
+  problems = check(config)
+  if problems:
+    parser.error("; ".join(problems))
+  return config
+
+
+def check(config: TrainConfig) -> list[str]:
+  """What is wrong with ``config``, each with its fix. Fields left at 0
+  (auto) are checked once :func:`resolve` has filled them in."""
   problems = []
-  positive = ("devices", "width", "depth", "heads", "seq_len", "steps",
-              "batch", "accum", "eval_every", "eval_batches", "log_every",
+  positive = ("steps", "accum", "eval_every", "eval_batches", "log_every",
               "save_every")
+  auto = ("devices", "width", "depth", "heads", "seq_len", "batch")
   problems += [f"--{n.replace('_', '-')}={getattr(config, n)} must be >= 1"
                for n in positive if getattr(config, n) < 1]
-  if config.width % config.heads:
+  problems += [f"--{n.replace('_', '-')}={getattr(config, n)} must be >= 1 "
+               f"(or 0: automatic)" for n in auto if getattr(config, n) < 0]
+  if config.width and config.heads and config.width % config.heads:
     problems.append(f"--heads={config.heads} does not divide "
                     f"--width={config.width}")
+  from zerojax.models import gpt
+  if config.attention not in gpt.ATTENTION:
+    problems.append(f"--attention={config.attention}: use one of "
+                    f"{', '.join(gpt.ATTENTION)}")
+  if config.remat not in gpt.REMAT:
+    problems.append(f"--remat={config.remat}: use one of {', '.join(gpt.REMAT)}")
   splits, over = config.devices, f"--devices={config.devices}"
-  if config.mesh:
+  axes = {"data": config.devices}
+  if config.mesh and config.devices:
     from zerojax._mesh import parse_axes
     try:
       axes = parse_axes(config.mesh, config.devices)
@@ -126,7 +163,7 @@ def parse_args(argv=None) -> TrainConfig:
       problems.append(f"--mesh={config.mesh} has no data axis")
     splits = axes.get("data", 1) * axes.get("replica", 1)
     over = f"the {splits} replica x data devices of --mesh={config.mesh}"
-  if config.batch % (splits * config.accum):
+  if config.batch and splits and config.batch % (splits * config.accum):
     m = splits * config.accum
     problems.append(
         f"--batch={config.batch} does not split over {over} x "
@@ -137,8 +174,9 @@ def parse_args(argv=None) -> TrainConfig:
   if config.quant_block < 2 or config.quant_block % 2:
     problems.append(f"--quant-block={config.quant_block} must be even and >= 2")
   data = splits // (axes.get("replica", 1) if config.mesh else 1)
-  if config.hpz_size and (config.hpz_size < 2 or data % config.hpz_size
-                          or config.hpz_size >= data or config.stage != 3):
+  if config.hpz_size and data and (
+      config.hpz_size < 2 or data % config.hpz_size
+      or config.hpz_size >= data or config.stage != 3):
     problems.append(f"--hpz-size={config.hpz_size} must divide the {data} data "
                     f"devices, be >= 2 and smaller than them, at --stage 3 "
                     f"(e.g. --hpz-size {max(2, data // 2)} for 2 nodes)")
@@ -149,30 +187,51 @@ def parse_args(argv=None) -> TrainConfig:
     problems.append(f"--grad-bits={config.grad_bits} needs --stage >= 1")
   if config.resume and not config.checkpoint_dir:
     problems.append("--resume needs --checkpoint-dir")
-  if problems:
-    parser.error("; ".join(problems))
-  return config
+  return problems
+
+
+def resolve(config: TrainConfig, devices) -> TrainConfig:
+  """``config`` with its automatic (0) fields filled in for ``devices``:
+  a small model on CPU, one sized to show an accelerator otherwise."""
+  accel = devices[0].platform != "cpu"
+  n = len(devices)
+  width = config.width or (1024 if accel else 128)
+  fill = dict(
+      devices=config.devices or n, width=width,
+      depth=config.depth or (24 if accel else 4),
+      heads=config.heads or (max(1, width // 128) if accel else 4),
+      seq_len=config.seq_len or (1024 if accel else 128))
+  if not config.batch:
+    splits = n
+    if config.mesh:
+      from zerojax._mesh import parse_axes
+      axes = parse_axes(config.mesh, n)
+      splits = axes.get("data", 1) * axes.get("replica", 1)
+    fill["batch"] = (16 * splits if accel else max(32, splits)) * config.accum
+  return dataclasses.replace(config, **fill)
 
 
 def _setup_devices(n: int):
-  """Joins a multi-process run if there is one; else creates ``n`` fake CPU
-  devices (before JAX's backend starts) when there is no accelerator."""
+  """Joins a multi-process run if there is one; else every accelerator JAX
+  sees (or the first ``n``), or ``n`` (default 8) fake CPU devices, created
+  before JAX's backend starts, when there is no accelerator."""
   import jax
   from zerojax import distributed
   if distributed.initialize():
     devices = jax.devices()
-    if len(devices) != n:
+    if n and len(devices) != n:
       raise SystemExit(
           f"zerojax.train: --devices={n} but the {jax.process_count()}-process "
           f"run has {len(devices)} devices; pass --devices {len(devices)}.")
     return devices
-  jax.config.update("jax_num_cpu_devices", max(n, 1))
+  jax.config.update("jax_num_cpu_devices", max(n or 8, 1))
   devices = jax.devices()
-  if len(devices) < n:
+  if n and len(devices) < n:
     raise SystemExit(
         f"zerojax.train: --devices={n} but JAX sees {len(devices)} "
-        f"{devices[0].platform} devices.")
-  return devices[:n]
+        f"{devices[0].platform} devices; pass --devices {len(devices)} (or 0: "
+        f"all of them).")
+  return devices[:n] if n else devices
 
 
 def main(config: TrainConfig) -> dict:
@@ -183,10 +242,16 @@ def main(config: TrainConfig) -> dict:
   from tqdm.auto import tqdm
 
   import zerojax
-  from zerojax import checkpoint, data, distributed, plots
+  from zerojax import checkpoint, data, distributed, hardware, plots
   from zerojax.models import gpt
 
   devices = _setup_devices(config.devices)
+  config = resolve(config, devices)
+  problems = check(config)
+  if problems:                  # as argparse reports them: before any work
+    print("python -m zerojax.train: error: " + "; ".join(problems),
+          file=sys.stderr)
+    raise SystemExit(2)
   mesh = zerojax.make_mesh(config.mesh or None, devices=devices)
   main_process = distributed.is_main()     # logs, plots and prints
   say = print if main_process else (lambda *a, **k: None)
@@ -197,7 +262,10 @@ def main(config: TrainConfig) -> dict:
 
   model = gpt.GPTConfig(vocab=256, seq_len=config.seq_len, width=config.width,
                         depth=config.depth, heads=config.heads,
-                        dropout=config.dropout)
+                        dropout=config.dropout, attention=config.attention,
+                        remat=config.remat).resolved(devices[0].platform)
+  n_params = gpt.num_params(model)
+  flops_per_token = gpt.flops_per_token(model, n_params)
   train_tokens, val_tokens = data.split(data.corpus_bytes())
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, config.lr, min(config.warmup, config.steps // 2), config.steps,
@@ -258,12 +326,13 @@ def main(config: TrainConfig) -> dict:
   def eval_loss(state):
     return float(np.mean([host(evaluate(state, b)) for b in val_batches]))
 
-  say(f"zerojax.train: GPT {gpt.num_params(model):,} params, stage "
+  say(f"zerojax.train: GPT {n_params:,} params, stage "
         f"{config.stage}, {config.precision}, "
         + (f"{tx.zeropp}, " if tx.zeropp.active else "") + f"{len(devices)} x "
         f"{devices[0].platform} devices (mesh {dict(mesh.shape)}), batch "
         f"{config.batch} x "
-        f"{config.seq_len} bytes", flush=True)
+        f"{config.seq_len} bytes, attention {model.attention}, remat "
+        f"{model.remat}", flush=True)
   records = []
   tokens_per_step = config.batch * config.seq_len
   first_eval = eval_loss(state)
@@ -286,6 +355,7 @@ def main(config: TrainConfig) -> dict:
     now = time.perf_counter()
     if window_steps:
       rec["tokens_per_s"] = tokens_per_step * window_steps / (now - t_window)
+      rec["mfu"] = hardware.mfu(rec["tokens_per_s"], flops_per_token, devices)
     t_window, window_steps = now, 0
     return rec
 
@@ -313,8 +383,11 @@ def main(config: TrainConfig) -> dict:
       rec = pending(metrics_prev)
       records.append(rec)
       metrics_file.write(json.dumps(rec) + "\n")
-      bar.set_postfix(loss=f"{rec['loss']:.3f}",
-                      tok_s=f"{rec.get('tokens_per_s', 0):,.0f}")
+      postfix = dict(loss=f"{rec['loss']:.3f}",
+                     tok_s=f"{rec.get('tokens_per_s', 0):,.0f}")
+      if rec.get("mfu") is not None:
+        postfix["mfu"] = f"{100 * rec['mfu']:.1f}%"
+      bar.set_postfix(**postfix)
       pending = None
     is_eval = step % config.eval_every == 0 or step == config.steps
     if step % config.log_every == 0 or is_eval:
@@ -343,10 +416,16 @@ def main(config: TrainConfig) -> dict:
   summary = {
       "stage": config.stage, "n_devices": len(devices),
       "mesh": dict(mesh.shape), "preempted_at": preempted,
-      "n_params": gpt.num_params(model), "steps": config.steps,
+      "n_params": n_params, "steps": config.steps,
       "wall_s": wall, "first_eval_loss": evals[0], "last_eval_loss": evals[-1],
       "eval_drop": 1 - evals[-1] / evals[0],
       "tokens_per_s": float(np.median(speeds)) if speeds else None,
+      "flops_per_token": flops_per_token,
+      "mfu": hardware.mfu(float(np.median(speeds)) if speeds else None,
+                          flops_per_token, devices),
+      "device_kind": devices[0].device_kind, "platform": devices[0].platform,
+      "jax_version": jax.__version__,
+      "model": {"attention": model.attention, "remat": model.remat},
       "config": dataclasses.asdict(config),
   }
   if main_process:

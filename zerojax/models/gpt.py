@@ -35,6 +35,16 @@ class GPTConfig:
   scan_unroll: int = 1      # layers per scan iteration (2: XLA may gather
                             # layer i+1 while layer i computes)
   dropout: float = 0.0      # residual dropout rate in training (needs a key)
+  attention: str = "auto"   # "einsum": the reference (fp32 T x T logits);
+                            # "xla" / "cudnn": jax.nn.dot_product_attention
+                            # with that implementation; "auto": cudnn on
+                            # GPU, einsum elsewhere
+  remat: str = "auto"       # the block's jax.checkpoint policy: "full"
+                            # (save only the block input), "dots" (also the
+                            # matmul outputs), "none" (no remat: every
+                            # layer's activations and, under ZeRO-3, its
+                            # gathered weights are kept); "auto": dots on
+                            # GPU, full elsewhere
 
   def __post_init__(self):
     if self.width % self.heads:
@@ -45,6 +55,27 @@ class GPTConfig:
         raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1.")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"GPTConfig: attention={self.attention!r}; use one of "
+                       f"{ATTENTION}.")
+    if self.remat not in REMAT:
+      raise ValueError(f"GPTConfig: remat={self.remat!r}; use one of {REMAT}.")
+
+  def resolved(self, platform: str | None = None) -> "GPTConfig":
+    """``attention`` and ``remat`` with ``"auto"`` replaced by the fast
+    choice for ``platform`` (default: JAX's default backend)."""
+    platform = platform or jax.default_backend()
+    gpu = platform in ("gpu", "cuda", "rocm")
+    return dataclasses.replace(
+        self,
+        attention=("cudnn" if gpu else "einsum") if self.attention == "auto"
+        else self.attention,
+        remat=("dots" if gpu else "full") if self.remat == "auto"
+        else self.remat)
+
+
+ATTENTION = ("auto", "einsum", "xla", "cudnn")
+REMAT = ("auto", "full", "dots", "none")
 
 
 
@@ -94,6 +125,15 @@ def num_params(config: GPTConfig) -> int:
   """Parameter count, from abstract shapes (allocates nothing)."""
   shapes = jax.eval_shape(lambda: init(config, jax.random.key(0)))
   return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+def flops_per_token(config: GPTConfig, n_params: int | None = None) -> float:
+  """Model flops per trained token: ``6 N + 12 L T D`` (forward and
+  backward of the weights, plus attention's score and value products;
+  causal masking not halved, recomputation not counted), the usual MFU
+  numerator."""
+  n = num_params(config) if n_params is None else n_params
+  return 6.0 * n + 12.0 * config.depth * config.seq_len * config.width
 
 
 def init(config: GPTConfig, key) -> dict:
@@ -151,12 +191,7 @@ def _block(config: GPTConfig, x_BxTxD, layer, key=None):
   qkv_BxTx3D = y @ layer["qkv_LxDx3D"] + layer["qkv_bias_Lx3D"][None, None, :]
   q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = jnp.split(
       qkv_BxTx3D.reshape(b, t, 3 * h, k), 3, axis=2)
-  logits_BxHxTxT = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK,
-                              preferred_element_type=jnp.float32) / math.sqrt(k)
-  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  logits_BxHxTxT = jnp.where(causal_TxT[None, None], logits_BxHxTxT, -1e30)
-  probs_BxHxTxT = jax.nn.softmax(logits_BxHxTxT, axis=-1).astype(y.dtype)
-  att_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT, v_BxTxHxK)
+  att_BxTxHxK = attend(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, config.attention)
   att_BxTxD = att_BxTxHxK.reshape(b, t, d) @ layer["proj_LxDxD"]
   att_BxTxD = _dropout(att_BxTxD + layer["proj_bias_LxD"][None, None, :],
                        config.dropout, k_att)
@@ -169,10 +204,40 @@ def _block(config: GPTConfig, x_BxTxD, layer, key=None):
   return x_BxTxD + _dropout(y_BxTxD, config.dropout, k_mlp), None
 
 
+def attend(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, how: str = "einsum"):
+  """Causal self-attention, ``(B, T, H, K)`` in and out.
+
+  ``"einsum"``: the reference, fp32 ``(B, H, T, T)`` logits materialised;
+  ``"xla"`` / ``"cudnn"``: :func:`jax.nn.dot_product_attention` with that
+  implementation (cuDNN's fused flash kernel on NVIDIA GPUs: the logits
+  never reach memory)."""
+  if how in ("xla", "cudnn"):
+    return jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK,
+                                        is_causal=True, implementation=how)
+  t, k = q_BxTxHxK.shape[1], q_BxTxHxK.shape[-1]
+  logits_BxHxTxT = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK,
+                              preferred_element_type=jnp.float32) / math.sqrt(k)
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  logits_BxHxTxT = jnp.where(causal_TxT[None, None], logits_BxHxTxT, -1e30)
+  probs_BxHxTxT = jax.nn.softmax(logits_BxHxTxT, axis=-1).astype(q_BxTxHxK.dtype)
+  return jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT, v_BxTxHxK)
+
+
+def _remat(fn, remat: str):
+  """The scanned block under the config's checkpoint policy."""
+  if remat == "none":
+    return fn
+  if remat == "dots":
+    return jax.checkpoint(
+        fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  return jax.checkpoint(fn)
+
+
 def forward(params, tokens_BxT, config: GPTConfig, key=None):
   """Logits ``(B, T, V)`` in fp32 for integer tokens ``(B, T)``.
 
   ``key``: training mode with dropout (when ``config.dropout > 0``)."""
+  config = config.resolved()
   t = tokens_BxT.shape[1]
   if t > config.seq_len:
     raise ValueError(f"gpt.forward: {t} tokens exceed seq_len={config.seq_len}.")
@@ -181,10 +246,10 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
   x_BxTxD = embed_VxD[tokens_BxT] + pos_TxD[None, :t, :]
   if key is not None and config.dropout > 0:
     keys_L = jax.random.split(key, config.depth)        # one key per layer
-    block = jax.checkpoint(lambda x, lk: _block(config, x, lk[0], lk[1]))
+    block = _remat(lambda x, lk: _block(config, x, lk[0], lk[1]), config.remat)
     xs = (params["blocks"], keys_L)
   else:
-    block = jax.checkpoint(lambda x, layer: _block(config, x, layer))
+    block = _remat(lambda x, layer: _block(config, x, layer), config.remat)
     xs = params["blocks"]
   x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, xs, unroll=config.scan_unroll)
   x_BxTxD = _layer_norm(x_BxTxD, gather(params["lnf_scale_D"]),
