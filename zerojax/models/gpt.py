@@ -39,6 +39,10 @@ class GPTConfig:
                             # "xla" / "cudnn": jax.nn.dot_product_attention
                             # with that implementation; "auto": cudnn on
                             # GPU, einsum elsewhere
+  compute_dtype: str | None = None   # e.g. "bfloat16": weights are cast to
+                            # it right after their gather (params stay in
+                            # their own dtype, e.g. fp32, as in Flax's dtype
+                            # vs param_dtype); None: compute in the params'
   remat: str = "auto"       # the block's jax.checkpoint policy: "full"
                             # (save only the block input), "dots" (also the
                             # matmul outputs), "none" (no remat: every
@@ -182,7 +186,7 @@ def _block(config: GPTConfig, x_BxTxD, layer, key=None):
 
   With ``key``, residual dropout (rate ``config.dropout``) on the attention
   and MLP outputs."""
-  layer = gather(layer)                    # ZeRO-3: this layer's weights only
+  layer = _cast(gather(layer), config)     # ZeRO-3: this layer's weights only
   k_att, k_mlp = jax.random.split(key) if key is not None else (None, None)
   b, t, d = x_BxTxD.shape
   h, k = config.heads, d // config.heads
@@ -241,8 +245,8 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
   t = tokens_BxT.shape[1]
   if t > config.seq_len:
     raise ValueError(f"gpt.forward: {t} tokens exceed seq_len={config.seq_len}.")
-  embed_VxD = gather(params["embed_VxD"])
-  pos_TxD = gather(params["pos_TxD"])
+  embed_VxD = _cast(gather(params["embed_VxD"]), config)
+  pos_TxD = _cast(gather(params["pos_TxD"]), config)
   x_BxTxD = embed_VxD[tokens_BxT] + pos_TxD[None, :t, :]
   if key is not None and config.dropout > 0:
     keys_L = jax.random.split(key, config.depth)        # one key per layer
@@ -254,8 +258,15 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
   x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, xs, unroll=config.scan_unroll)
   x_BxTxD = _layer_norm(x_BxTxD, gather(params["lnf_scale_D"]),
                         gather(params["lnf_bias_D"]))
-  return jnp.einsum("btd,dv->btv", x_BxTxD, gather(params["head_DxV"]),
+  return jnp.einsum("btd,dv->btv", x_BxTxD,
+                    _cast(gather(params["head_DxV"]), config),
                     preferred_element_type=jnp.float32)
+
+
+def _cast(tree, config: GPTConfig):
+  if config.compute_dtype is None:
+    return tree
+  return jax.tree.map(lambda x: x.astype(config.compute_dtype), tree)
 
 
 def loss(params, batch, config: GPTConfig, key=None):

@@ -1,0 +1,156 @@
+"""One accelerator: a plain jitted Optax loop beside zerojax stages 0-3.
+
+The same GPT (fp32 params, bf16 compute, the backend's fast attention and
+remat policy), batch and AdamW in every configuration; each configuration
+runs in its own process so that ``memory_stats()["peak_bytes_in_use"]`` is
+its own. Per configuration: compile time, median step time over
+``--steps`` timed steps (after two warm-up steps), tokens/s, MFU
+(``6 N + 12 L T D`` flops per token over the chip's dense bf16 peak), peak
+device memory, and the compiled program's planned bytes
+(``memory_analysis()``). Prints one JSON line per configuration and writes
+``<out>/gpu_bench.json`` with the device name and JAX version.
+
+    python experiments/gpu_bench.py                       # ~1B and ~2.7B
+    python experiments/gpu_bench.py --sizes tiny --steps 3 # the code path, CPU
+
+Sizes: ``1b`` = width 2048, depth 16, context 2048, batch 8; ``2.7b`` =
+width 4096, depth 12, context 2048, batch 4; ``tiny`` for a CPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = {
+    "1b": dict(width=2048, depth=16, heads=16, seq_len=2048, batch=8),
+    "2.7b": dict(width=4096, depth=12, heads=32, seq_len=2048, batch=4),
+    "tiny": dict(width=64, depth=2, heads=2, seq_len=64, batch=4),
+}
+CONFIGS = ("plain", "0", "1", "2", "3")
+
+
+def run_one(size: str, config: str, steps: int) -> dict:
+  """Runs one configuration in this process; returns its record."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import zerojax
+  from zerojax import data, hardware
+  from zerojax.models import gpt
+
+  s = SIZES[size]
+  model = gpt.GPTConfig(vocab=256, seq_len=s["seq_len"], width=s["width"],
+                        depth=s["depth"], heads=s["heads"],
+                        compute_dtype="bfloat16").resolved()
+  device = jax.devices()[0]
+  n_params = gpt.num_params(model)
+  tokens, _ = data.split(data.corpus_bytes())
+  batches = [data.batch_at(tokens, seed=0, step=i, batch=s["batch"],
+                           seq_len=s["seq_len"]) for i in range(steps + 2)]
+  opt = optax.adamw(1e-4, weight_decay=0.1)
+  loss_fn = lambda p, b: gpt.loss(p, b, model)
+  key = jax.random.key(0)
+
+  if config == "plain":
+    params = jax.jit(lambda k: gpt.init(model, k))(key)
+    opt_state = jax.jit(opt.init)(params)
+
+    @jax.jit
+    def plain_step(carry, batch):
+      params, opt_state = carry
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+    step = jax.jit(plain_step, donate_argnums=0)
+    state = (params, opt_state)
+    call = lambda state, b: step(state, b)
+    lowered = step.lower(state, batches[0])
+  else:
+    mesh = zerojax.make_mesh(devices=[device])
+    tx = zerojax.zero(opt, stage=int(config), mesh=mesh)
+    state = zerojax.init_from(lambda k: gpt.init(model, k), tx, key)
+    zstep = zerojax.train_step(loss_fn, tx, gather="model")
+    call = lambda state, b: zstep(state, b)
+    lowered = zstep.lower(state, batches[0])
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  planned = compiled.memory_analysis()
+  times = []
+  for i, b in enumerate(batches):
+    t = time.perf_counter()
+    state, out = call(state, b)
+    jax.block_until_ready(out)
+    if i >= 2:
+      times.append(time.perf_counter() - t)
+  step_s = statistics.median(times)
+  tokens_per_s = s["batch"] * s["seq_len"] / step_s
+  stats = device.memory_stats() or {}
+  return {
+      "size": size, "config": config, "n_params": n_params,
+      "device_kind": device.device_kind, "platform": device.platform,
+      "jax_version": jax.__version__, "attention": model.attention,
+      "remat": model.remat, "batch": s["batch"], "seq_len": s["seq_len"],
+      "compile_s": compile_s, "step_s": step_s, "steps_timed": len(times),
+      "tokens_per_s": tokens_per_s,
+      "mfu": hardware.mfu(tokens_per_s, gpt.flops_per_token(model, n_params),
+                          [device]),
+      "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+      "planned_bytes": None if planned is None else int(
+          planned.argument_size_in_bytes + planned.output_size_in_bytes
+          + planned.temp_size_in_bytes - planned.alias_size_in_bytes),
+      "final_loss": float(np.asarray(jax.device_get(out["loss"] if isinstance(
+          out, dict) else out))),
+  }
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--sizes", default="1b,2.7b")
+  p.add_argument("--configs", default=",".join(CONFIGS))
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--out", default="runs/gpu_bench")
+  p.add_argument("--one", nargs=2, metavar=("SIZE", "CONFIG"),
+                 help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.one:
+    print("RECORD " + json.dumps(run_one(*args.one, args.steps)), flush=True)
+    return
+  records = []
+  for size in args.sizes.split(","):
+    for config in args.configs.split(","):
+      proc = subprocess.run(
+          [sys.executable, __file__, "--one", size, config,
+           "--steps", str(args.steps)],
+          capture_output=True, text=True, env=dict(os.environ))
+      lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
+      rec = (json.loads(lines[-1][7:]) if lines else
+             {"size": size, "config": config, "error":
+              (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
+      print(json.dumps(rec), flush=True)
+      records.append(rec)
+  plain = {r["size"]: r for r in records if r["config"] == "plain"
+           and "error" not in r}
+  for r in records:
+    base = plain.get(r["size"])
+    if base and "error" not in r and r["config"] != "plain":
+      r["step_vs_plain"] = r["step_s"] / base["step_s"]
+      if r.get("peak_bytes_in_use") and base.get("peak_bytes_in_use"):
+        r["peak_vs_plain"] = r["peak_bytes_in_use"] / base["peak_bytes_in_use"]
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "gpu_bench.json").write_text(json.dumps(records, indent=2))
+  print(f"wrote {out / 'gpu_bench.json'}")
+
+
+if __name__ == "__main__":
+  main()
