@@ -1,0 +1,103 @@
+"""A pytest plugin that runs Optax's own test modules through the drop-in.
+
+Loaded with ``-p tests.optax_dropin`` next to ``--pyargs
+optax._src.alias_test optax.contrib._common_test`` (both ship in the
+Optax wheel). Every optimizer those tests build from ``alias`` or
+``contrib`` comes back as ``zerojax.zero(opt, stage=S, mesh=...,
+min_shard_size=M)``; a contrib wrapper (``mechanize``, ``schedule_free``)
+wraps the inner Optax optimizer and is then wrapped itself. Optax's
+assertions run unchanged, each test under ``jax.set_mesh(mesh)``: how the
+README tells drop-in users to create their params, so that they start on
+the mesh the updates come back on (one compile).
+
+Environment:
+  ZEROJAX_CONFORMANCE_STAGE: 0, 1 or 2; unset runs plain Optax (baseline).
+  ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE: ``min_shard_size`` (default 0: every
+    non-scalar leaf sharded).
+  ZEROJAX_CONFORMANCE_REPORT: a path; each test's outcome is written there
+    as JSON lines ``{"id", "outcome", "error"}``.
+"""
+
+import functools
+import json
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import zerojax  # noqa: E402
+
+_STAGE = os.environ.get("ZEROJAX_CONFORMANCE_STAGE")
+_MIN_SHARD = int(os.environ.get("ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE", "0"))
+_REPORT = os.environ.get("ZEROJAX_CONFORMANCE_REPORT")
+
+
+@functools.cache
+def _mesh():
+  return zerojax.make_mesh()
+
+
+def _unwrap(x):
+  return x.inner if isinstance(x, zerojax.ZeroTransformation) else x
+
+
+def _wrap(x):
+  if (_STAGE is None or not isinstance(x, optax.GradientTransformation)
+      or isinstance(x, zerojax.ZeroTransformation)):
+    return x
+  return zerojax.zero(x, stage=int(_STAGE), mesh=_mesh(),
+                      min_shard_size=_MIN_SHARD)
+
+
+class _Factories:
+  """A module whose optimizer factories return zerojax drop-ins."""
+
+  def __init__(self, module):
+    self._module = module
+
+  def __getattr__(self, name):
+    f = getattr(self._module, name)
+    if not callable(f) or isinstance(f, type):
+      return f
+
+    @functools.wraps(f)
+    def factory(*args, **kwargs):
+      args = [_unwrap(a) for a in args]
+      kwargs = {k: _unwrap(v) for k, v in kwargs.items()}
+      return _wrap(f(*args, **kwargs))
+    return factory
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  for module in {item.module for item in items if hasattr(item, "module")}:
+    for name in ("alias", "contrib"):
+      target = getattr(module, name, None)
+      if target is not None and not isinstance(target, _Factories):
+        setattr(module, name, _Factories(target))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  del item
+  with jax.set_mesh(_mesh()):
+    return (yield)
+
+
+def pytest_runtest_logreport(report):
+  if not _REPORT or (report.when != "call" and report.outcome == "passed"):
+    return
+  if report.when == "teardown" and report.outcome != "failed":
+    return
+  error = ""
+  if report.failed:
+    error = str(getattr(report.longrepr, "reprcrash", None) and
+                report.longrepr.reprcrash.message or report.longrepr)[:500]
+  with open(_REPORT, "a") as f:
+    f.write(json.dumps({"id": report.nodeid, "outcome": report.outcome,
+                        "error": error}) + "\n")
