@@ -272,3 +272,10 @@ def test_params_off_the_mesh_get_told_how_to_place_them(mesh):
   for _ in range(3):
     placed, opt_state = step(placed, opt_state, x)
   assert step._cache_size() == 1
+
+
+def test_zeropp_with_complex_params_raises_naming_the_leaf(mesh):
+  tx = zerojax.zero(optax.adam(0.1), stage=3, mesh=mesh,
+                    zeropp=zerojax.ZeroPP(grad_bits=8))
+  with pytest.raises(ValueError, match=r"\['c'\] is complex64.*ZeRO\+\+"):
+    zerojax.init({"c": jnp.ones((8,), jnp.complex64)}, tx)

@@ -242,6 +242,11 @@ def make_spec(params, tx: ZeroTransformation, models=None) -> StateSpec:
   for p, a, t in zip(paths, avals, trainable):
     if t:
       tx.policy.check_leaf(p, a.dtype)
+    if t and tx.zeropp.active and jnp.issubdtype(a.dtype, jnp.complexfloating):
+      raise ValueError(
+          f"zerojax: param leaf {p} is {a.dtype}, and ZeRO++ ({tx.zeropp}) "
+          f"quantizes real values blockwise; complex leaves are not "
+          f"supported there. Drop zeropp= for a model with complex weights.")
   stacks = tuple(_is_stack(tx.stacked, p, a.shape) for p, a in zip(paths, avals))
   if models is None:
     models = model_axes_of(params, tx)
