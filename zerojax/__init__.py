@@ -37,11 +37,11 @@ from zerojax._state import init_from as init_from
 from zerojax._step import EvalStep as EvalStep
 from zerojax._step import TrainStep as TrainStep
 from zerojax._step import eval_step as eval_step
-from zerojax._step import batch_sharding as batch_sharding
-from zerojax._step import shard_batch as shard_batch
+from zerojax._batch import batch_sharding as batch_sharding
+from zerojax._batch import shard_batch as shard_batch
 from zerojax._step import train_step as train_step
-from zerojax._transform import ZeroConfig as ZeroConfig
-from zerojax._transform import ZeroTransformation as ZeroTransformation
+from zerojax._config import ZeroConfig as ZeroConfig
+from zerojax._dropin import ZeroTransformation as ZeroTransformation
 from zerojax._transform import zero as zero
 from zerojax._update import apply_gradients as apply_gradients
 

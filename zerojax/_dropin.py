@@ -27,15 +27,18 @@ state zerojax owns: :func:`zerojax.init` + :func:`zerojax.train_step`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _state, _update
+from zerojax import _layout, _state, _update
+from zerojax._config import ZeroConfig
 from zerojax._state import StateSpec, _full, make_spec
 
 
@@ -69,7 +72,6 @@ def _check_config(config, where: str):
 
 
 def _spec(config, params, where: str) -> StateSpec:
-  from zerojax._transform import from_config
   _check_config(config, where)
   if params is None:
     raise ValueError(f"{where}: zerojax needs params in update "
@@ -188,3 +190,94 @@ def _update_body(config, static, grads, state, params, arrays):
          for u, p, r in zip(updates, p_leaves, spec.leaves)]
   return (jax.tree.unflatten(g_def, out),
           jax.tree.unflatten(jax.tree.structure(state), new_opt))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Init:
+  config: ZeroConfig
+
+  def __call__(self, params):
+    return init(self.config, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Update:
+  config: ZeroConfig
+
+  def __call__(self, updates, state, params=None, **extra_args):
+    return update(self.config, updates, state, params, **extra_args)
+
+
+class ZeroTransformation(optax.GradientTransformationExtraArgs):
+  """An Optax optimizer wrapped for a ZeRO stage: a real Optax transformation.
+
+  Build it with :func:`zerojax.zero`. Two ways to use it:
+
+  * with :func:`zerojax.init` and :func:`zerojax.train_step` (all stages;
+    the lean path: reduce-scatter, per-layer gathers, fp32 master);
+  * as a drop-in Optax ``GradientTransformationExtraArgs`` in an existing
+    loop (stages 0-2): ``tx.init(params)`` returns the inner optimizer's
+    state laid out sharded over the data axis (leaves padded where a
+    dimension does not divide the axis), and
+    ``tx.update(grads, state, params, **extra_args)`` takes replicated
+    gradients (e.g. from ``jax.grad``) or gradients in the stage's layout
+    (from :func:`zerojax.value_and_grad`) and returns updates in the
+    params' (replicated) layout, for ``optax.apply_updates``. Works in
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
+
+  Its fields ``init``/``update`` are Optax's; the configuration is
+  :attr:`config` (also readable as ``tx.stage``, ``tx.mesh``, ...).
+  """
+
+  __slots__ = ()
+
+  @property
+  def config(self) -> ZeroConfig:
+    return self.init.config
+
+  inner = property(lambda self: self.config.inner)
+  stage = property(lambda self: self.config.stage)
+  mesh = property(lambda self: self.config.mesh)
+  axis_name = property(lambda self: self.config.axis_name)
+  policy = property(lambda self: self.config.policy)
+  min_shard_size = property(lambda self: self.config.min_shard_size)
+  stacked = property(lambda self: self.config.stacked)
+  num_shards = property(lambda self: self.config.num_shards)
+  replica_axis = property(lambda self: self.config.replica_axis)
+  num_replicas = property(lambda self: self.config.num_replicas)
+  batch_axes = property(lambda self: self.config.batch_axes)
+  batch_shards = property(lambda self: self.config.batch_shards)
+  model_axes = property(lambda self: self.config.model_axes)
+  model_specs = property(lambda self: self.config.model_specs)
+  offload = property(lambda self: self.config.offload)
+  zeropp = property(lambda self: self.config.zeropp)
+
+  def plan(self, shape, dtype, stacked: bool = True,
+           model: tuple = ()) -> _layout.LeafLayout:
+    return self.config.plan(shape, dtype, stacked, model)
+
+  def plan_param(self, shape, dtype, stacked: bool = True,
+                 model: tuple = ()) -> _layout.LeafLayout:
+    return self.config.plan_param(shape, dtype, stacked, model)
+
+  def replace(self, **changes) -> "ZeroTransformation":
+    """The same transformation with some configuration fields changed."""
+    return from_config(dataclasses.replace(self.config, **changes))
+
+  def __repr__(self):
+    c = self.config
+    extra = ""
+    if c.replica_axis:
+      extra += f", replica_axis={c.replica_axis!r} ({c.num_replicas})"
+    if c.model_axes:
+      extra += f", model_axes={c.model_axes}"
+    if c.offload:
+      extra += ", offload=True"
+    if c.zeropp.active:
+      extra += f", zeropp={c.zeropp}"
+    return (f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
+            f"num_shards={c.num_shards}{extra}, policy={c.policy})")
+
+
+def from_config(config: ZeroConfig) -> ZeroTransformation:
+  return ZeroTransformation(_Init(config), _Update(config))

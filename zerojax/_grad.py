@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax import _audit, _gather, _zeropp
+from zerojax._batch import place_batch
 from zerojax._state import StateSpec, ZeroState, make_spec, model_axes_of
 
 GATHER_MODES = ("auto", "model", "all")
@@ -461,7 +462,6 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
     >>> updates, opt_state = tx.update(grads, opt_state, params)
   """
   check_options(loss_fn, gather, accum_steps, "zerojax.value_and_grad")
-  from zerojax._step import place_batch
 
   @functools.partial(jax.jit, static_argnums=3)
   def run(params, batch, key, models):

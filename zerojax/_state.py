@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import _layout, _model_axes
-from zerojax._transform import HOST_MEMORY, ZeroTransformation
+from zerojax._config import HOST_MEMORY, ZeroConfig
+
+if TYPE_CHECKING:
+  from zerojax._dropin import ZeroTransformation
 
 
 def _is_trainable(dtype) -> bool:
@@ -222,7 +225,7 @@ def make_spec(params, tx: ZeroTransformation, models=None) -> StateSpec:
 
   ``models``: each leaf's model spec, when ``params`` are tracers (which
   carry no sharding to read it from); see :func:`model_axes_of`."""
-  if not isinstance(tx, ZeroTransformation):
+  if not isinstance(getattr(tx, "config", None), ZeroConfig):
     raise TypeError(
         f"zerojax: expected the ZeroTransformation returned by zerojax.zero(), "
         f"got {type(tx).__name__}. Wrap your optimizer: "

@@ -10,180 +10,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from zerojax import _layout
+from zerojax import _model_axes
+from zerojax._config import HOST_MEMORY, STAGES, ZeroConfig
+from zerojax._dropin import ZeroTransformation, from_config
 from zerojax._mesh import DEFAULT_AXIS, data_axis_size, make_mesh
 from zerojax._policy import Policy
 from zerojax._zeropp import ZeroPP
 
-STAGES = (0, 1, 2, 3)
-
-
-@dataclasses.dataclass(frozen=True, eq=True)
-class ZeroConfig:
-  """What a :class:`ZeroTransformation` is: an optimizer, a stage, a mesh.
-
-  Stage ``s`` stores sharded over ``axis_name``:
-
-  ========  ==================  =========  ==========
-  stage     optimizer state     gradients  parameters
-  ========  ==================  =========  ==========
-  0 (DP)    replicated          replicated replicated
-  1         sharded             sharded    replicated
-  2         sharded             sharded*   replicated
-  3         sharded             sharded*   sharded
-  ========  ==================  =========  ==========
-
-  (*) reduce-scattered layer by layer during the backward pass when the loss
-  calls :func:`zerojax.gather` per layer; the accumulator is sharded.
-  """
-
-  inner: optax.GradientTransformation
-  stage: int
-  mesh: Mesh
-  axis_name: str = DEFAULT_AXIS
-  policy: Policy = Policy()
-  min_shard_size: int = 0
-  stacked: Any = None
-  replica_axis: str | None = None
-  model_specs: Any = None
-  offload: bool = False
-  zeropp: ZeroPP = ZeroPP()
-
-  @property
-  def num_shards(self) -> int:
-    """Devices along the data axis: the N of the ZeRO formulas."""
-    return data_axis_size(self.mesh, self.axis_name)
-
-  @property
-  def num_replicas(self) -> int:
-    return int(self.mesh.shape[self.replica_axis]) if self.replica_axis else 1
-
-  @property
-  def batch_axes(self) -> tuple[str, ...]:
-    """The axes the batch splits over (and ``shard_map`` is manual over):
-    replica, then data."""
-    return ((self.replica_axis,) if self.replica_axis else ()) + (
-        self.axis_name,)
-
-  @property
-  def batch_shards(self) -> int:
-    return self.num_replicas * self.num_shards
-
-  @property
-  def model_axes(self) -> dict[str, int]:
-    """Mesh axes left to XLA (tensor parallelism), with their sizes."""
-    return {a: int(s) for a, s in self.mesh.shape.items()
-            if a not in self.batch_axes}
-
-  def plan(self, shape, dtype, stacked: bool = True,
-           model: tuple = ()) -> _layout.LeafLayout:
-    """The layout of a master/optimizer/gradient leaf at this stage."""
-    if self.stage == 0:
-      return _layout.replicated(shape, model)
-    return _layout.plan_leaf(shape, dtype, self.num_shards,
-                             self.min_shard_size, stacked=stacked,
-                             model=model, model_sizes=self.model_axes)
-
-  def plan_param(self, shape, dtype, stacked: bool = True,
-                 model: tuple = ()) -> _layout.LeafLayout:
-    """The layout of a parameter leaf: sharded only at stage 3."""
-    if self.stage < 3:
-      return _layout.replicated(shape, model, reason=f"stage {self.stage}")
-    return self.plan(shape, dtype, stacked, model)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Init:
-  config: ZeroConfig
-
-  def __call__(self, params):
-    from zerojax import _dropin
-    return _dropin.init(self.config, params)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Update:
-  config: ZeroConfig
-
-  def __call__(self, updates, state, params=None, **extra_args):
-    from zerojax import _dropin
-    return _dropin.update(self.config, updates, state, params, **extra_args)
-
-
-class ZeroTransformation(optax.GradientTransformationExtraArgs):
-  """An Optax optimizer wrapped for a ZeRO stage: a real Optax transformation.
-
-  Build it with :func:`zerojax.zero`. Two ways to use it:
-
-  * with :func:`zerojax.init` and :func:`zerojax.train_step` (all stages;
-    the lean path: reduce-scatter, per-layer gathers, fp32 master);
-  * as a drop-in Optax ``GradientTransformationExtraArgs`` in an existing
-    loop (stages 0-2): ``tx.init(params)`` returns the inner optimizer's
-    state laid out sharded over the data axis (leaves padded where a
-    dimension does not divide the axis), and
-    ``tx.update(grads, state, params, **extra_args)`` takes replicated
-    gradients (e.g. from ``jax.grad``) or gradients in the stage's layout
-    (from :func:`zerojax.value_and_grad`) and returns updates in the
-    params' (replicated) layout, for ``optax.apply_updates``. Works in
-    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
-
-  Its fields ``init``/``update`` are Optax's; the configuration is
-  :attr:`config` (also readable as ``tx.stage``, ``tx.mesh``, ...).
-  """
-
-  __slots__ = ()
-
-  @property
-  def config(self) -> ZeroConfig:
-    return self.init.config
-
-  inner = property(lambda self: self.config.inner)
-  stage = property(lambda self: self.config.stage)
-  mesh = property(lambda self: self.config.mesh)
-  axis_name = property(lambda self: self.config.axis_name)
-  policy = property(lambda self: self.config.policy)
-  min_shard_size = property(lambda self: self.config.min_shard_size)
-  stacked = property(lambda self: self.config.stacked)
-  num_shards = property(lambda self: self.config.num_shards)
-  replica_axis = property(lambda self: self.config.replica_axis)
-  num_replicas = property(lambda self: self.config.num_replicas)
-  batch_axes = property(lambda self: self.config.batch_axes)
-  batch_shards = property(lambda self: self.config.batch_shards)
-  model_axes = property(lambda self: self.config.model_axes)
-  model_specs = property(lambda self: self.config.model_specs)
-  offload = property(lambda self: self.config.offload)
-  zeropp = property(lambda self: self.config.zeropp)
-
-  def plan(self, shape, dtype, stacked: bool = True,
-           model: tuple = ()) -> _layout.LeafLayout:
-    return self.config.plan(shape, dtype, stacked, model)
-
-  def plan_param(self, shape, dtype, stacked: bool = True,
-                 model: tuple = ()) -> _layout.LeafLayout:
-    return self.config.plan_param(shape, dtype, stacked, model)
-
-  def replace(self, **changes) -> "ZeroTransformation":
-    """The same transformation with some configuration fields changed."""
-    return from_config(dataclasses.replace(self.config, **changes))
-
-  def __repr__(self):
-    c = self.config
-    extra = ""
-    if c.replica_axis:
-      extra += f", replica_axis={c.replica_axis!r} ({c.num_replicas})"
-    if c.model_axes:
-      extra += f", model_axes={c.model_axes}"
-    if c.offload:
-      extra += ", offload=True"
-    if c.zeropp.active:
-      extra += f", zeropp={c.zeropp}"
-    return (f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
-            f"num_shards={c.num_shards}{extra}, policy={c.policy})")
-
-
-def from_config(config: ZeroConfig) -> ZeroTransformation:
-  return ZeroTransformation(_Init(config), _Update(config))
-
+__all__ = ["HOST_MEMORY", "STAGES", "ZeroConfig", "ZeroTransformation",
+           "from_config", "zero"]
 
 def _context_mesh(axis_name: str) -> Mesh:
   """The mesh from ``jax.set_mesh`` if one is set, else a new 1-D mesh."""
@@ -301,7 +136,6 @@ def zero(
           f"other than the data axis {axis_name!r} (the mesh has "
           f"{tuple(mesh.axis_names)}). Build the mesh with "
           f"zerojax.make_mesh('replica=2,data=4').")
-  from zerojax import _model_axes
   model_specs = _model_axes.as_lookup(model_specs)
   policy = Policy() if policy is None else policy
   if not isinstance(policy, Policy):
@@ -369,9 +203,6 @@ def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str,
         f"rejects the quantized gather inside the per-model-shard region). "
         f"Use a 1-D or replica x data mesh for zeropp=, or drop zeropp= on "
         f"this mesh.")
-
-
-HOST_MEMORY = "pinned_host"
 
 
 def _check_host_memory(mesh: Mesh):

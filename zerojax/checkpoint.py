@@ -41,7 +41,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 from zerojax import _layout
 from zerojax._policy import Policy
 from zerojax._state import StateSpec, ZeroState, make_spec
-from zerojax._transform import ZeroTransformation
+from zerojax._dropin import ZeroTransformation
 
 FORMAT = "zerojax-checkpoint-1"
 

@@ -1,0 +1,86 @@
+"""The batch a step takes: checked, then split over the batch axes.
+
+Both the gradient half (:func:`zerojax.value_and_grad`) and the train and
+eval steps place their batch with :func:`place_batch`; multi-process
+training builds global batches from each process's rows with
+:func:`shard_batch`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax import _state
+
+if TYPE_CHECKING:
+  from zerojax._dropin import ZeroTransformation
+
+
+def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
+  """Checks the batch splits over devices x micro-batches; shards it."""
+  n = tx.batch_shards
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not leaves:
+    raise ValueError("zerojax train step: the batch has no arrays.")
+  sharding = batch_sharding(tx)
+  rows = None
+  for path, x in leaves:
+    shape = np.shape(x)
+    if len(shape) == 0:
+      raise ValueError(
+          f"zerojax train step: batch leaf {jax.tree_util.keystr(path)} is a "
+          f"scalar; every batch leaf needs a leading batch dimension to split "
+          f"over the {' x '.join(map(repr, tx.batch_axes))} axes.")
+    if rows is None:
+      rows = shape[0]
+    elif shape[0] != rows:
+      raise ValueError(
+          f"zerojax train step: batch leaf {jax.tree_util.keystr(path)} has "
+          f"{shape[0]} rows but other leaves have {rows}; all batch leaves "
+          f"share the leading batch dimension.")
+    if shape[0] % (n * accum_steps):
+      fix = -(-shape[0] // (n * accum_steps)) * n * accum_steps
+      raise ValueError(
+          f"zerojax train step: batch leaf {jax.tree_util.keystr(path)} has "
+          f"{shape[0]} rows, which do not split over {n} devices x "
+          f"{accum_steps} micro-batches (needs a multiple of "
+          f"{n * accum_steps}). Use a batch of {fix}, or change accum_steps.")
+
+  def put(x):
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+      return x
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      # resharded under jit, across processes too (jax.reshard
+      # refuses Auto axes)
+      return _state._fresh_copy(sharding)(x)
+    if jax.process_count() > 1:
+      raise ValueError(
+          "zerojax train step: in a multi-process run the batch must be a "
+          "global jax.Array; build it with "
+          "jax.make_array_from_process_local_data.")
+    return jax.device_put(x, sharding)
+  return jax.tree.map(put, batch)
+
+
+def batch_sharding(tx: ZeroTransformation) -> NamedSharding:
+  """Rows split over the batch axes (replica, then data); replicated over
+  model axes."""
+  return NamedSharding(tx.mesh, P(tx.batch_axes))
+
+
+def shard_batch(local_batch, tx: ZeroTransformation, global_rows: int):
+  """A global batch from the rows this process feeds.
+
+  Each process passes only its own rows (``zerojax.distributed.local_rows``
+  says which); the result is a global array sharded along the data axis,
+  as a train step expects. Single-process runs may pass the whole batch.
+  """
+  sharding = batch_sharding(tx)
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(
+          sharding, np.asarray(x), (global_rows,) + np.shape(x)[1:]),
+      local_batch)
