@@ -228,14 +228,14 @@ def test_remat_policies_and_attention_kernels_give_the_same_gradients():
                        attention="einsum", remat="full")
   params = gpt.init(base, jax.random.key(0))
   want_l, want_g = jax.value_and_grad(gpt.loss)(params, batch, base)
-  for attention in ("einsum", "xla"):
-    for remat in ("full", "dots", "none"):
-      config = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16,
-                             attention=attention, remat=remat)
-      l, g = jax.value_and_grad(gpt.loss)(params, batch, config)
-      np.testing.assert_allclose(l, want_l, rtol=1e-5)
-      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+  for attention, remat in (("einsum", "dots"), ("einsum", "none"),
+                           ("xla", "full"), ("xla", "dots")):
+    config = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16,
+                           attention=attention, remat=remat)
+    l, g = jax.value_and_grad(gpt.loss)(params, batch, config)
+    np.testing.assert_allclose(l, want_l, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
+      np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
   with pytest.raises(ValueError, match="remat='some'"):
     gpt.GPTConfig(remat="some")
   assert gpt.GPTConfig().resolved("gpu").attention == "cudnn"
