@@ -90,6 +90,10 @@ def pytest_runtest_call(item):
 
 
 def pytest_runtest_logreport(report):
+  # under pytest-xdist the controller sees every worker's reports: it
+  # alone writes them (once each)
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    return
   if not _REPORT or (report.when != "call" and report.outcome == "passed"):
     return
   if report.when == "teardown" and report.outcome != "failed":
