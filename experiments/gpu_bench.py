@@ -64,7 +64,6 @@ def run_one(size: str, config: str, steps: int) -> dict:
     params = jax.jit(lambda k: gpt.init(model, k))(key)
     opt_state = jax.jit(opt.init)(params)
 
-    @jax.jit
     def plain_step(carry, batch):
       params, opt_state = carry
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)

@@ -249,6 +249,13 @@ def test_a_users_jitted_loop_compiles_once(mesh, stage):
   tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh)
   with jax.set_mesh(mesh):
     params = _model_params()
+  params = _three_steps_compile_once(tx, params)
+  assert all(p.sharding.spec == P() for p in jax.tree.leaves(params))
+
+
+def _three_steps_compile_once(tx, params):
+  """tx.init without a warning, then three steps of a user's loop: one
+  compile."""
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     opt_state = tx.init(params)
@@ -256,7 +263,7 @@ def test_a_users_jitted_loop_compiles_once(mesh, stage):
   for _ in range(3):
     params, opt_state = step(params, opt_state, x)
   assert step._cache_size() == 1
-  assert all(p.sharding.spec == P() for p in jax.tree.leaves(params))
+  return params
 
 
 def test_params_off_the_mesh_get_told_how_to_place_them(mesh):
@@ -264,14 +271,7 @@ def test_params_off_the_mesh_get_told_how_to_place_them(mesh):
   params = _model_params()                 # one device, uncommitted
   with pytest.warns(UserWarning, match=r"jax.set_mesh\(tx.mesh\).*device_put"):
     tx.init(params)
-  placed = jax.device_put(params, NamedSharding(mesh, P()))
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    opt_state = tx.init(placed)
-  step, x = _user_step(tx), jnp.ones((4, 5))
-  for _ in range(3):
-    placed, opt_state = step(placed, opt_state, x)
-  assert step._cache_size() == 1
+  _three_steps_compile_once(tx, jax.device_put(params, NamedSharding(mesh, P())))
 
 
 def test_zeropp_with_complex_params_raises_naming_the_leaf(mesh):
