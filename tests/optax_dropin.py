@@ -89,10 +89,21 @@ def pytest_runtest_call(item):
     return (yield)
 
 
+_IS_XDIST_WORKER = False
+
+
+def pytest_configure(config):
+  # an xdist worker's config carries ``workerinput``; the environment
+  # variable would also be set when this pytest itself runs inside an
+  # outer xdist worker, so it cannot tell the two apart
+  global _IS_XDIST_WORKER
+  _IS_XDIST_WORKER = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report):
   # under pytest-xdist the controller sees every worker's reports: it
   # alone writes them (once each)
-  if os.environ.get("PYTEST_XDIST_WORKER"):
+  if _IS_XDIST_WORKER:
     return
   if not _REPORT or (report.when != "call" and report.outcome == "passed"):
     return

@@ -188,20 +188,19 @@ def test_export_full_precision_params(tmp_path):
 
 
 def test_export_gathers_one_leaf_at_a_time(monkeypatch):
-  from zerojax import _state
   params = {f"w{i}": jnp.full((64, 64), float(i)) for i in range(8)}
   tx = zerojax.zero(optax.adam(1e-2), stage=3, policy=BF16)
   state = zerojax.init(params, tx)
   del params
   baseline = sum(x.nbytes for x in jax.live_arrays())
   extra = []
-  real = _state._gather_one
+  real = checkpoint.gather_leaf
 
-  def watched(*a):
-    out = real(*a)
+  def watched(*a, **kw):
+    out = real(*a, **kw)
     extra.append(sum(x.nbytes for x in jax.live_arrays()) - baseline)
     return out
-  monkeypatch.setattr(_state, "_gather_one", watched)
+  monkeypatch.setattr(checkpoint, "gather_leaf", watched)
   full = checkpoint.export_params(state)
   leaf = 64 * 64 * 4                       # one fp32 master leaf, unsharded
   assert len(extra) == 8

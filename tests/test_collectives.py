@@ -116,10 +116,9 @@ def test_uneven_leaves_count_their_padding(mesh):
   params = toy.init_params(jax.random.key(0))
   tx = zerojax.zero(optax.adamw(1e-3), stage=1, mesh=mesh)
   spec = zerojax.init(params, tx).spec
-  padded = sum(math.prod(l.storage_shape) for l, t in
-               zip(spec.shard_layouts, spec.trainable) if t and l.sharded)
-  logical = sum(math.prod(a.shape) for a, t in
-                zip(spec.params_avals, spec.trainable) if t)
+  padded = sum(math.prod(r.shard.storage_shape) for r in spec.leaves
+               if r.trainable and r.shard.sharded)
+  logical = sum(r.size for r in spec.leaves if r.trainable)
   _, colls = compiled(1, params=params, loss=toy.loss_fn,
                       batch=toy.batches(1)[0])
   assert elements(colls, "reduce-scatter") == padded

@@ -80,8 +80,7 @@ def test_gpt_gathers_per_layer_under_stage3(mesh):
   step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
                             gather="model")
   colls = zerojax.collectives(step.lower(state, batch).compile().as_text(), 8)
-  blocks = sum(np.prod(x.shape) for x in jax.tree.leaves(state.spec.unflatten_params(
-      list(state.spec.params_avals))["blocks"]))
+  blocks = sum(np.prod(x.shape) for x in jax.tree.leaves(state.spec.params_avals()["blocks"]))
   per_loop = {}
   for c in colls:
     if c.kind == "all-gather" and c.count == model.depth:
@@ -151,7 +150,7 @@ def test_unrolled_scan_gathers_the_next_layer_in_the_same_iteration(mesh):
   colls = zerojax.collectives(text, 8)
   in_loops = [c for c in colls if c.kind == "all-gather" and c.count > 1]
   assert {c.count for c in in_loops} == {2}             # depth / unroll
-  blocks = state.spec.unflatten_params(list(state.spec.params_avals))["blocks"]
+  blocks = state.spec.params_avals()["blocks"]
   per_layer = len(jax.tree.leaves(blocks))
   counts = {name: sum(1 for c in in_loops if c.computation == name)
             for name in {c.computation for c in in_loops}}

@@ -27,9 +27,11 @@ from zerojax._report import Report as Report
 from zerojax._report import report as report
 from zerojax._grad import LossOutputError as LossOutputError
 from zerojax._grad import value_and_grad as value_and_grad
-from zerojax._state import LeafSpec as LeafSpec
-from zerojax._state import StateSpec as StateSpec
-from zerojax._state import ZeroState as ZeroState
+from zerojax._spec import LeafSpec as LeafSpec
+from zerojax._spec import OptLeafSpec as OptLeafSpec
+from zerojax._spec import StateSpec as StateSpec
+from zerojax._spec import ZeroState as ZeroState
+from zerojax._spec import make_spec as make_spec
 from zerojax._state import gather_opt_state as gather_opt_state
 from zerojax._state import gather_params as gather_params
 from zerojax._state import init as init
@@ -49,11 +51,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Collective", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError", "ModelSpecError",
+    "OptLeafSpec",
     "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
     "UngatheredParamError", "ZeroConfig", "ZeroPP", "ZeroState", "ZeroTransformation",
     "apply_gradients", "batch_sharding", "bytes_by_axis", "collective_axes", "collective_bytes",
     "crosses_processes", "collectives", "eval_step",
-    "gather", "gather_opt_state", "gather_params", "init", "init_from", "layout_rows",
+    "gather", "gather_opt_state", "gather_params", "init", "init_from", "make_spec", "layout_rows",
     "layout_table", "make_mesh", "memory_bytes", "report", "shard_batch", "state_bytes",
     "theory_bytes", "train_step", "value_and_grad", "zero",
 ]

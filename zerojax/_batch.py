@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _state
+from zerojax._spec import fresh_copy
 
 if TYPE_CHECKING:
   from zerojax._dropin import ZeroTransformation
@@ -56,7 +56,7 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       # resharded under jit, across processes too (jax.reshard
       # refuses Auto axes)
-      return _state._fresh_copy(sharding)(x)
+      return fresh_copy(sharding)(x)
     if jax.process_count() > 1:
       raise ValueError(
           "zerojax train step: in a multi-process run the batch must be a "

@@ -37,9 +37,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _layout, _state, _update
+from zerojax import _layout, _update
 from zerojax._config import ZeroConfig
-from zerojax._state import StateSpec, _full, make_spec
+from zerojax._spec import StateSpec, gathered, make_spec
+from zerojax._state import warn_untrained
 
 
 def _check_config(config, where: str):
@@ -85,17 +86,17 @@ def init(config, params):
   spec = _spec(config, params, "ZeroTransformation.init")
   leaves = jax.tree.leaves(params)
   if not any(isinstance(x, jax.core.Tracer) for x in leaves):
-    _state.warn_untrained(spec, "ZeroTransformation.init")
+    warn_untrained(spec, "ZeroTransformation.init")
     _warn_off_mesh(spec, leaves)
-  shardings = [spec.sharding(l, host=True) for l in spec.opt_layouts]
+  shardings = [spec.sharding(o.layout, host=True) for o in spec.opt_leaves]
 
   def build(leaves):
     leaves = _hold(spec, leaves)
     view = spec.optimizer_view([
         x if r.trainable else None for x, r in zip(leaves, spec.leaves)])
     state = spec.tx.inner.init(view)
-    return [l.to_storage(x) for x, l in zip(jax.tree.leaves(state),
-                                             spec.opt_layouts)]
+    return [o.layout.to_storage(x) for x, o in zip(jax.tree.leaves(state),
+                                                    spec.opt_leaves)]
   stored = jax.jit(build, out_shardings=shardings)(leaves)
   return jax.tree.unflatten(spec.opt_def, stored)
 
@@ -105,7 +106,7 @@ def _hold(spec: StateSpec, p_leaves):
   over the data axis, sharded over model axes as the model says. (Left
   free under an outer ``jit``, XLA may pick an input layout for them that
   JAX cannot express, e.g. a (2,) leaf tiled 2 x 4 over 8 devices.)"""
-  return [jax.lax.with_sharding_constraint(p, spec.sharding(_full(r.param)))
+  return [jax.lax.with_sharding_constraint(p, spec.sharding(gathered(r.param)))
           for p, r in zip(p_leaves, spec.leaves)]
 
 
@@ -180,13 +181,13 @@ def _update_body(config, static, grads, state, params, arrays):
       continue
     if (tuple(np.shape(g)) == tuple(r.aval.shape)
         and r.aval.shape != r.shard.storage_shape):
-      g = jax.lax.with_sharding_constraint(g, spec.sharding(_full(r.param)))
-    g_view.append(_update.grad_view(spec, g, r, where))
-    w_view.append(_update.constrain(p, spec, r.shard))
+      g = jax.lax.with_sharding_constraint(g, spec.sharding(gathered(r.param)))
+    g_view.append(r.grad_view(g, spec.stage, where))
+    w_view.append(r.place.constrain(p, r.shard))
   updates, new_opt = _update.inner_update(
       spec, g_view, w_view, state, _update.join_extra_args(arrays, static))
   out = [jnp.zeros_like(p) if u is None else
-         jax.lax.with_sharding_constraint(u, spec.sharding(_full(r.param)))
+         jax.lax.with_sharding_constraint(u, spec.sharding(gathered(r.param)))
          for u, p, r in zip(updates, p_leaves, spec.leaves)]
   return (jax.tree.unflatten(g_def, out),
           jax.tree.unflatten(jax.tree.structure(state), new_opt))

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax import _zeropp
+from zerojax import _layout, _zeropp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,9 +245,7 @@ def zerojax_gather_bwd(spec, _, ct):
   n = jax.lax.axis_size(spec.axis_name)
   pad = (spec.padded - ct.shape[dim]) if spec.padded else -ct.shape[dim] % n
   if pad:
-    widths = [(0, 0)] * ct.ndim
-    widths[dim] = (0, pad)
-    ct = jnp.pad(ct, widths)
+    ct = _layout.pad_dim(ct, dim, pad)
   shard = over_model_shards(
       lambda c: reduce_scatter(c, spec.axis_name, dim, spec),
       ct, spec.model, dim)

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import _audit, _gather, _zeropp
 from zerojax._batch import place_batch
-from zerojax._state import StateSpec, ZeroState, make_spec, model_axes_of
+from zerojax._spec import StateSpec, ZeroState, make_spec, model_axes_of
 
 GATHER_MODES = ("auto", "model", "all")
 
@@ -123,6 +123,19 @@ def _check_same_tree(old, new):
           f"model state must keep its shapes and dtypes (cast it back).")
 
 
+@dataclasses.dataclass(frozen=True)
+class LossProgram:
+  """One gradient (or evaluation) computation's static inputs: the state's
+  records, the user's loss and how it is called, the micro-batches per
+  step and the gather mode (see :func:`zerojax.train_step`)."""
+
+  spec: StateSpec
+  loss_fn: Callable
+  call: LossCall
+  accum_steps: int = 1
+  gather: str = "auto"
+
+
 # --------------------------------------------------------------------------
 # per device
 # --------------------------------------------------------------------------
@@ -130,11 +143,9 @@ def _split_micro(x, k):
   return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
 
-def _gather_spec(spec: StateSpec, i: int,
-                 quantized: bool = True) -> _gather.GatherSpec:
-  """Leaf ``i``'s gather; ``quantized``: with the tx's ZeRO++ settings
-  (training), else exact (evaluation)."""
-  r = spec.leaves[i]
+def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpec:
+  """Param record ``r``'s gather; ``quantized``: with the tx's ZeRO++
+  settings (training), else exact (evaluation)."""
   zeropp = spec.tx.zeropp
   return _gather.GatherSpec(
       axis_name=spec.tx.axis_name, dim=r.shard.dim - len(r.aval.shape),
@@ -252,20 +263,22 @@ def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
       stacklevel=3)
 
 
-def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
-                gather_mode: str, leaves, batch, key, model_state):
+def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   """Per-device body: ``(grads, loss, aux, new_model_state)``, reduced.
 
   ``grads[i]``: the shard (storage layout) of a sharded leaf at stages 1-3,
   the all-reduced full gradient otherwise, ``None`` for frozen leaves.
   """
+  spec, call, loss_fn = prog.spec, prog.call, prog.loss_fn
+  accum_steps = prog.accum_steps
   tx = spec.tx
   axis, stage, n = tx.axis_name, tx.stage, tx.num_shards
   # every axis the batch splits over: (replica,) data
   axes = tx.batch_axes
   replica = tuple(a for a in axes if a != axis)
   hooked = hooked_leaves(spec)
-  gspecs = [_gather_spec(spec, i) if h else None for i, h in enumerate(hooked)]
+  gspecs = [gather_spec(spec, r) if h else None
+            for r, h in zip(spec.leaves, hooked)]
   if stage == 3 and tx.zeropp.hpz_size:
     # hpZ: each sharded param's secondary shard, gathered across nodes once
     # per step (outside the loss, its remat and the micro-batch loop)
@@ -314,7 +327,7 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
 
   args = (sinks, srcs, first, micro_key(0), model_state)
   n_rest = len(jax.tree.leaves(args)) - len(tags)
-  mode = resolve_gather(spec, gather_mode, probe, args, tags + [None] * n_rest,
+  mode = resolve_gather(spec, prog.gather, probe, args, tags + [None] * n_rest,
                         "train step") if stage >= 2 else "model"
 
   def one(mb, k, ms):
@@ -361,7 +374,7 @@ def local_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps: int,
     elif hooked[i]:                       # already reduce-scattered
       out.append(psum(g, replica, r.shard) * scale)
     elif stage >= 1 and r.shard.sharded:
-      gs = _gather_spec(spec, i)
+      gs = gather_spec(spec, r)
       g = _gather.over_model_shards(
           lambda x, d=r.shard.dim: _gather.reduce_scatter(x, axis, d, gs),
           r.shard.to_storage(g), r.shard.model, r.shard.dim)
@@ -402,9 +415,9 @@ def sync_model_state(x, axis):
 # --------------------------------------------------------------------------
 # global: the shard_map around it
 # --------------------------------------------------------------------------
-def sharded_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps,
-                  gather_mode, params, batch, key, model_state):
+def sharded_grads(prog: LossProgram, params, batch, key, model_state):
   """Runs :func:`local_grads` in ``shard_map``; grads as global arrays."""
+  spec = prog.spec
   tx = spec.tx
   axis, stage = tx.axis_name, tx.stage
   grad_specs = [None if not r.trainable else
@@ -413,12 +426,10 @@ def sharded_grads(spec: StateSpec, call: LossCall, loss_fn, accum_steps,
   param_specs = [r.param.manual_spec(axis) for r in spec.leaves]
   batch_specs = jax.tree.map(lambda _: P(tx.batch_axes), batch)
   rep = lambda t: jax.tree.map(lambda _: P(), t)
-  local = lambda p, b, k, ms: local_grads(spec, call, loss_fn, accum_steps,
-                                          gather_mode, p, b, k, ms)
   # Manual over the batch axes only: model (tensor-parallel) axes stay
   # automatic, so XLA partitions the loss over them as the params say.
   return jax.shard_map(
-      local, mesh=tx.mesh,
+      functools.partial(local_grads, prog), mesh=tx.mesh,
       in_specs=(param_specs, batch_specs, rep(key), rep(model_state)),
       out_specs=(grad_specs, P(), P(), P()), axis_names=set(tx.batch_axes))(
           jax.tree.leaves(params), batch, key, model_state)
@@ -476,8 +487,9 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
           for x, r in zip(jax.tree.leaves(model), spec.leaves)])
     call = LossCall(has_key=key is not None, has_model_state=False,
                     has_aux=has_aux)
-    grads, loss, aux, _ = sharded_grads(spec, call, loss_fn, accum_steps,
-                                        gather, model, batch, key, ms)
+    grads, loss, aux, _ = sharded_grads(
+        LossProgram(spec, loss_fn, call, accum_steps, gather), model, batch,
+        key, ms)
     grads = spec.unflatten_params([
         g if g is not None else np.zeros(r.aval.shape, jax.dtypes.float0)
         for g, r in zip(grads, spec.leaves)])

@@ -12,18 +12,7 @@ import collections
 import jax
 import numpy as np
 
-from zerojax._state import ZeroState, _dtype
-
-
-def _category(section: str, path) -> str:
-  if section != "opt_state":
-    return section
-  # the optimizer's field (mu, nu, count): the last attribute on the path,
-  # not counting the params' own NNX Variable nodes (``.value``)
-  names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-  while names and names[-1] == "value" and len(names) > 1:
-    names.pop()
-  return "opt_state." + (names[-1] if names else "leaf")
+from zerojax._spec import ZeroState, leaf_dtype
 
 
 def _shard_nbytes(x) -> int:
@@ -41,16 +30,17 @@ def layout_rows(state: ZeroState) -> list[dict]:
   """One row per state leaf: path, shapes, sharding, bytes per device."""
   spec = state.spec
   rows = []
-  sections = [("params", spec.param_layouts), ("master", spec.shard_layouts),
-              ("opt_state", spec.opt_layouts)]
-  for section, layouts in sections:
+  sections = [("params", [(r.param, "params") for r in spec.leaves]),
+              ("master", [(r.shard, "master") for r in spec.leaves
+                          if r.trainable]),
+              ("opt_state", [(o.layout, f"opt_state.{o.field}")
+                             for o in spec.opt_leaves])]
+  for section, records in sections:
     tree = getattr(state, section)
     if tree is None:
       continue
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    if section == "master":
-      layouts = [l for l, t in zip(layouts, spec.trainable) if t]
-    for (path, x), layout in zip(leaves, layouts):
+    for (path, x), (layout, category) in zip(leaves, records):
       if layout.sharded:
         how = f"dim {layout.dim} over {spec.tx.axis_name!r}"
         if layout.pad:
@@ -62,9 +52,9 @@ def layout_rows(state: ZeroState) -> list[dict]:
       if model:
         how += "; model: " + ", ".join(model)
       rows.append(dict(
-          category=_category(section, path), section=section,
+          category=category, section=section,
           path=section + jax.tree_util.keystr(path),
-          shape=tuple(layout.shape), dtype=str(_dtype(x.dtype)),
+          shape=tuple(layout.shape), dtype=str(leaf_dtype(x.dtype)),
           storage_shape=tuple(x.shape), sharded=layout.sharded, how=how,
           dim=layout.dim, placement=str(layout.spec(spec.tx.axis_name)),
           memory=_memory_kind(x),
@@ -134,23 +124,20 @@ def theory_bytes(state: ZeroState) -> dict[str, float]:
   n, stage = spec.tx.num_shards, spec.stage
   out: dict[str, float] = collections.defaultdict(float)
   sizes = spec.tx.model_axes
-  msize = lambda layout: int(np.prod(
-      [sizes[ax] for m in layout.model for ax in m] or [1]))
-  for i, a in enumerate(spec.params_avals):
-    size = int(np.prod(a.shape)) / msize(spec.shard_layouts[i])
-    out["params"] += size * np.dtype(spec.compute_dtype(i)).itemsize / (
+  for r in spec.leaves:
+    size = r.size / r.shard.model_shards(sizes)
+    out["params"] += size * np.dtype(r.compute_dtype).itemsize / (
         n if stage == 3 else 1)
-    if spec.trainable[i]:
+    if r.trainable:
       if spec.policy.has_master:
-        out["master"] += size * np.dtype(spec.master_dtype(i)).itemsize / (
+        out["master"] += size * np.dtype(r.master_dtype).itemsize / (
             n if stage >= 1 else 1)
-      out["grads"] += size * np.dtype(spec.reduce_dtype(i)).itemsize / (
+      out["grads"] += size * np.dtype(r.reduce_dtype).itemsize / (
           n if stage >= 2 else 1)
-  opt_paths = jax.tree_util.tree_flatten_with_path(
-      jax.tree.unflatten(spec.opt_def, list(spec.opt_avals)))[0]
-  for (path, a), layout in zip(opt_paths, spec.opt_layouts):
+  for o in spec.opt_leaves:
+    a = o.aval
     shardable = stage >= 1 and len(a.shape) > 0    # scalars (count) stay whole
-    out[_category("opt_state", path)] += (
+    out[f"opt_state.{o.field}"] += (
         int(np.prod(a.shape)) * a.dtype.itemsize
-        / (n if shardable else 1) / msize(layout))
+        / (n if shardable else 1) / o.layout.model_shards(sizes))
   return dict(out)

@@ -89,6 +89,11 @@ class LeafLayout:
     s[self.dim] = self.padded
     return tuple(s)
 
+  def model_shards(self, sizes: dict) -> int:
+    """How many pieces the model (tensor-parallel) axes cut this leaf into,
+    given the mesh's axis sizes: the divisor of its bytes per device."""
+    return math.prod(int(sizes[a]) for m in self.model for a in m)
+
   def model_axes(self, d: int) -> tuple:
     return tuple(self.model[d]) if self.model and d < len(self.model) else ()
 
@@ -116,18 +121,24 @@ class LeafLayout:
     return tuple(s)
 
   def to_storage(self, x: jax.Array) -> jax.Array:
-    """Pads a logical array to its storage shape (no sharding applied)."""
-    if not self.pad:
-      return x
-    widths = [(0, 0)] * x.ndim
-    widths[self.dim] = (0, self.pad)
-    return jnp.pad(x, widths)
+    """Pads a logical array (JAX or NumPy) to its storage shape (no
+    sharding applied)."""
+    return pad_dim(x, self.dim, self.pad) if self.pad else x
 
   def to_logical(self, x: jax.Array) -> jax.Array:
     """Slices the padding off a storage array."""
     if not self.pad:
       return x
     return jax.lax.slice_in_dim(x, 0, self.shape[self.dim], axis=self.dim)
+
+
+def pad_dim(x, dim: int, amount: int):
+  """``x`` with ``amount`` zeros appended along ``dim``: the one padding
+  rule (storage layouts, reduce-scatter buffers). A NumPy array stays on
+  the host (``init`` pads there, before any device sees the leaf)."""
+  widths = [(0, 0)] * x.ndim
+  widths[dim] = (0, amount)
+  return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
 
 
 def plan_leaf(shape, dtype, n: int, min_shard_size: int,

@@ -29,7 +29,7 @@ import json
 import numpy as np
 
 from zerojax import _hlo, _inspect
-from zerojax._state import ZeroState
+from zerojax._spec import ZeroState
 
 
 def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
@@ -37,14 +37,15 @@ def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
   spec = state.spec
   k = accum_steps
   elems = rbytes = cbytes = 0
-  for i, a in enumerate(spec.params_avals):
-    if not spec.trainable[i]:
+  sizes = spec.tx.model_axes
+  for r in spec.leaves:
+    if not r.trainable:
       continue
     # a tensor-parallel leaf: each data-axis group moves its model shard
-    size = int(np.prod(a.shape)) // _model_size(spec, spec.shard_layouts[i])
+    size = r.size // r.shard.model_shards(sizes)
     elems += size
-    rbytes += size * np.dtype(spec.reduce_dtype(i)).itemsize
-    cbytes += size * np.dtype(spec.compute_dtype(i)).itemsize
+    rbytes += size * np.dtype(r.reduce_dtype).itemsize
+    cbytes += size * np.dtype(r.compute_dtype).itemsize
   stage = spec.stage
   if stage == 0:
     return {"all-reduce": (elems, rbytes)}
@@ -57,10 +58,6 @@ def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
     out["all-reduce"] = (elems // n, rbytes // n)
   return out
 
-
-def _model_size(spec, layout) -> int:
-  sizes = spec.tx.model_axes
-  return int(np.prod([sizes[a] for m in layout.model for a in m] or [1]))
 
 
 @dataclasses.dataclass
@@ -174,8 +171,7 @@ def report(step, state: ZeroState, batch) -> Report:
   mem = compiled.memory_analysis()
   return Report(
       stage=spec.stage, n_devices=n,
-      n_params=sum(int(np.prod(a.shape)) for a, t in
-                   zip(spec.params_avals, spec.trainable) if t),
+      n_params=sum(r.size for r in spec.leaves if r.trainable),
       state_bytes=_inspect.state_bytes(state),
       theory_state_bytes=_inspect.theory_bytes(state),
       collectives=[dataclasses.asdict(c) for c in colls],

@@ -28,14 +28,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import _gather, _grad, _state, _update
+from zerojax import _gather, _grad, _update
 from zerojax._batch import place_batch
 from zerojax._grad import LossCall
-from zerojax._state import StateSpec, ZeroState
+from zerojax._spec import StateSpec, ZeroState, leaf_dtype
 from zerojax._dropin import ZeroTransformation
 
 
@@ -81,11 +80,11 @@ def check_state(state, tx: ZeroTransformation) -> StateSpec:
           f"optimizer state must come from the same zerojax.init call.")
     for (path, g), (_, w) in zip(got_l, want_l):
       if (tuple(g.shape) != tuple(w.shape)
-          or _state._dtype(g.dtype) != _state._dtype(w.dtype)):
+          or leaf_dtype(g.dtype) != leaf_dtype(w.dtype)):
         raise ValueError(
             f"zerojax train step: state.{name}{jax.tree_util.keystr(path)} "
-            f"is {_state._dtype(g.dtype)}{list(g.shape)}, but the state "
-            f"layout expects {_state._dtype(w.dtype)}{list(w.shape)} (stage "
+            f"is {leaf_dtype(g.dtype)}{list(g.shape)}, but the state "
+            f"layout expects {leaf_dtype(w.dtype)}{list(w.shape)} (stage "
             f"{spec.stage} storage, padded). Rebuild the state with "
             f"zerojax.init instead of replacing leaves.")
   return spec
@@ -96,7 +95,7 @@ _SECTIONS = ("params", "master", "opt_state")
 
 def _signature(state: ZeroState):
   return tuple((jax.tree.structure(getattr(state, n)),
-                tuple((tuple(x.shape), _state._dtype(x.dtype))
+                tuple((tuple(x.shape), leaf_dtype(x.dtype))
                       for x in jax.tree.leaves(getattr(state, n))))
                for n in _SECTIONS)
 
@@ -123,9 +122,10 @@ def step_key(state: ZeroState):
 def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
           gather_mode):
   spec = state.spec
+  prog = _grad.LossProgram(spec, loss_fn, loss_call(state), accum_steps,
+                           gather_mode)
   grads, loss, aux, new_ms = _grad.sharded_grads(
-      spec, loss_call(state), loss_fn, accum_steps, gather_mode, state.params,
-      batch, step_key(state), state.model_state)
+      prog, state.params, batch, step_key(state), state.model_state)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     extra_args = {"value": loss, **extra_args}
   new_state, grad_norm = _update.update_state(state, grads, extra_args,
@@ -225,13 +225,13 @@ def train_step(
 # --------------------------------------------------------------------------
 # evaluation: forward only, the model's own per-layer gathers
 # --------------------------------------------------------------------------
-def _eval_local(spec: StateSpec, call: LossCall, loss_fn, gather_mode, leaves,
-                batch, key, model_state):
+def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state):
+  spec, call, loss_fn = prog.spec, prog.call, prog.loss_fn
   tx = spec.tx
   n = tx.num_shards
   hooked = [spec.stage == 3 and r.param.sharded for r in spec.leaves]
-  gspecs = [_grad._gather_spec(spec, i, quantized=False) if h else None
-            for i, h in enumerate(hooked)]
+  gspecs = [_grad.gather_spec(spec, r, quantized=False) if h else None
+            for r, h in zip(spec.leaves, hooked)]
   # A sink of the shard's shape (never differentiated, so never computed).
   sinks = [jnp.zeros(r.param.shard_shape(n), r.reduce_dtype) if h else None
            for r, h in zip(spec.leaves, hooked)]
@@ -248,7 +248,7 @@ def _eval_local(spec: StateSpec, call: LossCall, loss_fn, gather_mode, leaves,
   args = (srcs, batch, key, model_state)
   tags = [i for i, h in enumerate(hooked) if h]
   tags = tags + [None] * (len(jax.tree.leaves(args)) - len(tags))
-  mode = _grad.resolve_gather(spec, gather_mode, probe, args, tags,
+  mode = _grad.resolve_gather(spec, prog.gather, probe, args, tags,
                               "eval step")
   params = _grad.model_params(spec, leaves, sinks, hooked, gspecs)
   if mode == "all":
@@ -302,9 +302,9 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
     batch_specs = jax.tree.map(lambda _: P(tx.batch_axes), batch)
     rep = lambda t: jax.tree.map(lambda _: P(), t)
     key, ms = step_key(state), state.model_state
-    fn = lambda p, b, k, m: _eval_local(spec, call, loss_fn, gather, p, b, k, m)
+    prog = _grad.LossProgram(spec, loss_fn, call, gather=gather)
     return jax.shard_map(
-        fn, mesh=tx.mesh, in_specs=(param_specs, batch_specs, rep(key), rep(ms)),
+        functools.partial(_eval_local, prog), mesh=tx.mesh, in_specs=(param_specs, batch_specs, rep(key), rep(ms)),
         out_specs=P(), axis_names=set(tx.batch_axes))(
             jax.tree.leaves(state.params), batch, key, ms)
   return EvalStep(loss_fn, tx, gather, jax.jit(run))

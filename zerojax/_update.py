@@ -22,32 +22,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import _gather, _layout
-from zerojax._state import StateSpec, ZeroState
-
-
-def constrain(x, spec: StateSpec, layout: _layout.LeafLayout):
-  """``x`` (logical or storage shape) constrained to ``layout``'s sharding."""
-  return jax.lax.with_sharding_constraint(x, spec.sharding(layout))
-
-
-def grad_view(spec: StateSpec, g, r, where: str):
-  """One gradient leaf -> its logical view in the master dtype, sharded.
-
-  Accepts the logical shape (e.g. replicated, from ``jax.grad``) or the
-  stage's storage shape (from :func:`zerojax.value_and_grad`)."""
-  shape = tuple(np.shape(g))
-  if shape == tuple(r.aval.shape):
-    logical = g
-  elif r.shard.sharded and shape == r.shard.storage_shape:
-    logical = r.shard.to_logical(g)
-  else:
-    raise ValueError(
-        f"{where}: gradient{r.path} has shape {list(shape)}; the param is "
-        f"{list(r.aval.shape)} (stored as {list(r.shard.storage_shape)} at "
-        f"stage {spec.stage}). Pass gradients shaped like the params, or as "
-        f"returned by zerojax.value_and_grad.")
-  return constrain(logical.astype(r.master_dtype), spec, r.shard)
+from zerojax import _gather
+from zerojax._spec import StateSpec, ZeroState
 
 
 def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
@@ -68,14 +44,13 @@ def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
   """
   opt_def = spec.opt_def if opt_def is None else opt_def
   leaves = jax.tree.leaves(opt_storage)
-  if len(leaves) != len(spec.opt_layouts):
+  if len(leaves) != len(spec.opt_leaves):
     raise ValueError(
         f"zerojax: the optimizer state has {len(leaves)} leaves; this "
-        f"optimizer's state for these params has {len(spec.opt_layouts)}. "
+        f"optimizer's state for these params has {len(spec.opt_leaves)}. "
         f"Pass the state that tx.init (or zerojax.init) returned.")
   opt_logical = jax.tree.unflatten(opt_def, [
-      constrain(l.to_logical(constrain(spec.fetch(x, l), spec, l)), spec, l)
-      for x, l in zip(leaves, spec.opt_layouts)])
+      o.logical(x) for x, o in zip(leaves, spec.opt_leaves)])
   g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree,
@@ -83,20 +58,12 @@ def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
   else:
     updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree)
   new_leaves = jax.tree.leaves(new_opt)
-  if len(new_leaves) != len(spec.opt_layouts):
+  if len(new_leaves) != len(spec.opt_leaves):
     raise ValueError(
         "zerojax: the inner optimizer's update returned a state with "
-        f"{len(new_leaves)} leaves, its init {len(spec.opt_layouts)}.")
-  new_leaves = [spec.stash(constrain(l.to_storage(_cast(x, a.dtype)), spec, l),
-                           l)
-                for x, l, a in zip(new_leaves, spec.opt_layouts, spec.opt_avals)]
+        f"{len(new_leaves)} leaves, its init {len(spec.opt_leaves)}.")
+  new_leaves = [o.storage(x) for x, o in zip(new_leaves, spec.opt_leaves)]
   return spec.from_optimizer_view(updates), new_leaves
-
-
-def _cast(x, dtype):
-  """``x`` in the state's dtype (an optimizer may promote, e.g. a bf16
-  moment to fp32); typed PRNG keys are left as they are."""
-  return x if x.dtype == dtype else x.astype(dtype)
 
 
 class _Static:
@@ -154,19 +121,16 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   descends."""
   spec = state.spec
   params = jax.tree.leaves(state.params)
-  master = (spec.from_optimizer_view(state.master) if state.master is not None
-            else [None] * len(params))
   g_view, w_view = [], []
-  for g, p, m, r in zip(grads, params, master, spec.leaves):
+  for g, p, m, r in zip(grads, params, spec.masters(state.master),
+                        spec.leaves):
     if not r.trainable:
       g_view.append(None)
       w_view.append(None)
       continue
-    g = grad_view(spec, g, r, where)
+    g = r.grad_view(g, spec.stage, where)
     g_view.append(g.conj() if jnp.iscomplexobj(g) else g)
-    w = (r.shard.to_logical(spec.fetch(m, r.shard)) if m is not None
-         else r.param.to_logical(p))
-    w_view.append(constrain(w, spec, r.shard))
+    w_view.append(r.place.constrain(r.weights(p, m), r.shard))
   updates, new_opt = inner_update(spec, g_view, w_view, state.opt_state,
                                   extra_args)
   new_w = [None if w is None else optax.apply_updates(w, u)
@@ -174,9 +138,7 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   new_master = None
   if state.master is not None:
     new_master = spec.optimizer_view([
-        None if w is None else spec.stash(
-            constrain(r.shard.to_storage(w.astype(r.master_dtype)), spec,
-                      r.shard), r.shard)
+        None if w is None else r.master_storage(w)
         for w, r in zip(new_w, spec.leaves)])
   new_state = state.replace(
       step=state.step + 1, params=new_params(spec, params, new_w),
@@ -196,12 +158,12 @@ def new_params(spec: StateSpec, params, new_w):
       continue
     w = w.astype(r.compute_dtype)
     if stage == 3:
-      out[i] = constrain(r.param.to_storage(w), spec, r.param)
+      out[i] = r.place.constrain(r.param.to_storage(w), r.param)
     elif stage >= 1 and r.shard.sharded:
-      out[i] = constrain(r.shard.to_storage(w), spec, r.shard)
+      out[i] = r.place.constrain(r.shard.to_storage(w), r.shard)
       gather_idx.append(i)
     else:
-      out[i] = constrain(w, spec, r.param)
+      out[i] = r.place.constrain(w, r.param)
   if gather_idx:
     # Stages 1-2: all-gather the updated shards, in compute dtype, in an
     # explicit shard_map (left to GSPMD the layout change may take another

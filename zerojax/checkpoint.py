@@ -28,7 +28,6 @@ stage 0 on 1, with no offline conversion step.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pathlib
 
@@ -40,7 +39,8 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 
 from zerojax import _layout
 from zerojax._policy import Policy
-from zerojax._state import StateSpec, ZeroState, make_spec
+from zerojax._spec import StateSpec, ZeroState, make_spec
+from zerojax._state import gather_leaf
 from zerojax._dropin import ZeroTransformation
 
 FORMAT = "zerojax-checkpoint-1"
@@ -77,12 +77,6 @@ def _layout_from(entry: dict, shape) -> _layout.LeafLayout:
 
 def describe(spec: StateSpec) -> dict:
   """The JSON description of a state's layout that a checkpoint carries."""
-  paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(
-               spec.unflatten_params(list(spec.params_avals)))[0]]
-  opt_paths = [jax.tree_util.keystr(p) for p, _ in
-               jax.tree_util.tree_flatten_with_path(
-                   jax.tree.unflatten(spec.opt_def, list(spec.opt_avals)))[0]]
   pol = spec.policy
   return {
       "format": FORMAT, "stage": spec.stage, "n_devices": spec.tx.num_shards,
@@ -92,17 +86,21 @@ def describe(spec: StateSpec) -> dict:
       "mesh": {a: int(n) for a, n in spec.tx.mesh.shape.items()},
       "axis_name": spec.tx.axis_name, "replica_axis": spec.tx.replica_axis,
       "layouts": {
-          "param": [_layout_json(l) for l in spec.param_layouts],
-          "shard": [_layout_json(l) for l in spec.shard_layouts],
-          "opt": [_layout_json(l) for l in spec.opt_layouts]},
+          "param": [_layout_json(r.param) for r in spec.leaves],
+          "shard": [_layout_json(r.shard) for r in spec.leaves],
+          "opt": [_layout_json(o.layout) for o in spec.opt_leaves]},
       "policy": {"param_dtype": _dtype_name(pol.param_dtype),
                  "master_dtype": _dtype_name(pol.master_dtype),
                  "reduce_dtype": _dtype_name(pol.reduce_dtype)},
-      "params": [{"path": p, "shape": list(a.shape), "dtype": _dtype_name(a.dtype)}
-                 for p, a in zip(paths, spec.params_avals)],
-      "opt_state": [{"path": p, "shape": list(a.shape), "dtype": _dtype_name(a.dtype)}
-                    for p, a in zip(opt_paths, spec.opt_avals)],
+      "params": [_aval_json(r) for r in spec.leaves],
+      "opt_state": [_aval_json(o) for o in spec.opt_leaves],
   }
+
+
+def _aval_json(record) -> dict:
+  a = record.aval
+  return {"path": record.path, "shape": list(a.shape),
+          "dtype": _dtype_name(a.dtype)}
 
 
 def _state_tree(state: ZeroState) -> dict:
@@ -287,7 +285,7 @@ class Checkpointer:
     tree["opt_state"] = jax.tree.unflatten(source.opt_def, [
         jax.random.wrap_key_data(x, impl=impl) if impl not in (None, "raw")
         else x for x, impl in zip(jax.tree.leaves(tree["opt_state"]),
-                                  impls + [None] * len(source.opt_avals))])
+                                  impls + [None] * len(source.opt_leaves))])
     convert = jax.jit(lambda t: _convert(t, source, target),
                       out_shardings=target.shardings())
     state = convert(tree).replace(key=key, model_state=model_state)
@@ -342,19 +340,19 @@ def _source_spec(meta, params_template, tx, where) -> StateSpec:
                          replica_axis=meta["replica_axis"], model_specs=None)
   spec = make_spec(avals, source_tx)
   lay = meta["layouts"]
-  return dataclasses.replace(
-      spec,
-      param_layouts=tuple(_layout_from(e, a.shape)
-                          for e, a in zip(lay["param"], spec.params_avals)),
-      shard_layouts=tuple(_layout_from(e, a.shape)
-                          for e, a in zip(lay["shard"], spec.params_avals)),
-      opt_layouts=tuple(_layout_from(e, a.shape)
-                        for e, a in zip(lay["opt"], spec.opt_avals)))
+  return spec.with_layouts(
+      param=[_layout_from(e, r.aval.shape)
+             for e, r in zip(lay["param"], spec.leaves)],
+      shard=[_layout_from(e, r.aval.shape)
+             for e, r in zip(lay["shard"], spec.leaves)],
+      opt=[_layout_from(e, o.aval.shape)
+           for e, o in zip(lay["opt"], spec.opt_leaves)])
 
 
 def _check_compatible(meta, source: StateSpec, target: StateSpec, where):
   saved = [(e["path"], tuple(e["shape"]), e["dtype"]) for e in meta["opt_state"]]
-  have = [(tuple(a.shape), _dtype_name(a.dtype)) for a in target.opt_avals]
+  have = [(tuple(o.aval.shape), _dtype_name(o.aval.dtype))
+          for o in target.opt_leaves]
   if len(saved) != len(have) or any(
       (s[1], s[2]) != h for s, h in zip(saved, have)):
     first = next((s for s, h in zip(saved, have) if (s[1], s[2]) != h),
@@ -364,11 +362,10 @@ def _check_compatible(meta, source: StateSpec, target: StateSpec, where):
         f"target optimizer ({len(saved)} saved leaves, {len(have)} now"
         + (f"; first difference at opt_state{first[0]}" if first else "")
         + "). Restore with the optimizer that wrote the checkpoint.")
-  for i, t in enumerate(target.trainable):
-    if not t:
+  for s, t in zip(source.leaves, target.leaves):
+    if not t.trainable:
       continue
-    src = np.dtype(source.master_dtype(i))
-    dst = np.dtype(target.master_dtype(i))
+    src, dst = np.dtype(s.master_dtype), np.dtype(t.master_dtype)
     if np.finfo(dst).bits < np.finfo(src).bits:
       raise CheckpointError(
           f"zerojax checkpoint {where}: the saved weights are {src.name}, the "
@@ -402,26 +399,24 @@ def _restore_targets(source: StateSpec, target: StateSpec) -> dict:
       sharding = NamedSharding(mesh, P())
     return jax.ShapeDtypeStruct(shape, src_sds.dtype, sharding=sharding)
 
-  n_params = len(source.params_avals)
-  params = [pick(s, source.param_layouts[i],
-                 target.param_layouts[i], target.compute_dtype(i))
-            for i, s in enumerate(jax.tree.leaves(src_abs.params))]
+  params = [pick(s, src.param, dst.param, dst.compute_dtype)
+            for s, src, dst in zip(jax.tree.leaves(src_abs.params),
+                                   source.leaves, target.leaves)]
   tree = {"step": jax.ShapeDtypeStruct((), jnp.int32,
                                        sharding=NamedSharding(mesh, P())),
           "params": source.unflatten_params(params)}
   if src_abs.master is not None:
-    m = source.from_optimizer_view(src_abs.master)
+    keep = target.policy.has_master
     tree["master"] = source.optimizer_view([
-        None if m[i] is None else
-        pick(m[i], source.shard_layouts[i],
-             target.shard_layouts[i] if target.policy.has_master else None,
-             target.master_dtype(i))
-        for i in range(n_params)])
+        None if m is None else
+        pick(m, src.shard, dst.shard if keep else None, dst.master_dtype)
+        for m, src, dst in zip(source.masters(src_abs.master), source.leaves,
+                               target.leaves)])
   tree["opt_state"] = jax.tree.unflatten(source.opt_def, [
       _key_data_struct(s, mesh) if _is_key_dtype(s.dtype) else
-      pick(s, sl, tl, a.dtype) for s, sl, tl, a in zip(
-          jax.tree.leaves(src_abs.opt_state), source.opt_layouts,
-          target.opt_layouts, target.opt_avals)])
+      pick(s, src.layout, dst.layout, dst.aval.dtype) for s, src, dst in zip(
+          jax.tree.leaves(src_abs.opt_state), source.opt_leaves,
+          target.opt_leaves)])
   return tree
 
 
@@ -437,11 +432,8 @@ def _convert(tree: dict, source: StateSpec, target: StateSpec) -> ZeroState:
   from the most precise saved copy of each param (master, else params)."""
   convert = _layout.convert
   params = jax.tree.leaves(tree["params"])
-  master = (source.from_optimizer_view(tree["master"]) if "master" in tree
-            else [None] * len(params))
-  # (stored array, its layout) of the most precise copy of each param
-  best = [(m, s.shard) if m is not None else (p, s.param)
-          for p, m, s in zip(params, master, source.leaves)]
+  master = source.masters(tree.get("master"))
+  best = [s.kept(p, m) for p, m, s in zip(params, master, source.leaves)]
   new_params = target.unflatten_params([
       convert(x, layout, t.param, t.compute_dtype)
       for (x, layout), t in zip(best, target.leaves)])
@@ -450,8 +442,9 @@ def _convert(tree: dict, source: StateSpec, target: StateSpec) -> ZeroState:
     new_master = target.optimizer_view([
         convert(x, layout, t.shard, t.master_dtype) if t.trainable else None
         for (x, layout), t in zip(best, target.leaves)])
-  opt = [convert(x, sl, tl) for x, sl, tl in zip(
-      jax.tree.leaves(tree["opt_state"]), source.opt_layouts, target.opt_layouts)]
+  opt = [convert(x, src.layout, dst.layout) for x, src, dst in zip(
+      jax.tree.leaves(tree["opt_state"]), source.opt_leaves,
+      target.opt_leaves)]
   return ZeroState(step=tree["step"], params=new_params, master=new_master,
                    opt_state=jax.tree.unflatten(target.opt_def, opt), spec=target)
 
@@ -473,7 +466,7 @@ def export_params(state: ZeroState, path=None):
     The params pytree (same structure as given to ``zerojax.init``) of NumPy
     arrays.
   """
-  from zerojax._state import gather_leaf
+
   full = state.spec.unflatten_params([
       np.asarray(gather_leaf(state, i, master=True))
       for i in range(len(state.spec.leaves))])

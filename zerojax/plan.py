@@ -11,7 +11,7 @@ data-parallel devices, prints for each ZeRO stage the per-device bytes of
 params, master weights, optimizer moments and gradients, and the collective
 bytes per step; then the largest GPT that fits ``--memory-gb`` per device at
 each stage. Everything comes from the layouts zerojax would use -- the same
-:func:`zerojax._state.make_spec` that ``zerojax.init`` runs, on abstract
+:func:`zerojax.make_spec` that ``zerojax.init`` runs, on abstract
 shapes (``jax.eval_shape``) and an ``AbstractMesh`` of N devices -- so no
 array is allocated and 1024 devices or 1T parameters cost nothing. Padding
 of dimensions that do not divide N is included.
@@ -50,7 +50,7 @@ import numpy as np
 import optax
 from jax.sharding import AbstractMesh, AxisType
 
-from zerojax._state import make_spec
+from zerojax._spec import make_spec
 from zerojax._transform import zero
 from zerojax._policy import Policy
 from zerojax.models import gpt
@@ -124,20 +124,20 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
             stacked=gpt.is_layer_stack if tp else None)
   spec = make_spec(abstract_params, tx)
   n = tx.num_shards
-  msize = lambda layout: math.prod(mesh[a] for m in layout.model for a in m)
+  msize = lambda layout: layout.model_shards(mesh)
   shard = lambda layout: math.prod(layout.shard_shape(n)) / msize(layout)
   params = master = grads = 0.0
   rs = ag = ar = arr = 0.0
-  for i, a in enumerate(spec.params_avals):
-    pl, sl = spec.param_layouts[i], spec.shard_layouts[i]
-    c = np.dtype(spec.compute_dtype(i)).itemsize
+  for leaf in spec.leaves:
+    pl, sl = leaf.param, leaf.shard
+    c = np.dtype(leaf.compute_dtype).itemsize
     params += shard(pl) * c
-    if not spec.trainable[i]:
+    if not leaf.trainable:
       continue
-    r = np.dtype(spec.reduce_dtype(i)).itemsize
+    r = np.dtype(leaf.reduce_dtype).itemsize
     if policy.has_master:
-      master += shard(sl) * np.dtype(spec.master_dtype(i)).itemsize
-    grads += (shard(sl) if stage >= 2 else math.prod(a.shape) / msize(sl)) * r
+      master += shard(sl) * np.dtype(leaf.master_dtype).itemsize
+    grads += (shard(sl) if stage >= 2 else leaf.size / msize(sl)) * r
     full = math.prod(sl.storage_shape) / msize(sl)   # one data group's buffer
     if stage == 0 or not sl.sharded:
       ar += full * r
@@ -146,9 +146,9 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
       ag += full * c * (2 if stage == 3 else 1)
       if tx.replica_axis:
         arr += full / n * r
-  optimizer_bytes = sum(shard(l) * a.dtype.itemsize
-                        for l, a in zip(spec.opt_layouts, spec.opt_avals))
-  n_params = sum(math.prod(a.shape) for a in spec.params_avals)
+  optimizer_bytes = sum(shard(o.layout) * o.aval.dtype.itemsize
+                        for o in spec.opt_leaves)
+  n_params = sum(leaf.size for leaf in spec.leaves)
   colls = {k: v for k, v in (("all-reduce", ar), ("reduce-scatter", rs),
                              ("all-gather", ag),
                              ("all-reduce over replica", arr)) if v}
