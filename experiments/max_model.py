@@ -119,8 +119,7 @@ def floor(config: str, precision: str, depth: int, runtime: int, args) -> float:
   """The least RSS a run can have: 8 x (the planner's model state per
   device + the step's working set) + the runtime measured before the model."""
   import jax.numpy as jnp
-  from zerojax import plan
-  from zerojax._policy import Policy
+  from zerojax import Policy, plan
   from zerojax.models import gpt
   policy = Policy(param_dtype=jnp.bfloat16) if precision == "bf16" else Policy()
   cfg = gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
@@ -138,8 +137,7 @@ def predicted_depth(config: str, precision: str, args,
   step's working set, :func:`zerojax.plan.working_set`) within cap / 8 per
   device."""
   import jax.numpy as jnp
-  from zerojax import plan
-  from zerojax._policy import Policy
+  from zerojax import Policy, plan
   from zerojax.models import gpt
   policy = Policy(param_dtype=jnp.bfloat16) if precision == "bf16" else Policy()
   budget = args.cap_gib * GIB / 8

@@ -173,7 +173,8 @@ def test_custom_jvp_and_shard_map_bodies_that_gather_are_read_as_lean(mesh):
 
 
 def _audit_gather_stub(sink, src):
-  from zerojax._gather import ShardedParam, GatherSpec
+  from zerojax import ShardedParam
+  from zerojax._gather import GatherSpec
   spec = GatherSpec(axis_name="data", dim=-1, size=4, stage=2,
                     reduce_dtype=jnp.float32)
   return g(ShardedParam(sink, src, spec))

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import _hlo, checkpoint
+from zerojax import checkpoint
 from tests import toy
 
 BF16 = zerojax.Policy(param_dtype=jnp.bfloat16)
@@ -95,7 +95,7 @@ def test_compiled_step_reads_and_writes_state_in_host_memory_space():
   state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
   step = zerojax.train_step(toy.loss_fn, tx)
   hlo = step.lower(state, toy.batches(1)[0]).compile().as_text()
-  spaces = _hlo.entry_bytes_by_memory(hlo)
+  spaces = zerojax.entry_bytes_by_memory(hlo)
   host = zerojax.memory_bytes(state)["pinned_host"]
   assert spaces["arguments"]["pinned_host"] == host
   assert spaces["outputs"]["pinned_host"] == host
@@ -103,7 +103,7 @@ def test_compiled_step_reads_and_writes_state_in_host_memory_space():
   pstate = zerojax.init(toy.init_params(jax.random.key(0)), plain)
   phlo = zerojax.train_step(toy.loss_fn, plain).lower(
       pstate, toy.batches(1)[0]).compile().as_text()
-  assert "pinned_host" not in _hlo.entry_bytes_by_memory(phlo)["arguments"]
+  assert "pinned_host" not in zerojax.entry_bytes_by_memory(phlo)["arguments"]
 
 
 def test_gathers_eval_and_split_step_work_offloaded():

@@ -13,6 +13,7 @@ from zerojax._hlo import bytes_by_axis as bytes_by_axis
 from zerojax._hlo import collective_bytes as collective_bytes
 from zerojax._hlo import crosses_processes as crosses_processes
 from zerojax._hlo import collectives as collectives
+from zerojax._hlo import entry_bytes_by_memory as entry_bytes_by_memory
 from zerojax._inspect import layout_rows as layout_rows
 from zerojax._inspect import layout_table as layout_table
 from zerojax._inspect import memory_bytes as memory_bytes
@@ -55,7 +56,7 @@ __all__ = [
     "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
     "UngatheredParamError", "ZeroConfig", "ZeroPP", "ZeroState", "ZeroTransformation",
     "apply_gradients", "batch_sharding", "bytes_by_axis", "collective_axes", "collective_bytes",
-    "crosses_processes", "collectives", "eval_step",
+    "crosses_processes", "collectives", "entry_bytes_by_memory", "eval_step",
     "gather", "gather_opt_state", "gather_params", "init", "init_from", "make_spec", "layout_rows",
     "layout_table", "make_mesh", "memory_bytes", "report", "shard_batch", "state_bytes",
     "theory_bytes", "train_step", "value_and_grad", "zero",

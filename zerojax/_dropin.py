@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _layout, _update
+from zerojax import _update
 from zerojax._config import ZeroConfig
 from zerojax._spec import StateSpec, gathered, make_spec
 from zerojax._state import warn_untrained
@@ -227,7 +227,9 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
     ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
 
   Its fields ``init``/``update`` are Optax's; the configuration is
-  :attr:`config` (also readable as ``tx.stage``, ``tx.mesh``, ...).
+  :attr:`config`, whose fields and properties read through the
+  transformation too (``tx.stage``, ``tx.mesh``, ``tx.num_shards``, ...;
+  see :class:`ZeroConfig`).
   """
 
   __slots__ = ()
@@ -236,30 +238,17 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
   def config(self) -> ZeroConfig:
     return self.init.config
 
-  inner = property(lambda self: self.config.inner)
-  stage = property(lambda self: self.config.stage)
-  mesh = property(lambda self: self.config.mesh)
-  axis_name = property(lambda self: self.config.axis_name)
-  policy = property(lambda self: self.config.policy)
-  min_shard_size = property(lambda self: self.config.min_shard_size)
-  stacked = property(lambda self: self.config.stacked)
-  num_shards = property(lambda self: self.config.num_shards)
-  replica_axis = property(lambda self: self.config.replica_axis)
-  num_replicas = property(lambda self: self.config.num_replicas)
-  batch_axes = property(lambda self: self.config.batch_axes)
-  batch_shards = property(lambda self: self.config.batch_shards)
-  model_axes = property(lambda self: self.config.model_axes)
-  model_specs = property(lambda self: self.config.model_specs)
-  offload = property(lambda self: self.config.offload)
-  zeropp = property(lambda self: self.config.zeropp)
+  def __getattr__(self, name):
+    # only reached when normal lookup fails: the config's public attributes
+    if not name.startswith("_") and hasattr(ZeroConfig, name) or (
+        name in _CONFIG_FIELDS):
+      return getattr(self.config, name)
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute "
+                         f"{name!r}")
 
-  def plan(self, shape, dtype, stacked: bool = True,
-           model: tuple = ()) -> _layout.LeafLayout:
-    return self.config.plan(shape, dtype, stacked, model)
-
-  def plan_param(self, shape, dtype, stacked: bool = True,
-                 model: tuple = ()) -> _layout.LeafLayout:
-    return self.config.plan_param(shape, dtype, stacked, model)
+  def __dir__(self):
+    return sorted(set(super().__dir__()) | _CONFIG_FIELDS | {
+        n for n in dir(ZeroConfig) if not n.startswith("_")})
 
   def replace(self, **changes) -> "ZeroTransformation":
     """The same transformation with some configuration fields changed."""
@@ -278,6 +267,9 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       extra += f", zeropp={c.zeropp}"
     return (f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
             f"num_shards={c.num_shards}{extra}, policy={c.policy})")
+
+
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
 
 
 def from_config(config: ZeroConfig) -> ZeroTransformation:

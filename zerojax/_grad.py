@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import _audit, _gather, _zeropp
 from zerojax._batch import place_batch
-from zerojax._spec import StateSpec, ZeroState, make_spec, model_axes_of
+from zerojax._spec import (StateSpec, ZeroState, make_spec, model_axes_of,
+                           tree_difference)
 
 GATHER_MODES = ("auto", "model", "all")
 
@@ -107,20 +108,19 @@ def _describe(out) -> str:
 
 
 def _check_same_tree(old, new):
-  old_l, old_def = jax.tree_util.tree_flatten_with_path(old)
-  new_l, new_def = jax.tree_util.tree_flatten_with_path(new)
-  if old_def != new_def:
+  diff = tree_difference(new, old)
+  if diff and diff[0] == "structure":
     raise LossOutputError(
         f"zerojax: the model state returned by loss_fn has tree structure "
-        f"{new_def}, the state given to it {old_def}. Return the updated "
+        f"{diff[1]}, the state given to it {diff[2]}. Return the updated "
         f"model state with the same structure (e.g. nnx.state(model, ...) "
         f"with the same filters).")
-  for (path, a), (_, b) in zip(old_l, new_l):
-    if a.shape != b.shape or a.dtype != b.dtype:
-      raise LossOutputError(
-          f"zerojax: model_state{jax.tree_util.keystr(path)} went from "
-          f"{a.dtype}{list(a.shape)} to {b.dtype}{list(b.shape)} in loss_fn; "
-          f"model state must keep its shapes and dtypes (cast it back).")
+  if diff:
+    _, path, b, a = diff
+    raise LossOutputError(
+        f"zerojax: model_state{path} went from {a.dtype}{list(a.shape)} to "
+        f"{b.dtype}{list(b.shape)} in loss_fn; model state must keep its "
+        f"shapes and dtypes (cast it back).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,21 @@ def leaf_dtype(dtype):
   return np.dtype(dtype)
 
 
+def tree_difference(got, want):
+  """Where two trees of arrays first differ: ``None`` when they match,
+  ``("structure", got_def, want_def)``, or ``("leaf", path, got, want)``
+  for the first leaf whose shape or dtype differs (``path``: keystr)."""
+  got_l, got_def = jax.tree_util.tree_flatten_with_path(got)
+  want_l, want_def = jax.tree_util.tree_flatten_with_path(want)
+  if got_def != want_def:
+    return ("structure", got_def, want_def)
+  for (path, g), (_, w) in zip(got_l, want_l):
+    if (tuple(g.shape) != tuple(w.shape)
+        or leaf_dtype(g.dtype) != leaf_dtype(w.dtype)):
+      return ("leaf", jax.tree_util.keystr(path), g, w)
+  return None
+
+
 @functools.lru_cache(maxsize=8)
 def fresh_copy(sharding):
   """A jitted copy into ``sharding``: a buffer of its own (a donated step

@@ -245,11 +245,13 @@ def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
     # random number generation), so the initialiser's temporaries -- about
     # twice the shard it produces, on CPU -- exist for one group at a time,
     # never for the whole model at once.
-    def build_group(*a, group=group):
+    layouts = [spec.leaves[i].shard for i in group]
+
+    def build_group(*a, group=group, layouts=layouts):
       leaves = jax.tree.leaves(init_fn(*a))
-      return [spec.leaves[i].shard.to_storage(leaves[i]) for i in group]
+      return [l.to_storage(leaves[i]) for i, l in zip(group, layouts)]
     out = jax.jit(build_group, out_shardings=[
-        spec.sharding(spec.leaves[i].shard) for i in group])(*args)
+        spec.sharding(l) for l in layouts])(*args)
     for i, x in zip(group, out):
       stored[i] = x
   # the shards are ours: donated, so the state's params (or master) reuse

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax import _gather, _grad, _update
 from zerojax._batch import place_batch
 from zerojax._grad import LossCall
-from zerojax._spec import StateSpec, ZeroState, leaf_dtype
+from zerojax._spec import StateSpec, ZeroState, leaf_dtype, tree_difference
 from zerojax._dropin import ZeroTransformation
 
 
@@ -70,23 +70,20 @@ def check_state(state, tx: ZeroTransformation) -> StateSpec:
     return spec
   expected = spec.abstract()
   for name in _SECTIONS:
-    got, want = getattr(state, name), getattr(expected, name)
-    got_l, got_def = jax.tree_util.tree_flatten_with_path(got)
-    want_l, want_def = jax.tree_util.tree_flatten_with_path(want)
-    if got_def != want_def:
+    diff = tree_difference(getattr(state, name), getattr(expected, name))
+    if diff and diff[0] == "structure":
       raise ValueError(
-          f"zerojax train step: state.{name} has tree structure {got_def}, "
-          f"but the optimizer state was built for {want_def}. Params and "
+          f"zerojax train step: state.{name} has tree structure {diff[1]}, "
+          f"but the optimizer state was built for {diff[2]}. Params and "
           f"optimizer state must come from the same zerojax.init call.")
-    for (path, g), (_, w) in zip(got_l, want_l):
-      if (tuple(g.shape) != tuple(w.shape)
-          or leaf_dtype(g.dtype) != leaf_dtype(w.dtype)):
-        raise ValueError(
-            f"zerojax train step: state.{name}{jax.tree_util.keystr(path)} "
-            f"is {leaf_dtype(g.dtype)}{list(g.shape)}, but the state "
-            f"layout expects {leaf_dtype(w.dtype)}{list(w.shape)} (stage "
-            f"{spec.stage} storage, padded). Rebuild the state with "
-            f"zerojax.init instead of replacing leaves.")
+    if diff:
+      _, path, g, w = diff
+      raise ValueError(
+          f"zerojax train step: state.{name}{path} is "
+          f"{leaf_dtype(g.dtype)}{list(g.shape)}, but the state layout "
+          f"expects {leaf_dtype(w.dtype)}{list(w.shape)} (stage "
+          f"{spec.stage} storage, padded). Rebuild the state with "
+          f"zerojax.init instead of replacing leaves.")
   return spec
 
 
@@ -139,7 +136,23 @@ def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainStep:
+class _CompiledStep:
+  """A jitted program over a :class:`ZeroState`: checks the state against
+  ``tx`` and places the batch before each call."""
+
+  loss_fn: Callable
+  tx: ZeroTransformation
+  gather: str
+  accum_steps: int
+  _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
+
+  def _prepare(self, state, batch):
+    check_state(state, self.tx)
+    return place_batch(batch, self.tx, self.accum_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep(_CompiledStep):
   """A jitted, state-donating train step; call it as ``step(state, batch)``.
 
   ``step(state, batch, **extra_args)`` returns ``(new_state, metrics)`` with
@@ -151,16 +164,7 @@ class TrainStep:
   arrays: read them a step late to keep the host from stalling the device.
   """
 
-  loss_fn: Callable
-  tx: ZeroTransformation
-  accum_steps: int
-  gather: str
-  donate: bool
-  _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
-
-  def _prepare(self, state, batch):
-    check_state(state, self.tx)
-    return place_batch(batch, self.tx, self.accum_steps)
+  donate: bool = True
 
   def __call__(self, state: ZeroState, batch, **extra_args):
     batch = self._prepare(state, batch)
@@ -219,7 +223,8 @@ def train_step(
                  loss_fn=loss_fn, accum_steps=accum_steps, gather_mode=gather)
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else (),
                    static_argnums=3)
-  return TrainStep(loss_fn, tx, accum_steps, gather, donate, jitted)
+  return TrainStep(loss_fn=loss_fn, tx=tx, gather=gather,
+                   accum_steps=accum_steps, _jitted=jitted, donate=donate)
 
 
 # --------------------------------------------------------------------------
@@ -258,17 +263,9 @@ def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalStep:
-  """A jitted ``eval(state, batch) -> mean loss``; nothing is donated."""
-
-  loss_fn: Callable
-  tx: ZeroTransformation
-  gather: str
-  _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
-
-  def _prepare(self, state, batch):
-    check_state(state, self.tx)
-    return place_batch(batch, self.tx, 1)
+class EvalStep(_CompiledStep):
+  """A jitted ``eval(state, batch) -> mean loss``; nothing is donated
+  (one batch per call: ``accum_steps`` is 1)."""
 
   def __call__(self, state: ZeroState, batch):
     return self._jitted(state, self._prepare(state, batch))
@@ -307,4 +304,5 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
         functools.partial(_eval_local, prog), mesh=tx.mesh, in_specs=(param_specs, batch_specs, rep(key), rep(ms)),
         out_specs=P(), axis_names=set(tx.batch_axes))(
             jax.tree.leaves(state.params), batch, key, ms)
-  return EvalStep(loss_fn, tx, gather, jax.jit(run))
+  return EvalStep(loss_fn=loss_fn, tx=tx, gather=gather, accum_steps=1,
+                  _jitted=jax.jit(run))

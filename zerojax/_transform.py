@@ -163,17 +163,17 @@ def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str,
     raise TypeError(f"zerojax.zero: zeropp must be a zerojax.ZeroPP, got "
                     f"{type(zeropp).__name__}; e.g. zeropp=zerojax.ZeroPP("
                     f"weight_bits=8, grad_bits=8).")
-  if zeropp.weight_bits is not None and stage != 3:
-    raise ValueError(
-        f"zerojax.zero: ZeroPP(weight_bits={zeropp.weight_bits}) quantizes "
-        f"stage 3's weight all-gathers, but stage={stage} keeps the params "
-        f"replicated (no weight all-gather in the model). Use stage=3, or "
-        f"weight_bits=None.")
-  if zeropp.hpz_size is not None and stage != 3:
-    raise ValueError(
-        f"zerojax.zero: ZeroPP(hpz_size={zeropp.hpz_size}) keeps a secondary "
-        f"copy of stage 3's sharded params inside each node; stage={stage} "
-        f"keeps the params replicated. Use stage=3, or hpz_size=None.")
+  stage3_only = {
+      "weight_bits": "quantizes stage 3's weight all-gathers (none in the "
+                     "model when the params are replicated)",
+      "hpz_size": "keeps a secondary copy of stage 3's sharded params "
+                  "inside each node"}
+  for name, what in stage3_only.items():
+    value = getattr(zeropp, name)
+    if value is not None and stage != 3:
+      raise ValueError(
+          f"zerojax.zero: ZeroPP({name}={value}) {what}, but stage={stage} "
+          f"keeps the params replicated. Use stage=3, or {name}=None.")
   if zeropp.grad_bits is not None and stage == 0:
     raise ValueError(
         f"zerojax.zero: ZeroPP(grad_bits={zeropp.grad_bits}) quantizes the "

@@ -152,7 +152,7 @@ def new_params(spec: StateSpec, params, new_w):
   tx = spec.tx
   axis, stage = tx.axis_name, tx.stage
   out = list(params)
-  gather_idx = []
+  gather_idx, layouts = [], []
   for i, (w, r) in enumerate(zip(new_w, spec.leaves)):
     if w is None:
       continue
@@ -162,13 +162,13 @@ def new_params(spec: StateSpec, params, new_w):
     elif stage >= 1 and r.shard.sharded:
       out[i] = r.place.constrain(r.shard.to_storage(w), r.shard)
       gather_idx.append(i)
+      layouts.append(r.shard)
     else:
       out[i] = r.place.constrain(w, r.param)
   if gather_idx:
     # Stages 1-2: all-gather the updated shards, in compute dtype, in an
     # explicit shard_map (left to GSPMD the layout change may take another
     # route).
-    layouts = [spec.leaves[i].shard for i in gather_idx]
 
     def all_gather(shards):
       return [l.to_logical(_gather.over_model_shards(
