@@ -209,3 +209,36 @@ def test_export_gathers_one_leaf_at_a_time(monkeypatch):
   assert max(extra) <= leaf, (max(extra), leaf)
   assert all(np.array_equal(full[f"w{i}"], np.full((64, 64), float(i)))
              for i in range(8))
+
+
+def test_a_checkpoint_written_before_the_records_redesign_restores(tmp_path):
+  """tests/data/ckpt_before_records was written by zerojax at commit 7831a1e
+  (StateSpec as parallel tuples): stage 2, bf16 params + fp32 master,
+  AdamW, uneven leaves, 3 steps. Today's code reads it bitwise at other
+  stages, and describes the same layout in the same metadata."""
+  import shutil
+  data = ROOT / "tests" / "data" / "ckpt_before_records"
+  shutil.copytree(data / "ckpt", tmp_path / "ckpt")  # Orbax may write beside
+  expected = np.load(data / "expected.npz")
+  params = {"w": jax.ShapeDtypeStruct((13, 7), jnp.float32),
+            "b": jax.ShapeDtypeStruct((5,), jnp.float32),
+            "layers": {"k": jax.ShapeDtypeStruct((3, 10, 4), jnp.float32)}}
+  bf16 = zerojax.Policy(param_dtype=jnp.bfloat16)
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+    meta = ckpt.metadata()
+    same = zerojax.zero(optax.adamw(1e-2), stage=2, policy=bf16)
+    fresh = checkpoint.describe(zerojax.make_spec(params, same))
+    assert {k: meta[k] for k in fresh} == fresh        # the on-disk format
+    for stage in (1, 3):
+      tx = zerojax.zero(optax.adamw(1e-2), stage=stage, policy=bf16)
+      state, extra = ckpt.restore(params, tx)
+      assert extra == {"data_step": 3} and int(state.step) == 3
+      got = {f"master{jax.tree_util.keystr(p)}": np.asarray(x) for p, x in
+             jax.tree_util.tree_flatten_with_path(
+                 zerojax.gather_params(state, master=True))[0]}
+      got.update({f"opt{jax.tree_util.keystr(p)}": np.asarray(x) for p, x in
+                  jax.tree_util.tree_flatten_with_path(
+                      zerojax.gather_opt_state(state))[0]})
+      assert sorted(got) == sorted(expected.files)
+      for name in expected.files:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
