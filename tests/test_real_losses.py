@@ -15,6 +15,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import zerojax
+from tests import toy
 
 
 def _params():
@@ -61,38 +62,17 @@ def _data(n=3):
            "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(n)]
 
 
-def _reference(loss, opt, data, params=None):
-  params = _params() if params is None else params
-  state = opt.init(params)
-  losses = []
-  for b in data:
-    value, g = jax.value_and_grad(loss)(params, b)
-    updates, state = opt.update(g, state, params)
-    params = optax.apply_updates(params, updates)
-    losses.append(float(value))
-  return params, losses
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("name", LOSSES)
 def test_whole_tree_losses_equal_unsharded_optax(mesh, name, stage):
   loss, data = LOSSES[name], _data()
-  want, want_losses = _reference(loss, optax.adam(1e-2), data)
+  want, want_losses = toy.optax_run(loss, optax.adam(1e-2), _params(), data)
   tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=mesh)
-  state = zerojax.init(_params(), tx)
-  step = zerojax.train_step(loss, tx)
-  losses = []
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for b in data:
-      state, metrics = step(state, b)
-      losses.append(float(metrics["loss"]))
-  got = zerojax.gather_params(state)
+  got, losses, notes = toy.zero_run(loss, tx, _params(), data)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  notes = [str(w.message) for w in caught if "zerojax" in str(w.message)]
   if stage >= 2:   # the whole-tree path, said once, naming a leaf
     assert len(notes) == 1 and "params['w1']" in notes[0], notes
   else:
@@ -208,19 +188,10 @@ def test_control_flow_is_followed(mesh, loss, lean):
   rng = np.random.default_rng(1)
   data = [{"x": rng.normal(size=(16, 6)).astype(np.float32),
            "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(2)]
-  params, want_losses = _reference(loss, optax.adam(1e-2), data, _layers())
+  params, want_losses = toy.optax_run(loss, optax.adam(1e-2), _layers(), data)
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
-  zstate = zerojax.init(_layers(), tx)
-  step = zerojax.train_step(loss, tx)
-  losses = []
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for b in data:
-      zstate, metrics = step(zstate, b)
-      losses.append(float(metrics["loss"]))
+  got, losses, notes = toy.zero_run(loss, tx, _layers(), data)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  got = zerojax.gather_params(zstate)
   for k in params:
     np.testing.assert_allclose(got[k], params[k], rtol=1e-5, atol=1e-6)
-  notes = [str(w.message) for w in caught if "zerojax" in str(w.message)]
   assert (not notes) if lean else ("params['head'] by" in notes[0]), notes

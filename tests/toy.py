@@ -129,3 +129,30 @@ def layered_loss(params, batch):
   logits = h @ g(params["head"])
   return optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), batch["y"]).mean()
+
+
+def optax_run(loss, opt, params, data):
+  """Plain Optax over ``data``: ``(final params, per-step losses)``."""
+  state, losses = opt.init(params), []
+  for b in data:
+    value, grads = jax.value_and_grad(loss)(params, b)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    losses.append(float(value))
+  return params, losses
+
+
+def zero_run(loss, tx, params, data, **step_kw):
+  """``zerojax.train_step`` over ``data``: ``(gathered params, per-step
+  losses, zerojax's warnings)``; every warning is recorded."""
+  import warnings
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(loss, tx, **step_kw)
+  losses = []
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for b in data:
+      state, metrics = step(state, b)
+      losses.append(float(metrics["loss"]))
+  notes = [str(w.message) for w in caught if "zerojax" in str(w.message)]
+  return zerojax.gather_params(state), losses, notes
