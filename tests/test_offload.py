@@ -179,3 +179,116 @@ def test_state_and_step_must_agree_on_offload():
                                                       offload=True))
   with pytest.raises(ValueError, match="offload: state has False, step has True"):
     step(state, toy.batches(1)[0])
+
+
+# --- the streamed update and the grouped init (zerojax._offload) ----------
+OPTIMIZERS = {
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+    "lion": lambda: optax.lion(1e-3),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_streamed_update_is_bitwise_equal_for_coupled_optimizers(name):
+  # trust ratios, factored moments, sign updates and a conditional update:
+  # streamed where exact (MultiSteps' update reads every leaf: whole state)
+  a = _leaves(_train(3, False, BF16, optimizer=OPTIMIZERS[name]())[0])
+  b = _leaves(_train(3, True, BF16, optimizer=OPTIMIZERS[name]())[0])
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+def _report(optimizer, stage=3):
+  tx = zerojax.zero(optimizer, stage=stage, offload=True, policy=BF16)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  return zerojax.report(step, state, toy.batches(1)[0]), state, step
+
+
+@pytest.mark.parametrize("name", ["adamw", "clip", "lamb", "adafactor"])
+def test_update_streams_in_chunks_for_non_elementwise_optimizers(name):
+  opt = {"adamw": lambda: optax.adamw(1e-2),
+         "clip": lambda: optax.chain(optax.clip_by_global_norm(0.1),
+                                     optax.adamw(1e-2)),
+         **OPTIMIZERS}[name]()
+  rep, state, step = _report(opt)
+  off = rep.offload
+  assert off["streamed"] and off["reason"] is None
+  assert off["chunks"] > 1 and off["largest_chunk_fraction"] < 0.5
+  # each chunk's loads wait for the previous chunk's results: one
+  # optimization barrier per chunk boundary, beyond those of the plain step
+  batch = toy.batches(1)[0]
+  plain_tx = zerojax.zero(opt, stage=3, policy=BF16)
+  plain = zerojax.train_step(toy.loss_fn, plain_tx).lower(
+      zerojax.init(toy.init_params(jax.random.key(0)), plain_tx), batch)
+  count = lambda lowered: lowered.as_text().count("optimization_barrier")
+  assert count(step.lower(state, batch)) - count(plain) == off["chunks"] - 1
+  # the step reads each offloaded buffer down at most once (a leaf the
+  # update never reads, e.g. Adafactor's placeholder rows, is not moved)
+  # and writes every one back once
+  master = sum(r["bytes_per_device"] for r in zerojax.layout_rows(state)
+               if r["section"] == "master")
+  assert master < off["host_to_device_bytes"] <= off["theory_streamed_bytes"]
+  assert off["device_to_host_bytes"] == off["theory_streamed_bytes"]
+  assert "streamed in" in str(rep)
+
+
+def test_update_coupled_through_the_state_runs_whole_and_says_why():
+  rep, _, _ = _report(OPTIMIZERS["multisteps"]())
+  assert not rep.offload["streamed"] and rep.offload["chunks"] == 1
+  assert "reads other leaves" in rep.offload["reason"]
+  assert "whole state at once" in str(rep)
+
+
+def test_dropin_streams_the_offloaded_state_bitwise():
+  params = toy.init_params(jax.random.key(0))
+  grads = jax.grad(toy.loss_fn, allow_int=True)(params, toy.batches(1)[0])
+  outs = []
+  for off in (False, True):
+    tx = zerojax.zero(optax.lamb(1e-2), stage=1, offload=off)
+    opt = tx.init(params)
+    for _ in range(2):
+      updates, opt = tx.update(grads, opt, params)
+    outs.append((updates, opt))
+  assert _kinds(outs[1][1]) == {"pinned_host"}
+  for x, y in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_init_builds_the_offloaded_state_a_group_at_a_time_in_host_memory():
+  from zerojax import _state             # the init module, under test
+  init_fn = lambda key: {f"w{i}": jax.random.normal(jax.random.fold_in(key, i),
+                                                    (16 * (i + 1), 64))
+                         for i in range(10)}
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=True, policy=BF16)
+  key = jax.random.key(0)
+  spec = zerojax.make_spec(jax.eval_shape(init_fn, key), tx)
+  groups, owned = _state.build_plan(spec)
+  assert len(groups) > 1
+  assert sorted(j for o in owned for j in o) == list(range(len(spec.opt_leaves)))
+  state = zerojax.init_from(init_fn, tx, key)
+  total = zerojax.memory_bytes(state)
+  outs = []
+  for group, own in zip(groups, owned):
+    stored = [jax.ShapeDtypeStruct(spec.leaves[i].shard.storage_shape,
+                                   jnp.float32,
+                                   sharding=spec.sharding(spec.leaves[i].shard))
+              for i in group]
+    hlo = _state._build_jit(spec, tuple(group), tuple(own)).lower(
+        stored).compile().as_text()
+    outs.append(zerojax.entry_bytes_by_memory(hlo)["outputs"])
+  # every program writes the master copy and optimizer state of its group
+  # to host memory and only the group's params to the device; together
+  # they are the state, and none holds more than an eighth of it plus a leaf
+  assert sum(o.get("pinned_host", 0) for o in outs) == total["pinned_host"]
+  assert sum(o.get("device", 0) for o in outs) == total["device"]
+  biggest = max(r.size for r in spec.leaves) * 16 // 8   # one leaf's state
+  for o in outs:
+    assert 0 < sum(o.values()) <= sum(total.values()) / 8 + biggest, o
+  # and the state is the one zerojax.init builds from the same params
+  whole = zerojax.init(jax.jit(init_fn)(key), tx)
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(whole)):
+    assert x.sharding == y.sharding and np.array_equal(x, y)

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _update
+from zerojax import _offload, _update
 from zerojax._config import ZeroConfig
 from zerojax._spec import StateSpec, gathered, make_spec
 from zerojax._state import warn_untrained
@@ -173,22 +173,24 @@ def _update_body(config, static, grads, state, params, arrays):
   # the same way where their storage differs (padding); in any other shape
   # they are the stage's storage, already sharded.
   p_leaves = _hold(spec, p_leaves)
-  g_view, w_view = [], []
+  g_view, w_src = [], []
   for g, p, r in zip(g_leaves, p_leaves, spec.leaves):
     if not r.trainable:
       g_view.append(None)
-      w_view.append(None)
+      w_src.append(None)
       continue
     if (tuple(np.shape(g)) == tuple(r.aval.shape)
         and r.aval.shape != r.shard.storage_shape):
-      g = jax.lax.with_sharding_constraint(g, spec.sharding(gathered(r.param)))
+      g = r.place.constrain(g, gathered(r.param))
     g_view.append(r.grad_view(g, spec.stage, where))
-    w_view.append(r.place.constrain(p, r.shard))
-  updates, new_opt = _update.inner_update(
-      spec, g_view, w_view, state, _update.join_extra_args(arrays, static))
+    w_src.append(_offload.Source(p, functools.partial(
+        lambda x, r: r.place.constrain(x, r.shard), r=r)))
+  updates, new_opt = _update.run_update(
+      spec, g_view, w_src, state, _update.join_extra_args(arrays, static),
+      finish=lambda i, w, u: u)
   out = [jnp.zeros_like(p) if u is None else
-         jax.lax.with_sharding_constraint(u, spec.sharding(gathered(r.param)))
-         for u, p, r in zip(updates, p_leaves, spec.leaves)]
+         spec.leaves[i].place.constrain(u, gathered(spec.leaves[i].param))
+         for i, (u, p) in enumerate(zip(updates, p_leaves))]
   return (jax.tree.unflatten(g_def, out),
           jax.tree.unflatten(jax.tree.structure(state), new_opt))
 

@@ -28,7 +28,7 @@ import json
 
 import numpy as np
 
-from zerojax import _hlo, _inspect
+from zerojax import _hlo, _inspect, _offload
 from zerojax._spec import ZeroState
 
 
@@ -78,6 +78,7 @@ class Report:
   mesh: dict = dataclasses.field(default_factory=dict)
   bytes_by_axis: dict = dataclasses.field(default_factory=dict)
   cross_process_bytes: int = 0
+  offload: dict = dataclasses.field(default_factory=dict)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -118,6 +119,21 @@ class Report:
       for key, b in sorted(self.bytes_by_axis.items()):
         lines.append(f"  {key:<38}{b:>14,}")
       lines.append(f"  {'crossing processes':<38}{self.cross_process_bytes:>14,}")
+    if self.offload:
+      o = self.offload
+      how = (f"streamed in {o['chunks']} chunks (largest "
+             f"{o['largest_chunk_fraction']:.1%} of the offloaded state)"
+             if o["streamed"] else f"whole state at once ({o['reason']})")
+      lines += ["", f"offload: update {how}",
+                f"  host->device bytes/step per device   "
+                f"{o['host_to_device_bytes']:>14,}  theory "
+                f"{o['theory_streamed_bytes']:>14,}",
+                f"  device->host bytes/step per device   "
+                f"{o['device_to_host_bytes']:>14,}  theory "
+                f"{o['theory_streamed_bytes']:>14,}",
+                f"  (ZeRO-Offload's host-side update would move "
+                f"{o['theory_host_compute_bytes']:,}: compute-dtype "
+                f"gradients down, params up)"]
     lines += ["", "XLA memory analysis per device (temp misses loop-body "
               "buffers on CPU): " + ", ".join(
                   f"{k} {v:,}" for k, v in self.xla_memory.items())]
@@ -152,10 +168,11 @@ def report(step, state: ZeroState, batch) -> Report:
     A :class:`Report`; ``print`` it, show it in a notebook, or ``to_json()``.
   """
   compiled = step.lower(state, batch).compile()
+  hlo = compiled.as_text()
   spec = state.spec
   n = spec.tx.num_shards
   mesh = spec.tx.mesh
-  colls = _hlo.collectives(compiled.as_text(), mesh.devices.size)
+  colls = _hlo.collectives(hlo, mesh.devices.size)
   by_axis = collections.Counter()
   crossing = 0
   for c in colls:
@@ -183,4 +200,24 @@ def report(step, state: ZeroState, batch) -> Report:
                   "temp": mem.temp_size_in_bytes,
                   "alias": mem.alias_size_in_bytes},
       mesh={a: int(s) for a, s in mesh.shape.items()},
-      bytes_by_axis=dict(by_axis), cross_process_bytes=crossing)
+      bytes_by_axis=dict(by_axis), cross_process_bytes=crossing,
+      offload=_offload_traffic(state, hlo) if spec.place.offload else {})
+
+
+def _offload_traffic(state: ZeroState, hlo: str) -> dict:
+  """How the offloaded update runs and the bytes it moves per step per
+  device: measured from the compiled program's entry buffers in host
+  memory (each read down once and written back once), next to theory
+  (the offloaded state, each way) and to ZeRO-Offload's host-side update
+  (compute-dtype gradients down and params up)."""
+  spec = state.spec
+  spaces = _hlo.entry_bytes_by_memory(hlo)
+  host = _inspect.memory_bytes(state).get("pinned_host", 0)
+  compute = sum(r.size * np.dtype(r.compute_dtype).itemsize
+                // r.shard.model_shards(spec.tx.model_axes)
+                for r in spec.leaves if r.trainable) / spec.tx.num_shards
+  return {**_offload.describe(spec),
+          "host_to_device_bytes": spaces["arguments"].get("pinned_host", 0),
+          "device_to_host_bytes": spaces["outputs"].get("pinned_host", 0),
+          "theory_streamed_bytes": host,
+          "theory_host_compute_bytes": int(2 * compute)}

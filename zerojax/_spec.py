@@ -164,6 +164,15 @@ class LeafSpec:
       x = self.place.fetch(x, layout)
     return layout.to_logical(x)
 
+  def weight_source(self, param, master):
+    """``(raw, load)``: the copy the optimizer updates as stored, and the
+    function bringing it to the optimizer's view (logical, sharded like the
+    master copy, in device memory)."""
+    x, _ = self.kept(param, master)
+    if master is None:
+      return x, lambda p: self.place.constrain(self.weights(p, None), self.shard)
+    return x, lambda m: self.place.constrain(self.weights(None, m), self.shard)
+
   def grad_view(self, g, stage: int, where: str):
     """One gradient leaf -> its logical view in the master dtype, sharded.
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import _layout
+from zerojax import _deps, _layout, _offload
 from zerojax._spec import (StateSpec, ZeroState, fresh_copy, gathered,
                            leaf_dtype, make_spec)
 
@@ -40,32 +40,97 @@ def place_leaf(x, layout, spec: StateSpec):
   return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
 
-def _build_state(stored, spec: StateSpec) -> ZeroState:
-  """Params in their shard layouts -> the state's storage (under ``jit``)."""
-  leaves = jax.tree.leaves(stored)
+def build_plan(spec: StateSpec):
+  """``(groups, owned)``: the param leaves each init program builds (about
+  ``1/8`` of the bytes each, :func:`init_groups`) and the optimizer-state
+  leaves it builds with them; the shared ones (``count``) go with the
+  first group.
+
+  A group's program runs the optimizer's ``init`` with the other groups'
+  weights replaced by zeros, which is exact when each state leaf reads only
+  its own param (checked from ``init``'s jaxpr, :mod:`zerojax._deps`);
+  otherwise one program builds everything."""
+  groups = init_groups(spec)
+  own = _offload.owners(spec)
+  train = [i for i, r in enumerate(spec.leaves) if r.trainable]
+  slot = {i: k for k, i in enumerate(train)}
+  deps = _deps.input_dependencies(
+      lambda *w: jax.tree.leaves(spec.tx.inner.init(spec.optimizer_view(
+          _scatter(len(spec.leaves), train, w)))),
+      *[jax.ShapeDtypeStruct(spec.leaves[i].aval.shape,
+                             spec.leaves[i].master_dtype) for i in train])
+  whole = ([list(range(len(spec.leaves)))], [list(range(len(own)))])
+  if deps is None or len(deps) != len(own):
+    return whole
+  for j, p in enumerate(own):
+    if not deps[j] <= (frozenset() if p is None else {slot[p]}):
+      return whole
+  where = {i: g for g, group in enumerate(groups) for i in group}
+  owned = [[] for _ in groups]
+  for j, p in enumerate(own):
+    owned[0 if p is None else where[p]].append(j)
+  return groups, owned
+
+
+def _scatter(n, index, values, fill=None):
+  out = [fill] * n
+  for i, v in zip(index, values):
+    out[i] = v
+  return out
+
+
+def _build_group(stored, spec: StateSpec, group, owned):
+  """One init program's outputs: the params, master copy and owned
+  optimizer-state leaves of ``group``, from its leaves in their shard
+  layouts (under ``jit``)."""
   convert = _layout.convert
-  weights = [convert(x, r.shard, r.shard, r.master_dtype) if r.trainable
-             else None for x, r in zip(leaves, spec.leaves)]
-  opt_state = spec.tx.inner.init(spec.optimizer_view(
-      [None if w is None else r.shard.to_logical(w)
-       for w, r in zip(weights, spec.leaves)]))
-  opt_leaves = jax.tree.leaves(opt_state)
-  if len(opt_leaves) != len(spec.opt_leaves):
+  recs = [spec.leaves[i] for i in group]
+  weights = {i: convert(x, r.shard, r.shard, r.master_dtype)
+             for i, x, r in zip(group, stored, recs) if r.trainable}
+  view = [None if not r.trainable else
+          r.shard.to_logical(weights[i]) if i in weights else
+          jnp.zeros(r.aval.shape, r.master_dtype)
+          for i, r in enumerate(spec.leaves)]
+  opt = jax.tree.leaves(spec.tx.inner.init(spec.optimizer_view(view)))
+  if len(opt) != len(spec.opt_leaves):
     raise RuntimeError("zerojax: optimizer state changed structure between "
                        "planning and init.")
-  master = None
-  if spec.policy.has_master:
-    master = spec.optimizer_view(weights)
+  params = [convert(x, r.shard, r.param, r.compute_dtype)
+            for x, r in zip(stored, recs)]
+  master = [weights[i] for i in group if i in weights]
+  return params, master, [spec.opt_leaves[j].layout.to_storage(opt[j])
+                          for j in owned]
+
+
+def _group_shardings(spec: StateSpec, group, owned):
+  recs = [spec.leaves[i] for i in group]
+  return ([spec.sharding(r.param) for r in recs],
+          [spec.sharding(r.shard, host=True) for r in recs if r.trainable],
+          [spec.sharding(spec.opt_leaves[j].layout, host=True) for j in owned])
+
+
+def _assemble(spec: StateSpec, parts) -> ZeroState:
+  """Per-group outputs -> the state."""
+  params = [None] * len(spec.leaves)
+  master = [None] * len(spec.leaves)
+  opt = [None] * len(spec.opt_leaves)
+  for (group, owned), (p, m, o) in parts:
+    for i, x in zip(group, p):
+      params[i] = x
+    for i, x in zip([i for i in group if spec.leaves[i].trainable], m):
+      master[i] = x
+    for j, x in zip(owned, o):
+      opt[j] = x
+  step = _zero_step(spec.sharding(_layout.LeafLayout(())))()
   return ZeroState(
-      step=jnp.zeros((), jnp.int32),
-      params=spec.unflatten_params(
-          [convert(x, r.shard, r.param, r.compute_dtype)
-           for x, r in zip(leaves, spec.leaves)]),
-      master=master,
-      opt_state=jax.tree.unflatten(
-          spec.opt_def, [o.layout.to_storage(x)
-                         for x, o in zip(opt_leaves, spec.opt_leaves)]),
-      spec=spec)
+      step=step, params=spec.unflatten_params(params),
+      master=spec.optimizer_view(master) if spec.policy.has_master else None,
+      opt_state=jax.tree.unflatten(spec.opt_def, opt), spec=spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_step(sharding):
+  return jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=sharding)
 
 
 def _replicated(tree, spec: StateSpec):
@@ -198,20 +263,22 @@ def init(params, tx: ZeroTransformation, *, key=None,
   """
   _reject_non_params(params, "zerojax.init")
   spec = make_spec(params, tx)
-  stored = spec.unflatten_params([
-      place_leaf(x, r.shard, spec) for x, r in zip(jax.tree.leaves(params),
-                                               spec.leaves)])
-  state = _build(stored, spec)
-  return _with_extras(state, key, model_state, "zerojax.init")
+  leaves = jax.tree.leaves(params)
+  parts = []
+  for group, owned in zip(*build_plan(spec)):
+    # one group at a time: each device holds its shard of this group only,
+    # and (offloaded) the group's master and optimizer state go straight
+    # to host memory
+    stored = [place_leaf(leaves[i], spec.leaves[i].shard, spec) for i in group]
+    parts.append(((group, owned),
+                  _build_jit(spec, tuple(group), tuple(owned))(stored)))
+  return _with_extras(_assemble(spec, parts), key, model_state, "zerojax.init")
 
 
-def _build(stored, spec):
-  return _build_jit(spec)(stored)
-
-
-@functools.lru_cache(maxsize=64)
-def _build_jit(spec):
-  return jax.jit(lambda p: _build_state(p, spec), out_shardings=spec.shardings())
+@functools.lru_cache(maxsize=256)
+def _build_jit(spec, group, owned):
+  return jax.jit(lambda stored: _build_group(stored, spec, group, owned),
+                 out_shardings=_group_shardings(spec, group, owned))
 
 
 def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
@@ -239,29 +306,20 @@ def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
                     f"{type(init_fn).__name__}; for a params tree use "
                     f"zerojax.init(params, tx).")
   spec = make_spec(jax.eval_shape(init_fn, *args), tx)
-  stored = [None] * len(spec.leaves)
-  for group in init_groups(spec):
+  parts = []
+  for group, owned in zip(*build_plan(spec)):
     # One jit per group of leaves: XLA drops the other leaves' work (their
-    # random number generation), so the initialiser's temporaries -- about
-    # twice the shard it produces, on CPU -- exist for one group at a time,
-    # never for the whole model at once.
-    layouts = [spec.leaves[i].shard for i in group]
-
-    def build_group(*a, group=group, layouts=layouts):
+    # random number generation), so the initialiser's temporaries and the
+    # group's master copy and optimizer state exist for one group at a
+    # time, never for the whole model at once.
+    def build(*a, group=group, owned=owned):
       leaves = jax.tree.leaves(init_fn(*a))
-      return [l.to_storage(leaves[i]) for i, l in zip(group, layouts)]
-    out = jax.jit(build_group, out_shardings=[
-        spec.sharding(l) for l in layouts])(*args)
-    for i, x in zip(group, out):
-      stored[i] = x
-  # the shards are ours: donated, so the state's params (or master) reuse
-  # their buffers where the layouts agree, instead of a second copy
-  with warnings.catch_warnings():
-    # where no state leaf has a shard's shape and dtype (e.g. bf16 params,
-    # or a master in host memory) the donation simply frees it
-    warnings.filterwarnings("ignore", message="Some donated buffers")
-    state = _build_donating(spec)(spec.unflatten_params(stored))
-  return _with_extras(state, key, model_state, "zerojax.init_from")
+      return _build_group([spec.leaves[i].shard.to_storage(leaves[i])
+                           for i in group], spec, group, owned)
+    parts.append(((group, owned), jax.jit(
+        build, out_shardings=_group_shardings(spec, group, owned))(*args)))
+  return _with_extras(_assemble(spec, parts), key, model_state,
+                      "zerojax.init_from")
 
 
 def init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
@@ -269,24 +327,8 @@ def init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
   bytes (a larger leaf alone). Any two neighbouring groups together exceed
   the budget, so there are fewer than ``2 * parts + 1`` groups: that many
   small jits of ``init_fn``, each traced anew."""
-  sizes = [r.size * np.dtype(r.aval.dtype).itemsize for r in spec.leaves]
-  budget = max(sum(sizes) / parts, 1)
-  groups, current, held = [], [], 0
-  for i, size in enumerate(sizes):
-    if current and held + size > budget:
-      groups.append(current)
-      current, held = [], 0
-    current.append(i)
-    held += size
-  if current:
-    groups.append(current)
-  return groups
-
-
-@functools.lru_cache(maxsize=64)
-def _build_donating(spec):
-  return jax.jit(lambda p: _build_state(p, spec), out_shardings=spec.shardings(),
-                 donate_argnums=0)
+  return _offload.byte_groups(
+      [r.size * np.dtype(r.aval.dtype).itemsize for r in spec.leaves], parts)
 
 
 def _gather(state: ZeroState, use_master: bool):

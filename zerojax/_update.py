@@ -22,13 +22,23 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import _gather
+from zerojax import _gather, _offload
 from zerojax._spec import StateSpec, ZeroState
+
+
+def _check_opt(spec: StateSpec, opt_storage):
+  leaves = jax.tree.leaves(opt_storage)
+  if len(leaves) != len(spec.opt_leaves):
+    raise ValueError(
+        f"zerojax: the optimizer state has {len(leaves)} leaves; this "
+        f"optimizer's state for these params has {len(spec.opt_leaves)}. "
+        f"Pass the state that tx.init (or zerojax.init) returned.")
+  return leaves
 
 
 def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
                  opt_def=None):
-  """Runs the inner optimizer on logical, sharded views.
+  """Runs the inner optimizer on logical, sharded views, all at once.
 
   Args:
     g_view, w_view: per-param logical gradients and weights (``None`` for
@@ -43,12 +53,7 @@ def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
     frozen leaves) and the new state's leaves in storage layout.
   """
   opt_def = spec.opt_def if opt_def is None else opt_def
-  leaves = jax.tree.leaves(opt_storage)
-  if len(leaves) != len(spec.opt_leaves):
-    raise ValueError(
-        f"zerojax: the optimizer state has {len(leaves)} leaves; this "
-        f"optimizer's state for these params has {len(spec.opt_leaves)}. "
-        f"Pass the state that tx.init (or zerojax.init) returned.")
+  leaves = _check_opt(spec, opt_storage)
   opt_logical = jax.tree.unflatten(opt_def, [
       o.logical(x) for x, o in zip(leaves, spec.opt_leaves)])
   g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
@@ -64,6 +69,38 @@ def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
         f"{len(new_leaves)} leaves, its init {len(spec.opt_leaves)}.")
   new_leaves = [o.storage(x) for x, o in zip(new_leaves, spec.opt_leaves)]
   return spec.from_optimizer_view(updates), new_leaves
+
+
+def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
+               finish, opt_def=None):
+  """The inner update, then ``finish(i, w, u)`` per trained param.
+
+  With offload the update is streamed through device memory chunk by chunk
+  when that is exact (:mod:`zerojax._offload`); otherwise (and always
+  without offload) it runs on the whole state at once.
+
+  Args:
+    g_view: per-param logical gradients (None for frozen leaves).
+    w_src: per-param :class:`zerojax._offload.Source` (None for frozen).
+    opt_storage: the inner state as stored.
+
+  Returns:
+    ``(per-param finish results (None for frozen), new state leaves)``.
+  """
+  leaves = _check_opt(spec, opt_storage)
+  if spec.place.offload:
+    p, _ = _offload.plan(
+        spec, [None if g is None else _offload.aval_of(g) for g in g_view],
+        [None if s is None else s.aval for s in w_src],
+        jax.tree.map(_offload.aval_of, extra_args), opt_def)
+    if p is not None:
+      return _offload.stream(spec, p, g_view, w_src, leaves, extra_args,
+                             finish, opt_def)
+  w_view = [None if s is None else s.load(s.raw) for s in w_src]
+  updates, new_opt = inner_update(spec, g_view, w_view, leaves, extra_args,
+                                  opt_def)
+  return [None if s is None else finish(i, w_view[i], updates[i])
+          for i, s in enumerate(w_src)], new_opt
 
 
 class _Static:
@@ -121,27 +158,33 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   descends."""
   spec = state.spec
   params = jax.tree.leaves(state.params)
-  g_view, w_view = [], []
+  g_view, w_src = [], []
   for g, p, m, r in zip(grads, params, spec.masters(state.master),
                         spec.leaves):
     if not r.trainable:
       g_view.append(None)
-      w_view.append(None)
+      w_src.append(None)
       continue
     g = r.grad_view(g, spec.stage, where)
     g_view.append(g.conj() if jnp.iscomplexobj(g) else g)
-    w_view.append(r.place.constrain(r.weights(p, m), r.shard))
-  updates, new_opt = inner_update(spec, g_view, w_view, state.opt_state,
-                                  extra_args)
-  new_w = [None if w is None else optax.apply_updates(w, u)
-           for w, u in zip(w_view, updates)]
+    w_src.append(_offload.Source(*r.weight_source(p, m)))
+
+  def finish(i, w, u):
+    r = spec.leaves[i]
+    new_w = optax.apply_updates(w, u)
+    master = None if state.master is None else r.master_storage(new_w)
+    return master, new_w.astype(r.compute_dtype)
+
+  done, new_opt = run_update(spec, g_view, w_src, state.opt_state,
+                             extra_args, finish)
   new_master = None
   if state.master is not None:
-    new_master = spec.optimizer_view([
-        None if w is None else r.master_storage(w)
-        for w, r in zip(new_w, spec.leaves)])
+    new_master = spec.optimizer_view([None if d is None else d[0]
+                                      for d in done])
   new_state = state.replace(
-      step=state.step + 1, params=new_params(spec, params, new_w),
+      step=state.step + 1,
+      params=new_params(spec, params, [None if d is None else d[1]
+                                       for d in done]),
       master=new_master, opt_state=jax.tree.unflatten(spec.opt_def, new_opt))
   grad_norm = optax.tree.norm([g for g in g_view if g is not None])
   return new_state, grad_norm
