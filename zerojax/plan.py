@@ -50,6 +50,7 @@ import numpy as np
 import optax
 from jax.sharding import AbstractMesh, AxisType
 
+from zerojax import _offload
 from zerojax._spec import make_spec
 from zerojax._transform import zero
 from zerojax._policy import Policy
@@ -81,10 +82,27 @@ class StagePlan:
   mesh: dict = dataclasses.field(default_factory=dict)
   comm: dict = dataclasses.field(default_factory=dict)   # per axis, see comm_time
   offload: bool = False    # master + optimizer state in host memory
+  # offload: the largest streamed chunk's share of master + optimizer
+  # (zerojax._offload; 1.0 when the update runs on the whole state)
+  chunk_fraction: float = 1.0
 
   @property
   def total(self) -> float:
     return self.params + self.master + self.optimizer + self.grads
+
+  @property
+  def update_transient(self) -> float:
+    """Offload: device bytes the streamed update holds at once (two chunks
+    of master + optimizer state: one being updated, the next loading)."""
+    if not self.offload:
+      return 0.0
+    return min(2 * self.chunk_fraction, 1.0) * self.host
+
+  @property
+  def host_traffic(self) -> float:
+    """Offload: host<->device bytes per step per device (the offloaded
+    state read down once and written back once)."""
+    return 2 * self.host
 
   @property
   def host(self) -> float:
@@ -93,8 +111,9 @@ class StagePlan:
 
   @property
   def device(self) -> float:
-    """Bytes per device in the accelerator's own memory."""
-    return self.total - self.host
+    """Bytes per device in the accelerator's own memory at its peak (with
+    offload: the update's streamed chunks included)."""
+    return self.total - self.host + self.update_transient
 
 
 def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
@@ -152,8 +171,9 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
   colls = {k: v for k, v in (("all-reduce", ar), ("reduce-scatter", rs),
                              ("all-gather", ag),
                              ("all-reduce over replica", arr)) if v}
+  chunk = _offload.describe(spec)["largest_chunk_fraction"] if offload else 1.0
   return StagePlan(stage, n_params, n, params, master, optimizer_bytes, grads,
-                   colls, mesh, offload=offload)
+                   colls, mesh, offload=offload, chunk_fraction=chunk)
 
 
 def _slices_spanned(mesh: dict, axes: tuple, slices: int) -> tuple[int, int]:
@@ -317,12 +337,14 @@ def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
 def _table(plans) -> str:
   offload = any(p.offload for p in plans)
   head = ("stage", "params GB", "master GB", "optimizer GB", "grads GB",
-          "total GB/device", *(("device GB", "host GB") if offload else ()),
+          "total GB/device",
+          *(("device GB", "host GB", "host<->dev GB/step") if offload else ()),
           "AR GB/step", "RS GB/step", "AG GB/step")
   rows = [(str(p.stage), f"{p.params / GB:.2f}", f"{p.master / GB:.2f}",
            f"{p.optimizer / GB:.2f}", f"{p.grads / GB:.2f}",
            f"{p.total / GB:.2f}",
-           *((f"{p.device / GB:.2f}", f"{p.host / GB:.2f}") if offload else ()),
+           *((f"{p.device / GB:.2f}", f"{p.host / GB:.2f}",
+              f"{p.host_traffic / GB:.2f}") if offload else ()),
            *(f"{p.collectives.get(k, 0) / GB:.1f}"
              for k in ("all-reduce", "reduce-scatter", "all-gather")))
           for p in plans]
