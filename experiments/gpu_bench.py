@@ -14,7 +14,11 @@ device memory, and the compiled program's planned bytes
     python experiments/gpu_bench.py --sizes tiny --steps 3 # the code path, CPU
 
 Sizes: ``1b`` = width 2048, depth 16, context 2048, batch 8; ``2.7b`` =
-width 4096, depth 12, context 2048, batch 4; ``tiny`` for a CPU run.
+width 4096, depth 12, context 2048, batch 4; ``3.5b`` = depth 16 of the
+same (out of device memory for the plain loop on one H100); ``tiny`` for a
+CPU run. ``3+offload`` is stage 3 with the master copy and optimizer state
+in host memory (``zero(..., offload=True)``); its record adds init's own
+device peak and the host bytes it holds.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import time
 SIZES = {
     "1b": dict(width=2048, depth=16, heads=16, seq_len=2048, batch=8),
     "2.7b": dict(width=4096, depth=12, heads=32, seq_len=2048, batch=4),
+    "3.5b": dict(width=4096, depth=16, heads=32, seq_len=2048, batch=4),
     "tiny": dict(width=64, depth=2, heads=2, seq_len=64, batch=4),
 }
-CONFIGS = ("plain", "0", "1", "2", "3")
+CONFIGS = ("plain", "0", "1", "2", "3", "3+offload")
 
 
 def run_one(size: str, config: str, steps: int) -> dict:
@@ -75,11 +80,13 @@ def run_one(size: str, config: str, steps: int) -> dict:
     lowered = step.lower(state, batches[0])
   else:
     mesh = zerojax.make_mesh(devices=[device])
-    tx = zerojax.zero(opt, stage=int(config), mesh=mesh)
+    tx = zerojax.zero(opt, stage=int(config[0]), mesh=mesh,
+                      offload=config.endswith("+offload"))
     state = zerojax.init_from(lambda k: gpt.init(model, k), tx, key)
     zstep = zerojax.train_step(loss_fn, tx, gather="model")
     call = lambda state, b: zstep(state, b)
     lowered = zstep.lower(state, batches[0])
+  after_init = dict(device.memory_stats() or {})
   t0 = time.perf_counter()
   compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
@@ -104,6 +111,11 @@ def run_one(size: str, config: str, steps: int) -> dict:
       "mfu": hardware.mfu(tokens_per_s, gpt.flops_per_token(model, n_params),
                           [device]),
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+      # init's own peak (before any step) and what the state then holds
+      "init_peak_bytes": after_init.get("peak_bytes_in_use"),
+      "state_bytes_in_use": after_init.get("bytes_in_use"),
+      "host_bytes": (None if config == "plain" else
+                     zerojax.memory_bytes(state).get("pinned_host", 0)),
       "planned_bytes": None if planned is None else int(
           planned.argument_size_in_bytes + planned.output_size_in_bytes
           + planned.temp_size_in_bytes - planned.alias_size_in_bytes),
