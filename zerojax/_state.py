@@ -40,18 +40,21 @@ def place_leaf(x, layout, spec: StateSpec):
   return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
 
-def build_plan(spec: StateSpec):
+def build_plan(spec: StateSpec, grouped: bool = True):
   """``(groups, owned)``: the param leaves each init program builds (about
-  ``1/8`` of the bytes each, :func:`init_groups`) and the optimizer-state
-  leaves it builds with them; the shared ones (``count``) go with the
-  first group.
+  ``1/8`` of the bytes each, :func:`init_groups`; one group for all unless
+  ``grouped``) and the optimizer-state leaves it builds with them; the
+  shared ones (``count``) go with the first group.
 
   A group's program runs the optimizer's ``init`` with the other groups'
   weights replaced by zeros, which is exact when each state leaf reads only
   its own param (checked from ``init``'s jaxpr, :mod:`zerojax._deps`);
   otherwise one program builds everything."""
-  groups = init_groups(spec)
   own = _offload.owners(spec)
+  whole = ([list(range(len(spec.leaves)))], [list(range(len(own)))])
+  if not grouped:
+    return whole
+  groups = init_groups(spec)
   train = [i for i, r in enumerate(spec.leaves) if r.trainable]
   slot = {i: k for k, i in enumerate(train)}
   deps = _deps.input_dependencies(
@@ -59,7 +62,6 @@ def build_plan(spec: StateSpec):
           _scatter(len(spec.leaves), train, w)))),
       *[jax.ShapeDtypeStruct(spec.leaves[i].aval.shape,
                              spec.leaves[i].master_dtype) for i in train])
-  whole = ([list(range(len(spec.leaves)))], [list(range(len(own)))])
   if deps is None or len(deps) != len(own):
     return whole
   for j, p in enumerate(own):
@@ -265,10 +267,10 @@ def init(params, tx: ZeroTransformation, *, key=None,
   spec = make_spec(params, tx)
   leaves = jax.tree.leaves(params)
   parts = []
-  for group, owned in zip(*build_plan(spec)):
-    # one group at a time: each device holds its shard of this group only,
-    # and (offloaded) the group's master and optimizer state go straight
-    # to host memory
+  # offloaded: one group at a time, so the device holds one group's shards
+  # and state before they go to host memory; else one program (faster to
+  # compile, and the state ends up on the device anyway)
+  for group, owned in zip(*build_plan(spec, grouped=spec.place.offload)):
     stored = [place_leaf(leaves[i], spec.leaves[i].shard, spec) for i in group]
     parts.append(((group, owned),
                   _build_jit(spec, tuple(group), tuple(owned))(stored)))
