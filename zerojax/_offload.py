@@ -8,8 +8,9 @@ the update: 46.8 GiB peak with offload against 47.6 GiB without). Here the
 update runs chunk by chunk -- groups of consecutive parameter leaves of at
 most ``1 / CHUNKS`` of the state's bytes (a larger leaf alone) -- and each
 chunk's loads from host memory wait, through an
-``optimization_barrier``, for the previous chunk's results. So the device
-holds about two chunks of optimizer state, never the whole of it.
+``optimization_barrier``, for the previous chunk's stored results. So the
+device holds one chunk's weights and state, old and new (the planner counts
+two chunks), never the whole of it.
 
 Why chunks of the *same* Optax update rather than a host-side update
 (``jax.experimental.compute_on``): on the supported JAX versions a
