@@ -120,7 +120,8 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
   Args:
     g_avals, w_avals: per-param logical gradients and weights as the
       optimizer sees them (None for frozen leaves).
-    extra_avals: the update's array extra arguments (a dict), if any.
+    extra_avals: the update's extra arguments (a dict), arrays as
+      ``jax.ShapeDtypeStruct``, if any.
     opt_def: the structure the inner state is handed in (default the
       spec's).
   """
@@ -130,15 +131,20 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
     return None, "no leaf is trained"
   own = owners(spec)
   opt_avals = [o.aval for o in spec.opt_leaves]
-  e_leaves, e_def = jax.tree.flatten(extra_avals or {})
+  # array extra arguments are inputs of the probe; others (a callable, a
+  # string) are closed over as the update will see them
+  e_all, e_def = jax.tree.flatten(extra_avals or {})
+  e_leaves = [x for x in e_all if isinstance(x, jax.ShapeDtypeStruct)]
   n_g, n_o = len(train), len(opt_avals)
 
   def flat_update(*flat):
     g, o = flat[:n_g], flat[n_g:n_g + n_o]
-    w, e = flat[n_g + n_o:2 * n_g + n_o], flat[2 * n_g + n_o:]
+    w, e = flat[n_g + n_o:2 * n_g + n_o], iter(flat[2 * n_g + n_o:])
+    extra = [next(e) if isinstance(x, jax.ShapeDtypeStruct) else x
+             for x in e_all]
     updates, new = _call_inner(
         spec, _view(spec, train, g), jax.tree.unflatten(opt_def, list(o)),
-        _view(spec, train, w), jax.tree.unflatten(e_def, list(e)))
+        _view(spec, train, w), jax.tree.unflatten(e_def, extra))
     return jax.tree.leaves(updates), jax.tree.leaves(new)
 
   deps = _deps.input_dependencies(

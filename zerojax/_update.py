@@ -92,7 +92,8 @@ def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
     p, _ = _offload.plan(
         spec, [None if g is None else _offload.aval_of(g) for g in g_view],
         [None if s is None else s.aval for s in w_src],
-        jax.tree.map(_offload.aval_of, extra_args), opt_def)
+        jax.tree.map(lambda x: _offload.aval_of(x) if hasattr(x, "dtype")
+                     else x, extra_args), opt_def)
     if p is not None:
       return _offload.stream(spec, p, g_view, w_src, leaves, extra_args,
                              finish, opt_def)
