@@ -177,11 +177,16 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
   return Plan(chunks, owned, shared), None
 
 
+def scatter(n: int, index, values) -> list:
+  """A list of ``n`` Nones with ``values`` at positions ``index``."""
+  out = [None] * n
+  for i, v in zip(index, values):
+    out[i] = v
+  return out
+
+
 def _view(spec, train, leaves):
-  full = [None] * len(spec.leaves)
-  for i, x in zip(train, leaves):
-    full[i] = x
-  return spec.optimizer_view(full)
+  return spec.optimizer_view(scatter(len(spec.leaves), train, leaves))
 
 
 def _call_inner(spec, g_tree, opt, w_tree, extra_args):

@@ -59,7 +59,7 @@ def build_plan(spec: StateSpec, grouped: bool = True):
   slot = {i: k for k, i in enumerate(train)}
   deps = _deps.input_dependencies(
       lambda *w: jax.tree.leaves(spec.tx.inner.init(spec.optimizer_view(
-          _scatter(len(spec.leaves), train, w)))),
+          _offload.scatter(len(spec.leaves), train, w)))),
       *[jax.ShapeDtypeStruct(spec.leaves[i].aval.shape,
                              spec.leaves[i].master_dtype) for i in train])
   if deps is None or len(deps) != len(own):
@@ -72,13 +72,6 @@ def build_plan(spec: StateSpec, grouped: bool = True):
   for j, p in enumerate(own):
     owned[0 if p is None else where[p]].append(j)
   return groups, owned
-
-
-def _scatter(n, index, values, fill=None):
-  out = [fill] * n
-  for i, v in zip(index, values):
-    out[i] = v
-  return out
 
 
 def _build_group(stored, spec: StateSpec, group, owned):
