@@ -7,6 +7,7 @@
     python -m tests.mp_worker init    COORD N ID TIMEOUT
     python -m tests.mp_worker hsdp    STAGE OUT JSON   # replica=2 across processes
     python -m tests.mp_worker zeropp  3 OUT JSON       # ZeRO++, node = process
+    python -m tests.mp_worker qgz     3 OUT JSON       # qgZ alone, node = process
 """
 
 import os
@@ -18,6 +19,8 @@ from zerojax import distributed
 
 # qwZ + hpZ (a node = one process's 4 devices) + hierarchical qgZ int4
 ZEROPP = zerojax.ZeroPP(weight_bits=8, grad_bits=4, block_size=4, hpz_size=4)
+# qgZ int8 alone: hierarchical because the mesh spans two processes
+QGZ = zerojax.ZeroPP(grad_bits=8, block_size=4)
 
 
 def main(mode, *rest):
@@ -36,7 +39,7 @@ def main(mode, *rest):
   params = toy.init_params(jax.random.key(0))
   mesh = zerojax.make_mesh("replica=2,data=4") if mode == "hsdp" else None
   tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh,
-                    zeropp=ZEROPP if mode == "zeropp" else None)
+                    zeropp={"zeropp": ZEROPP, "qgz": QGZ}.get(mode))
   step = zerojax.train_step(toy.loss_fn, tx)
   rows = distributed.local_rows(zerojax.batch_sharding(tx), 32)
   batches = [zerojax.shard_batch({k: v[rows] for k, v in b.items()}, tx, 32)
@@ -58,14 +61,15 @@ def main(mode, *rest):
             for c in zerojax.collectives(hlo, 8)
             if zerojax.crosses_processes(c, t.mesh)]
 
-  if mode in ("zeropp", "hsdp"):
+  if mode in ("zeropp", "qgz", "hsdp"):
     import json
     state = zerojax.init(params, tx)
     # which collectives cross processes, for this setting and the plain
     # 1-D mesh at the same stage
     table = {mode: crossing(tx),
              "plain": crossing(zerojax.zero(optax.adamw(1e-2), stage=stage)),
-             "process_of": [d.process_index for d in tx.mesh.devices.reshape(-1)]}
+             "process_of": [d.process_index for d in tx.mesh.devices.reshape(-1)],
+             "qgz_node_size": tx.qgz_node_size}
     if mode == "hsdp":
       table["shard_elements"] = sum(
           int(np.prod(r.shard.storage_shape)) // tx.num_shards

@@ -251,3 +251,34 @@ def test_zeropp_across_two_processes_moves_only_the_secondary_and_node_sums(
       assert c["count"] == 1                      # once per step, not per layer
   plain = sum(c["bytes"] for c in t["plain"])
   assert sum(c["bytes"] for c in crossing) < plain / 4
+
+
+def test_qgz_alone_is_hierarchical_across_two_processes(tmp_path):
+  """qgZ int8 without hpZ or node_size: a process is a node, so the
+  gradients cross processes only as node sums. The same params as one
+  process told node_size=4; across processes at most 0.30x the bytes of
+  plain stage 3's gradient reduce-scatter."""
+  import dataclasses
+  import json
+  from tests import mp_worker
+  out, table = tmp_path / "p.npz", tmp_path / "t.json"
+  assert _launch(tmp_path, "qgz", 3, out, table) == 0
+  t = json.loads(table.read_text())
+  assert t["qgz_node_size"] == 4
+  one = dataclasses.replace(mp_worker.QGZ, node_size=4)
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, zeropp=one)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  for b in toy.batches(5, seed=11):
+    state, _ = step(state, b)
+  want = [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
+  for a, b in zip(_load(out), want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  proc = t["process_of"]
+  grads = sum(c["bytes"] for c in t["qgz"] if c["kind"] == "all-to-all")
+  plain = sum(c["bytes"] for c in t["plain"] if c["kind"] == "reduce-scatter")
+  assert grads and plain
+  for c in t["qgz"]:
+    if c["kind"] == "all-to-all":   # only the node sums: one device per process
+      assert all(sorted(proc[d] for d in g) == [0, 1] for g in c["groups"])
+  assert grads <= 0.30 * plain, (grads, plain)

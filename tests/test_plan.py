@@ -163,9 +163,12 @@ def test_zeropp_cross_node_bytes_follow_the_paper_accounting():
   all3 = slow(weight_bits=8, grad_bits=4, hpz=True)
   assert all3 == pytest.approx(((1 + 4 / 256) + (0.5 + 4 / 256)) * psi * cross)
   assert all3 / slow() == pytest.approx(0.75 / 3, rel=0.03)
+  # hierarchical qgZ (the node known): the gradients cross as node sums
+  assert slow(grad_bits=8) == pytest.approx(
+      (2 * 2 + (1 + 4 / 256)) * psi * cross)
   # a flat quantized all-to-all cannot reduce inside the node first: more
   # cross-node bytes than a hierarchical bf16 reduce-scatter
-  assert slow(grad_bits=8) > slow()
+  assert slow(grad_bits=8, nodes_known=False) > slow()
 
 
 def test_planner_cli_prints_the_zeropp_table(capsys):

@@ -92,12 +92,16 @@ def _one_sgd_step(stage, zeropp, c_rows, leaves):
           for k, v in zerojax.gather_params(state).items()}
 
 
-@pytest.mark.parametrize("stage,hpz", [(1, None), (2, None), (3, None), (3, 4), (3, 2)],
-                         ids=["stage1", "stage2", "stage3", "stage3-hpz4", "stage3-hpz2"])
+@pytest.mark.parametrize("stage,nodes", [
+    (1, None), (2, None), (3, None), (3, dict(hpz_size=4)),
+    (3, dict(hpz_size=2)), (1, dict(node_size=4)), (2, dict(node_size=2))],
+    ids=["stage1", "stage2", "stage3", "stage3-hpz4", "stage3-hpz2",
+         "stage1-node4", "stage2-node2"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_reduce_scatter_spanning_magnitudes_zeros_and_equal_values(
-    stage, hpz, bits):
-  """Flat (one all-to-all) and hierarchical (hpZ: in-node, then across)."""
+    stage, nodes, bits):
+  """Flat (one all-to-all) and hierarchical (nodes known from hpZ or
+  node_size: in-node, then across)."""
   n = 8
   rng = np.random.default_rng(stage)
   # "span": 256 values, each 16-block 1e-30 .. 1e30 (8 chunks of 32 = 2
@@ -112,7 +116,7 @@ def test_quantized_reduce_scatter_spanning_magnitudes_zeros_and_equal_values(
       "equal": np.full((n, 24), 3.7, np.float32),
   }
   got = _one_sgd_step(stage, zerojax.ZeroPP(grad_bits=bits, block_size=16,
-                                            hpz_size=hpz),
+                                            **(nodes or {})),
                       rows, tuple(rows))
   exact = {k: v.astype(np.float64).mean(0) for k, v in rows.items()}
   np.testing.assert_array_equal(got["zeros"], 0.0)
@@ -260,6 +264,8 @@ def test_evaluation_gathers_exactly():
     (dict(grad_bits=2), "grad_bits=2"),
     (dict(block_size=7), "block_size=7"),
     (dict(hpz_size=1), "hpz_size=1"),
+    (dict(node_size=0), "node_size=0"),
+    (dict(hpz_size=4, node_size=2), "set one"),
 ])
 def test_bad_zeropp_settings_raise_with_the_fix(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -277,15 +283,11 @@ def test_zeropp_where_it_does_not_apply_raises(mesh):
     zerojax.zero(optax.adamw(1e-3), stage=3, zeropp=zerojax.ZeroPP(hpz_size=3))
   with pytest.raises(ValueError, match="stage=3"):
     zerojax.zero(optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(hpz_size=4))
-  with pytest.raises(ValueError, match="replica"):
-    zerojax.zero(optax.adamw(1e-3), stage=3, mesh=zerojax.make_mesh("replica=2,data=4"),
-                 zeropp=zerojax.ZeroPP(hpz_size=2))
-  with pytest.raises(ValueError, match="model"):
-    zerojax.zero(optax.adamw(1e-3), stage=3, mesh=zerojax.make_mesh("data=4,model=2"),
-                 zeropp=zerojax.ZeroPP(grad_bits=8))
-  tx = zerojax.zero(optax.adamw(1e-3), stage=1, zeropp=zerojax.ZeroPP(grad_bits=8))
-  with pytest.raises(ValueError, match="jax.grad"):
-    tx.init(toy.init_params(jax.random.key(0)))
+  with pytest.raises(ValueError, match="node_size=3"):
+    zerojax.zero(optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(
+        grad_bits=8, node_size=3))
+  with pytest.raises(ValueError, match="hpz_size=8"):
+    zerojax.zero(optax.adamw(1e-3), stage=3, zeropp=zerojax.ZeroPP(hpz_size=8))
 
 
 def test_state_and_step_with_different_zeropp_say_so():
@@ -338,3 +340,116 @@ def test_quantized_collectives_on_a_hybrid_mesh_stay_close():
   ref, got = run(None), run(zerojax.ZeroPP(8, 8, 4))
   assert all(np.isfinite(got)) and got != ref
   np.testing.assert_allclose(got, ref, rtol=3e-3)
+
+
+# --------------------------------------------------------------------------
+# every mesh zerojax supports
+# --------------------------------------------------------------------------
+# The toy model's tensor-parallel layout (as in test_meshes.py).
+TP_SPECS = {"embed": P(None, "model"),
+            "layers": {"w": P(None, None, "model"), "b": P(None, "model")},
+            "head": P("model", None), "bias3": None, "scale": None, "ids": None}
+
+
+def _mesh_run(mesh_axes, stage, zeropp, steps=3):
+  mesh = zerojax.make_mesh(mesh_axes)
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh, zeropp=zeropp,
+                    model_specs=TP_SPECS if "model" in mesh_axes else None)
+  params = toy.init_params(jax.random.key(0), width=6)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(toy.loss_fn, tx, gather="model")
+  losses = []
+  for b in toy.batches(steps):
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  return state, losses, step, mesh
+
+
+@pytest.mark.parametrize("mesh_axes,stage,zeropp", [
+    ("data=4,model=2", 3, zerojax.ZeroPP(8, 8, 4)),
+    ("data=4,model=2", 3, zerojax.ZeroPP(8, 4, 4, hpz_size=2)),
+    ("replica=2,data=2,model=2", 3, zerojax.ZeroPP(8, 8, 4)),
+    ("replica=2,data=4", 3, zerojax.ZeroPP(8, 8, 4, hpz_size=2)),
+    pytest.param("data=4,model=2", 1, zerojax.ZeroPP(grad_bits=8, block_size=4),
+                 marks=pytest.mark.slow),
+    ("data=4,model=2", 2, zerojax.ZeroPP(grad_bits=4, block_size=4)),
+    pytest.param("replica=2,data=2,model=2", 2,
+                 zerojax.ZeroPP(grad_bits=8, block_size=4),
+                 marks=pytest.mark.slow),
+], ids=["dp4xtp2-s3-qwZ+qgZ8", "dp4xtp2-s3-all3-int4", "r2xdp2xtp2-s3-qwZ+qgZ8",
+        "r2xdp4-s3-all3-int8", "dp4xtp2-s1-qgZ8", "dp4xtp2-s2-qgZ4",
+        "r2xdp2xtp2-s2-qgZ8"])
+def test_zeropp_on_pod_meshes_stays_close_and_quantizes_over_data_only(
+    mesh_axes, stage, zeropp):
+  """ZeRO++ with tensor-parallel and replica axes: close to the same mesh
+  unquantized, and every int8 / int4 collective runs over the data axis
+  alone, on model shards (nothing quantized crosses the model axis)."""
+  _, ref, _, _ = _mesh_run(mesh_axes, stage, None)
+  state, got, step, mesh = _mesh_run(mesh_axes, stage, zeropp)
+  assert all(np.isfinite(got)) and got != ref
+  np.testing.assert_allclose(got, ref, rtol=3e-3)
+  colls = zerojax.collectives(
+      step.lower(state, toy.batches(1)[0]).compile().as_text(), 8)
+  quantized = [c for c in colls if c.dtype in ("s8", "u8")]
+  assert quantized
+  assert all(zerojax.collective_axes(c, mesh) == ("data",) for c in quantized)
+  if zeropp.hpz_size:         # the in-node gathers: groups of hpz_size
+    k = zeropp.hpz_size
+    inner = [c for c in colls if c.kind == "all-gather" and c.count > 1]
+    assert inner and all(len(g) == k for c in inner for g in c.groups)
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_zeropp_through_the_optax_dropin_with_value_and_grad(stage):
+  """The drop-in loop (zerojax.value_and_grad -> tx.update ->
+  optax.apply_updates) with qgZ equals train_step with the same tx, and
+  its gradients were quantized (it differs from plain)."""
+  def run(zeropp, dropin):
+    tx = zerojax.zero(optax.adamw(1e-2), stage=stage, zeropp=zeropp)
+    params = toy.init_params(jax.random.key(0))
+    if not dropin:
+      state = zerojax.init(params, tx)
+      step = zerojax.train_step(toy.loss_fn, tx)
+      for b in toy.batches(3):
+        state, _ = step(state, b)
+      return [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
+    grad_fn = zerojax.value_and_grad(toy.loss_fn, tx)
+    opt_state = tx.init(params)
+    for b in toy.batches(3):
+      _, grads = grad_fn(params, b)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+  q = zerojax.ZeroPP(grad_bits=8, block_size=4)
+  got, want, plain = run(q, True), run(q, False), run(None, True)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  assert any(not np.array_equal(a, b) for a, b in zip(got, plain))
+
+
+@pytest.mark.parametrize("bits,target", [(8, 0.30), (4, 0.18)])
+def test_hierarchical_qgz_without_hpz_crosses_nodes_as_node_sums(bits, target):
+  """node_size=4 on 8 devices (2 nodes): the gradient's all-to-alls are one
+  inside each node (groups of 4) and one across (one device per node) on
+  1/4 of the gradient; the cross-node bytes are at most ``target`` of plain
+  stage 3's reduce-scatter (all of which spans both nodes)."""
+  k = 4
+  state0, _, step0, _ = _mesh_run("data=8", 3, None, steps=0)
+  state, _, step, _ = _mesh_run(
+      "data=8", 3, zerojax.ZeroPP(grad_bits=bits, node_size=k), steps=1)
+  b = toy.batches(1)[0]
+  plain = zerojax.collectives(step0.lower(state0, b).compile().as_text(), 8)
+  colls = zerojax.collectives(step.lower(state, b).compile().as_text(), 8)
+  rs = sum(c.total_bytes for c in plain if c.kind == "reduce-scatter")
+  a2a = [c for c in colls if c.kind == "all-to-all"]
+  inside = [c for c in a2a if _node_span(c, k) == 1]
+  across = [c for c in a2a if _node_span(c, k) > 1]
+  assert not any(c.kind == "reduce-scatter" for c in colls)
+  assert inside and across
+  assert all(len(g) == 8 // k for c in across for g in c.groups)
+  cross = sum(c.total_bytes for c in across)
+  assert cross <= target * rs, (cross, rs)
+  # the node sums are 1/k of what the in-node exchange moves (plus each
+  # small chunk's rounding up to an even block on this toy model)
+  data = lambda cs: sum(c.total_elements for c in cs if c.dtype in ("s8", "u8"))
+  assert data(across) < data(inside) / 2

@@ -13,7 +13,7 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from zerojax import _layout
+from zerojax import _layout, _zeropp
 from zerojax._mesh import DEFAULT_AXIS, data_axis_size
 from zerojax._policy import Policy
 from zerojax._zeropp import ZeroPP
@@ -74,6 +74,12 @@ class ZeroConfig:
   @property
   def batch_shards(self) -> int:
     return self.num_replicas * self.num_shards
+
+  @property
+  def qgz_node_size(self) -> int:
+    """Devices per node hierarchical qgZ sums over before crossing nodes;
+    ``0``: flat (see :class:`zerojax.ZeroPP`)."""
+    return _zeropp.qgz_node_size(self.zeropp, self.mesh, self.axis_name)
 
   @property
   def model_axes(self) -> dict[str, int]:

@@ -20,7 +20,11 @@ What it costs against :func:`zerojax.train_step`: the loop's own
 ``jax.grad`` leaves the gradient reduction to GSPMD (an all-reduce of the
 full gradient on CPU, where the train step reduce-scatters), and the
 updates come back replicated (an all-gather of the update, where the train
-step gathers the new params). The optimizer state is sharded exactly as at
+step gathers the new params). ZeRO++'s qgZ (``zeropp=ZeroPP(grad_bits=...)``
+at stages 1-2) is the gradient reduction's, so it needs the gradients of
+:func:`zerojax.value_and_grad` (reduce-scattered, quantized, in the stage's
+layout); gradients from ``jax.grad`` arrive already reduced in full
+precision and are used as they are. The optimizer state is sharded exactly as at
 the stage. Stage 3 (sharded params) and a master-weight policy need the
 state zerojax owns: :func:`zerojax.init` + :func:`zerojax.train_step`.
 """
@@ -44,13 +48,6 @@ from zerojax._state import warn_untrained
 
 
 def _check_config(config, where: str):
-  if config.zeropp.active:
-    raise ValueError(
-        f"{where}: zero(..., zeropp={config.zeropp}) quantizes the "
-        f"collectives zerojax runs, but in an Optax loop your jax.grad "
-        f"reduces the gradient (in full precision). Use zerojax.init + "
-        f"zerojax.train_step (or zerojax.value_and_grad + "
-        f"zerojax.apply_gradients) for ZeRO++, or drop zeropp=.")
   if config.stage == 3:
     raise ValueError(
         f"{where}: at stage 3 zerojax stores the parameters sharded, but in "

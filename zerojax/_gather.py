@@ -60,6 +60,8 @@ class GatherSpec:
   block_size: int = 256            # elements per quantization block
   hpz: int = 0                     # hpZ: ``src`` is the secondary shard
                                    # (1/hpz of the leaf), gathered in-node
+  node: int = 0                    # qgZ: hierarchical over nodes of this
+                                   # many devices (0: flat)
 
 
 def _entries(model, ndim):
@@ -103,8 +105,14 @@ def over_model_shards(fn, x, model, dim=None):
   if dim is not None and entries[dim] is not None:
     entries[dim] = None      # shared with the data axis: whole over model
   spec = jax.sharding.PartitionSpec(*entries)
-  return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
-                       axis_names=axes)(x)
+  region = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
+                         axis_names=axes)
+  # Under ``jax.checkpoint`` (identity here: nothing differentiates this
+  # call, it runs inside the gather's custom VJP) so that a scan's partial
+  # evaluation keeps the nested region whole: split, its scalar residuals
+  # (the quantizer's constants) come out mapped over the parent's manual
+  # data axis and lowering fails (JAX 0.10.2 and 0.12, measured).
+  return jax.checkpoint(region, prevent_cse=False)(x)
 
 
 class UngatheredParamError(TypeError):
@@ -257,7 +265,7 @@ def reduce_scatter(x, axis_name, dim: int, spec: GatherSpec):
   an all-to-all of quantized blocks summed in fp32 (then cast)."""
   if spec.grad_bits:
     return _zeropp.reduce_scatter(x, axis_name, dim, spec.grad_bits,
-                                  spec.block_size, spec.hpz
+                                  spec.block_size, spec.node
                                   ).astype(spec.reduce_dtype)
   return jax.lax.psum_scatter(x.astype(spec.reduce_dtype), axis_name,
                               scatter_dimension=dim, tiled=True)

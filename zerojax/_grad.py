@@ -156,7 +156,8 @@ def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpe
       weight_bits=zeropp.weight_bits if quantized else None,
       grad_bits=zeropp.grad_bits if quantized else None,
       block_size=zeropp.block_size,
-      hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0)
+      hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
+      node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:

@@ -10,8 +10,13 @@ Three sources, each labelled:
   all-gather Ψ; stage 3 all-gather 2Ψ + reduce-scatter Ψ (times the
   micro-batches where the stage reduces or gathers per micro-batch); on a
   mesh with a model axis each tensor-parallel leaf counts Ψ_leaf/M, and
-  with a replica axis an all-reduce of Ψ/N is added; also bytes per mesh
-  axis (from each collective's replica groups) and crossing processes;
+  with a replica axis an all-reduce of Ψ/N is added; with ZeRO++ each leaf
+  as zerojax runs it (int8 / packed int4 blocks and their f32 scales,
+  all-to-alls for qgZ, hpZ's secondary and in-node gathers, stacked
+  leaves per layer; see :func:`_theory_zeropp`). Measured and theory
+  compare ZeRO's collectives, those over the data and replica axes; a
+  model axis's own (tensor parallelism's) are in the bytes per mesh axis
+  (from each collective's replica groups), as are those crossing processes;
 * **XLA's memory analysis** of the compiled step (argument, output, temp,
   alias bytes per device). On CPU its temp figure misses buffers inside loop
   bodies; do not read it as the peak.
@@ -25,16 +30,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 
 import numpy as np
 
-from zerojax import _hlo, _inspect, _offload
+from zerojax import _hlo, _inspect, _offload, _zeropp
 from zerojax._spec import ZeroState
 
 
 def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
   """ZeRO's collective volume per step: ``{kind: (elements, bytes)}``."""
   spec = state.spec
+  if spec.tx.zeropp.active:
+    return _theory_zeropp(spec, accum_steps)
   k = accum_steps
   elems = rbytes = cbytes = 0
   sizes = spec.tx.model_axes
@@ -60,6 +68,101 @@ def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
 
 
 
+def _local_elements(spec, r) -> int:
+  """Elements of leaf ``r``'s shard that one device's data-axis collective
+  moves: the storage shard over the data axis, cut by the model axes
+  except on the dimension it shares with the data axis (that one enters
+  whole over the model axes; see ``_gather.over_model_shards``)."""
+  sizes, n = spec.tx.model_axes, spec.tx.num_shards
+  m = 1
+  for d, size in enumerate(r.shard.storage_shape):
+    if d == r.shard.dim:
+      m *= size // n
+    else:
+      m *= size // math.prod(int(sizes[a]) for a in r.shard.model_axes(d))
+  return m
+
+
+def _quantized(rows: int, m: int, bits: int, block: int) -> tuple[int, int]:
+  """``(elements, bytes)`` of :func:`_zeropp.quantize` on ``rows`` rows of
+  ``m``: int8 (or packed int4) blocks and one f32 scale per block."""
+  b = _zeropp.block_for(m, block)
+  nb = -(-m // b)
+  data = rows * nb * b * bits // 8
+  return data + rows * nb, data + 4 * rows * nb
+
+
+def _theory_zeropp(spec, k: int) -> dict:
+  """ZeRO++'s collectives per step, each leaf as zerojax runs it: stacked
+  leaves gathered and reduce-scattered per layer (the GPT's scan), blocks
+  padded as :mod:`zerojax._zeropp` pads them, full-buffer convention.
+
+  * weight all-gathers (stage 3) per micro-batch, stacked leaves in the
+    forward and again in the rematerialised backward, others once (their
+    gathered value is saved for the backward): the compute dtype, or with qwZ the int8 blocks and scales
+    of every shard; with hpZ, once per step the secondary (``1/hpz`` of the
+    leaf, quantized with qwZ) across nodes, then in-node gathers of the
+    whole leaf in the compute dtype;
+  * the gradient: a reduce-scatter in the reduce dtype, or with qgZ an
+    all-to-all of every device's quantized chunks (two when hierarchical:
+    the whole gradient inside the node, ``1/node`` of it across);
+  * a replica axis adds the shard's full-precision all-reduce.
+  """
+  tx, stage = spec.tx, spec.stage
+  zpp, n = tx.zeropp, tx.num_shards
+  node, hpz = tx.qgz_node_size, (zpp.hpz_size or 0) if stage == 3 else 0
+  out = collections.defaultdict(lambda: [0, 0])
+
+  def add(kind, elems, nbytes, times=1):
+    out[kind][0] += times * elems
+    out[kind][1] += times * nbytes
+  for r in spec.leaves:
+    if not r.trainable:
+      continue
+    itemsize = lambda dt: np.dtype(dt).itemsize
+    if not r.shard.sharded:        # replicated: all-reduced, full precision
+      size = r.size // r.shard.model_shards(tx.model_axes)
+      add("all-reduce", size, size * itemsize(r.reduce_dtype))
+      continue
+    per_layer = stage >= 2 and r.stacked
+    layers = r.shard.storage_shape[0] if per_layer else 1
+    m = _local_elements(spec, r) // layers       # one call's local shard
+    calls = k * layers if stage >= 2 else 1
+    # gathered again in the backward where rematerialised (the layer scan)
+    gathers = k * layers * (2 if per_layer else 1)
+    if stage == 3:
+      if hpz:
+        whole = m * layers
+        if zpp.weight_bits:
+          add("all-gather", *_quantized(n // hpz, whole, zpp.weight_bits,
+                                        zpp.block_size))
+        else:
+          add("all-gather", n // hpz * whole,
+              n // hpz * whole * itemsize(r.compute_dtype))
+        add("all-gather", n * m, n * m * itemsize(r.compute_dtype), gathers)
+      elif zpp.weight_bits:
+        add("all-gather", *_quantized(n, m, zpp.weight_bits, zpp.block_size),
+            gathers)
+      else:
+        add("all-gather", n * m, n * m * itemsize(r.compute_dtype), gathers)
+    else:                           # stages 1-2: the new params, gathered
+      add("all-gather", n * m * layers,
+          n * m * layers * itemsize(r.compute_dtype))
+    if zpp.grad_bits and node:
+      add("all-to-all", *_quantized(node, n // node * m, zpp.grad_bits,
+                                    zpp.block_size), calls)
+      add("all-to-all", *_quantized(n // node, m, zpp.grad_bits,
+                                    zpp.block_size), calls)
+    elif zpp.grad_bits:
+      add("all-to-all", *_quantized(n, m, zpp.grad_bits, zpp.block_size),
+          calls)
+    else:
+      add("reduce-scatter", n * m, n * m * itemsize(r.reduce_dtype), calls)
+    if tx.replica_axis:
+      add("all-reduce", m * layers, m * layers * itemsize(r.reduce_dtype))
+  return {kind: tuple(v) for kind, v in out.items()}
+
+
 @dataclasses.dataclass
 class Report:
   """Measured and theoretical costs of one train step; see :func:`report`."""
@@ -79,6 +182,8 @@ class Report:
   bytes_by_axis: dict = dataclasses.field(default_factory=dict)
   cross_process_bytes: int = 0
   offload: dict = dataclasses.field(default_factory=dict)
+  zero_collective_bytes: dict = dataclasses.field(default_factory=dict)
+  zero_collective_elements: dict = dataclasses.field(default_factory=dict)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -87,12 +192,19 @@ class Report:
     return json.dumps(self.to_dict(), **kw)
 
   def ratios(self) -> dict:
-    """measured / theory: state bytes (total) and collective elements by kind."""
+    """measured / theory: state bytes (total), and by kind the elements
+    (``kind``) and bytes (``"kind bytes"``) of ZeRO's collectives, those
+    over the data and replica axes (a model axis's own collectives are
+    tensor parallelism's, in :attr:`bytes_by_axis`)."""
     persistent = sum(v for k, v in self.theory_state_bytes.items()
                      if k != "grads")          # gradients are transient
     out = {"state_bytes": sum(self.state_bytes.values()) / max(persistent, 1)}
+    elems = self.zero_collective_elements or self.collective_elements
+    nbytes = self.zero_collective_bytes or self.collective_bytes
     for kind, t in self.theory_collective_elements.items():
-      out[kind] = self.collective_elements.get(kind, 0) / t
+      out[kind] = elems.get(kind, 0) / t
+    for kind, t in self.theory_collective_bytes.items():
+      out[f"{kind} bytes"] = nbytes.get(kind, 0) / t
     return out
 
   def __str__(self) -> str:
@@ -107,10 +219,12 @@ class Report:
       lines.append(f"  {c:<24}{'' if m is None else f'{m:>12,}':>12}  "
                    f"{'' if t is None else f'{t:>12,.0f}':>12}"
                    + ("  (transient)" if c == "grads" else ""))
-    lines += ["", "collectives per step (compiled HLO)      elements        theory"]
-    kinds = sorted(set(self.collective_elements) | set(self.theory_collective_elements))
+    elems = self.zero_collective_elements or self.collective_elements
+    lines += ["", "ZeRO's collectives per step (compiled HLO, over the "
+              "batch axes)   elements        theory"]
+    kinds = sorted(set(elems) | set(self.theory_collective_elements))
     for kind in kinds:
-      m = self.collective_elements.get(kind, 0)
+      m = elems.get(kind, 0)
       t = self.theory_collective_elements.get(kind, 0)
       lines.append(f"  {kind:<38}{m:>10,}  {t:>12,}")
     if self.bytes_by_axis:
@@ -149,9 +263,10 @@ class Report:
     counts = collections.Counter()
     for c in self.collectives:
       counts[c["kind"]] += c["count"]
-    for kind in sorted(set(self.collective_elements) | set(self.theory_collective_elements)):
+    elems = self.zero_collective_elements or self.collective_elements
+    for kind in sorted(set(elems) | set(self.theory_collective_elements)):
       rows.append(f"| {kind} | {counts[kind]} | "
-                  f"{self.collective_elements.get(kind, 0):,} | "
+                  f"{elems.get(kind, 0):,} | "
                   f"{self.theory_collective_elements.get(kind, 0):,} |")
     return "\n".join(rows)
 
@@ -181,9 +296,14 @@ def report(step, state: ZeroState, batch) -> Report:
     if _hlo.crosses_processes(c, mesh):
       crossing += c.total_bytes
   by_kind_b, by_kind_e = collections.Counter(), collections.Counter()
+  zero_b, zero_e = collections.Counter(), collections.Counter()
+  batch_axes = set(spec.tx.batch_axes)
   for c in colls:
     by_kind_b[c.kind] += c.total_bytes
     by_kind_e[c.kind] += c.total_elements
+    if set(_hlo.axes_of(c, mesh)) <= batch_axes:
+      zero_b[c.kind] += c.total_bytes
+      zero_e[c.kind] += c.total_elements
   theory = theory_collectives(state, step.accum_steps)
   mem = compiled.memory_analysis()
   return Report(
@@ -201,6 +321,7 @@ def report(step, state: ZeroState, batch) -> Report:
                   "alias": mem.alias_size_in_bytes},
       mesh={a: int(s) for a, s in mesh.shape.items()},
       bytes_by_axis=dict(by_axis), cross_process_bytes=crossing,
+      zero_collective_bytes=dict(zero_b), zero_collective_elements=dict(zero_e),
       offload=_offload_traffic(state, hlo) if spec.place.offload else {})
 
 

@@ -150,14 +150,13 @@ def zero(
   if offload:
     _check_host_memory(mesh)
   zeropp = ZeroPP() if zeropp is None else zeropp
-  _check_zeropp(zeropp, stage, mesh, axis_name, replica_axis)
+  _check_zeropp(zeropp, stage, mesh, axis_name)
   return from_config(ZeroConfig(inner, stage, mesh, axis_name, policy,
                                 min_shard_size, stacked, replica_axis,
                                 model_specs, offload, zeropp))
 
 
-def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str,
-                  replica_axis: str | None):
+def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str):
   """Where each ZeRO++ setting applies; errors name the setting and fix."""
   if not isinstance(zeropp, ZeroPP):
     raise TypeError(f"zerojax.zero: zeropp must be a zerojax.ZeroPP, got "
@@ -179,28 +178,19 @@ def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str,
         f"zerojax.zero: ZeroPP(grad_bits={zeropp.grad_bits}) quantizes the "
         f"gradient reduce-scatter of stages 1-3; stage 0 all-reduces "
         f"instead. Use stage >= 1, or grad_bits=None.")
-  n, k = data_axis_size(mesh, axis_name), zeropp.hpz_size
-  if k is not None and (n % k or k >= n):
+  n = data_axis_size(mesh, axis_name)
+  for name in ("hpz_size", "node_size"):
+    k = getattr(zeropp, name)
+    if k is not None and n % k:
+      raise ValueError(
+          f"zerojax.zero: ZeroPP({name}={k}) must divide the data axis "
+          f"({axis_name!r} has {n} devices): the devices of one node, e.g. "
+          f"{name}={n // 2} for 2 nodes.")
+  if zeropp.hpz_size is not None and zeropp.hpz_size >= n:
     raise ValueError(
-        f"zerojax.zero: ZeroPP(hpz_size={k}) must divide the data axis "
-        f"({axis_name!r} has {n} devices) and be smaller than it: the "
-        f"devices of one node, e.g. hpz_size={n // 2} for 2 nodes.")
-  if k is not None and replica_axis is not None:
-    raise ValueError(
-        f"zerojax.zero: ZeroPP(hpz_size={k}) with a replica axis "
-        f"({replica_axis!r}): under hybrid sharding the state is already "
-        f"replicated across nodes and every gather stays inside one. Use a "
-        f"1-D data mesh for hpZ (nodes are runs of {k} devices along it), "
-        f"or drop hpz_size.")
-  model_axes = {a: int(s) for a, s in mesh.shape.items()
-                if a not in (axis_name, replica_axis) and s > 1}
-  if zeropp.active and model_axes:
-    raise ValueError(
-        f"zerojax.zero: ZeroPP (qwZ, qgZ, hpZ) is not supported on "
-        f"a mesh with model (tensor-parallel) axes {model_axes} yet (XLA "
-        f"rejects the quantized gather inside the per-model-shard region). "
-        f"Use a 1-D or replica x data mesh for zeropp=, or drop zeropp= on "
-        f"this mesh.")
+        f"zerojax.zero: ZeroPP(hpz_size={zeropp.hpz_size}) must be smaller "
+        f"than the data axis ({axis_name!r} has {n} devices): the devices "
+        f"of one node, e.g. hpz_size={n // 2} for 2 nodes.")
 
 
 def _check_host_memory(mesh: Mesh):

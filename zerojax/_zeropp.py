@@ -32,6 +32,18 @@ needs to divide anything, padding is never asserted on.
 The padded tail of the last block and the zero padding of an uneven shard
 are sliced off after dequantization, so they never reach the model.
 
+**Nodes** (``node_size``, or one process per node): a flat all-to-all
+cannot reduce anything before it crosses nodes, so flat qgZ sends
+``(N - k) / N`` of every device's quantized gradient across (more than
+plain stage 3's reduce-scatter, which XLA runs hierarchically). Where the
+node is known, qgZ is hierarchical, as in ZeRO++: an all-to-all inside the
+node sums each chunk over the node's k devices (dequantized, in fp32), and
+only those node sums, requantized, cross nodes: ``1/k`` of the gradient.
+Each element is then rounded twice (the error bound doubles). The node is
+``ZeroPP(node_size=k)``, else ``hpz_size``, else, on several processes,
+the run of devices one process holds along the data axis
+(:func:`process_node_size`); on one process with neither set, qgZ is flat.
+
 **hpZ** (``hpz_size=k``, the devices of one node): besides its primary
 shard (1/N of each stage-3 parameter, what the optimizer updates), every
 device holds, for the length of a step, a *secondary* shard: 1/k of each
@@ -51,6 +63,7 @@ devices together, so with one process per node, node = process).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +93,12 @@ class ZeroPP:
       of the params, ``Ψ / hpz_size`` elements in the compute dtype per
       device during the step, and keeps the backward all-gathers inside a
       node. ``None``: off.
+    node_size: devices per node along the data axis (nodes are consecutive
+      runs of it), for hierarchical qgZ: gradients are summed inside the
+      node before they cross, so only ``1/node_size`` of them does.
+      ``None``: ``hpz_size`` if set, else the devices one process holds
+      along the data axis when the mesh spans several processes, else flat
+      (one node).
 
   Quantized collectives are lossy: results are no longer equal to
   unsharded Optax, but within the per-block bounds above (tested). Leaves
@@ -98,6 +117,7 @@ class ZeroPP:
   grad_bits: int | None = None
   block_size: int = 256
   hpz_size: int | None = None
+  node_size: int | None = None
 
   def __post_init__(self):
     if self.weight_bits not in WEIGHT_BITS:
@@ -116,11 +136,46 @@ class ZeroPP:
                                       or self.hpz_size < 2):
       raise ValueError(f"zerojax.ZeroPP: hpz_size={self.hpz_size!r} must be "
                        f"an int >= 2 (devices per node) or None.")
+    if self.node_size is not None and (type(self.node_size) is not int
+                                       or self.node_size < 1):
+      raise ValueError(f"zerojax.ZeroPP: node_size={self.node_size!r} must "
+                       f"be an int >= 1 (devices per node along the data "
+                       f"axis) or None.")
+    if (self.node_size is not None and self.hpz_size is not None
+        and self.node_size != self.hpz_size):
+      raise ValueError(f"zerojax.ZeroPP: hpz_size={self.hpz_size} and "
+                       f"node_size={self.node_size} both give the devices "
+                       f"of one node; set one, or the same value.")
 
   @property
   def active(self) -> bool:
     return (self.weight_bits is not None or self.grad_bits is not None
             or self.hpz_size is not None)
+
+
+def process_node_size(mesh, axis_name: str) -> int:
+  """Devices per process along the data axis, when every line of the mesh
+  along it is cut into equal consecutive runs of one process each (as
+  :func:`zerojax.make_mesh` places processes); else ``0`` (unknown)."""
+  axis = mesh.axis_names.index(axis_name)
+  lines = np.moveaxis(np.vectorize(lambda d: d.process_index)(mesh.devices),
+                      axis, -1).reshape(-1, mesh.devices.shape[axis])
+  sizes = set()
+  for line in lines:
+    runs = [len(list(g)) for _, g in itertools.groupby(line)]
+    if len(runs) != len(set(line)) or len(set(runs)) != 1:
+      return 0                  # a process in two runs, or unequal runs
+    sizes.add(runs[0])
+  return sizes.pop() if len(sizes) == 1 else 0
+
+
+def qgz_node_size(zeropp: ZeroPP, mesh, axis_name: str) -> int:
+  """The node size hierarchical qgZ uses, ``0`` for flat: ``node_size``,
+  else ``hpz_size``, else :func:`process_node_size`; flat when that is one
+  device or the whole data axis (one node)."""
+  n = int(mesh.shape[axis_name])
+  k = zeropp.node_size or zeropp.hpz_size or process_node_size(mesh, axis_name)
+  return k if 1 < k < n and n % k == 0 else 0
 
 
 def node_groups(n: int, k: int) -> list[list[int]]:
@@ -214,13 +269,13 @@ def _exchange_sum(x, axis_name, groups, bits: int, block: int):
 
 
 def reduce_scatter(x, axis_name, dim: int, bits: int, block: int,
-                   hpz: int = 0):
+                   node: int = 0):
   """qgZ: ``psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)``
   as all-to-alls of quantized chunks, summed in fp32 after
   dequantization. ``x.shape[dim]`` must divide by the axis size (callers
   pad). Returns fp32.
 
-  ``hpz = k`` (nodes of k devices): hierarchical, as ZeRO++'s qgZ. First
+  ``node = k`` (nodes of k devices): hierarchical, as ZeRO++'s qgZ. First
   inside the node: each device sends its in-node peer ``l`` the chunks of
   the devices with local index ``l`` in every node, and sums the k it
   receives; then across nodes: each device sends node ``g``'s member the
@@ -233,10 +288,10 @@ def reduce_scatter(x, axis_name, dim: int, bits: int, block: int,
   shard_shape = chunks.shape[1:]
   m = int(np.prod(shard_shape))
   chunks = chunks.reshape(n, m)
-  if not hpz:
+  if not node:
     # chunk j goes to device j; from every device, its chunk for this one
     return _exchange_sum(chunks, axis_name, None, bits, block).reshape(shard_shape)
-  k = hpz
+  k = node
   # chunk d = g*k + l: to in-node peer l go the chunks [g*k + l for g]
   by_peer = jnp.swapaxes(chunks.reshape(n // k, k, m), 0, 1)   # (k, n/k, m)
   node_sum = _exchange_sum(by_peer.reshape(k, -1), axis_name,

@@ -236,6 +236,7 @@ ZEROPP_ROWS = (
     ("qwZ", dict(weight_bits=8)),
     ("qgZ int8", dict(grad_bits=8)),
     ("qgZ int4", dict(grad_bits=4)),
+    ("qgZ int8, flat (nodes unknown)", dict(grad_bits=8, nodes_known=False)),
     ("hpZ", dict(hpz=True)),
     ("qwZ + hpZ + qgZ int8", dict(weight_bits=8, grad_bits=8, hpz=True)),
     ("qwZ + hpZ + qgZ int4", dict(weight_bits=8, grad_bits=4, hpz=True)),
@@ -244,7 +245,8 @@ ZEROPP_ROWS = (
 
 def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
                 weight_bits=None, grad_bits=None, hpz=False, block=256,
-                param_bytes=2, fast=1.8e11, slow=6e9) -> dict:
+                param_bytes=2, fast=1.8e11, slow=6e9,
+                nodes_known=True) -> dict:
   """Stage 3's bytes per chip and step over fast and slow links, with
   ZeRO++ settings (``zerojax.ZeroPP``) on a data axis of ``n_devices``
   spanning ``slices`` nodes of ``k = n_devices / slices`` chips.
@@ -256,9 +258,11 @@ def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
   * weight all-gathers, forward and backward: ``2 x`` a gather of Ψw over
     all chips; with hpZ instead one gather of Ψw/k across nodes (the
     secondary) and ``2 x`` in-node gathers of Ψ·param_bytes;
-  * gradients: reduce-scatter of Ψg; qgZ without hpZ a flat all-to-all,
-    whose cross-node share ``(n-k)/n`` cannot be reduced in the node first;
-    with hpZ the hierarchical all-to-all: Ψg inside the node, Ψg/k across.
+  * gradients: reduce-scatter of Ψg; qgZ the hierarchical all-to-all
+    (zerojax knows the node: ``node_size``, ``hpz_size`` or one process
+    per node): Ψg inside the node, Ψg/k across; with ``nodes_known=False``
+    a flat all-to-all, whose cross-node share ``(n-k)/n`` cannot be
+    reduced in the node first.
 
   Padding to blocks and devices is left out (below 1% at these sizes)."""
   n, s = n_devices, slices
@@ -276,7 +280,7 @@ def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
     f += 2 * (k - 1) / k * n_params * param_bytes  # in-node gathers
   else:
     hier(n_params * w, 2)
-  if grad_bits and hpz and s > 1:
+  if grad_bits and nodes_known and s > 1:
     f += (k - 1) / k * n_params * g
     sl += (s - 1) / s * n_params * g / k
   elif grad_bits:                                  # flat all-to-all
