@@ -44,7 +44,6 @@ CONFIGS = ("plain", "0", "1", "2", "3", "3+offload")
 def run_one(size: str, config: str, steps: int) -> dict:
   """Runs one configuration in this process; returns its record."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
 

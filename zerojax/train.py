@@ -380,7 +380,7 @@ def main(config: TrainConfig) -> dict:
       ckpt.save(state, extra={"data_step": step, "seed": config.seed},
                 force=True)
     if pending is not None:
-      rec = pending(metrics_prev)
+      rec = pending()
       records.append(rec)
       metrics_file.write(json.dumps(rec) + "\n")
       postfix = dict(loss=f"{rec['loss']:.3f}",
@@ -391,10 +391,10 @@ def main(config: TrainConfig) -> dict:
       pending = None
     is_eval = step % config.eval_every == 0 or step == config.steps
     if step % config.log_every == 0 or is_eval:
-      pending, metrics_prev = functools.partial(flush, step), metrics
+      pending = functools.partial(flush, step, metrics)
     if is_eval:
       if pending is not None:
-        rec = pending(metrics_prev)
+        rec = pending()
         pending = None
       else:
         rec = {"step": step}
