@@ -62,6 +62,7 @@ class GatherSpec:
                                    # (1/hpz of the leaf), gathered in-node
   node: int = 0                    # qgZ: hierarchical over nodes of this
                                    # many devices (0: flat)
+  stochastic: bool = False         # qgZ: stochastic rounding
 
 
 def _entries(model, ndim):
@@ -265,7 +266,7 @@ def reduce_scatter(x, axis_name, dim: int, spec: GatherSpec):
   an all-to-all of quantized blocks summed in fp32 (then cast)."""
   if spec.grad_bits:
     return _zeropp.reduce_scatter(x, axis_name, dim, spec.grad_bits,
-                                  spec.block_size, spec.node
+                                  spec.block_size, spec.node, spec.stochastic
                                   ).astype(spec.reduce_dtype)
   return jax.lax.psum_scatter(x.astype(spec.reduce_dtype), axis_name,
                               scatter_dimension=dim, tiled=True)

@@ -157,7 +157,8 @@ def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpe
       grad_bits=zeropp.grad_bits if quantized else None,
       block_size=zeropp.block_size,
       hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
-      node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0)
+      node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
+      stochastic=quantized and zeropp.stochastic_grads)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:

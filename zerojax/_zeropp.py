@@ -71,6 +71,7 @@ import numpy as np
 
 WEIGHT_BITS = (None, 8)
 GRAD_BITS = (None, 8, 4)
+ROUNDINGS = (None, "nearest", "stochastic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,12 @@ class ZeroPP:
       of the params, ``Ψ / hpz_size`` elements in the compute dtype per
       device during the step, and keeps the backward all-gathers inside a
       node. ``None``: off.
+    grad_rounding: how qgZ rounds gradients to int8 / int4: ``"nearest"``
+      or ``"stochastic"`` (unbiased: small gradients in a block with a
+      large absmax survive on average instead of all rounding to zero;
+      up to one step of error per element instead of half). ``None``:
+      stochastic for int4, nearest for int8. Weights (qwZ) always round
+      to nearest.
     node_size: devices per node along the data axis (nodes are consecutive
       runs of it), for hierarchical qgZ: gradients are summed inside the
       node before they cross, so only ``1/node_size`` of them does.
@@ -118,6 +125,7 @@ class ZeroPP:
   block_size: int = 256
   hpz_size: int | None = None
   node_size: int | None = None
+  grad_rounding: str | None = None
 
   def __post_init__(self):
     if self.weight_bits not in WEIGHT_BITS:
@@ -141,11 +149,23 @@ class ZeroPP:
       raise ValueError(f"zerojax.ZeroPP: node_size={self.node_size!r} must "
                        f"be an int >= 1 (devices per node along the data "
                        f"axis) or None.")
+    if self.grad_rounding not in ROUNDINGS:
+      raise ValueError(f"zerojax.ZeroPP: grad_rounding={self.grad_rounding!r}; "
+                       f"use 'nearest', 'stochastic' or None (stochastic for "
+                       f"int4 gradients, nearest for int8).")
     if (self.node_size is not None and self.hpz_size is not None
         and self.node_size != self.hpz_size):
       raise ValueError(f"zerojax.ZeroPP: hpz_size={self.hpz_size} and "
                        f"node_size={self.node_size} both give the devices "
                        f"of one node; set one, or the same value.")
+
+  @property
+  def stochastic_grads(self) -> bool:
+    """Whether qgZ rounds stochastically: ``grad_rounding``, by default
+    for int4 gradients only."""
+    if self.grad_rounding is None:
+      return self.grad_bits == 4
+    return self.grad_rounding == "stochastic"
 
   @property
   def active(self) -> bool:
@@ -210,18 +230,45 @@ def _blocks(x, block: int):
   return x.reshape(x.shape[:-1] + (nb, block))
 
 
-def quantize(x, bits: int, block: int):
+def _dither(xb):
+  """Pseudo-random offsets in [0, 1), one per element of ``xb`` (fp32): an
+  integer hash (a murmur3-style finaliser) of the element's bits and its
+  position. Deterministic, the same on every backend, no key to thread;
+  it changes whenever the value does, so from step to step it behaves as
+  independent uniform noise."""
+  u32 = jnp.uint32
+  h = jax.lax.bitcast_convert_type(xb, u32)
+  idx = jax.lax.broadcasted_iota(u32, xb.shape, xb.ndim - 1)
+  for d in range(xb.ndim - 2, -1, -1):    # a flat position over all dims
+    idx = idx + jax.lax.broadcasted_iota(u32, xb.shape, d) * u32(
+        int(np.prod(xb.shape[d + 1:])) & 0xFFFFFFFF)
+  h = h ^ (idx * u32(0x9E3779B9))
+  h = (h ^ (h >> 16)) * u32(0x7FEB352D)
+  h = (h ^ (h >> 15)) * u32(0x846CA68B)
+  h = h ^ (h >> 16)
+  return (h >> 8).astype(jnp.float32) * np.float32(2.0 ** -24)
+
+
+def quantize(x, bits: int, block: int, stochastic: bool = False):
   """Blockwise absmax quantization of ``x`` along its last dimension.
 
   Returns ``(q, scale)``: ``q`` int8 of shape ``(..., nb, block)`` (int8) or
   uint8 ``(..., nb, block // 2)`` (two int4 values per byte), ``scale``
   fp32 ``(..., nb)``, the absmax of each block.
+
+  ``stochastic``: round up with probability equal to the fractional part
+  (``floor(y + u)``, ``u`` from :func:`_dither`) instead of to nearest:
+  unbiased, so values below half a step are not all lost to zero, at up to
+  one step of error per element instead of half. Zeros, and values at the
+  block's absmax, are still exact.
   """
   xb = _blocks(x, block)
   scale = jnp.max(jnp.abs(xb), axis=-1)
   safe = jnp.where(scale > 0, scale, 1.0)[..., None]
   # x / absmax is in [-1, 1] (also for subnormal blocks), then scaled
-  q = jnp.clip(jnp.round(xb / safe * qmax(bits)), -qmax(bits), qmax(bits))
+  y = xb / safe * qmax(bits)
+  y = jnp.floor(y + _dither(xb)) if stochastic else jnp.round(y)
+  q = jnp.clip(y, -qmax(bits), qmax(bits))
   q = q.astype(jnp.int8)
   if bits == 4:
     nib = (q + 8).astype(jnp.uint8)          # [-7, 7] -> [1, 15]
@@ -257,19 +304,20 @@ def all_gather(x, axis_name, dim: int, bits: int, block: int, groups=None):
   return full.reshape(shape).astype(x.dtype)
 
 
-def _exchange_sum(x, axis_name, groups, bits: int, block: int):
+def _exchange_sum(x, axis_name, groups, bits: int, block: int,
+                  stochastic: bool):
   """Row ``j`` of ``x`` ``(p, m)`` goes to member ``j`` of this device's
   group, quantized; the ``p`` rows received are dequantized to fp32 and
   summed: ``(m,)``."""
   m = x.shape[-1]
-  q, scale = quantize(x, bits, block_for(m, block))
+  q, scale = quantize(x, bits, block_for(m, block), stochastic)
   q = jax.lax.all_to_all(q, axis_name, 0, 0, axis_index_groups=groups)
   scale = jax.lax.all_to_all(scale, axis_name, 0, 0, axis_index_groups=groups)
   return dequantize(q, scale, bits, m).sum(axis=0)
 
 
 def reduce_scatter(x, axis_name, dim: int, bits: int, block: int,
-                   node: int = 0):
+                   node: int = 0, stochastic: bool = False):
   """qgZ: ``psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)``
   as all-to-alls of quantized chunks, summed in fp32 after
   dequantization. ``x.shape[dim]`` must divide by the axis size (callers
@@ -290,14 +338,15 @@ def reduce_scatter(x, axis_name, dim: int, bits: int, block: int,
   chunks = chunks.reshape(n, m)
   if not node:
     # chunk j goes to device j; from every device, its chunk for this one
-    return _exchange_sum(chunks, axis_name, None, bits, block).reshape(shard_shape)
+    return _exchange_sum(chunks, axis_name, None, bits, block,
+                         stochastic).reshape(shard_shape)
   k = node
   # chunk d = g*k + l: to in-node peer l go the chunks [g*k + l for g]
   by_peer = jnp.swapaxes(chunks.reshape(n // k, k, m), 0, 1)   # (k, n/k, m)
   node_sum = _exchange_sum(by_peer.reshape(k, -1), axis_name,
-                           node_groups(n, k), bits, block)
+                           node_groups(n, k), bits, block, stochastic)
   out = _exchange_sum(node_sum.reshape(n // k, m), axis_name,
-                      cross_groups(n, k), bits, block)
+                      cross_groups(n, k), bits, block, stochastic)
   return out.reshape(shard_shape)
 
 

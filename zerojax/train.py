@@ -87,6 +87,9 @@ class TrainConfig:
                            "int8 / int4 blocks (all-to-all, summed in fp32); "
                            "0: off")
   quant_block: int = _opt(256, "elements per quantization block (ZeRO++)")
+  grad_rounding: str = _opt("auto", "ZeRO++ qgZ rounding: nearest, "
+                                    "stochastic, or auto (stochastic for "
+                                    "int4, nearest for int8)")
   hpz_size: int = _opt(0, "ZeRO++ hpZ: devices per node; a secondary copy "
                           "of the params is sharded inside each node so the "
                           "per-layer all-gathers stay there (stage 3); 0: off")
@@ -171,6 +174,9 @@ def check(config: TrainConfig) -> list[str]:
         f"(e.g. {-(-config.batch // m) * m})")
   if not 0.0 <= config.dropout < 1.0:
     problems.append(f"--dropout={config.dropout} must be in [0, 1)")
+  if config.grad_rounding not in ("auto", "nearest", "stochastic"):
+    problems.append(f"--grad-rounding={config.grad_rounding!r}: use auto, "
+                    f"nearest or stochastic")
   if config.quant_block < 2 or config.quant_block % 2:
     problems.append(f"--quant-block={config.quant_block} must be even and >= 2")
   data = splits // (axes.get("replica", 1) if config.mesh else 1)
@@ -286,6 +292,8 @@ def main(config: TrainConfig) -> dict:
                     zeropp=zerojax.ZeroPP(weight_bits=config.weight_bits or None,
                                           grad_bits=config.grad_bits or None,
                                           block_size=config.quant_block,
+                                          grad_rounding=None if config.grad_rounding == "auto"
+                                          else config.grad_rounding,
                                           hpz_size=config.hpz_size or None))
   init_params = lambda key: gpt.init(model, key)
   key = jax.random.key(config.seed)
