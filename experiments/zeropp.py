@@ -2,6 +2,7 @@
 nodes, against plain stage 3.
 
     python experiments/zeropp.py                 # writes runs/zeropp/
+    python experiments/zeropp.py --meshes        # every mesh x technique
 
 8 fake CPU devices seen as 2 nodes of 4 (nodes are runs of ``--node``
 devices along the data axis, as ``zerojax.make_mesh`` places processes; in
@@ -34,6 +35,8 @@ CONFIGS = {
     "qwZ": dict(weight_bits=8),
     "qgZ int8": dict(grad_bits=8),
     "qgZ int4": dict(grad_bits=4),
+    "qgZ int8, hierarchical": dict(grad_bits=8, node_size="node"),
+    "qgZ int4, hierarchical": dict(grad_bits=4, node_size="node"),
     "hpZ": dict(hpz_size="node"),
     "qwZ + hpZ + qgZ int8": dict(weight_bits=8, hpz_size="node", grad_bits=8),
     "qwZ + hpZ + qgZ int4": dict(weight_bits=8, hpz_size="node", grad_bits=4),
@@ -53,6 +56,85 @@ def received_across(c, node: int) -> int:
   return int(piece * worst * factor * c.count)
 
 
+MESHES = ("data=8", "replica=2,data=4", "data=4,model=2",
+          "replica=2,data=2,model=2")
+TECHNIQUES = {    # name: (stage, ZeroPP kwargs; hpz "half": half the data axis)
+    "stage 1 qgZ int8": (1, dict(grad_bits=8)),
+    "stage 2 qgZ int4": (2, dict(grad_bits=4)),
+    "stage 3 qwZ + qgZ int8": (3, dict(weight_bits=8, grad_bits=8)),
+    "stage 3 qwZ + hpZ + qgZ int4": (3, dict(weight_bits=8, grad_bits=4,
+                                             hpz_size="half")),
+}
+
+
+def mesh_table(args):
+  """ZeRO++ on every mesh: runs or refuses (with the reason), the loss
+  after ``--steps`` against the same mesh unquantized, and the bytes per
+  step over each mesh axis from the compiled HLO (``zerojax.report``)."""
+  import jax
+  import optax
+
+  import zerojax
+  from zerojax import data
+  from zerojax.models import gpt
+
+  cfg = gpt.GPTConfig(vocab=256, seq_len=64, width=128, depth=4, heads=4)
+  tokens, _ = data.split(data.corpus_bytes())
+  batches = [data.batch_at(tokens, seed=0, step=i, batch=16, seq_len=64)
+             for i in range(args.steps)]
+  rows = []
+  for mesh_axes in MESHES:
+    mesh = zerojax.make_mesh(mesh_axes)
+    tp = "model" in mesh_axes
+    n = int(mesh.shape["data"])
+    for name, (stage, kw) in TECHNIQUES.items():
+      kw = {k: (n // 2 if v == "half" else v) for k, v in kw.items()}
+      row = {"mesh": mesh_axes, "technique": name, "stage": stage, "zeropp": kw}
+      try:
+        if kw.get("hpz_size") and kw["hpz_size"] < 2:
+          raise ValueError(f"hpZ needs >= 2 devices per node; the data axis "
+                           f"has {n}")
+        losses = {}
+        for label, zpp in (("plain", zerojax.ZeroPP()), ("zeropp", zerojax.ZeroPP(**kw))):
+          tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh, zeropp=zpp,
+                            stacked=gpt.is_layer_stack,
+                            model_specs=gpt.model_specs() if tp else None)
+          state = zerojax.init_from(functools.partial(gpt.init, cfg), tx,
+                                    jax.random.key(0))
+          step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
+                                    gather="model")
+          if label == "zeropp":
+            rep = zerojax.report(step, state, batches[0])
+            row["bytes_by_axis"] = rep.bytes_by_axis
+            row["ratios"] = {k: round(v, 4) for k, v in rep.ratios().items()}
+          for b in batches:
+            state, metrics = step(state, b)
+          losses[label] = float(metrics["loss"])
+        row.update(status="runs", loss=losses["zeropp"], plain_loss=losses["plain"])
+      except ValueError as e:
+        row.update(status="refused", reason=str(e))
+      rows.append(row)
+      print(f"{mesh_axes} {name}: {row['status']}", flush=True)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "meshes.json").write_text(json.dumps({"runs": rows}, indent=2))
+  mib = lambda b: f"{b / 2**20:,.2f}"
+  print(f"\nGPT {gpt.num_params(cfg):,} params, {args.steps} steps; MiB per "
+        f"step by collective and mesh axes (compiled HLO, full buffers)")
+  print("| mesh | technique | status | loss vs unquantized | ZeRO bytes / theory "
+        "| collective MiB by axis |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    if r["status"] != "runs":
+      print(f"| {r['mesh']} | {r['technique']} | refused: {r['reason']} | | | |")
+      continue
+    by = ", ".join(f"{k} {mib(v)}" for k, v in sorted(r["bytes_by_axis"].items())
+                   if v >= 2**12)
+    worst = max(abs(v - 1) for k, v in r["ratios"].items() if k != "state_bytes")
+    print(f"| {r['mesh']} | {r['technique']} | runs | "
+          f"{r['loss'] / r['plain_loss'] - 1:+.3%} | 1 ± {worst:.3f} | {by} |")
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--width", type=int, default=256)
@@ -61,9 +143,13 @@ def main():
   p.add_argument("--node", type=int, default=4, help="devices per node")
   p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
   p.add_argument("--out", default="runs/zeropp")
+  p.add_argument("--meshes", action="store_true",
+                 help="the mesh x technique table instead (meshes.json)")
   args = p.parse_args()
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8")
+  if args.meshes:
+    return mesh_table(args)
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -93,13 +179,15 @@ def main():
                               gather="model")
     compiled = step.lower(state, batches[0]).compile()
     colls = zerojax.collectives(compiled.as_text(), 8)
-    by_dtype, inside, across, recv = {}, 0, 0, 0
+    by_dtype, inside, across, recv, grad_across = {}, 0, 0, 0, 0
     for c in colls:
       key = f"{c.kind} {c.dtype}"
       by_dtype[key] = by_dtype.get(key, 0) + c.total_bytes
       spans = c.groups and max(len({d // args.node for d in g}) for g in c.groups) > 1
       if spans or not c.groups:
         across += c.total_bytes
+        if c.kind in ("reduce-scatter", "all-to-all"):
+          grad_across += c.total_bytes
       else:
         inside += c.total_bytes
       recv += received_across(c, args.node)
@@ -115,6 +203,7 @@ def main():
     runs.append({"name": name, "zeropp": kw, "n_params": n_params,
                  "bytes_by_kind_dtype": by_dtype, "bytes_inside_node": inside,
                  "bytes_across_nodes": across, "received_across_per_device": recv,
+                 "gradient_bytes_across_nodes": grad_across,
                  "xla_temp_bytes": temp, "loss": float(metrics["loss"]),
                  "step_s": float(np.median(times))})
     print(f"{name}: done", flush=True)
@@ -140,6 +229,15 @@ def main():
           f"{mib(r['received_across_per_device'])} | "
           f"{r['received_across_per_device'] / base['received_across_per_device']:.3f} | "
           f"{mib(r['xla_temp_bytes'])} | {r['loss']:.5f} | {r['step_s']:.2f} |")
+  print("\nThe gradient's collectives across nodes (reduce-scatter or "
+        "all-to-all whose groups span nodes), against plain stage 3:")
+  print("| config | gradient MiB across nodes | vs stage 3 |")
+  print("|---|---|---|")
+  for r in runs:
+    if "grad_bits" in r["zeropp"] or r["name"] == "stage 3":
+      g = r["gradient_bytes_across_nodes"]
+      print(f"| {r['name']} | {mib(g)} | "
+            f"{g / base['gradient_bytes_across_nodes']:.3f} |")
   hpz = next(r for r in runs if r["name"] == "hpZ")
   print(f"\nhpZ extra XLA temp per device: "
         f"{mib(hpz['xla_temp_bytes'] - base['xla_temp_bytes'])} MiB; the "

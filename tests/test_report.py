@@ -60,16 +60,19 @@ def test_gspmd_fsdp_peer_all_reduces_the_gradient(mesh):
   np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-6)
 
 
+_slow = lambda *a: pytest.param(*a, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("stage,zeropp,mesh_axes", [
-    (3, dict(weight_bits=8), "data=8"),
-    (3, dict(grad_bits=8), "data=8"),
+    _slow(3, dict(weight_bits=8), "data=8"),
+    _slow(3, dict(grad_bits=8), "data=8"),
     (3, dict(grad_bits=4, node_size=4), "data=8"),
-    (3, dict(hpz_size=4), "data=8"),
+    _slow(3, dict(hpz_size=4), "data=8"),
     (3, dict(weight_bits=8, grad_bits=4, hpz_size=4), "data=8"),
     (2, dict(grad_bits=8), "data=8"),
-    (1, dict(grad_bits=4, node_size=2), "data=8"),
+    _slow(1, dict(grad_bits=4, node_size=2), "data=8"),
     (3, dict(weight_bits=8, grad_bits=8), "data=4,model=2"),
-    (3, dict(weight_bits=8, grad_bits=8, hpz_size=2), "replica=2,data=4"),
+    _slow(3, dict(weight_bits=8, grad_bits=8, hpz_size=2), "replica=2,data=4"),
 ], ids=lambda v: str(v).replace(" ", ""))
 def test_report_theory_knows_zeropp(stage, zeropp, mesh_axes):
   """Quantized all-gathers and all-to-alls (data and scales, hierarchical,

@@ -49,6 +49,31 @@ def test_dequantization_error_is_within_absmax_over_qmax_per_block(bits, block):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased_within_one_step(bits):
+  """Blocks of one large value and many small ones (below half a step):
+  to nearest they all become 0; stochastically their mean survives, each
+  within one step; zeros and the absmax stay exact."""
+  rng = np.random.default_rng(0)
+  step = 1.0 / _zeropp.qmax(bits)                 # absmax 1 in every block
+  small = (rng.uniform(0.2, 0.3, (64, 255)) * step).astype(np.float32)
+  x = np.concatenate([np.ones((64, 1), np.float32), small, np.zeros((64, 256),
+                                                                    np.float32)], 1)
+  near = np.asarray(_zeropp.dequantize(*_zeropp.quantize(jnp.asarray(x), bits, 256),
+                                       bits, x.shape[1]))
+  q = _zeropp.quantize(jnp.asarray(x), bits, 256, stochastic=True)
+  sto = np.asarray(_zeropp.dequantize(*q, bits, x.shape[1]))
+  assert np.all(near[:, 1:256] == 0)
+  assert np.all(np.abs(sto - x) < step)
+  np.testing.assert_array_equal(sto[:, 256:], 0.0)
+  np.testing.assert_array_equal(sto[:, 0], 1.0)
+  # unbiased: the mean of 16,320 values (each rounded to 0 or one step)
+  assert abs(sto[:, 1:256].mean() / small.mean() - 1) < 0.05
+  # deterministic: the same input rounds the same way
+  again = _zeropp.quantize(jnp.asarray(x), bits, 256, stochastic=True)
+  assert all(np.array_equal(a, b) for a, b in zip(q, again))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_zero_and_repeated_blocks_dequantize_exactly(bits):
   x = jnp.concatenate([jnp.zeros(16), jnp.full((16,), -3.7), jnp.full((5,), 1e-30)])
   q, scale = _zeropp.quantize(x, bits, 16)
