@@ -155,7 +155,7 @@ def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpe
       padded=r.shard.padded, model=r.shard.model,
       weight_bits=zeropp.weight_bits if quantized else None,
       grad_bits=zeropp.grad_bits if quantized else None,
-      block_size=zeropp.block_size,
+      block_size=zeropp.block,
       hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
       node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
       stochastic=quantized and zeropp.stochastic_grads)
@@ -286,7 +286,7 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
     # per step (outside the loss, its remat and the micro-batch loop)
     zpp = tx.zeropp
     leaves = [_zeropp.secondary(x, axis, r.shard.dim, zpp.hpz_size,
-                                zpp.weight_bits, zpp.block_size)
+                                zpp.weight_bits, zpp.block)
               if h else x for x, h, r in zip(leaves, hooked, spec.leaves)]
   if key is not None:
     key = jax.random.fold_in(key, jax.lax.axis_index(axes))

@@ -135,13 +135,13 @@ def _theory_zeropp(spec, k: int) -> dict:
         whole = m * layers
         if zpp.weight_bits:
           add("all-gather", *_quantized(n // hpz, whole, zpp.weight_bits,
-                                        zpp.block_size))
+                                        zpp.block))
         else:
           add("all-gather", n // hpz * whole,
               n // hpz * whole * itemsize(r.compute_dtype))
         add("all-gather", n * m, n * m * itemsize(r.compute_dtype), gathers)
       elif zpp.weight_bits:
-        add("all-gather", *_quantized(n, m, zpp.weight_bits, zpp.block_size),
+        add("all-gather", *_quantized(n, m, zpp.weight_bits, zpp.block),
             gathers)
       else:
         add("all-gather", n * m, n * m * itemsize(r.compute_dtype), gathers)
@@ -150,11 +150,11 @@ def _theory_zeropp(spec, k: int) -> dict:
           n * m * layers * itemsize(r.compute_dtype))
     if zpp.grad_bits and node:
       add("all-to-all", *_quantized(node, n // node * m, zpp.grad_bits,
-                                    zpp.block_size), calls)
+                                    zpp.block), calls)
       add("all-to-all", *_quantized(n // node, m, zpp.grad_bits,
-                                    zpp.block_size), calls)
+                                    zpp.block), calls)
     elif zpp.grad_bits:
-      add("all-to-all", *_quantized(n, m, zpp.grad_bits, zpp.block_size),
+      add("all-to-all", *_quantized(n, m, zpp.grad_bits, zpp.block),
           calls)
     else:
       add("reduce-scatter", n * m, n * m * itemsize(r.reduce_dtype), calls)

@@ -244,7 +244,7 @@ ZEROPP_ROWS = (
 
 
 def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
-                weight_bits=None, grad_bits=None, hpz=False, block=256,
+                weight_bits=None, grad_bits=None, hpz=False, block=None,
                 param_bytes=2, fast=1.8e11, slow=6e9,
                 nodes_known=True) -> dict:
   """Stage 3's bytes per chip and step over fast and slow links, with
@@ -267,6 +267,8 @@ def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
   Padding to blocks and devices is left out (below 1% at these sizes)."""
   n, s = n_devices, slices
   k = n // s
+  # ZeroPP's default block: 256, or 64 with int4 gradients
+  block = block or (64 if grad_bits == 4 else 256)
   w = 1 + 4 / block if weight_bits else param_bytes
   g = (grad_bits / 8 + 4 / block) if grad_bits else param_bytes
   f = sl = 0.0
@@ -486,7 +488,7 @@ def main(argv=None):
   if args.zeropp:
     if len(mesh) > 1 or slices < 2:
       p.error("--zeropp: give --devices N and --slices S >= 2 (nodes)")
-    print(f"\nstage 3 with ZeRO++ (zerojax.ZeroPP, block 256), {args.devices} "
+    print(f"\nstage 3 with ZeRO++ (zerojax.ZeroPP, default blocks), {args.devices} "
           f"chips as {slices} nodes of {args.devices // slices}; "
           f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
           f"{hw['slow_name']} {slow:.3g} B/s per chip; GB per chip and step")

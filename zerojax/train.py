@@ -86,7 +86,8 @@ class TrainConfig:
   grad_bits: int = _opt(0, "ZeRO++ qgZ: 8 or 4 reduce-scatters gradients as "
                            "int8 / int4 blocks (all-to-all, summed in fp32); "
                            "0: off")
-  quant_block: int = _opt(256, "elements per quantization block (ZeRO++)")
+  quant_block: int = _opt(0, "elements per quantization block (ZeRO++); "
+                             "0: the default (256, or 64 with --grad-bits 4)")
   grad_rounding: str = _opt("auto", "ZeRO++ qgZ rounding: nearest, "
                                     "stochastic, or auto (stochastic for "
                                     "int4, nearest for int8)")
@@ -177,8 +178,9 @@ def check(config: TrainConfig) -> list[str]:
   if config.grad_rounding not in ("auto", "nearest", "stochastic"):
     problems.append(f"--grad-rounding={config.grad_rounding!r}: use auto, "
                     f"nearest or stochastic")
-  if config.quant_block < 2 or config.quant_block % 2:
-    problems.append(f"--quant-block={config.quant_block} must be even and >= 2")
+  if config.quant_block and (config.quant_block < 2 or config.quant_block % 2):
+    problems.append(f"--quant-block={config.quant_block} must be even and >= 2 "
+                    f"(or 0: the default)")
   data = splits // (axes.get("replica", 1) if config.mesh else 1)
   if config.hpz_size and data and (
       config.hpz_size < 2 or data % config.hpz_size
@@ -291,7 +293,7 @@ def main(config: TrainConfig) -> dict:
                     offload=config.offload,
                     zeropp=zerojax.ZeroPP(weight_bits=config.weight_bits or None,
                                           grad_bits=config.grad_bits or None,
-                                          block_size=config.quant_block,
+                                          block_size=config.quant_block or None,
                                           grad_rounding=None if config.grad_rounding == "auto"
                                           else config.grad_rounding,
                                           hpz_size=config.hpz_size or None))
