@@ -478,3 +478,27 @@ def test_hierarchical_qgz_without_hpz_crosses_nodes_as_node_sums(bits, target):
   # small chunk's rounding up to an even block on this toy model)
   data = lambda cs: sum(c.total_elements for c in cs if c.dtype in ("s8", "u8"))
   assert data(across) < data(inside) / 2
+
+
+def test_node_size_from_the_process_layout():
+  """A node is a process: read from the mesh's devices along the data axis;
+  unknown (0) when a process's devices are not one consecutive run."""
+  import types
+
+  def mesh(procs, names=("data",)):
+    devs = np.vectorize(lambda p: types.SimpleNamespace(process_index=int(p)),
+                        otypes=[object])(np.asarray(procs))
+    return types.SimpleNamespace(axis_names=names, devices=devs,
+                                 shape=dict(zip(names, devs.shape)))
+  assert _zeropp.process_node_size(mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
+  assert _zeropp.process_node_size(mesh([0] * 8), "data") == 8
+  assert _zeropp.process_node_size(mesh([0, 1, 0, 1]), "data") == 0
+  assert _zeropp.process_node_size(mesh([0, 0, 1, 1, 1, 1]), "data") == 0
+  # data x model: each data line (per model index) is cut the same way
+  dm = mesh([[0, 0], [0, 0], [1, 1], [1, 1]], ("data", "model"))
+  assert _zeropp.process_node_size(dm, "data") == 2
+  q = zerojax.ZeroPP(grad_bits=8)
+  assert _zeropp.qgz_node_size(q, mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
+  assert _zeropp.qgz_node_size(q, mesh([0] * 8), "data") == 0      # one node
+  assert _zeropp.qgz_node_size(zerojax.ZeroPP(grad_bits=8, node_size=2),
+                               mesh([0] * 8), "data") == 2
