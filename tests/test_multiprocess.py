@@ -218,6 +218,19 @@ def test_single_process_sigterm_is_a_preemption_point():
   assert distributed.preemption_point(2) is True
 
 
+def _assert_equals_one_process(out, zeropp):
+  """The 2-process run's params (saved at ``out``) equal 5 stage-3 steps in
+  this process with ``zeropp``."""
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, zeropp=zeropp)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  for b in toy.batches(5, seed=11):
+    state, _ = step(state, b)
+  want = [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
+  for a, b in zip(_load(out), want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_zeropp_across_two_processes_moves_only_the_secondary_and_node_sums(
     tmp_path):
   """ZeRO++ with node = process: the same params as one process with the
@@ -227,14 +240,7 @@ def test_zeropp_across_two_processes_moves_only_the_secondary_and_node_sums(
   from tests import mp_worker
   out, table = tmp_path / "p.npz", tmp_path / "t.json"
   assert _launch(tmp_path, "zeropp", 3, out, table) == 0
-  tx = zerojax.zero(optax.adamw(1e-2), stage=3, zeropp=mp_worker.ZEROPP)
-  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
-  step = zerojax.train_step(toy.loss_fn, tx)
-  for b in toy.batches(5, seed=11):
-    state, _ = step(state, b)
-  want = [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
-  for a, b in zip(_load(out), want):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  _assert_equals_one_process(out, mp_worker.ZEROPP)
   t = json.loads(table.read_text())
   proc = t["process_of"]
   assert proc == [0] * 4 + [1] * 4
@@ -265,15 +271,8 @@ def test_qgz_alone_is_hierarchical_across_two_processes(tmp_path):
   assert _launch(tmp_path, "qgz", 3, out, table) == 0
   t = json.loads(table.read_text())
   assert t["qgz_node_size"] == 4
-  one = dataclasses.replace(mp_worker.QGZ, node_size=4)
-  tx = zerojax.zero(optax.adamw(1e-2), stage=3, zeropp=one)
-  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
-  step = zerojax.train_step(toy.loss_fn, tx)
-  for b in toy.batches(5, seed=11):
-    state, _ = step(state, b)
-  want = [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
-  for a, b in zip(_load(out), want):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  _assert_equals_one_process(out, dataclasses.replace(mp_worker.QGZ,
+                                                      node_size=4))
   proc = t["process_of"]
   grads = sum(c["bytes"] for c in t["qgz"] if c["kind"] == "all-to-all")
   plain = sum(c["bytes"] for c in t["plain"] if c["kind"] == "reduce-scatter")
