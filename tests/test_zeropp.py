@@ -418,9 +418,10 @@ def test_zeropp_on_pod_meshes_stays_close_and_quantizes_over_data_only(
   quantized = [c for c in colls if c.dtype in ("s8", "u8")]
   assert quantized
   assert all(zerojax.collective_axes(c, mesh) == ("data",) for c in quantized)
-  if zeropp.hpz_size:         # the in-node gathers: groups of hpz_size
-    k = zeropp.hpz_size
-    inner = [c for c in colls if c.kind == "all-gather" and c.count > 1]
+  if zeropp.hpz_size:         # the per-layer data-axis gathers: one node
+    k = zeropp.hpz_size         # each (a full data gather has all n)
+    inner = [c for c in colls if c.kind == "all-gather" and c.count > 1
+             and zerojax.collective_axes(c, mesh) == ("data",)]
     assert inner and all(len(g) == k for c in inner for g in c.groups)
 
 

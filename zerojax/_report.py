@@ -99,8 +99,8 @@ def _theory_zeropp(spec, k: int) -> dict:
 
   * weight all-gathers (stage 3) per micro-batch, stacked leaves in the
     forward and again in the rematerialised backward, others once (their
-    gathered value is saved for the backward): the compute dtype, or with qwZ the int8 blocks and scales
-    of every shard; with hpZ, once per step the secondary (``1/hpz`` of the
+    gathered value is saved for the backward): the compute dtype, or with
+    qwZ the int8 blocks and scales of every shard; with hpZ, once per step the secondary (``1/hpz`` of the
     leaf, quantized with qwZ) across nodes, then in-node gathers of the
     whole leaf in the compute dtype;
   * the gradient: a reduce-scatter in the reduce dtype, or with qgZ an
@@ -116,13 +116,15 @@ def _theory_zeropp(spec, k: int) -> dict:
   def add(kind, elems, nbytes, times=1):
     out[kind][0] += times * elems
     out[kind][1] += times * nbytes
+
+  def plain(kind, elems, dtype, times=1):     # a full-precision collective
+    add(kind, elems, elems * np.dtype(dtype).itemsize, times)
   for r in spec.leaves:
     if not r.trainable:
       continue
-    itemsize = lambda dt: np.dtype(dt).itemsize
     if not r.shard.sharded:        # replicated: all-reduced, full precision
-      size = r.size // r.shard.model_shards(tx.model_axes)
-      add("all-reduce", size, size * itemsize(r.reduce_dtype))
+      plain("all-reduce", r.size // r.shard.model_shards(tx.model_axes),
+            r.reduce_dtype)
       continue
     per_layer = stage >= 2 and r.stacked
     layers = r.shard.storage_shape[0] if per_layer else 1
@@ -130,24 +132,19 @@ def _theory_zeropp(spec, k: int) -> dict:
     calls = k * layers if stage >= 2 else 1
     # gathered again in the backward where rematerialised (the layer scan)
     gathers = k * layers * (2 if per_layer else 1)
-    if stage == 3:
-      if hpz:
-        whole = m * layers
-        if zpp.weight_bits:
-          add("all-gather", *_quantized(n // hpz, whole, zpp.weight_bits,
-                                        zpp.block))
-        else:
-          add("all-gather", n // hpz * whole,
-              n // hpz * whole * itemsize(r.compute_dtype))
-        add("all-gather", n * m, n * m * itemsize(r.compute_dtype), gathers)
-      elif zpp.weight_bits:
-        add("all-gather", *_quantized(n, m, zpp.weight_bits, zpp.block),
-            gathers)
+    if stage < 3:                   # stages 1-2: the new params, gathered
+      plain("all-gather", n * m * layers, r.compute_dtype)
+    elif hpz:                       # the secondary once, then in-node
+      if zpp.weight_bits:
+        add("all-gather", *_quantized(n // hpz, m * layers, zpp.weight_bits,
+                                      zpp.block))
       else:
-        add("all-gather", n * m, n * m * itemsize(r.compute_dtype), gathers)
-    else:                           # stages 1-2: the new params, gathered
-      add("all-gather", n * m * layers,
-          n * m * layers * itemsize(r.compute_dtype))
+        plain("all-gather", n // hpz * m * layers, r.compute_dtype)
+      plain("all-gather", n * m, r.compute_dtype, gathers)
+    elif zpp.weight_bits:
+      add("all-gather", *_quantized(n, m, zpp.weight_bits, zpp.block), gathers)
+    else:
+      plain("all-gather", n * m, r.compute_dtype, gathers)
     if zpp.grad_bits and node:
       add("all-to-all", *_quantized(node, n // node * m, zpp.grad_bits,
                                     zpp.block), calls)
@@ -157,9 +154,9 @@ def _theory_zeropp(spec, k: int) -> dict:
       add("all-to-all", *_quantized(n, m, zpp.grad_bits, zpp.block),
           calls)
     else:
-      add("reduce-scatter", n * m, n * m * itemsize(r.reduce_dtype), calls)
+      plain("reduce-scatter", n * m, r.reduce_dtype, calls)
     if tx.replica_axis:
-      add("all-reduce", m * layers, m * layers * itemsize(r.reduce_dtype))
+      plain("all-reduce", m * layers, r.reduce_dtype)
   return {kind: tuple(v) for kind, v in out.items()}
 
 
