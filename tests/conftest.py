@@ -2,8 +2,15 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+# LLVM optimisation level 0 compiles the CPU programs ~35% faster (measured on
+# tests/test_zeropp.py, 2 cores). It changes only the machine code's speed,
+# not XLA's HLO passes: every sharded and unsharded program in a test is
+# compiled the same way, and collectives/memory are read from the HLO. A
+# level the caller set wins.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _flags:
+  _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

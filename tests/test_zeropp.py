@@ -448,9 +448,15 @@ def test_zeropp_through_the_optax_dropin_with_value_and_grad(stage):
     return [np.asarray(x) for x in jax.tree.leaves(params)]
   q = zerojax.ZeroPP(grad_bits=8, block_size=4)
   got, want, plain = run(q, True), run(q, False), run(None, True)
+  # The two loops fuse differently, so a block scale may differ in its last
+  # bit and an int8 code flip on one element (CI saw 1 of 147 off by 1e-5
+  # relative): equal within a quantization step, and far closer to each
+  # other than to the unquantized run.
+  gap = max(np.abs(a - b).max() for a, b in zip(got, want))
+  quant = max(np.abs(a - b).max() for a, b in zip(got, plain))
   for a, b in zip(got, want):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-  assert any(not np.array_equal(a, b) for a, b in zip(got, plain))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert quant > 0 and gap < 0.1 * quant, (gap, quant)
 
 
 @pytest.mark.parametrize("bits,target", [(8, 0.30), (4, 0.18)])

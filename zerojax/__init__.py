@@ -19,6 +19,7 @@ from zerojax._inspect import layout_table as layout_table
 from zerojax._inspect import memory_bytes as memory_bytes
 from zerojax._inspect import state_bytes as state_bytes
 from zerojax._inspect import theory_bytes as theory_bytes
+from zerojax._buckets import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
 from zerojax._layout import LeafLayout as LeafLayout
 from zerojax._model_axes import ModelSpecError as ModelSpecError
 from zerojax._mesh import make_mesh as make_mesh
@@ -51,7 +52,7 @@ from zerojax._update import apply_gradients as apply_gradients
 __version__ = "0.1.0"
 
 __all__ = [
-    "Collective", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError", "ModelSpecError",
+    "Collective", "DEFAULT_BUCKET_BYTES", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError", "ModelSpecError",
     "OptLeafSpec",
     "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
     "UngatheredParamError", "ZeroConfig", "ZeroPP", "ZeroState", "ZeroTransformation",

@@ -13,7 +13,7 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from zerojax import _layout, _zeropp
+from zerojax import _buckets, _layout, _zeropp
 from zerojax._mesh import DEFAULT_AXIS, data_axis_size
 from zerojax._policy import Policy
 from zerojax._zeropp import ZeroPP
@@ -54,6 +54,7 @@ class ZeroConfig:
   model_specs: Any = None
   offload: bool = False
   zeropp: ZeroPP = ZeroPP()
+  bucket_bytes: int | None = _buckets.DEFAULT_BUCKET_BYTES
 
   @property
   def num_shards(self) -> int:

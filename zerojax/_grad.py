@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax import _audit, _gather, _zeropp
+from zerojax import _audit, _buckets, _gather, _zeropp
 from zerojax._batch import place_batch
 from zerojax._spec import (StateSpec, ZeroState, make_spec, model_axes_of,
                            tree_difference)
@@ -369,20 +369,35 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
       return g
     return _gather.over_model_shards(lambda x: jax.lax.psum(x, over), g,
                                      layout.model)
+  # Whole-leaf collectives run over the leaf's rows (a stack's layers) in
+  # buckets of at most tx.bucket_bytes (``_buckets``, ZeRO-R's CB).
+  bucket = tx.bucket_bytes
   out = []
   for i, (g, r) in enumerate(zip(grads, spec.leaves)):
     if g is None:
       out.append(None)
-    elif hooked[i]:                       # already reduce-scattered
-      out.append(psum(g, replica, r.shard) * scale)
+      continue
+    size = _buckets.itemsize(g.dtype)
+    if hooked[i]:                         # already reduce-scattered
+      fn = lambda x, r=r: psum(x, replica, r.shard) * scale
+      out.append(_buckets.bucketed(fn, g, size, bucket if replica else None,
+                                   _buckets.splittable(r.shard)))
     elif stage >= 1 and r.shard.sharded:
       gs = gather_spec(spec, r)
-      g = _gather.over_model_shards(
-          lambda x, d=r.shard.dim: _gather.reduce_scatter(x, axis, d, gs),
-          r.shard.to_storage(g), r.shard.model, r.shard.dim)
-      out.append(psum(g, replica, r.shard) * scale)
+
+      def fn(x, r=r, gs=gs):
+        x = _gather.over_model_shards(
+            lambda y, d=r.shard.dim: _gather.reduce_scatter(y, axis, d, gs),
+            r.shard.to_storage(x), r.shard.model, r.shard.dim)
+        return psum(x, replica, r.shard) * scale
+      # qgZ's blocks span the destination shard: not split (``_buckets``)
+      out.append(_buckets.bucketed(fn, g, size,
+                                   None if gs.grad_bits else bucket,
+                                   _buckets.splittable(r.shard)))
     else:                                 # stage 0, or a replicated leaf
-      out.append(psum(g, axes, r.param) * scale)
+      fn = lambda x, r=r: psum(x, axes, r.param) * scale
+      out.append(_buckets.bucketed(fn, g, size, bucket,
+                                   _buckets.splittable(r.param)))
   loss = jax.lax.psum(loss, axes) * scale
   # float aux: mean over devices and micro-batches; integer aux (counts):
   # summed over both.

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from zerojax import _model_axes
+from zerojax import _buckets, _model_axes
 from zerojax._config import HOST_MEMORY, STAGES, ZeroConfig
 from zerojax._dropin import ZeroTransformation, from_config
 from zerojax._mesh import DEFAULT_AXIS, data_axis_size, make_mesh
@@ -39,6 +40,7 @@ def zero(
     model_specs=None,
     offload: bool = False,
     zeropp: ZeroPP | None = None,
+    bucket_bytes: int | None = _buckets.DEFAULT_BUCKET_BYTES,
 ) -> ZeroTransformation:
   """Wraps an Optax optimizer to shard training state at a ZeRO stage.
 
@@ -93,6 +95,15 @@ def zero(
       quantized ones are lossy, within stated per-block bounds; off by
       default. They run in :func:`zerojax.train_step` and
       :func:`zerojax.value_and_grad` (evaluation gathers exactly).
+    bucket_bytes: the most bytes one whole-leaf collective moves (ZeRO-R's
+      constant-size buffers; DeepSpeed's ``reduce_bucket_size`` and
+      ``allgather_bucket_size``). Stage 0's gradient all-reduce, stage 1's
+      reduce-scatter, stages 1-2's all-gather of the updated params and the
+      replica all-reduce run over a leaf's leading dimension (a layer
+      stack's layers) in a loop of buckets this size, at least one row
+      each, so no collective or its output buffer grows with depth. Default
+      32 MiB; ``None``: one collective per leaf. Stage 3's gathers are per
+      layer already. Same numbers either way.
 
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and
@@ -151,9 +162,16 @@ def zero(
     _check_host_memory(mesh)
   zeropp = ZeroPP() if zeropp is None else zeropp
   _check_zeropp(zeropp, stage, mesh, axis_name)
+  if bucket_bytes is not None and (
+      isinstance(bucket_bytes, bool)
+      or not isinstance(bucket_bytes, numbers.Integral)
+      or bucket_bytes <= 0):
+    raise ValueError(
+        f"zerojax.zero: bucket_bytes={bucket_bytes!r} must be a positive int "
+        f"(bytes per collective, e.g. 32 * 2**20) or None (whole leaves).")
   return from_config(ZeroConfig(inner, stage, mesh, axis_name, policy,
                                 min_shard_size, stacked, replica_axis,
-                                model_specs, offload, zeropp))
+                                model_specs, offload, zeropp, bucket_bytes))
 
 
 def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str):

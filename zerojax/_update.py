@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import _gather, _offload
+from zerojax import _buckets, _gather, _offload
 from zerojax._spec import StateSpec, ZeroState
 
 
@@ -214,11 +214,23 @@ def new_params(spec: StateSpec, params, new_w):
     # explicit shard_map (left to GSPMD the layout change may take another
     # route).
 
+    # Over a leaf's layers in bounded buckets (``_buckets``, ZeRO-R's CB):
+    # the output is written bucket by bucket, never a second full copy.
+    n = tx.num_shards
+
     def all_gather(shards):
-      return [l.to_logical(_gather.over_model_shards(
-          lambda x, d=l.dim: jax.lax.all_gather(x, axis, axis=d, tiled=True,
-                                                to="invarying"),
-          s, l.model, l.dim)) for s, l in zip(shards, layouts)]
+      out = []
+      for s, l, i in zip(shards, layouts, gather_idx):
+        def one(x, l=l):
+          return l.to_logical(_gather.over_model_shards(
+              lambda x, d=l.dim: jax.lax.all_gather(x, axis, axis=d,
+                                                    tiled=True,
+                                                    to="invarying"),
+              x, l.model, l.dim))
+        out.append(_buckets.bucketed(
+            one, s, n * _buckets.itemsize(spec.leaves[i].compute_dtype),
+            tx.bucket_bytes, _buckets.splittable(l)))
+      return out
     full = jax.shard_map(
         all_gather, mesh=tx.mesh,
         in_specs=([l.manual_spec(axis) for l in layouts],),

@@ -1,0 +1,127 @@
+"""ZeRO-R's CB: whole-leaf collectives run in buckets of ``bucket_bytes``.
+
+The toy model's largest row (one layer of ``layers/w``, 7 x 8 padded fp32
+after the gather) is 224 bytes, so with ``bucket_bytes=450`` no collective
+may move more than 450 bytes whatever the depth, while whole leaves grow
+with it. Numbers: equal to whole-leaf collectives within float rounding
+(the loop may change XLA's fusion of the gradient's producer).
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*neither floating nor complex")
+
+import toy
+import zerojax
+import zerojax.hardware
+
+BUCKET = 450
+
+
+def _run(stage, bucket, layers, mesh_spec="data=8", steps=2, **kw):
+  mesh = zerojax.make_mesh(mesh_spec)
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh,
+                    bucket_bytes=bucket, **kw)
+  params = toy.init_params(jax.random.key(0), layers=layers)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  batches = toy.batches(max(steps, 1))
+  hlo = step.lower(state, batches[0]).compile().as_text()
+  colls = [c for c in zerojax.collectives(hlo, 8) if c.group_size > 1]
+  for b in batches[:steps]:
+    state, _ = step(state, b)
+  params = [np.asarray(x) for x in jax.tree.leaves(
+      zerojax.gather_params(state))]
+  return colls, params
+
+
+def _largest(colls):
+  return max(c.bytes for c in colls)
+
+
+@pytest.mark.parametrize("stage,mesh_spec", [
+    (0, "data=8"), (1, "data=8"), (2, "data=8"),
+    pytest.param(3, "replica=2,data=4", marks=pytest.mark.slow),
+    pytest.param(1, "replica=2,data=4", marks=pytest.mark.slow),
+])
+def test_bucketed_collectives_stay_below_the_bucket_at_any_depth(
+    stage, mesh_spec):
+  """With bucket_bytes=450, at depth 5 and 10 (uneven: 2 layers per
+  bucket, one left over at depth 5): the collectives inside bucket loops
+  move <= 450 bytes each and are the same collectives at both depths (only
+  their trip count grows); the step's largest collective at depth 10 is
+  smaller than with whole leaves; bytes per step equal the whole-leaf run's
+  and the params equal it after 2 steps. (XLA's CPU combiner may merge the
+  pieces outside the loops -- leftover rows, leaves under a bucket -- into
+  one buffer; on GPU its threshold flags bound that, see
+  ``zerojax.hardware.combine_threshold_flags``.)"""
+  looped_shapes, largest, largest_whole = {}, {}, {}
+  for layers in (5, 10):
+    whole, want = _run(stage, None, layers, mesh_spec)
+    got_colls, got = _run(stage, BUCKET, layers, mesh_spec)
+    largest[layers] = _largest(got_colls)
+    largest_whole[layers] = _largest(whole)
+    looped = [c for c in got_colls if c.count > 1 and c.bytes > 64]
+    assert looped and all(c.bytes <= BUCKET for c in looped), [
+        (c.kind, c.shape, c.bytes, c.count) for c in looped]
+    looped_shapes[layers] = sorted((c.kind, c.shape) for c in looped)
+    assert (sum(c.total_bytes for c in got_colls)
+            == sum(c.total_bytes for c in whole))
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  assert looped_shapes[5] == looped_shapes[10]
+  assert largest[10] < largest_whole[10]
+  assert largest_whole[10] > largest_whole[5]
+
+
+def test_default_bucket_leaves_small_models_whole():
+  """The default bucket (32 MiB) is far above the toy's leaves: the compiled
+  collectives are those of bucket_bytes=None, one per leaf."""
+  whole, _ = _run(1, None, 5, steps=0)
+  default, _ = _run(1, zerojax.DEFAULT_BUCKET_BYTES, 5, steps=0)
+  key = lambda cs: sorted((c.kind, c.shape, c.count) for c in cs)
+  assert key(whole) == key(default)
+
+
+def test_bucketed_with_a_model_axis_and_offload():
+  """Stage 2 on data=4,model=2 with offload: buckets bound the all-gather
+  and the numbers equal whole leaves."""
+  whole, want = _run(2, None, 5, "data=4,model=2", offload=True)
+  colls, got = _run(2, BUCKET, 5, "data=4,model=2", offload=True)
+  data_colls = [c for c in colls
+                if zerojax.collective_axes(c, zerojax.make_mesh(
+                    "data=4,model=2")) == ("data",)]
+  looped = [c for c in data_colls if c.count > 1 and c.bytes > 64]
+  assert looped and all(c.bytes <= BUCKET for c in looped)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "32MB"])
+def test_bad_bucket_bytes_is_refused_with_the_fix(bad):
+  with pytest.raises(ValueError, match="bucket_bytes=.*positive int"):
+    zerojax.zero(optax.adamw(1e-3), stage=1, bucket_bytes=bad)
+
+
+def test_combine_threshold_flags_are_flags_xla_knows():
+  """XLA aborts at start-up on an unknown flag: a fresh process with the
+  flags set runs a computation (the GPU flags are parsed on every
+  backend)."""
+  import subprocess
+  import sys
+  flags = zerojax.hardware.combine_threshold_flags(8 * 2**20)
+  assert flags.count("8388608") == 3
+  env = dict(__import__("os").environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "-c", "import jax.numpy as j; print(j.ones(3).sum())"],
+      env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and "3.0" in out.stdout, out.stderr[-2000:]
+  bogus = dict(env, XLA_FLAGS="--xla_gpu_no_such_combine_threshold_bytes=1")
+  out = subprocess.run([sys.executable, "-c", "import jax.numpy as j; j.ones(3)"],
+                       env=bogus, capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0      # the check above could fail
+  with pytest.raises(ValueError, match="positive int"):
+    zerojax.hardware.combine_threshold_flags(0)
