@@ -9,7 +9,9 @@ import os
 import signal
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from tests import xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = xla_flags.with_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -73,8 +73,10 @@ def test_bucketed_collectives_stay_below_the_bucket_at_any_depth(
     for a, b in zip(got, want):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   assert looped_shapes[5] == looped_shapes[10]
-  assert largest[10] < largest_whole[10]
-  assert largest_whole[10] > largest_whole[5]
+  assert largest[10] <= largest_whole[10]
+  if stage < 3:     # stage 3's largest collective is not a whole-leaf one
+    assert largest[10] < largest_whole[10]
+    assert largest_whole[10] > largest_whole[5]
 
 
 def test_default_bucket_leaves_small_models_whole():

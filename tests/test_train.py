@@ -44,6 +44,8 @@ def test_main_job_runs_and_writes_its_outputs(tmp_path):
     (["--stage", "5"], "invalid choice: 5"),
     (["--heads", "3"], "--heads=3 does not divide --width=128"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--seq-shard", "model"], "--seq-shard=model is not a model axis"),
+    (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be >= 0"),
 ])
 def test_main_job_rejects_bad_flags_before_work(flags, message):
   proc = subprocess.run([sys.executable, "-m", "zerojax.train", *flags],

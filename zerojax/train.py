@@ -66,6 +66,12 @@ class TrainConfig:
                                  "einsum, xla, cudnn")
   remat: str = _opt("auto", "checkpoint policy of each block: auto (dots on "
                             "GPU, full elsewhere), full, dots, none")
+  seq_shard: str = _opt("", "Pa (ZeRO-R): a mesh axis the residual stream "
+                             "between blocks is split over along the "
+                             "sequence, e.g. model; empty: off")
+  bucket_mb: float = _opt(32.0, "CB (ZeRO-R): MiB per whole-leaf collective "
+                                "(stages 0-2, replica all-reduce); 0: whole "
+                                "leaves")
   dropout: float = _opt(0.0, "residual dropout rate (0: off); keys come from "
                              "the training state, distinct per step, device "
                              "and micro-batch, and are checkpointed")
@@ -154,6 +160,9 @@ def check(config: TrainConfig) -> list[str]:
                     f"{', '.join(gpt.ATTENTION)}")
   if config.remat not in gpt.REMAT:
     problems.append(f"--remat={config.remat}: use one of {', '.join(gpt.REMAT)}")
+  if config.bucket_mb < 0:
+    problems.append(f"--bucket-mb={config.bucket_mb} must be >= 0 (0: whole "
+                    f"leaves)")
   splits, over = config.devices, f"--devices={config.devices}"
   axes = {"data": config.devices}
   if config.mesh and config.devices:
@@ -167,6 +176,11 @@ def check(config: TrainConfig) -> list[str]:
       problems.append(f"--mesh={config.mesh} has no data axis")
     splits = axes.get("data", 1) * axes.get("replica", 1)
     over = f"the {splits} replica x data devices of --mesh={config.mesh}"
+  if config.seq_shard and (config.seq_shard in ("data", "replica")
+                           or config.seq_shard not in axes):
+    problems.append(
+        f"--seq-shard={config.seq_shard} is not a model axis of the mesh "
+        f"({', '.join(axes)}); e.g. --mesh data=4,model=2 --seq-shard model")
   if config.batch and splits and config.batch % (splits * config.accum):
     m = splits * config.accum
     problems.append(
@@ -271,7 +285,9 @@ def main(config: TrainConfig) -> dict:
   model = gpt.GPTConfig(vocab=256, seq_len=config.seq_len, width=config.width,
                         depth=config.depth, heads=config.heads,
                         dropout=config.dropout, attention=config.attention,
-                        remat=config.remat).resolved(devices[0].platform)
+                        remat=config.remat,
+                        seq_shard=config.seq_shard or None
+                        ).resolved(devices[0].platform)
   n_params = gpt.num_params(model)
   flops_per_token = gpt.flops_per_token(model, n_params)
   train_tokens, val_tokens = data.split(data.corpus_bytes())
@@ -291,6 +307,8 @@ def main(config: TrainConfig) -> dict:
                     model_specs=gpt.model_specs() if tp else None,
                     stacked=gpt.is_layer_stack if tp else None,
                     offload=config.offload,
+                    bucket_bytes=(int(config.bucket_mb * 2**20)
+                                  if config.bucket_mb else None),
                     zeropp=zerojax.ZeroPP(weight_bits=config.weight_bits or None,
                                           grad_bits=config.grad_bits or None,
                                           block_size=config.quant_block or None,

@@ -49,6 +49,15 @@ class GPTConfig:
                             # layer's activations and, under ZeRO-3, its
                             # gathered weights are kept); "auto": dots on
                             # GPU, full elsewhere
+  seq_shard: str | None = None   # Pa (ZeRO-R's partitioned activations,
+                            # Megatron's sequence parallelism): a mesh axis
+                            # the residual stream between blocks is split
+                            # over along the sequence, so the checkpoints
+                            # saved per layer shrink by its size (XLA
+                            # gathers them where a block needs the whole
+                            # sequence). Usually the tensor-parallel
+                            # "model" axis; a no-op where the current mesh
+                            # lacks the axis (a one-device reference)
 
   def __post_init__(self):
     if self.width % self.heads:
@@ -255,12 +264,35 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
   else:
     block = _remat(lambda x, layer: _block(config, x, layer), config.remat)
     xs = params["blocks"]
+  if config.seq_shard is not None:     # Pa: the carry, saved per layer
+    inner = block
+    block = lambda x, l: (lambda y, o: (_split_sequence(y, config), o))(
+        *inner(x, l))
+    x_BxTxD = _split_sequence(x_BxTxD, config)
   x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, xs, unroll=config.scan_unroll)
   x_BxTxD = _layer_norm(x_BxTxD, gather(params["lnf_scale_D"]),
                         gather(params["lnf_bias_D"]))
   return jnp.einsum("btd,dv->btv", x_BxTxD,
                     _cast(gather(params["head_DxV"]), config),
                     preferred_element_type=jnp.float32)
+
+
+def _split_sequence(x_BxTxD, config: GPTConfig):
+  """``x`` constrained to be split along its sequence over
+  ``config.seq_shard`` (when the current mesh has that axis, automatic)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axis = config.seq_shard
+  if axis not in mesh.axis_names or mesh.shape[axis] == 1 or (
+      mesh.axis_types[mesh.axis_names.index(axis)]
+      == jax.sharding.AxisType.Manual):
+    return x_BxTxD
+  if x_BxTxD.shape[1] % mesh.shape[axis]:
+    raise ValueError(
+        f"gpt: seq_shard={axis!r} splits the sequence over {mesh.shape[axis]} "
+        f"devices, but it has {x_BxTxD.shape[1]} tokens; use a sequence "
+        f"length divisible by {mesh.shape[axis]}.")
+  return jax.lax.with_sharding_constraint(
+      x_BxTxD, jax.sharding.PartitionSpec(None, axis, None))
 
 
 def _cast(tree, config: GPTConfig):
