@@ -220,15 +220,23 @@ def test_single_process_sigterm_is_a_preemption_point():
 
 def _assert_equals_one_process(out, zeropp):
   """The 2-process run's params (saved at ``out``) equal 5 stage-3 steps in
-  this process with ``zeropp``."""
-  tx = zerojax.zero(optax.adamw(1e-2), stage=3, zeropp=zeropp)
-  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
-  step = zerojax.train_step(toy.loss_fn, tx)
-  for b in toy.batches(5, seed=11):
-    state, _ = step(state, b)
-  want = [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
-  for a, b in zip(_load(out), want):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  this process with ``zeropp``: within a quantization step (the two
+  programs fuse differently, so a block scale may differ in its last bit
+  and one int4/int8 code flip -- measured 1.7e-6 on one element) and far
+  closer to each other than to the unquantized run."""
+  def run(zpp):
+    tx = zerojax.zero(optax.adamw(1e-2), stage=3, zeropp=zpp)
+    state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+    step = zerojax.train_step(toy.loss_fn, tx)
+    for b in toy.batches(5, seed=11):
+      state, _ = step(state, b)
+    return [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
+  got, want, plain = _load(out), run(zeropp), run(None)
+  gap = max(np.abs(a - b).max() for a, b in zip(got, want))
+  quant = max(np.abs(a - b).max() for a, b in zip(want, plain))
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert quant > 0 and gap < 0.1 * quant, (gap, quant)
 
 
 def test_zeropp_across_two_processes_moves_only_the_secondary_and_node_sums(

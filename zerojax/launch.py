@@ -5,7 +5,7 @@
 
 For development and tests of multi-host code on one machine: every process
 gets ``ZEROJAX_COORDINATOR=127.0.0.1:<free port>``, ``ZEROJAX_NUM_PROCESSES``,
-``ZEROJAX_PROCESS_ID`` and ``XLA_FLAGS=--xla_force_host_platform_device_count=D``,
+``ZEROJAX_PROCESS_ID`` and ``XLA_FLAGS`` (the caller's, with ``--xla_force_host_platform_device_count=D``),
 which :func:`zerojax.distributed.initialize` (called by the main job) turns
 into one JAX run over P x D devices, with gloo as the CPU collectives.
 Process 0's output is streamed; the others' goes to ``<log-dir>/process_<i>.log``.
@@ -31,6 +31,14 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def _xla_flags(devices: int) -> str:
+  """The caller's ``XLA_FLAGS`` (e.g. combine thresholds, optimisation
+  level) with the fake device count set to ``devices``."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+
+
 def launch(command, processes: int, devices: int, *, log_dir=None,
            timeout_s: float | None = None, grace_s: float = 10.0,
            stream=True) -> int:
@@ -42,8 +50,7 @@ def launch(command, processes: int, devices: int, *, log_dir=None,
   for i in range(processes):
     env = dict(os.environ, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
                ZEROJAX_NUM_PROCESSES=str(processes), ZEROJAX_PROCESS_ID=str(i),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
+               XLA_FLAGS=_xla_flags(devices), JAX_PLATFORMS="cpu")
     if i == 0 and stream:
       out = None
     else:
