@@ -9,9 +9,9 @@ import os
 import signal
 import sys
 
-from tests import xla_flags  # noqa: E402
+from zerojax.launch import xla_flags  # noqa: E402
 
-os.environ["XLA_FLAGS"] = xla_flags.with_devices(8)
+os.environ["XLA_FLAGS"] = xla_flags(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -35,7 +35,7 @@ import optax
 import pytest
 
 import zerojax
-from tests import xla_flags
+from zerojax.launch import xla_flags
 
 MODULES = ("optax._src.alias_test", "optax.contrib._common_test")
 # the convergence tests: minutes per case through 8 fake devices
@@ -60,7 +60,7 @@ def run_suite(stage, tmp_path, select=SELECT, workers=0):
   report = tmp_path / f"stage{stage}.jsonl"
   env = dict(os.environ, ZEROJAX_CONFORMANCE_REPORT=str(report),
              ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE="0",
-             XLA_FLAGS=xla_flags.with_devices(8))
+             XLA_FLAGS=xla_flags(8))
   # run from an outer xdist worker, the inner pytest must not think it is one
   env = {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST")}
   if stage is not None:

@@ -31,7 +31,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _xla_flags(devices: int) -> str:
+def xla_flags(devices: int) -> str:
   """The caller's ``XLA_FLAGS`` (e.g. combine thresholds, optimisation
   level) with the fake device count set to ``devices``."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
@@ -50,7 +50,7 @@ def launch(command, processes: int, devices: int, *, log_dir=None,
   for i in range(processes):
     env = dict(os.environ, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
                ZEROJAX_NUM_PROCESSES=str(processes), ZEROJAX_PROCESS_ID=str(i),
-               XLA_FLAGS=_xla_flags(devices), JAX_PLATFORMS="cpu")
+               XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
     if i == 0 and stream:
       out = None
     else:
