@@ -138,11 +138,13 @@ def test_working_set_counts_gathered_layers_only_at_stage_3():
   from zerojax import Policy
   cfg = gpt.GPTConfig(vocab=256, width=1024, depth=4, heads=8, seq_len=64)
   layer = gpt._block_params(1024)
-  acts = 64 * 1024 * 4 * 4 + 2 * 64 * 256 * 4         # batch 1 per device
+  logits = 2 * 64 * 256 * 4                          # batch 1 per device
+  acts = 64 * 1024 * 4 * 4 + logits            # 4 layer inputs, fp32
   fp32 = Policy()
   assert plan.working_set(cfg, 3, 1, fp32) == 12 * layer + acts
+  # bf16 params: the layer inputs (the residual stream) are bf16 too
   assert plan.working_set(cfg, 3, 1, Policy(param_dtype=jnp.bfloat16)) == (
-      6 * layer + acts)
+      6 * layer + 64 * 1024 * 2 * 4 + logits)
   assert plan.working_set(cfg, 1, 1, fp32) == acts
   # stage 0: the all-reduce's output is a second full gradient
   assert plan.working_set(cfg, 0, 1, fp32) == acts + 4 * gpt.num_params(cfg)

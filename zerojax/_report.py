@@ -17,6 +17,11 @@ Three sources, each labelled:
   compare ZeRO's collectives, those over the data and replica axes; a
   model axis's own (tensor parallelism's) are in the bytes per mesh axis
   (from each collective's replica groups), as are those crossing processes;
+* **saved activations per device**: what the loss's backward pass keeps
+  from its forward pass on one device's batch (device and host memory; the
+  layer scans' stacked part apart), from
+  ``jax.ad_checkpoint.print_saved_residuals`` (see
+  :mod:`zerojax._activations`; model-axis splits not applied);
 * **XLA's memory analysis** of the compiled step (argument, output, temp,
   alias bytes per device). On CPU its temp figure misses buffers inside loop
   bodies; do not read it as the peak.
@@ -34,8 +39,11 @@ import math
 
 import numpy as np
 
-from zerojax import _hlo, _inspect, _offload, _zeropp
+import jax
+
+from zerojax import _activations, _hlo, _inspect, _offload, _zeropp
 from zerojax._spec import ZeroState
+from zerojax._step import loss_call
 
 
 def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
@@ -181,6 +189,7 @@ class Report:
   offload: dict = dataclasses.field(default_factory=dict)
   zero_collective_bytes: dict = dataclasses.field(default_factory=dict)
   zero_collective_elements: dict = dataclasses.field(default_factory=dict)
+  activations: dict = dataclasses.field(default_factory=dict)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -245,6 +254,14 @@ class Report:
                 f"  (ZeRO-Offload's host-side update would move "
                 f"{o['theory_host_compute_bytes']:,}: compute-dtype "
                 f"gradients down, params up)"]
+    a = self.activations
+    if a.get("error"):
+      lines += ["", f"saved activations: {a['error']}"]
+    elif a:
+      lines += ["", "saved activations per device (the loss on one device's "
+                "batch, before model-axis splits)",
+                f"  device {a['device']:>14,}   host {a['host']:>14,}   "
+                f"(layer scans {a['scan']:,})"]
     lines += ["", "XLA memory analysis per device (temp misses loop-body "
               "buffers on CPU): " + ", ".join(
                   f"{k} {v:,}" for k, v in self.xla_memory.items())]
@@ -319,7 +336,28 @@ def report(step, state: ZeroState, batch) -> Report:
       mesh={a: int(s) for a, s in mesh.shape.items()},
       bytes_by_axis=dict(by_axis), cross_process_bytes=crossing,
       zero_collective_bytes=dict(zero_b), zero_collective_elements=dict(zero_e),
-      offload=_offload_traffic(state, hlo) if spec.place.offload else {})
+      offload=_offload_traffic(state, hlo) if spec.place.offload else {},
+      activations=_saved_activations(step, state, batch))
+
+
+def _saved_activations(step, state: ZeroState, batch) -> dict:
+  """The loss's saved residuals on one device's micro-batch, with the
+  whole params in their compute dtype (see :mod:`zerojax._activations`)."""
+  spec = state.spec
+  shards = math.prod(spec.tx.mesh.shape[a] for a in spec.tx.batch_axes)
+  rows = shards * step.accum_steps
+  params = spec.unflatten_params([
+      jax.ShapeDtypeStruct(r.aval.shape,
+                           r.compute_dtype if r.trainable else r.aval.dtype)
+      for r in spec.leaves])
+  local = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((x.shape[0] // rows,) + x.shape[1:],
+                                     x.dtype), batch)
+  call = loss_call(state)
+  key = None if state.key is None else jax.random.key(0)
+  return _activations.saved_residuals(
+      lambda p, b: call(step.loss_fn, p, b, key, state.model_state)[0],
+      params, local)
 
 
 def _offload_traffic(state: ZeroState, hlo: str) -> dict:

@@ -176,6 +176,14 @@ class TrainStep(_CompiledStep):
     return self._jitted.lower(state, batch,
                               *_update.split_extra_args(extra_args))
 
+  def trace(self, state: ZeroState, batch, **extra_args):
+    """``jax.jit(...).trace`` of the step: its jaxpr, or a lowering for
+    another platform (``.lower(lowering_platforms=("cuda",))`` shows the
+    GPU program, host-memory placements included, from a CPU machine)."""
+    batch = self._prepare(state, batch)
+    return self._jitted.trace(state, batch,
+                              *_update.split_extra_args(extra_args))
+
 
 def train_step(
     loss_fn: Callable,

@@ -298,16 +298,60 @@ def abstract_gpt(config: gpt.GPTConfig):
   return jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
 
 
+def saved_activations(config: gpt.GPTConfig, batch_per_device: int, *,
+                      model: int = 1, dtype=None,
+                      platform: str | None = None) -> dict | None:
+  """Per-device bytes the reference GPT's backward pass keeps from its
+  forward pass (ZeRO-R's activation checkpoints), by where they live.
+
+  ``config.remat`` picks the policy (``"auto"`` resolved for ``platform``),
+  ``model`` is the model-axis size M the tensor-parallel activations are
+  split over, and ``config.seq_shard`` (Pa) splits the layer-boundary
+  residual over it too. Per layer and token, in the compute dtype
+  (``config.compute_dtype``, else ``dtype``, the params' dtype, default
+  fp32):
+
+  * ``"full"``: the block input, ``D`` (``D / M`` with Pa);
+  * ``"dots"``: also the matmul outputs the backward pass reads: qkv
+    ``3D / M``, the attention projection ``D`` (``D / M`` with Pa) and the
+    first MLP matmul ``F / M`` (the second MLP matmul only feeds an add);
+  * ``"offload"``: the ``"full"`` bytes in host memory (on the device, one
+    layer's input while it moves: ``per_layer``, a transient);
+  * ``"none"``: not modelled (every intermediate of the block is kept;
+    returns ``None``).
+
+  Returns ``{"device", "host", "per_layer"}`` in bytes (``per_layer``: one
+  layer's saved bytes wherever they live). Checked against the compiled
+  step's per-layer temp growth in ``tests/test_activations.py``.
+  """
+  config = config.resolved(platform)
+  if config.remat == "none":
+    return None
+  dt = config.compute_dtype or dtype or jnp.float32
+  c = np.dtype(dt).itemsize
+  d, f = config.width, config.mlp_ratio * config.width
+  s = model if config.seq_shard else 1
+  per_token = d / s
+  if config.remat == "dots":
+    per_token += 3 * d / model + d / s + f / model
+  per_layer = batch_per_device * config.seq_len * per_token * c
+  total = per_layer * config.depth
+  if config.remat == "offload":
+    return {"device": 0.0, "host": total, "per_layer": per_layer}
+  return {"device": total, "host": 0.0, "per_layer": per_layer}
+
+
 def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
-                policy: Policy | None = None) -> float:
+                policy: Policy | None = None, model: int = 1) -> float:
   """Per-device bytes a GPT step needs beyond the model state (zerojax's
-  layer-scanned, rematerialised GPT): at stage 3 the forward and the
-  backward layer gathered in the compute dtype and the layer's full gradient
-  before its reduce-scatter; at every stage the saved activations (one
-  residual stream per layer, fp32) and the logits (fp32, with their
-  gradient); at stage 0 a second full gradient, the all-reduce's output
-  (XLA does not all-reduce in place: measured, zerojax and a plain-jit DP
-  step alike). Temporary buffers inside a layer come on top."""
+  layer-scanned GPT): at stage 3 the forward and the backward layer
+  gathered in the compute dtype and the layer's full gradient before its
+  reduce-scatter; at every stage the saved activations on the device
+  (:func:`saved_activations`; fp32 residuals per layer where its policy is
+  not modelled) and the logits (fp32, with their gradient); at stage 0 a
+  second full gradient, the all-reduce's output (XLA does not all-reduce in
+  place: measured, zerojax and a plain-jit DP step alike). Temporary
+  buffers inside a layer come on top."""
   policy = Policy(param_dtype=jnp.bfloat16) if policy is None else policy
   c = np.dtype(policy.compute(jnp.float32)).itemsize
   r = np.dtype(policy.reduce(jnp.float32)).itemsize
@@ -315,8 +359,11 @@ def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
   tokens = batch_per_device * config.seq_len
   gathered = (2 * c + r) * layer if stage == 3 else 0
   reduced = r * gpt.num_params(config) if stage == 0 else 0
-  return float(gathered + reduced + tokens * config.width * 4 * config.depth
-               + 2 * tokens * config.vocab * 4)
+  saved = saved_activations(config, batch_per_device, model=model,
+                            dtype=policy.compute(jnp.float32))
+  saved = (tokens * config.width * 4 * config.depth if saved is None
+           else saved["device"] or saved["per_layer"])
+  return float(gathered + reduced + saved + 2 * tokens * config.vocab * 4)
 
 
 def largest_fitting(memory_bytes: float, stage: int, n_devices: int,

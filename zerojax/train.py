@@ -65,7 +65,8 @@ class TrainConfig:
                                  "on GPU, the einsum reference elsewhere), "
                                  "einsum, xla, cudnn")
   remat: str = _opt("auto", "checkpoint policy of each block: auto (dots on "
-                            "GPU, full elsewhere), full, dots, none")
+                            "GPU, full elsewhere), full, dots, offload "
+                            "(the block input in pinned host memory), none")
   seq_shard: str = _opt("", "Pa (ZeRO-R): a mesh axis the residual stream "
                              "between blocks is split over along the "
                              "sequence, e.g. model; empty: off")

@@ -20,6 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 
 from zerojax._gather import gather
 
@@ -45,7 +46,10 @@ class GPTConfig:
                             # vs param_dtype); None: compute in the params'
   remat: str = "auto"       # the block's jax.checkpoint policy: "full"
                             # (save only the block input), "dots" (also the
-                            # matmul outputs), "none" (no remat: every
+                            # matmul outputs), "offload" (ZeRO-R's Pa+cpu:
+                            # save only the block input, in pinned host
+                            # memory, brought back layer by layer in the
+                            # backward pass), "none" (no remat: every
                             # layer's activations and, under ZeRO-3, its
                             # gathered weights are kept); "auto": dots on
                             # GPU, full elsewhere
@@ -88,7 +92,11 @@ class GPTConfig:
 
 
 ATTENTION = ("auto", "einsum", "xla", "cudnn")
-REMAT = ("auto", "full", "dots", "none")
+REMAT = ("auto", "full", "dots", "offload", "none")
+
+# The name of each block's input (the layer-boundary checkpoint) in the
+# program, for checkpoint policies: ``remat="offload"`` offloads it.
+LAYER_INPUT = "zerojax_layer_input"
 
 
 
@@ -195,6 +203,9 @@ def _block(config: GPTConfig, x_BxTxD, layer, key=None):
 
   With ``key``, residual dropout (rate ``config.dropout``) on the attention
   and MLP outputs."""
+  # Every use of the block input goes through this name, so a policy that
+  # offloads it leaves no device copy of the input among the saved values.
+  x_BxTxD = checkpoint_name(x_BxTxD, LAYER_INPUT)
   layer = _cast(gather(layer), config)     # ZeRO-3: this layer's weights only
   k_att, k_mlp = jax.random.split(key) if key is not None else (None, None)
   b, t, d = x_BxTxD.shape
@@ -243,6 +254,16 @@ def _remat(fn, remat: str):
   if remat == "dots":
     return jax.checkpoint(
         fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  if remat == "offload":
+    # The layer input goes to pinned host memory in the forward scan and
+    # comes back one layer at a time in the backward scan (on GPU and TPU;
+    # JAX's CPU backend has one memory, so there the placement is dropped
+    # and the numbers are those of "full").
+    return jax.checkpoint(
+        fn, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[LAYER_INPUT],
+            offload_src="device", offload_dst="pinned_host"))
   return jax.checkpoint(fn)
 
 

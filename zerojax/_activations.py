@@ -1,0 +1,73 @@
+"""What a loss's backward pass keeps from its forward pass, by memory space.
+
+ZeRO-R's subject: once the model state is sharded, the saved activations
+(the residuals autodiff keeps between forward and backward) bound the
+batch and the context. They are read from
+:func:`jax.ad_checkpoint.print_saved_residuals`, JAX's public view of them:
+one line per residual, its type (``f32[4,32,64]``, ``f32<host>[...]`` for
+one a checkpoint policy offloads to host memory) and where it comes from.
+The loss's own arguments (params, batch) are live anyway and not counted.
+
+The figures are for the program as traced on one device's batch with the
+whole (gathered) params: splits over a model axis (tensor parallelism, Pa's
+sequence split) are applied by the compiler later and are not in them; the
+planner's :func:`zerojax.plan.saved_activations` has those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+
+import jax
+
+# "f32[2,32,64]", "bf16<host>[3,2,32,64]", "bool[]"
+_AVAL = re.compile(r"^(bool|bf16|[fiuc]\d+(?:_\w+)?)(?:<(\w+)>)?\[([\d,]*)\]\s")
+
+
+def _itemsize(short: str) -> int:
+  if short == "bool":
+    return 1
+  if short == "bf16":
+    return 2
+  return int(re.match(r"[fiuc](\d+)", short).group(1)) // 8
+
+
+def parse(text: str) -> dict:
+  """Totals of ``print_saved_residuals`` output: bytes on the device and in
+  host memory, the part that layer scans stack (``scan``), the count, and
+  the lines that could not be read (``unread``, e.g. PRNG keys)."""
+  out = {"device": 0, "host": 0, "scan": 0, "count": 0, "unread": []}
+  for line in text.splitlines():
+    line = line.strip()
+    if not line or "from the argument" in line:
+      continue
+    m = _AVAL.match(line)
+    if m is None:
+      out["unread"].append(line[:120])
+      continue
+    short, space, dims = m.groups()
+    shape = [int(d) for d in dims.split(",") if d]
+    nbytes = math.prod(shape) * _itemsize(short)
+    out["host" if space and "host" in space else "device"] += nbytes
+    out["count"] += 1
+    if "output of scan" in line:
+      out["scan"] += nbytes
+  return out
+
+
+def saved_residuals(fn, *args) -> dict:
+  """``fn(*args)``'s saved residuals (see :func:`parse`), or
+  ``{"error": ...}`` when this JAX version's printout cannot be read (a
+  limit of zerojax, not of ``fn``)."""
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  out = parse(buf.getvalue())
+  if out["count"] == 0 and out["unread"]:
+    return {"error": f"zerojax cannot read jax.ad_checkpoint."
+                     f"print_saved_residuals on JAX {jax.__version__} "
+                     f"(first line: {out['unread'][0]!r})"}
+  return out
