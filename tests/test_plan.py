@@ -177,3 +177,21 @@ def test_planner_cli_prints_the_zeropp_table(capsys):
   plan.main(["--params", "1e9", "--devices", "16", "--slices", "2", "--zeropp"])
   out = capsys.readouterr().out
   assert "qwZ + hpZ + qgZ int4" in out and "DCN vs stage 3" in out
+
+
+def test_planner_cli_gives_saved_activations_by_policy_and_pa(capsys):
+  """``--batch``: saved activations per device for each remat policy; Pa
+  halves the layer inputs at model=2, offload moves them to the host, dots
+  keeps the matmul outputs on top (tensor-parallel ones split by M)."""
+  import json
+  plan.main(["--width", "1024", "--depth", "8", "--mesh", "data=4,model=2",
+             "--batch", "2", "--seq-len", "512", "--json"])
+  acts = json.loads(capsys.readouterr().out)["saved_activations"]
+  full = 8 * 2 * 512 * 1024 * 2                     # L B T D, bf16
+  assert acts["full"]["device"] == full
+  assert acts["full + Pa"]["device"] == full / 2
+  assert acts["offload"] == {"device": 0.0, "host": full,
+                             "per_layer": full / 8}
+  # dots: + qkv 3D/2, projection D, fc1 4D/2 per token
+  assert acts["dots"]["device"] == full * (1 + 1.5 + 1 + 2)
+  assert acts["dots + Pa"]["device"] == full * (0.5 + 1.5 + 0.5 + 2)

@@ -102,3 +102,24 @@ def test_report_theory_knows_zeropp(stage, zeropp, mesh_axes):
   for kind in kinds:
     assert ratios[kind] == pytest.approx(1.0, abs=0.01), ratios
     assert ratios[f"{kind} bytes"] == pytest.approx(1.0, abs=0.01), ratios
+
+
+def test_report_says_when_the_loss_cannot_be_traced_alone_for_activations():
+  """A loss that calls a collective over the data axis runs inside the
+  step but not on its own: the report still comes back, with the
+  saved-activation figure replaced by the reason."""
+  import jax
+  import numpy as np
+  import optax
+  import zerojax
+
+  def loss(params, batch):
+    local = ((batch["x"] @ params["w"]) ** 2).mean()
+    return local + 0.0 * jax.lax.psum(0.0, "data")
+
+  tx = zerojax.zero(optax.sgd(0.1), stage=2)
+  state = zerojax.init({"w": np.ones((8, 4), np.float32)}, tx)
+  step = zerojax.train_step(loss, tx)
+  r = zerojax.report(step, state, {"x": np.ones((16, 8), np.float32)})
+  assert "could not be traced on its own" in r.activations["error"]
+  assert "saved activations: the loss could not" in str(r)

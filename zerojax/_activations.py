@@ -22,6 +22,7 @@ import math
 import re
 
 import jax
+from jax import ad_checkpoint
 
 # "f32[2,32,64]", "bf16<host>[3,2,32,64]", "bool[]"
 _AVAL = re.compile(r"^(bool|bf16|[fiuc]\d+(?:_\w+)?)(?:<(\w+)>)?\[([\d,]*)\]\s")
@@ -63,8 +64,15 @@ def saved_residuals(fn, *args) -> dict:
   ``{"error": ...}`` when this JAX version's printout cannot be read (a
   limit of zerojax, not of ``fn``)."""
   buf = io.StringIO()
-  with contextlib.redirect_stdout(buf):
-    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+  try:
+    with contextlib.redirect_stdout(buf):
+      ad_checkpoint.print_saved_residuals(fn, *args)
+  except Exception as e:  # noqa: BLE001 -- a figure of the report, not the step
+    # e.g. a loss that calls collectives over the mesh's axes: it runs
+    # inside zerojax's step, not on its own.
+    return {"error": f"the loss could not be traced on its own for its "
+                     f"saved activations ({type(e).__name__}: "
+                     f"{str(e)[:200]})"}
   out = parse(buf.getvalue())
   if out["count"] == 0 and out["unread"]:
     return {"error": f"zerojax cannot read jax.ad_checkpoint."

@@ -52,14 +52,18 @@ def rows_per_bucket(shape, itemsize: float, bucket_bytes: int) -> int:
 
 
 def bucketed(fn: Callable, x: jax.Array, full_itemsize: float,
-             bucket_bytes: int | None, splittable: bool = True) -> jax.Array:
+             bucket_bytes: int | None, splittable: bool = True,
+             into: jax.Array | None = None) -> jax.Array:
   """``fn(x)``, run on ``x``'s leading dimension bucket by bucket.
 
   ``fn`` must treat rows independently and keep the leading dimension (a
   collective over another dimension, a pad or slice of another dimension,
   a cast). ``full_itemsize``: bytes of the collective's full operand per
   element of ``x`` (an all-gather's output is N times its input).
-  ``bucket_bytes=None`` or an unsplittable ``x`` runs ``fn`` once."""
+  ``bucket_bytes=None`` or an unsplittable ``x`` runs ``fn`` once.
+  ``into``: a dead array shaped and typed like the result (the old params
+  an all-gather replaces) the buckets are written into, so a donated
+  buffer is reused in place rather than a new one allocated."""
   if bucket_bytes is None or not splittable or x.ndim < 2:
     return fn(x)
   rows = x.shape[0]
@@ -67,7 +71,7 @@ def bucketed(fn: Callable, x: jax.Array, full_itemsize: float,
   if per >= rows:
     return fn(x)
   whole = rows // per
-  out = _empty_like_result(fn, x, rows, per)
+  out = _empty_like_result(fn, x, rows, per) if into is None else into
 
   def body(b, out):
     start = b * per

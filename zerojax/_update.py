@@ -218,9 +218,9 @@ def new_params(spec: StateSpec, params, new_w):
     # the output is written bucket by bucket, never a second full copy.
     n = tx.num_shards
 
-    def all_gather(shards):
+    def all_gather(shards, old):
       out = []
-      for s, l, i in zip(shards, layouts, gather_idx):
+      for s, o, l, i in zip(shards, old, layouts, gather_idx):
         def one(x, l=l):
           return l.to_logical(_gather.over_model_shards(
               lambda x, d=l.dim: jax.lax.all_gather(x, axis, axis=d,
@@ -229,13 +229,13 @@ def new_params(spec: StateSpec, params, new_w):
               x, l.model, l.dim))
         out.append(_buckets.bucketed(
             one, s, n * _buckets.itemsize(spec.leaves[i].compute_dtype),
-            tx.bucket_bytes, _buckets.splittable(l)))
+            tx.bucket_bytes, _buckets.splittable(l), into=o))
       return out
     full = jax.shard_map(
         all_gather, mesh=tx.mesh,
-        in_specs=([l.manual_spec(axis) for l in layouts],),
+        in_specs=([l.manual_spec(axis) for l in layouts], [P()] * len(layouts)),
         out_specs=[P()] * len(layouts), axis_names={axis})(
-            [out[i] for i in gather_idx])
+            [out[i] for i in gather_idx], [params[i] for i in gather_idx])
     for i, f in zip(gather_idx, full):
       out[i] = f
   return spec.unflatten_params(out)

@@ -462,6 +462,10 @@ def main(argv=None):
                  help="also stage 3's communication per step with ZeRO++ "
                       "(qwZ, qgZ, hpZ with nodes = --slices) on a 1-D data "
                       "mesh of --devices")
+  p.add_argument("--batch", type=int, default=None,
+                 help="also the saved activations per device (ZeRO-R) for "
+                      "this many sequences per data-parallel device, by "
+                      "remat policy, with and without Pa on a model axis")
   p.add_argument("--json", action="store_true", help="print JSON instead")
   args = p.parse_args(argv)
   if (args.params is None) == (args.width is None):
@@ -514,8 +518,20 @@ def main(argv=None):
       c = largest_fitting(args.memory_gb * GB, s, args.devices, args.seq_len,
                           offload=args.offload)
       fitting[s] = None if c is None else gpt.num_params(c)
+  acts = {}
+  if args.batch:
+    if args.batch < 1:
+      p.error(f"--batch={args.batch} must be >= 1")
+    m = mesh.get("model", 1)
+    for remat in ("full", "dots", "offload"):
+      for pa in ((False, True) if m > 1 else (False,)):
+        c = dataclasses.replace(config, remat=remat,
+                                seq_shard="model" if pa else None)
+        acts[f"{remat}{' + Pa' if pa else ''}"] = saved_activations(
+            c, args.batch, model=m, dtype=jnp.bfloat16)
   if args.json:
     print(json.dumps({"config": dataclasses.asdict(config),
+                      "saved_activations": acts,
                       "plans": [dict(dataclasses.asdict(x), total=x.total,
                                      device=x.device, host=x.host)
                                 for x in plans],
@@ -526,6 +542,16 @@ def main(argv=None):
         f"{args.devices} data devices); bf16 params/grads, fp32 master + "
         f"AdamW moments; GB = 1e9 bytes")
   print(_table(plans))
+  if acts:
+    print(f"\nsaved activations per device (bf16, {args.batch} sequence(s) "
+          f"of {config.seq_len} per data device, model axis "
+          f"{mesh.get('model', 1)}; logits and in-layer temporaries not "
+          f"included)")
+    print("| remat policy | device GB | host GB | one layer GB |")
+    print("|---|---|---|---|")
+    for name, a in acts.items():
+      print(f"| {name} | {a['device'] / GB:.3f} | {a['host'] / GB:.3f} | "
+            f"{a['per_layer'] / GB:.4f} |")
   if len(mesh) > 1 or slices > 1:
     print(f"\ncommunication per step and chip, {slices} slice(s); "
           f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
