@@ -350,9 +350,13 @@ def _saved_activations(step, state: ZeroState, batch) -> dict:
       jax.ShapeDtypeStruct(r.aval.shape,
                            r.compute_dtype if r.trainable else r.aval.dtype)
       for r in spec.leaves])
-  local = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((x.shape[0] // rows,) + x.shape[1:],
-                                     x.dtype), batch)
+  def local(x):                  # one device's rows; scalars as they are
+    shape = np.shape(x)
+    if not shape:
+      return x
+    return jax.ShapeDtypeStruct((shape[0] // rows,) + shape[1:],
+                                np.result_type(x))
+  local = jax.tree.map(local, batch)
   call = loss_call(state)
   key = None if state.key is None else jax.random.key(0)
   return _activations.saved_residuals(
