@@ -127,7 +127,8 @@ def floor(config: str, precision: str, depth: int, runtime: int, args) -> float:
   stage = int(config[0])
   per_device = (plan.plan_stage(plan.abstract_gpt(cfg), stage, 8,
                                 policy=policy).total
-                + plan.working_set(cfg, stage, args.batch // 8, policy))
+                + plan.working_set(cfg, stage, args.batch // 8, policy,
+                                   n_devices=8))
   return 8 * per_device + runtime
 
 
@@ -149,7 +150,8 @@ def predicted_depth(config: str, precision: str, args,
     need = plan.plan_stage(plan.abstract_gpt(cfg), stage, 8,
                            policy=policy).total
     if working:
-      need += plan.working_set(cfg, stage, args.batch // 8, policy)
+      need += plan.working_set(cfg, stage, args.batch // 8, policy,
+                                 n_devices=8)
     return need <= budget
   lo, hi = 0, 1
   while fits(hi):

@@ -145,7 +145,13 @@ def test_working_set_counts_gathered_layers_only_at_stage_3():
   # bf16 params: the layer inputs (the residual stream) are bf16 too
   assert plan.working_set(cfg, 3, 1, Policy(param_dtype=jnp.bfloat16)) == (
       6 * layer + 64 * 1024 * 2 * 4 + logits)
-  assert plan.working_set(cfg, 1, 1, fp32) == acts
+  # stages 1-2: the updated weight shard the all-gather reads (4 Psi/N);
+  # stage 1 also holds the reduce-scatter's gradient shard (4 Psi/N)
+  psi = gpt.num_params(cfg)
+  assert plan.working_set(cfg, 2, 1, fp32, n_devices=8) == acts + 4 * psi / 8
+  assert plan.working_set(cfg, 1, 1, fp32, n_devices=8) == acts + 8 * psi / 8
+  with pytest.raises(ValueError, match="n_devices=N"):
+    plan.working_set(cfg, 1, 1, fp32)
   # stage 0: the all-reduce's output is a second full gradient
   assert plan.working_set(cfg, 0, 1, fp32) == acts + 4 * gpt.num_params(cfg)
 

@@ -23,6 +23,11 @@ unsharded operand), never less than one row (one layer of a stack):
   and all-reduce siblings), which would fuse a list of slices back into one
   leaf-sized buffer; iterations of a loop cannot be merged.
 
+The collective inside each bucket runs over a non-leading dimension, so
+it is written as one over the major dimension between explicit
+transposes (:func:`zerojax._gather.on_major_dim`): otherwise XLA's layout
+assignment may transpose the whole source leaf once, outside the loop.
+
 Only the leading dimension is split, and only when neither the data axis
 nor a model axis shards it (its rows are then independent, whole on every
 device); other leaves run whole. Quantized (ZeRO++) reduce-scatters are

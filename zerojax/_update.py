@@ -223,9 +223,9 @@ def new_params(spec: StateSpec, params, new_w):
       for s, o, l, i in zip(shards, old, layouts, gather_idx):
         def one(x, l=l):
           return l.to_logical(_gather.over_model_shards(
-              lambda x, d=l.dim: jax.lax.all_gather(x, axis, axis=d,
-                                                    tiled=True,
-                                                    to="invarying"),
+              lambda x, d=l.dim: _gather.on_major_dim(
+                  lambda y, d: jax.lax.all_gather(y, axis, axis=d, tiled=True,
+                                                  to="invarying"), x, d),
               x, l.model, l.dim))
         out.append(_buckets.bucketed(
             one, s, n * _buckets.itemsize(spec.leaves[i].compute_dtype),

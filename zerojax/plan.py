@@ -342,23 +342,36 @@ def saved_activations(config: gpt.GPTConfig, batch_per_device: int, *,
 
 
 def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
-                policy: Policy | None = None, model: int = 1) -> float:
+                policy: Policy | None = None, model: int = 1,
+                n_devices: int | None = None) -> float:
   """Per-device bytes a GPT step needs beyond the model state (zerojax's
   layer-scanned GPT): at stage 3 the forward and the backward layer
   gathered in the compute dtype and the layer's full gradient before its
-  reduce-scatter; at every stage the saved activations on the device
-  (:func:`saved_activations`; fp32 residuals per layer where its policy is
-  not modelled) and the logits (fp32, with their gradient); at stage 0 a
-  second full gradient, the all-reduce's output (XLA does not all-reduce in
-  place: measured, zerojax and a plain-jit DP step alike). Temporary
-  buffers inside a layer come on top."""
+  reduce-scatter; at stages 1-2 the updated weight shard in the compute
+  dtype, which the all-gather reads while it overwrites the old params,
+  and at stage 1 also the reduce-scatter's output (a gradient shard) while
+  the full gradient is still live; at every stage the saved activations on
+  the device (:func:`saved_activations`; fp32 residuals per layer where its
+  policy is not modelled) and the logits (fp32, with their gradient); at
+  stage 0 a second full gradient, the all-reduce's output (XLA does not
+  all-reduce in place: measured, zerojax and a plain-jit DP step alike).
+  Temporary buffers inside a layer come on top. ``n_devices``: the
+  data-parallel size, needed for the shards of stages 1-2."""
   policy = Policy(param_dtype=jnp.bfloat16) if policy is None else policy
+  if stage in (1, 2) and not n_devices:
+    raise ValueError(
+        f"plan.working_set at stage {stage} needs n_devices (the data-"
+        f"parallel size): the step holds shards of 1/n_devices of the "
+        f"weights; pass n_devices=N")
   c = np.dtype(policy.compute(jnp.float32)).itemsize
   r = np.dtype(policy.reduce(jnp.float32)).itemsize
   layer = gpt._block_params(config.width, config.mlp_ratio)
   tokens = batch_per_device * config.seq_len
+  psi = gpt.num_params(config)
   gathered = (2 * c + r) * layer if stage == 3 else 0
-  reduced = r * gpt.num_params(config) if stage == 0 else 0
+  reduced = r * psi if stage == 0 else 0
+  if stage in (1, 2):
+    reduced = (c + (r if stage == 1 else 0)) * psi / n_devices
   saved = saved_activations(config, batch_per_device, model=model,
                             dtype=policy.compute(jnp.float32))
   saved = (tokens * config.width * 4 * config.depth if saved is None
