@@ -5,7 +5,8 @@
 
 Each attempt runs in its own subprocess (8 fake CPU devices): build the
 sharded state with ``zerojax.init_from``, two AdamW training steps at batch
-8, one checkpoint save (synchronous, Orbax) and one eval. A watchdog in this
+8, one checkpoint save (synchronous, Orbax; ``--save lean``, the default:
+uncompressed, no replica-parallel host copies) and one eval. A watchdog in this
 process reads the child's RSS from ``/proc`` every 20 ms and kills it when
 it crosses ``--cap-gib``: that attempt does not fit. The model family is
 fixed width and context, growing depth (``--width 1024 --seq-len 64``:
@@ -99,7 +100,9 @@ def child(args) -> dict:
     mark(f"step{i + 1}")
   where = tempfile.mkdtemp(prefix="zerojax_max_model_")
   t = time.perf_counter()
-  with checkpoint.Checkpointer(where, async_save=False) as ckpt:
+  lean = dict(compression=False, replica_parallel=False)
+  with checkpoint.Checkpointer(where, async_save=False,
+                               **(lean if args.save == "lean" else {})) as ckpt:
     ckpt.save(state)
   save_s = time.perf_counter() - t
   mark("save")
@@ -167,7 +170,8 @@ def attempt(config: str, precision: str, depth: int, args) -> dict:
   cmd = [sys.executable, __file__, "--child", "--config", config,
          "--precision", precision, "--depth", str(depth),
          "--width", str(args.width), "--seq-len", str(args.seq_len),
-         "--batch", str(args.batch), "--steps", str(args.steps)]
+         "--batch", str(args.batch), "--steps", str(args.steps),
+         "--save", args.save]
   env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
   t0 = time.perf_counter()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -308,6 +312,10 @@ def main(argv=None):
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--steps", type=int, default=2)
+  p.add_argument("--save", choices=("lean", "orbax"), default="lean",
+                 help="checkpoint writes: lean (Checkpointer(compression="
+                      "False, replica_parallel=False): no host copies) or "
+                      "orbax (its defaults: zstd, replica-parallel)")
   p.add_argument("--max-attempts", type=int, default=6,
                  help="attempts per configuration")
   p.add_argument("--start", type=int, default=None,

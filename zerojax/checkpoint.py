@@ -116,6 +116,20 @@ def _state_tree(state: ZeroState) -> dict:
   return tree
 
 
+def _state_handler(compression: bool, replica_parallel: bool):
+  """Orbax's PyTree handler for the state item, with the two write
+  options that cost host memory while saving (:class:`Checkpointer`)."""
+  kw = {}
+  if not replica_parallel:
+    h = ocp.type_handlers
+    kw["type_handler_registry"] = h.create_type_handler_registry(
+        (int, h.ScalarHandler()), (float, h.ScalarHandler()),
+        (np.number, h.ScalarHandler()), (np.ndarray, h.NumpyHandler()),
+        (jax.Array, h.ArrayHandler(use_replica_parallel=False)),
+        (str, h.StringHandler()))
+  return ocp.PyTreeCheckpointHandler(use_compression=compression, **kw)
+
+
 def _is_typed_key(key) -> bool:
   return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
 
@@ -142,6 +156,18 @@ class Checkpointer:
     keep: keep the last ``keep`` checkpoints (None: all).
     async_save: write in a background thread while training continues; call
       :meth:`wait` (or :meth:`close`) before reading what was written.
+    compression: zstd-compress the arrays (Orbax's default). Costs host
+      memory while saving: measured 0.31x the state's bytes above the
+      step's (stage 3, 8 CPU devices, 302M params: +1.12 GB for a 3.63 GB
+      fp32 state, +1.28 GB for 4.24 GB with bf16 params; without it +0.01).
+    replica_parallel: split the write of a replicated array (the params
+      at stages 0-2) across its replicas (Orbax's default; spreads the
+      writing over hosts). Each replica then saves a host copy of its
+      slice: measured +1.3 GB for 1.2 GB of replicated params in one
+      process; with ``False`` the first replica writes the array from
+      device memory (+0.01 GB with ``compression=False``).
+    Both only change how a checkpoint is written: any setting restores
+    any checkpoint.
 
   Example:
     >>> ckpt = zerojax.checkpoint.Checkpointer("ckpt", save_every=100, keep=3)
@@ -150,7 +176,8 @@ class Checkpointer:
   """
 
   def __init__(self, directory, *, save_every: int = 1, keep: int | None = 3,
-               async_save: bool = True):
+               async_save: bool = True, compression: bool = True,
+               replica_parallel: bool = True):
     if save_every < 1:
       raise ValueError(f"Checkpointer: save_every={save_every} must be >= 1.")
     self.directory = pathlib.Path(directory).absolute()
@@ -158,7 +185,9 @@ class Checkpointer:
         self.directory,
         options=ocp.CheckpointManagerOptions(
             save_interval_steps=save_every, max_to_keep=keep,
-            enable_async_checkpointing=async_save, create=True))
+            enable_async_checkpointing=async_save, create=True),
+        item_handlers={"state": _state_handler(compression, replica_parallel),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   # -- saving -------------------------------------------------------------
   def save(self, state: ZeroState, *, extra: dict | None = None,
@@ -174,7 +203,7 @@ class Checkpointer:
                           for x in jax.tree.leaves(state.opt_state)],
                 model_state=state.model_state is not None)
     return self._manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state_tree(state)),
+        step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state_tree(state)),
                                       meta=ocp.args.JsonSave(meta)),
         force=force)
 
@@ -270,7 +299,9 @@ class Checkpointer:
           model_state_template)
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract)))
+          state=ocp.args.PyTreeRestore(
+              abstract,
+              restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))
     except Exception as e:  # noqa: BLE001 -- re-raised with the path and fix
       raise CheckpointError(
           f"zerojax checkpoint {self.directory}/{step} could not be read "
