@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
-from zerojax import _buckets, _gather, _offload
+from zerojax import _offload, _state
 from zerojax._spec import StateSpec, ZeroState
 
 
@@ -192,53 +191,9 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
 
 
 def new_params(spec: StateSpec, params, new_w):
-  """Updated weights -> params as stored (stages 1-2: all-gathered back)."""
-  tx = spec.tx
-  axis, stage = tx.axis_name, tx.stage
-  out = list(params)
-  gather_idx, layouts = [], []
-  for i, (w, r) in enumerate(zip(new_w, spec.leaves)):
-    if w is None:
-      continue
-    w = w.astype(r.compute_dtype)
-    if stage == 3:
-      out[i] = r.place.constrain(r.param.to_storage(w), r.param)
-    elif stage >= 1 and r.shard.sharded:
-      out[i] = r.place.constrain(r.shard.to_storage(w), r.shard)
-      gather_idx.append(i)
-      layouts.append(r.shard)
-    else:
-      out[i] = r.place.constrain(w, r.param)
-  if gather_idx:
-    # Stages 1-2: all-gather the updated shards, in compute dtype, in an
-    # explicit shard_map (left to GSPMD the layout change may take another
-    # route).
-
-    # Over a leaf's layers in bounded buckets (``_buckets``, ZeRO-R's CB):
-    # the output is written bucket by bucket, never a second full copy.
-    n = tx.num_shards
-
-    def all_gather(shards, old):
-      out = []
-      for s, o, l, i in zip(shards, old, layouts, gather_idx):
-        def one(x, l=l):
-          return l.to_logical(_gather.over_model_shards(
-              lambda x, d=l.dim: _gather.on_major_dim(
-                  lambda y, d: jax.lax.all_gather(y, axis, axis=d, tiled=True,
-                                                  to="invarying"), x, d),
-              x, l.model, l.dim))
-        out.append(_buckets.bucketed(
-            one, s, n * _buckets.itemsize(spec.leaves[i].compute_dtype),
-            tx.bucket_bytes, _buckets.splittable(l), into=o))
-      return out
-    full = jax.shard_map(
-        all_gather, mesh=tx.mesh,
-        in_specs=([l.manual_spec(axis) for l in layouts], [P()] * len(layouts)),
-        out_specs=[P()] * len(layouts), axis_names={axis})(
-            [out[i] for i in gather_idx], [params[i] for i in gather_idx])
-    for i, f in zip(gather_idx, full):
-      out[i] = f
-  return spec.unflatten_params(out)
+  """Updated weights -> params as stored (stages 1-2: all-gathered back,
+  into the old params' buffers)."""
+  return spec.unflatten_params(_state.stored_params(spec, new_w, params))
 
 
 def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
