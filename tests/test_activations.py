@@ -148,19 +148,26 @@ def test_offload_policy_moves_layer_inputs_to_host_memory_one_layer_at_a_time(
   jax.tree.map(np.testing.assert_array_equal, got["full"], got["offload"])
 
 
+DEPTHS = (2, 4, 6, 8)
+
+
 def _compiled_saved_per_layer(mesh_spec, remat, seq_shard, compute_dtype):
   """Saved activations per layer per device from the compiled step: the
-  growth of XLA's temp bytes per added layer (depths 2 and 4) less the
-  layer's gradient shard, which the backward scan stacks too."""
-  temps = {}
-  for depth in (2, 4):
+  growth of XLA's temp bytes per added layer less the layer's gradient
+  shard, which the backward scan stacks too. The growth is the
+  least-squares slope over depths 2-8: with "dots" XLA's temp is not
+  linear in depth (JAX 0.12, Pa: +156,736, +197,216, +172,640 bytes per
+  2 layers), so a slope from two depths moves with any change in how one
+  of them is packed."""
+  temps = []
+  for depth in DEPTHS:
     _, state, step = _step_for(mesh_spec, depth, remat, seq_shard,
                                compute_dtype)
-    temps[depth] = step.lower(state, _batch()).compile().memory_analysis(
-        ).temp_size_in_bytes
+    temps.append(step.lower(state, _batch()).compile().memory_analysis(
+        ).temp_size_in_bytes)
     grads = sum(x.addressable_shards[0].data.size * 4
                 for x in jax.tree.leaves(state.params["blocks"])) / depth
-  return (temps[4] - temps[2]) / 2 - grads
+  return float(np.polyfit(DEPTHS, temps, 1)[0]) - grads
 
 
 @pytest.mark.parametrize("mesh_spec,remat,seq_shard", [
@@ -172,8 +179,8 @@ def test_planner_saved_activations_match_the_compiled_step(
     mesh_spec, remat, seq_shard):
   """``zerojax.plan.saved_activations`` per layer within 10% of what the
   compiled step stacks per layer, by policy, model-axis size and Pa
-  (measured: exact, except Pa with dots: +2.7% on JAX 0.10.2, +5.9% on
-  0.12, XLA keeping part of a D-wide value fewer). fp32 compute: JAX
+  (measured, least-squares slope over depths 2-8: exact, except Pa with
+  dots: -0.2% on JAX 0.10.2, -3.3% on 0.12). fp32 compute: JAX
   0.10.2's CPU backend stores bf16 activations as f32 (0.12's keeps bf16),
   so the bf16 figures are checked on the traced program (the report test)."""
   compute_dtype = None
