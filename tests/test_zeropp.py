@@ -423,6 +423,10 @@ def test_zeropp_on_pod_meshes_stays_close_and_quantizes_over_data_only(
     inner = [c for c in colls if c.kind == "all-gather" and c.count > 1
              and zerojax.collective_axes(c, mesh) == ("data",)]
     assert inner and all(len(g) == k for c in inner for g in c.groups)
+    # the report prices a rank-1 leaf sharded on its only dimension whole
+    # (it raised ZeroDivisionError here, dividing it into "layers")
+    ratios = zerojax.report(step, state, toy.batches(1)[0]).ratios()
+    assert all(np.isfinite(v) and v > 0 for v in ratios.values()), ratios
 
 
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])

@@ -134,7 +134,7 @@ def _theory_zeropp(spec, k: int) -> dict:
       plain("all-reduce", r.size // r.shard.model_shards(tx.model_axes),
             r.reduce_dtype)
       continue
-    per_layer = stage >= 2 and r.stacked
+    per_layer = stage >= 2 and r.stacked and r.shard.dim != 0
     layers = r.shard.storage_shape[0] if per_layer else 1
     m = _local_elements(spec, r) // layers       # one call's local shard
     calls = k * layers if stage >= 2 else 1
