@@ -77,8 +77,8 @@ def build_plan(spec: StateSpec, grouped: bool = True):
 def stored_params(spec: StateSpec, weights, old=None) -> list:
   """Weights (logical shapes, any float dtype) -> the params as stored.
 
-  ``weights``: one entry per param leaf, ``None`` to skip (the result has
-  ``None`` there too). At stage 3 each leaf takes its shard layout; at
+  ``weights``: one entry per param leaf, ``None`` to skip (the result
+  keeps ``old``'s entry there, or ``None``). At stage 3 each leaf takes its shard layout; at
   stages 1-2 a sharded leaf's shard is all-gathered back to the replicated
   params in an explicit ``shard_map`` (left to GSPMD the layout change may
   take another route), over its layers in bounded buckets (``_buckets``,
