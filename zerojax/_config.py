@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh
 
 from zerojax import _buckets, _layout, _zeropp
-from zerojax._mesh import DEFAULT_AXIS, data_axis_size
+from zerojax._mesh import DEFAULT_AXIS, compute_mesh, data_axis_size
 from zerojax._policy import Policy
 from zerojax._zeropp import ZeroPP
 
@@ -60,6 +60,12 @@ class ZeroConfig:
   def num_shards(self) -> int:
     """Devices along the data axis: the N of the ZeRO formulas."""
     return data_axis_size(self.mesh, self.axis_name)
+
+  @property
+  def compute_mesh(self) -> Mesh:
+    """The mesh with every axis ``Auto``: what zerojax's constraints and
+    ``shard_map`` regions name inside :func:`zerojax._mesh.auto_region`."""
+    return compute_mesh(self.mesh)
 
   @property
   def num_replicas(self) -> int:

@@ -94,7 +94,8 @@ def init(config, params):
     state = spec.tx.inner.init(view)
     return [o.layout.to_storage(x) for x, o in zip(jax.tree.leaves(state),
                                                     spec.opt_leaves)]
-  stored = jax.jit(build, out_shardings=shardings)(leaves)
+  stored = jax.jit(spec.region(build, shardings),
+                   out_shardings=shardings)(leaves)
   return jax.tree.unflatten(spec.opt_def, stored)
 
 
@@ -103,7 +104,7 @@ def _hold(spec: StateSpec, p_leaves):
   over the data axis, sharded over model axes as the model says. (Left
   free under an outer ``jit``, XLA may pick an input layout for them that
   JAX cannot express, e.g. a (2,) leaf tiled 2 x 4 over 8 devices.)"""
-  return [jax.lax.with_sharding_constraint(p, spec.sharding(gathered(r.param)))
+  return [r.place.constrain(p, gathered(r.param))
           for p, r in zip(p_leaves, spec.leaves)]
 
 
@@ -165,6 +166,32 @@ def _update_body(config, static, grads, state, params, arrays):
     raise ValueError(f"{where}: the gradients have {len(g_leaves)} leaves, "
                      f"the params {len(p_leaves)}; pass gradients with the "
                      f"params' structure.")
+  # (frozen leaves' gradients -- float0 -- never enter the region)
+  g_leaves = [g if r.trainable else None for g, r in zip(g_leaves, spec.leaves)]
+  outs = ([_typed_like(p, r) for p, r in zip(p_leaves, spec.leaves)],
+          [spec.sharding(o.layout, host=True) for o in spec.opt_leaves])
+  updates, new_opt = spec.region(
+      functools.partial(_update_region, spec, static), outs)(
+          g_leaves, jax.tree.leaves(state), p_leaves, arrays)
+  return (jax.tree.unflatten(g_def, updates),
+          jax.tree.unflatten(jax.tree.structure(state), new_opt))
+
+
+def _typed_like(p, r):
+  """The update of param ``p``: typed as ``p`` is when ``p`` carries a type
+  on the transformation's mesh (an Explicit mesh), else the param's layout."""
+  mesh = r.place.mesh
+  s = getattr(jax.typeof(p), "sharding", None)
+  if (isinstance(s, NamedSharding) and not s.mesh.empty
+      and s.mesh == mesh.abstract_mesh):
+    return NamedSharding(mesh, s.spec)
+  return r.place.sharding(gathered(r.param))
+
+
+def _update_region(spec, static, g_leaves, state, p_leaves, arrays):
+  """The update on the caller's params (logical, replicated) and the
+  state's leaves, inside the region: per-param updates and new leaves."""
+  where = "ZeroTransformation.update"
   # The params are the caller's, replicated over the data axis: pin them
   # so, then view them sharded. Gradients in the params' shape are pinned
   # the same way where their storage differs (padding); in any other shape
@@ -188,8 +215,7 @@ def _update_body(config, static, grads, state, params, arrays):
   out = [jnp.zeros_like(p) if u is None else
          spec.leaves[i].place.constrain(u, gathered(spec.leaves[i].param))
          for i, (u, p) in enumerate(zip(updates, p_leaves))]
-  return (jax.tree.unflatten(g_def, out),
-          jax.tree.unflatten(jax.tree.structure(state), new_opt))
+  return out, new_opt
 
 
 @dataclasses.dataclass(frozen=True)

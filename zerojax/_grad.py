@@ -452,7 +452,7 @@ def sharded_grads(prog: LossProgram, params, batch, key, model_state):
   # Manual over the batch axes only: model (tensor-parallel) axes stay
   # automatic, so XLA partitions the loss over them as the params say.
   return jax.shard_map(
-      functools.partial(local_grads, prog), mesh=tx.mesh,
+      functools.partial(local_grads, prog), mesh=tx.compute_mesh,
       in_specs=(param_specs, batch_specs, rep(key), rep(model_state)),
       out_specs=(grad_specs, P(), P(), P()), axis_names=set(tx.batch_axes))(
           jax.tree.leaves(params), batch, key, model_state)
@@ -506,7 +506,7 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
     else:
       spec, model, ms = make_spec(params, tx, models), params, None
       model = spec.unflatten_params([
-          jax.lax.with_sharding_constraint(x, spec.sharding(r.param))
+          r.place.constrain(x, r.param)
           for x, r in zip(jax.tree.leaves(model), spec.leaves)])
     call = LossCall(has_key=key is not None, has_model_state=False,
                     has_aux=has_aux)

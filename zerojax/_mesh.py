@@ -10,22 +10,29 @@ by default). A mesh may have two more kinds of axis:
 * **model** axes (tensor parallelism): the model's own shardings, left to
   XLA (see ``_model_axes.py``).
 
-Meshes are built with ``AxisType.Auto``: the optimizer update runs on global
-arrays under ``jax.jit`` and relies on GSPMD propagation to insert the small
+Meshes come as users build them: ``jax.make_mesh`` gives ``Explicit`` axes
+(sharding in types) by default, and so does :func:`make_mesh`; ``Auto`` axes
+and mixes (an ``Explicit`` data axis beside an ``Auto`` model axis) work the
+same. zerojax's own work runs on an all-``Auto`` view of the mesh
+(:func:`compute_mesh`) inside :func:`auto_region`: the optimizer update runs
+on global arrays and relies on GSPMD propagation to insert the small
 reductions that non-elementwise optimizers need (global norm, trust ratios,
-factored moments), while the parameter-sized collectives are written by hand
-inside ``jax.shard_map``. ``Explicit`` axes would turn each of those inner
-reductions into a sharding-type error for the user to resolve.
+factored moments), and the parameter-sized collectives are written by hand
+inside ``jax.shard_map``. What leaves a region is typed on the caller's
+mesh (``jax.typeof(x).sharding`` names the data axis of a sharded leaf), so
+it composes with the caller's own Explicit-sharding code. See
+``docs/design.md`` ("Explicit axes").
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DEFAULT_AXIS = "data"
 REPLICA_AXIS = "replica"
@@ -86,7 +93,8 @@ def _granules(devices) -> tuple[int, bool]:
 
 
 def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+              devices: Sequence[jax.Device] | None = None,
+              axis_types=None) -> Mesh:
   """A mesh over every device of every process, laid out as pods want it.
 
   Args:
@@ -100,9 +108,11 @@ def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
     axis_name: name of the data-parallel axis of the 1-D mesh.
     devices: devices to use, in order; defaults to ``jax.devices()`` (global,
       so a multi-process run gets one mesh spanning all hosts).
+    axis_types: one ``jax.sharding.AxisType`` for every axis, or a tuple
+      with one per axis; default ``Explicit``, as ``jax.make_mesh`` gives.
 
   Returns:
-    A ``jax.sharding.Mesh`` with ``Auto`` axis types.
+    A ``jax.sharding.Mesh``.
 
   Example:
     >>> zerojax.make_mesh().axis_names
@@ -115,7 +125,7 @@ def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
     raise ValueError("make_mesh: got an empty device list.")
   sizes = parse_axes({axis_name: -1} if axes is None else axes, len(devices))
   names, shape = tuple(sizes), tuple(sizes.values())
-  types = (AxisType.Auto,) * len(names)
+  types = _axis_types(axis_types, names)
   n_gran, by_slice = _granules(devices)
   if n_gran > 1 and REPLICA_AXIS in sizes and sizes[REPLICA_AXIS] > 1:
     r = sizes[REPLICA_AXIS]
@@ -146,3 +156,85 @@ def data_axis_size(mesh: Mesh, axis_name: str) -> int:
         f"axis_name= naming the data-parallel axis of your mesh."
     )
   return int(mesh.shape[axis_name])
+
+
+def _axis_types(axis_types, names) -> tuple:
+  if axis_types is None:
+    axis_types = AxisType.Explicit
+  if isinstance(axis_types, AxisType):
+    return (axis_types,) * len(names)
+  types = tuple(axis_types)
+  if len(types) != len(names) or not all(isinstance(t, AxisType)
+                                         for t in types):
+    raise ValueError(
+        f"zerojax.make_mesh: axis_types={axis_types!r} for axes {names}; "
+        f"give one jax.sharding.AxisType, or a tuple of {len(names)}.")
+  return types
+
+
+# --------------------------------------------------------------------------
+# Explicit axes: zerojax computes on an Auto view, hands back typed arrays
+# --------------------------------------------------------------------------
+def explicit_names(mesh) -> tuple[str, ...]:
+  """The mesh's ``Explicit`` axes (sharding in types), in mesh order."""
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+               if t == AxisType.Explicit)
+
+
+@functools.lru_cache(maxsize=32)
+def compute_mesh(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis ``Auto``: the mesh zerojax's constraints and
+  ``shard_map`` regions name (``mesh`` itself when it is all ``Auto``)."""
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  bad = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
+         if t not in (AxisType.Auto, AxisType.Explicit)]
+  if bad:
+    raise ValueError(
+        f"zerojax: mesh axes {bad} are {AxisType.Manual}; zerojax runs its "
+        f"own shard_map over the data axis. Call zerojax outside your "
+        f"shard_map, on a mesh of Auto or Explicit axes.")
+  return Mesh(mesh.devices, mesh.axis_names,
+              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def typed(sharding: NamedSharding) -> NamedSharding:
+  """What ``sharding`` is as a type on its mesh: only its ``Explicit`` axes
+  (``Auto`` axes are placement, not type), in device memory."""
+  explicit = set(explicit_names(sharding.mesh))
+
+  def keep(entry):
+    if entry is None:
+      return None
+    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry)
+                 if a in explicit)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return NamedSharding(sharding.mesh, P(*(keep(e) for e in sharding.spec)))
+
+
+def auto_region(mesh: Mesh, fn: Callable, out_shardings) -> Callable:
+  """``fn`` (called under ``jit``) with every axis of ``mesh`` ``Auto``.
+
+  On a mesh with ``Explicit`` axes, ``fn`` runs inside
+  ``jax.sharding.auto_axes``: its array arguments lose their sharding
+  types, GSPMD places what ``fn`` computes (zerojax's constraints and
+  ``shard_map`` name :func:`compute_mesh`), and each output is resharded to
+  its entry of ``out_shardings`` (a pytree prefix of ``NamedSharding`` on
+  ``mesh``), as a type: ``jax.typeof(out).sharding`` says how it is split.
+  On an all-``Auto`` mesh ``fn`` is returned as it is.
+  """
+  explicit = explicit_names(mesh)
+  if not explicit:
+    return fn
+  current = jax.sharding.get_abstract_mesh()
+  if not current.empty and current == compute_mesh(mesh).abstract_mesh:
+    return fn                      # already inside a region on this mesh
+  if not current.empty and current != mesh.abstract_mesh:
+    raise ValueError(
+        f"zerojax: the mesh set with jax.set_mesh ({current}) is not the "
+        f"mesh this ZeroTransformation shards over ({mesh}). Build the "
+        f"transformation under the same jax.set_mesh, or pass mesh= the "
+        f"mesh you set.")
+  outs = jax.tree.map(lambda s: typed(s) if isinstance(s, NamedSharding)
+                      else s, out_shardings)
+  return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=outs)

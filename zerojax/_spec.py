@@ -33,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import _layout, _model_axes
 from zerojax._config import HOST_MEMORY, ZeroConfig
+from zerojax._mesh import auto_region, compute_mesh
 
 if TYPE_CHECKING:
   from zerojax._dropin import ZeroTransformation
@@ -87,23 +88,33 @@ class Placement:
   offload: bool = False
 
   def sharding(self, layout, host: bool = False) -> NamedSharding:
-    """``layout``'s sharding; ``host=True`` for the master copy and the
-    optimizer state, which live in host memory when offloaded."""
-    s = _layout.sharding(self.mesh, layout, self.axis_name)
+    """``layout``'s sharding on the caller's mesh (what the state's arrays
+    carry); ``host=True`` for the master copy and the optimizer state,
+    which live in host memory when offloaded."""
+    return self._sharding(self.mesh, layout, host)
+
+  def compute_sharding(self, layout, host: bool = False) -> NamedSharding:
+    """The same on the all-``Auto`` compute mesh: what traced code inside
+    zerojax's regions constrains to (:func:`zerojax._mesh.auto_region`)."""
+    return self._sharding(compute_mesh(self.mesh), layout, host)
+
+  def _sharding(self, mesh, layout, host):
+    s = _layout.sharding(mesh, layout, self.axis_name)
     return s.with_memory_kind(HOST_MEMORY) if host and self.offload else s
 
   def constrain(self, x, layout):
     """``x`` (logical or storage shape) constrained to ``layout``'s sharding."""
-    return jax.lax.with_sharding_constraint(x, self.sharding(layout))
+    return jax.lax.with_sharding_constraint(x, self.compute_sharding(layout))
 
   def fetch(self, x, layout):
     """A master / optimizer leaf -> device memory (under ``jit``; a no-op
     without offload). XLA computes only on device-memory operands."""
-    return jax.device_put(x, self.sharding(layout)) if self.offload else x
+    return (jax.device_put(x, self.compute_sharding(layout)) if self.offload
+            else x)
 
   def stash(self, x, layout):
     """A master / optimizer leaf -> where the state keeps it."""
-    return (jax.device_put(x, self.sharding(layout, host=True))
+    return (jax.device_put(x, self.compute_sharding(layout, host=True))
             if self.offload else x)
 
 
@@ -263,6 +274,14 @@ class StateSpec:
   def sharding(self, layout, host: bool = False) -> NamedSharding:
     return self.place.sharding(layout, host)
 
+  def region(self, fn, out_shardings):
+    """``fn`` run with the mesh's axes ``Auto``, outputs typed as
+    ``out_shardings`` (:func:`zerojax._mesh.auto_region`)."""
+    return auto_region(self.tx.mesh, fn, out_shardings)
+
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.tx.mesh, P())
+
   # --- trees ------------------------------------------------------------
   def records(self):
     """The :class:`LeafSpec` records in the params' tree structure."""
@@ -300,6 +319,13 @@ class StateSpec:
   def shardings(self) -> ZeroState:
     """A :class:`ZeroState` of ``NamedSharding``, for ``out_shardings``."""
     return self._build(lambda layout, dtype, host: self.sharding(layout, host))
+
+  def shardings_like(self, state: ZeroState) -> ZeroState:
+    """:meth:`shardings` for ``state``, its key and model state replicated."""
+    rep = NamedSharding(self.tx.mesh, P())
+    return self.shardings().replace(
+        key=None if state.key is None else rep,
+        model_state=jax.tree.map(lambda _: rep, state.model_state))
 
   def abstract(self) -> ZeroState:
     """The state as ``jax.ShapeDtypeStruct`` with shardings; allocates nothing."""

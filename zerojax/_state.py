@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import _buckets, _deps, _gather, _layout, _offload
+from zerojax._mesh import auto_region
 from zerojax._spec import (StateSpec, ZeroState, fresh_copy, gathered,
                            leaf_dtype, make_spec)
 
@@ -124,7 +125,7 @@ def stored_params(spec: StateSpec, weights, old=None) -> list:
           tx.bucket_bytes, _buckets.splittable(l), into=o))
     return full
   full = jax.shard_map(
-      all_gather, mesh=tx.mesh,
+      all_gather, mesh=tx.compute_mesh,
       in_specs=([l.manual_spec(axis) for l in layouts], [P()] * len(layouts)),
       out_specs=[P()] * len(layouts), axis_names={axis})(
           [out[i] for i in gather_idx], [old[i] for i in gather_idx])
@@ -334,8 +335,10 @@ def init(params, tx: ZeroTransformation, *, key=None,
 
 @functools.lru_cache(maxsize=256)
 def _build_jit(spec, group, owned):
-  return jax.jit(lambda stored: _build_group(stored, spec, group, owned),
-                 out_shardings=_group_shardings(spec, group, owned))
+  outs = _group_shardings(spec, group, owned)
+  return jax.jit(spec.region(
+      lambda stored: _build_group(stored, spec, group, owned), outs),
+                 out_shardings=outs)
 
 
 def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
@@ -373,8 +376,9 @@ def init_from(init_fn, tx: ZeroTransformation, *args, key=None,
       leaves = jax.tree.leaves(init_fn(*a))
       return _build_group([spec.leaves[i].shard.to_storage(leaves[i])
                            for i in group], spec, group, owned)
+    outs = _group_shardings(spec, group, owned)
     parts.append(((group, owned), jax.jit(
-        build, out_shardings=_group_shardings(spec, group, owned))(*args)))
+        spec.region(build, outs), out_shardings=outs)(*args)))
   return _with_extras(_assemble(spec, parts), key, model_state,
                       "zerojax.init_from")
 
@@ -418,10 +422,13 @@ def gather_params(state: ZeroState, *, master: bool = False):
 def _gather_replicated(state: ZeroState, use_master: bool):
   """Compiled once per state layout (the spec is part of the treedef)."""
   spec = state.spec
-  return spec.unflatten_params([
-      jax.lax.with_sharding_constraint(x, spec.sharding(gathered(r.param)))
-      for x, r in zip(jax.tree.leaves(_full_weights(state, use_master)),
-                      spec.leaves)])
+
+  def body(state):
+    return [r.place.constrain(x, gathered(r.param))
+            for x, r in zip(jax.tree.leaves(_full_weights(state, use_master)),
+                            spec.leaves)]
+  outs = [spec.sharding(gathered(r.param)) for r in spec.leaves]
+  return spec.unflatten_params(spec.region(body, outs)(state))
 
 
 def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
@@ -435,8 +442,12 @@ def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
 
 @functools.partial(jax.jit, static_argnums=2)
 def _gather_leaf_jit(param, master, record):
-  return record.place.constrain(record.weights(param, master),
-                                gathered(record.param))
+  def body(param, master):
+    return record.place.constrain(record.weights(param, master),
+                                  gathered(record.param))
+  return auto_region(record.place.mesh, body,
+                     record.place.sharding(gathered(record.param)))(
+                         param, master)
 
 
 def gather_opt_state(state: ZeroState):
@@ -451,7 +462,11 @@ def gather_opt_state(state: ZeroState):
 @jax.jit
 def _gather_opt_jit(state: ZeroState):
   spec = state.spec
-  return jax.tree.unflatten(spec.opt_def, [
-      o.place.constrain(o.layout.to_logical(o.place.fetch(x, o.layout)),
-                        gathered(o.layout))
-      for x, o in zip(jax.tree.leaves(state.opt_state), spec.opt_leaves)])
+
+  def body(leaves):
+    return [o.place.constrain(o.layout.to_logical(o.place.fetch(x, o.layout)),
+                              gathered(o.layout))
+            for x, o in zip(leaves, spec.opt_leaves)]
+  outs = [spec.sharding(gathered(o.layout)) for o in spec.opt_leaves]
+  return jax.tree.unflatten(spec.opt_def, spec.region(body, outs)(
+      jax.tree.leaves(state.opt_state)))

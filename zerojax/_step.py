@@ -227,8 +227,13 @@ def train_step(
   _grad.check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
 
   def fn(state, batch, arrays, static):
-    return _step(state, batch, _update.join_extra_args(arrays, static),
-                 loss_fn=loss_fn, accum_steps=accum_steps, gather_mode=gather)
+    def body(state, batch, arrays):
+      return _step(state, batch, _update.join_extra_args(arrays, static),
+                   loss_fn=loss_fn, accum_steps=accum_steps,
+                   gather_mode=gather)
+    spec = state.spec
+    return spec.region(body, (spec.shardings_like(state), spec.replicated()))(
+        state, batch, arrays)
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else (),
                    static_argnums=3)
   return TrainStep(loss_fn=loss_fn, tx=tx, gather=gather,
@@ -299,6 +304,9 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
   _grad.check_options(loss_fn, gather, 1, "zerojax.eval_step")
 
   def run(state, batch):
+    return state.spec.region(_run, state.spec.replicated())(state, batch)
+
+  def _run(state, batch):
     spec = state.spec
     axis = tx.axis_name
     call = LossCall(has_key=state.key is not None,
@@ -309,7 +317,7 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
     key, ms = step_key(state), state.model_state
     prog = _grad.LossProgram(spec, loss_fn, call, gather=gather)
     return jax.shard_map(
-        functools.partial(_eval_local, prog), mesh=tx.mesh, in_specs=(param_specs, batch_specs, rep(key), rep(ms)),
+        functools.partial(_eval_local, prog), mesh=tx.compute_mesh, in_specs=(param_specs, batch_specs, rep(key), rep(ms)),
         out_specs=P(), axis_names=set(tx.batch_axes))(
             jax.tree.leaves(state.params), batch, key, ms)
   return EvalStep(loss_fn=loss_fn, tx=tx, gather=gather, accum_steps=1,

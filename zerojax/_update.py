@@ -237,10 +237,13 @@ def _check_shape(spec, g, r):
 
 @functools.partial(jax.jit, static_argnums=3)
 def _apply_jit(state, grads, arrays, static):
-  extra_args = join_extra_args(arrays, static)
   spec = state.spec
   flat = [g if r.trainable else None
           for g, r in zip(jax.tree.leaves(grads), spec.leaves)]
-  new, _ = update_state(state, flat, extra_args, "zerojax.apply_gradients")
-  return new
+
+  def body(state, flat, arrays):
+    new, _ = update_state(state, flat, join_extra_args(arrays, static),
+                          "zerojax.apply_gradients")
+    return new
+  return spec.region(body, spec.shardings_like(state))(state, flat, arrays)
 
