@@ -10,7 +10,8 @@ Plain ``jax.jit`` with ``NamedSharding`` on params and optimizer state, no
 
 Each leaf is sharded along its largest dimension that divides the device
 count, as hand-written FSDP rules do; leaves with no such dimension are
-replicated.
+replicated. The peers are GSPMD code, written for ``Auto`` axes: they run
+on an ``Auto`` mesh over the given mesh's devices.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _fsdp_spec(x, n, axis="data"):
 
 def make_peer(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
   """Returns ``(step, params, opt_state)`` laid out for the ``kind`` peer."""
+  mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(
+      jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
   n = mesh.shape["data"]
   sharded = jax.tree.map(lambda x: NamedSharding(mesh, _fsdp_spec(x, n)), params)
   rep = jax.tree.map(lambda x: NamedSharding(mesh, P()), params)

@@ -134,8 +134,13 @@ def test_offload_policy_moves_layer_inputs_to_host_memory_one_layer_at_a_time(
   per_layer = f"tensor<{B // 4}x{T}x{D}xf32>"
   for depth in (2, 4):
     _, state, step = _step_for("data=4,model=2", depth, "offload", seq_shard)
-    assert sorted(_placements(step, state, b)) == [
-        ("device", per_layer), ("pinned_host", per_layer)]
+    placed = _placements(step, state, b)
+    # On an Explicit mesh the step's outputs also carry a "device"
+    # annotation each (typed on the way out of zerojax's Auto region): none
+    # moves anything to host, and none is of an activation's shape.
+    assert [p for p in placed if p[0] != "device"] == [
+        ("pinned_host", per_layer)]
+    assert placed.count(("device", per_layer)) == 1
   _, state, step = _step_for("data=4,model=2", 2, "full", seq_shard)
   assert _placements(step, state, b) == []
   got = {}

@@ -441,17 +441,24 @@ def test_a_model_axis_no_param_uses_warns(setup):
     zerojax.init(params, tx)
 
 
-def test_dropin_on_a_tensor_parallel_mesh(setup):
+@pytest.mark.parametrize("types", ["auto", "explicit data, auto model"])
+def test_dropin_on_a_tensor_parallel_mesh(setup, types):
   """The Optax drop-in on (data, model): needs model_specs (it cannot read
-  shardings inside jit), then equals plain Optax."""
+  shardings inside jit), then equals plain Optax. The loop's own loss
+  (plain matmuls) leaves the model axis to GSPMD, so it is Auto; the data
+  axis may be Explicit."""
   params, data = setup
-  mesh = zerojax.make_mesh("data=4,model=2")
+  A, E = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+  mesh = zerojax.make_mesh("data=4,model=2",
+                           axis_types=(A, A) if types == "auto" else (E, A))
   with pytest.raises(ValueError, match="model_specs"):
     zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh).init(params)
   tx = zerojax.zero(optax.adamw(1e-2), stage=1, mesh=mesh, model_specs=SPECS)
   opt_state = tx.init(params)
   mu = opt_state[0].mu["layers"]["w"]
   assert mu.sharding.spec == P(None, "data", "model")
+  if types != "auto":                    # the type names the Explicit axis
+    assert jax.typeof(mu).sharding.spec == P(None, "data", None)
 
   @jax.jit
   def step(p, s, b):

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax._mesh import named
 from zerojax._spec import fresh_copy
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
     raise ValueError("zerojax train step: the batch has no arrays.")
-  sharding = batch_sharding(tx)
   rows = None
   for path, x in leaves:
     shape = np.shape(x)
@@ -51,7 +51,9 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
           f"{n * accum_steps}). Use a batch of {fix}, or change accum_steps.")
 
   def put(x):
-    if isinstance(x, jax.Array) and x.sharding == sharding:
+    sharding = batch_sharding(tx, np.ndim(x))
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
+                                                                x.ndim):
       return x
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       # resharded under jit, across processes too (jax.reshard
@@ -66,10 +68,12 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
   return jax.tree.map(put, batch)
 
 
-def batch_sharding(tx: ZeroTransformation) -> NamedSharding:
+def batch_sharding(tx: ZeroTransformation, ndim: int = 1) -> NamedSharding:
   """Rows split over the batch axes (replica, then data); replicated over
-  model axes."""
-  return NamedSharding(tx.mesh, P(tx.batch_axes))
+  model axes. ``ndim``: the batch leaf's rank (on a mesh with Explicit
+  axes the spec names every dimension, as JAX's types do)."""
+  axes = tx.batch_axes
+  return named(tx.mesh, P(axes[0] if len(axes) == 1 else axes), ndim)
 
 
 def shard_batch(local_batch, tx: ZeroTransformation, global_rows: int):
@@ -79,8 +83,7 @@ def shard_batch(local_batch, tx: ZeroTransformation, global_rows: int):
   says which); the result is a global array sharded along the data axis,
   as a train step expects. Single-process runs may pass the whole batch.
   """
-  sharding = batch_sharding(tx)
   return jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(
-          sharding, np.asarray(x), (global_rows,) + np.shape(x)[1:]),
-      local_batch)
+          batch_sharding(tx, np.ndim(x)), np.asarray(x),
+          (global_rows,) + np.shape(x)[1:]), local_batch)

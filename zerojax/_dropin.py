@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import _offload, _update
 from zerojax._config import ZeroConfig
+from zerojax._mesh import named
 from zerojax._spec import StateSpec, gathered, make_spec
 from zerojax._state import warn_untrained
 
@@ -144,9 +145,9 @@ def update(config, grads, state, params, **extra_args):
   # them be replicated, as they are: left free, XLA may pick an input
   # layout JAX cannot express. Traced or committed values are left alone
   # (a gradient sharded by zerojax.value_and_grad stays sharded).
-  rep = NamedSharding(config.mesh, P())
   commit = lambda x: (x if isinstance(x, jax.core.Tracer) or (
-      isinstance(x, jax.Array) and x.committed) else jax.device_put(x, rep))
+      isinstance(x, jax.Array) and x.committed) else jax.device_put(
+          x, named(config.mesh, P(), np.ndim(x))))
   grads = jax.tree.map(commit, grads)
   arrays, static = _update.split_extra_args(extra_args)
   return _update_jitted(config, static)(grads, state, params, arrays)

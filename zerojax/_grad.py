@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import _audit, _buckets, _gather, _zeropp
 from zerojax._batch import place_batch
+from zerojax._mesh import explain_closures
 from zerojax._spec import (StateSpec, ZeroState, make_spec, model_axes_of,
                            tree_difference)
 
@@ -505,14 +506,23 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
         key = jax.random.fold_in(params.key, params.step)
     else:
       spec, model, ms = make_spec(params, tx, models), params, None
-      model = spec.unflatten_params([
-          r.place.constrain(x, r.param)
-          for x, r in zip(jax.tree.leaves(model), spec.leaves)])
     call = LossCall(has_key=key is not None, has_model_state=False,
                     has_aux=has_aux)
-    grads, loss, aux, _ = sharded_grads(
-        LossProgram(spec, loss_fn, call, accum_steps, gather), model, batch,
-        key, ms)
+
+    def body(model, batch, key, ms):
+      if not isinstance(params, ZeroState):
+        model = spec.unflatten_params([
+            r.place.constrain(x, r.param)
+            for x, r in zip(jax.tree.leaves(model), spec.leaves)])
+      grads, loss, aux, _ = sharded_grads(
+          LossProgram(spec, loss_fn, call, accum_steps, gather), model,
+          batch, key, ms)
+      return [g for g in grads if g is not None], loss, aux
+    outs = ([spec.sharding(r.shard) for r in spec.leaves if r.trainable],
+            spec.replicated(), spec.replicated())
+    grads, loss, aux = spec.region(body, outs)(model, batch, key, ms)
+    grads = iter(grads)
+    grads = [next(grads) if r.trainable else None for r in spec.leaves]
     grads = spec.unflatten_params([
         g if g is not None else np.zeros(r.aval.shape, jax.dtypes.float0)
         for g, r in zip(grads, spec.leaves)])
@@ -535,7 +545,9 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
     # A params tree's model shardings are read here, outside the jit.
     models = (None if isinstance(params, ZeroState)
               else model_axes_of(params, tx))
-    return run(params, place_batch(batch, tx, accum_steps), key, models)
+    batch = place_batch(batch, tx, accum_steps)
+    with explain_closures(tx.mesh, "zerojax.value_and_grad"):
+      return run(params, batch, key, models)
   return fn
 
 

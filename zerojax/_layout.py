@@ -53,6 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax._mesh import named
+
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
@@ -202,4 +204,4 @@ def replicated(shape, model: tuple = (), reason: str = "stage 0") -> LeafLayout:
 
 
 def sharding(mesh, layout: LeafLayout, axis_name: str) -> NamedSharding:
-  return NamedSharding(mesh, layout.spec(axis_name))
+  return named(mesh, layout.spec(axis_name), len(layout.storage_shape))

@@ -26,6 +26,7 @@ it composes with the caller's own Explicit-sharding code. See
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -198,6 +199,17 @@ def compute_mesh(mesh: Mesh) -> Mesh:
               axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
+def named(mesh, spec: P, ndim: int) -> NamedSharding:
+  """``NamedSharding(mesh, spec)``; on a mesh with ``Explicit`` axes the
+  spec has one entry per dimension, as JAX's types write it (so an array
+  zerojax places equals, sharding for sharding, the one a step returns,
+  and a caller's jitted loop is not compiled twice for ``P()`` vs
+  ``P(None, None)``)."""
+  if explicit_names(mesh) and len(spec) < ndim:
+    spec = P(*spec, *([None] * (ndim - len(spec))))
+  return NamedSharding(mesh, spec)
+
+
 def typed(sharding: NamedSharding) -> NamedSharding:
   """What ``sharding`` is as a type on its mesh: only its ``Explicit`` axes
   (``Auto`` axes are placement, not type), in device memory."""
@@ -210,6 +222,59 @@ def typed(sharding: NamedSharding) -> NamedSharding:
                  if a in explicit)
     return None if not axes else axes[0] if len(axes) == 1 else axes
   return NamedSharding(sharding.mesh, P(*(keep(e) for e in sharding.spec)))
+
+
+def in_caller_types(mesh: Mesh, fn: Callable) -> Callable:
+  """``fn``, a callable of the caller's (an optimizer's ``obj_fn``), called
+  from inside :func:`auto_region` back on the caller's axis types, its
+  array arguments replicated: so arrays it closes over, typed on the
+  caller's Explicit mesh, meet arguments of the same mesh (as unsharded
+  Optax would call it)."""
+  explicit = explicit_names(mesh)
+  if not explicit or not callable(fn):
+    return fn
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    current = jax.sharding.get_abstract_mesh()
+    if current.empty or current != compute_mesh(mesh).abstract_mesh:
+      return fn(*args, **kwargs)                 # not inside a region
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+    def body(*xs):
+      ls = list(leaves)
+      for i, x in zip(arrays, xs):
+        ls[i] = x
+      a, k = jax.tree.unflatten(tree, ls)
+      return fn(*a, **k)
+    return jax.sharding.explicit_axes(
+        body, axes=explicit, in_sharding=tuple(P() for _ in arrays))(
+            *[leaves[i] for i in arrays])
+  return call
+
+
+@contextlib.contextmanager
+def explain_closures(mesh: Mesh, where: str):
+  """JAX cannot close over arrays typed on ``Explicit`` axes inside
+  ``jax.shard_map`` (where zerojax runs the loss per device): that error,
+  raised while tracing (so before any state is donated), is re-raised
+  saying which function and what to do."""
+  try:
+    yield
+  except NotImplementedError as e:
+    msg = str(e)
+    if "Closing over inputs to shard_map" not in msg:
+      raise
+    got = msg[msg.find("Got input"):].split("\n")[0] if "Got input" in msg else ""
+    raise ValueError(
+        f"{where}: the loss closes over a jax.Array typed on the mesh's "
+        f"Explicit axes {explicit_names(mesh)} ({got.rstrip('.')}). zerojax "
+        f"runs the loss per device inside jax.shard_map, and JAX cannot "
+        f"close over such arrays there. Pass the array to the loss as part "
+        f"of the batch or the model_state, build it inside the loss, or "
+        f"keep it as a NumPy array (np.asarray(x)) -- or build the mesh "
+        f"with axis_types=jax.sharding.AxisType.Auto.") from e
 
 
 def auto_region(mesh: Mesh, fn: Callable, out_shardings) -> Callable:

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import _layout, _model_axes
 from zerojax._config import HOST_MEMORY, ZeroConfig
-from zerojax._mesh import auto_region, compute_mesh
+from zerojax._mesh import auto_region, compute_mesh, named
 
 if TYPE_CHECKING:
   from zerojax._dropin import ZeroTransformation
@@ -279,8 +279,8 @@ class StateSpec:
     ``out_shardings`` (:func:`zerojax._mesh.auto_region`)."""
     return auto_region(self.tx.mesh, fn, out_shardings)
 
-  def replicated(self) -> NamedSharding:
-    return NamedSharding(self.tx.mesh, P())
+  def replicated(self, ndim: int = 0) -> NamedSharding:
+    return named(self.tx.mesh, P(), ndim)
 
   # --- trees ------------------------------------------------------------
   def records(self):
@@ -322,10 +322,10 @@ class StateSpec:
 
   def shardings_like(self, state: ZeroState) -> ZeroState:
     """:meth:`shardings` for ``state``, its key and model state replicated."""
-    rep = NamedSharding(self.tx.mesh, P())
     return self.shardings().replace(
-        key=None if state.key is None else rep,
-        model_state=jax.tree.map(lambda _: rep, state.model_state))
+        key=None if state.key is None else self.replicated(),
+        model_state=jax.tree.map(lambda x: self.replicated(np.ndim(x)),
+                                 state.model_state))
 
   def abstract(self) -> ZeroState:
     """The state as ``jax.ShapeDtypeStruct`` with shardings; allocates nothing."""

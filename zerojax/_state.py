@@ -193,9 +193,8 @@ def _zero_step(sharding):
 
 def _replicated(tree, spec: StateSpec):
   """Host or device values, the same on every process -> replicated arrays."""
-  rep = NamedSharding(spec.tx.mesh, P())
-
   def put(x):
+    rep = spec.replicated(np.ndim(x))
     if jax.process_count() == 1:
       # A fresh buffer: the train step donates the state, and device_put
       # may alias the caller's array (it does for replicated placement).

@@ -36,6 +36,7 @@ from zerojax._batch import place_batch
 from zerojax._grad import LossCall
 from zerojax._spec import StateSpec, ZeroState, leaf_dtype, tree_difference
 from zerojax._dropin import ZeroTransformation
+from zerojax._mesh import explain_closures
 
 
 # --------------------------------------------------------------------------
@@ -168,21 +169,24 @@ class TrainStep(_CompiledStep):
 
   def __call__(self, state: ZeroState, batch, **extra_args):
     batch = self._prepare(state, batch)
-    return self._jitted(state, batch, *_update.split_extra_args(extra_args))
+    with explain_closures(self.tx.mesh, "zerojax.train_step"):
+      return self._jitted(state, batch, *_update.split_extra_args(extra_args))
 
   def lower(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO."""
     batch = self._prepare(state, batch)
-    return self._jitted.lower(state, batch,
-                              *_update.split_extra_args(extra_args))
+    with explain_closures(self.tx.mesh, "zerojax.train_step"):
+      return self._jitted.lower(state, batch,
+                                *_update.split_extra_args(extra_args))
 
   def trace(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).trace`` of the step: its jaxpr, or a lowering for
     another platform (``.lower(lowering_platforms=("cuda",))`` shows the
     GPU program, host-memory placements included, from a CPU machine)."""
     batch = self._prepare(state, batch)
-    return self._jitted.trace(state, batch,
-                              *_update.split_extra_args(extra_args))
+    with explain_closures(self.tx.mesh, "zerojax.train_step"):
+      return self._jitted.trace(state, batch,
+                                *_update.split_extra_args(extra_args))
 
 
 def train_step(
@@ -281,11 +285,15 @@ class EvalStep(_CompiledStep):
   (one batch per call: ``accum_steps`` is 1)."""
 
   def __call__(self, state: ZeroState, batch):
-    return self._jitted(state, self._prepare(state, batch))
+    batch = self._prepare(state, batch)
+    with explain_closures(self.tx.mesh, "zerojax.eval_step"):
+      return self._jitted(state, batch)
 
   def lower(self, state: ZeroState, batch):
     """``jax.jit(...).lower`` of the eval step (e.g. for its memory)."""
-    return self._jitted.lower(state, self._prepare(state, batch))
+    batch = self._prepare(state, batch)
+    with explain_closures(self.tx.mesh, "zerojax.eval_step"):
+      return self._jitted.lower(state, batch)
 
 
 def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,

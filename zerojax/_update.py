@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from zerojax import _offload, _state
+from zerojax._mesh import in_caller_types
 from zerojax._spec import StateSpec, ZeroState
 
 
@@ -87,6 +88,8 @@ def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
     ``(per-param finish results (None for frozen), new state leaves)``.
   """
   leaves = _check_opt(spec, opt_storage)
+  extra_args = {k: in_caller_types(spec.tx.mesh, v) if callable(v) else v
+                for k, v in extra_args.items()}
   if spec.place.offload:
     p, _ = _offload.plan(
         spec, [None if g is None else _offload.aval_of(g) for g in g_view],

@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from zerojax import _layout
+from zerojax._mesh import named
 from zerojax._policy import Policy
 from zerojax._spec import StateSpec, ZeroState, make_spec
 from zerojax._state import gather_leaf
@@ -283,11 +284,12 @@ class Checkpointer:
     source = _source_spec(meta, params_template, tx, self.directory / str(step))
     _check_compatible(meta, source, target, self.directory / str(step))
     abstract = _restore_targets(source, target)
-    rep = NamedSharding(tx.mesh, P())
+    rep = lambda ndim: named(tx.mesh, P(), ndim)
     if meta.get("key"):
       shape = (2,) if meta["key"] == "raw" else tuple(jax.eval_shape(
           lambda: jax.random.key_data(jax.random.key(0, impl=meta["key"]))).shape)
-      abstract["key"] = jax.ShapeDtypeStruct(shape, jnp.uint32, sharding=rep)
+      abstract["key"] = jax.ShapeDtypeStruct(shape, jnp.uint32,
+                                             sharding=rep(len(shape)))
     if meta.get("model_state"):
       if model_state_template is None:
         raise CheckpointError(
@@ -295,7 +297,8 @@ class Checkpointer:
             f"pass its structure: restore(params_template, tx, "
             f"model_state_template=...).")
       abstract["model_state"] = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep),
+          lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                         sharding=rep(np.ndim(x))),
           model_state_template)
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
@@ -317,8 +320,9 @@ class Checkpointer:
         jax.random.wrap_key_data(x, impl=impl) if impl not in (None, "raw")
         else x for x, impl in zip(jax.tree.leaves(tree["opt_state"]),
                                   impls + [None] * len(source.opt_leaves))])
-    convert = jax.jit(lambda t: _convert(t, source, target),
-                      out_shardings=target.shardings())
+    outs = target.shardings()
+    convert = jax.jit(target.region(lambda t: _convert(t, source, target),
+                                    outs), out_shardings=outs)
     state = convert(tree).replace(key=key, model_state=model_state)
     return state, meta.get("extra", {})
 
@@ -425,16 +429,16 @@ def _restore_targets(source: StateSpec, target: StateSpec) -> dict:
     elif src_layout.sharded and shape[src_layout.dim] % n == 0:
       # the saved dimension over the target's data axis (the saved model
       # axes may not exist here)
-      sharding = NamedSharding(mesh, src_layout.manual_spec(axis))
+      sharding = named(mesh, src_layout.manual_spec(axis), len(shape))
     else:
-      sharding = NamedSharding(mesh, P())
+      sharding = named(mesh, P(), len(shape))
     return jax.ShapeDtypeStruct(shape, src_sds.dtype, sharding=sharding)
 
   params = [pick(s, src.param, dst.param, dst.compute_dtype)
             for s, src, dst in zip(jax.tree.leaves(src_abs.params),
                                    source.leaves, target.leaves)]
   tree = {"step": jax.ShapeDtypeStruct((), jnp.int32,
-                                       sharding=NamedSharding(mesh, P())),
+                                       sharding=named(mesh, P(), 0)),
           "params": source.unflatten_params(params)}
   if src_abs.master is not None:
     keep = target.policy.has_master
@@ -455,7 +459,7 @@ def _key_data_struct(key_struct, mesh):
   """Where a typed key's raw data is read: replicated, its data's shape."""
   data = jax.eval_shape(jax.random.key_data, key_struct)
   return jax.ShapeDtypeStruct(data.shape, data.dtype,
-                              sharding=NamedSharding(mesh, P()))
+                              sharding=named(mesh, P(), len(data.shape)))
 
 
 def _convert(tree: dict, source: StateSpec, target: StateSpec) -> ZeroState:

@@ -299,19 +299,26 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
 
 
 def _split_sequence(x_BxTxD, config: GPTConfig):
-  """``x`` constrained to be split along its sequence over
-  ``config.seq_shard`` (when the current mesh has that axis, automatic)."""
+  """``x`` split along its sequence over ``config.seq_shard`` when the
+  current mesh has that axis: a constraint on an ``Auto`` axis, a
+  ``reshard`` (a type) on an ``Explicit`` one."""
   mesh = jax.sharding.get_abstract_mesh()
   axis = config.seq_shard
-  if axis not in mesh.axis_names or mesh.shape[axis] == 1 or (
-      mesh.axis_types[mesh.axis_names.index(axis)]
-      == jax.sharding.AxisType.Manual):
+  if axis not in mesh.axis_names or mesh.shape[axis] == 1:
+    return x_BxTxD
+  kind = mesh.axis_types[mesh.axis_names.index(axis)]
+  if kind == jax.sharding.AxisType.Manual:
     return x_BxTxD
   if x_BxTxD.shape[1] % mesh.shape[axis]:
     raise ValueError(
         f"gpt: seq_shard={axis!r} splits the sequence over {mesh.shape[axis]} "
         f"devices, but it has {x_BxTxD.shape[1]} tokens; use a sequence "
         f"length divisible by {mesh.shape[axis]}.")
+  if kind == jax.sharding.AxisType.Explicit:
+    # keep the batch's own split (e.g. over an Explicit data axis)
+    batch = tuple(jax.typeof(x_BxTxD).sharding.spec) + (None,)
+    return jax.sharding.reshard(
+        x_BxTxD, jax.sharding.PartitionSpec(batch[0], axis, None))
   return jax.lax.with_sharding_constraint(
       x_BxTxD, jax.sharding.PartitionSpec(None, axis, None))
 
