@@ -103,7 +103,9 @@ def worker(args) -> dict:
   tokens, _ = data.split(data.corpus_bytes())
   batch_at = lambda i: data.batch_at(tokens, seed=0, step=i, batch=args.batch,
                                      seq_len=args.seq_len)
-  mesh = zerojax.make_mesh()
+  mesh = zerojax.make_mesh(axis_types={
+      "explicit": jax.sharding.AxisType.Explicit,
+      "auto": jax.sharding.AxisType.Auto}[args.axis_types])
   shard_bytes = lambda tree: {
       jax.tree_util.keystr(path): int(x.addressable_shards[0].data.nbytes)
       for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
@@ -222,7 +224,11 @@ def worker(args) -> dict:
       shutil.rmtree(where, ignore_errors=True)
   return {
       "checkpoint": ckpt_cost,
-      "name": name, "config": args.config, "stage": stage, "n_devices": 8,
+      "name": name + ("" if args.axis_types == "explicit" or not (
+          stage is not None or args.config.startswith("dropin"))
+          else f" [{args.axis_types}]"),
+      "config": args.config, "stage": stage, "n_devices": 8,
+      "axis_types": args.axis_types,
       "n_params": n_params, "precision": args.precision,
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
       "peak_rss_bytes": peak_rss, "runtime_rss_bytes": rss_runtime,
@@ -331,6 +337,12 @@ def main():
   p.add_argument("--configs", default="0,1,2,3,fsdp,zero1,dropin1",
                  help="zerojax stages and peers to run: GSPMD fsdp, zero1, dp; "
                       "PyTorch FSDP2 fsdp2 (needs the [bench] extra)")
+  p.add_argument("--axis-types", choices=["explicit", "auto", "both"],
+                 default="explicit",
+                 help="the mesh's axis types (jax.make_mesh gives Explicit); "
+                      "'both' runs each zerojax configuration on each, side "
+                      "by side, and prints the Explicit / Auto step-time "
+                      "ratio (peers are GSPMD code: Auto either way)")
   p.add_argument("--out", default="runs/bench_stages")
   p.add_argument("--config", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -344,14 +356,20 @@ def main():
       runs.append(fsdp2(args))
       print(f"{config}: done", file=sys.stderr, flush=True)
       continue
-    cmd = [sys.executable, __file__, "--worker", "--config", config] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-        if k not in ("worker", "config", "configs", "out") and v is not None]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode:
-      sys.exit(f"{config} failed:\n{out.stderr[-3000:]}")
-    runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"{config}: done", file=sys.stderr, flush=True)
+    zerojax_config = config.rstrip("b").isdigit() or config.startswith("dropin")
+    kinds = (["auto", "explicit"] if args.axis_types == "both" and zerojax_config
+             else ["explicit" if args.axis_types == "both" else args.axis_types])
+    for kind in kinds:            # side by side: one configuration after the other
+      cmd = [sys.executable, __file__, "--worker", "--config", config,
+             f"--axis-types={kind}"] + [
+          f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+          if k not in ("worker", "config", "configs", "out", "axis_types")
+          and v is not None]
+      out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+      if out.returncode:
+        sys.exit(f"{config} ({kind}) failed:\n{out.stderr[-3000:]}")
+      runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+      print(f"{config} ({kind}): done", file=sys.stderr, flush=True)
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
   (outdir / "bench.json").write_text(json.dumps({"runs": runs}, indent=2))
@@ -371,6 +389,26 @@ def main():
         f"{k} {v:,} ({r['theory_state_bytes_per_device'].get(k, 0):,.0f})"
         for k, v in r["state_bytes_per_device"].items())
     print(f"{r['name']} bytes/device measured (theory): {cats}")
+  if args.axis_types == "both":
+    print(axis_type_ratios(runs))
+
+
+def axis_type_ratios(runs) -> str:
+  """Explicit / Auto per zerojax configuration: step time, peak RSS,
+  collective bytes (the same program is expected: 1.00 for bytes)."""
+  lines = ["| config | step s Auto | step s Explicit | Explicit / Auto | "
+           "peak RSS ratio | collective bytes ratio |", "|---|---|---|---|---|---|"]
+  for config in dict.fromkeys(r["config"] for r in runs):
+    by = {r["axis_types"]: r for r in runs if r["config"] == config}
+    if set(by) != {"auto", "explicit"}:
+      continue
+    a, e = by["auto"], by["explicit"]
+    cb = lambda r: sum(r["collective_bytes"].values())
+    lines.append(f"| {config} | {a['step_time_s']:.3f} | {e['step_time_s']:.3f} "
+                 f"| {e['step_time_s'] / a['step_time_s']:.3f} | "
+                 f"{e['peak_rss_bytes'] / a['peak_rss_bytes']:.3f} | "
+                 f"{cb(e) / max(cb(a), 1):.3f} |")
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,20 @@ assertions run unchanged, each test under ``jax.set_mesh(mesh)``: how the
 README tells drop-in users to create their params, so that they start on
 the mesh the updates come back on (one compile).
 
+Optax's sharding-in-types tests (``optax._src.sharding_test``) build their
+optimizers at import, from ``optax``'s top level, on a mesh of one
+Explicit axis ``x``: with ``ZEROJAX_CONFORMANCE_AXIS=x`` the plugin wraps
+those factories before the module is imported (the data axis named ``x``,
+the mesh the tests build), and lifts the tests' string comparisons of
+``jax.__version__`` (``'0.12.0' < '0.7.2'`` is true, so they would skip on
+every JAX zerojax supports) for that module alone.
+
 Environment:
   ZEROJAX_CONFORMANCE_STAGE: 0, 1 or 2; unset runs plain Optax (baseline).
+  ZEROJAX_CONFORMANCE_AXIS_TYPES: ``explicit`` (default, as
+    ``jax.make_mesh``) or ``auto``: the mesh's axis types.
+  ZEROJAX_CONFORMANCE_AXIS: the data axis' name; ``x`` also wraps
+    ``optax``'s top-level factories (for ``sharding_test``).
   ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE: ``min_shard_size`` (default 0: every
     non-scalar leaf sharded).
   ZEROJAX_CONFORMANCE_REPORT: a path; each test's outcome is written there
@@ -35,11 +47,15 @@ import zerojax  # noqa: E402
 _STAGE = os.environ.get("ZEROJAX_CONFORMANCE_STAGE")
 _MIN_SHARD = int(os.environ.get("ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE", "0"))
 _REPORT = os.environ.get("ZEROJAX_CONFORMANCE_REPORT")
+_AXIS = os.environ.get("ZEROJAX_CONFORMANCE_AXIS", "data")
 
 
 @functools.cache
 def _mesh():
-  return zerojax.make_mesh()
+  types = os.environ.get("ZEROJAX_CONFORMANCE_AXIS_TYPES", "explicit")
+  return zerojax.make_mesh(axis_name=_AXIS, axis_types={
+      "explicit": jax.sharding.AxisType.Explicit,
+      "auto": jax.sharding.AxisType.Auto}[types])
 
 
 def _unwrap(x):
@@ -50,7 +66,7 @@ def _wrap(x):
   if (_STAGE is None or not isinstance(x, optax.GradientTransformation)
       or isinstance(x, zerojax.ZeroTransformation)):
     return x
-  return zerojax.zero(x, stage=int(_STAGE), mesh=_mesh(),
+  return zerojax.zero(x, stage=int(_STAGE), mesh=_mesh(), axis_name=_AXIS,
                       min_shard_size=_MIN_SHARD)
 
 
@@ -73,9 +89,37 @@ class _Factories:
     return factory
 
 
+class _JaxOfToday:
+  """``jax`` as a test module sees it, its version string comparing as
+  newer than any version a test guards on."""
+
+  class _Version(str):
+    def __lt__(self, other):
+      return False
+
+  def __init__(self, module):
+    self._module = module
+    self.__version__ = self._Version(module.__version__)
+
+  def __getattr__(self, name):
+    return getattr(self._module, name)
+
+
+if _AXIS != "data":
+  # sharding_test builds its optimizers at import: wrap optax's top-level
+  # factories before it is collected
+  for _name in dir(optax):
+    _f = getattr(optax, _name)
+    if (callable(_f) and not isinstance(_f, type) and _name[0].islower()
+        and getattr(_f, "__module__", "").startswith("optax._src.alias")):
+      setattr(optax, _name, _Factories(optax).__getattr__(_name))
+
+
 def pytest_collection_modifyitems(session, config, items):
   del session, config
   for module in {item.module for item in items if hasattr(item, "module")}:
+    if _AXIS != "data" and getattr(module, "jax", None) is jax:
+      module.jax = _JaxOfToday(jax)
     for name in ("alias", "contrib"):
       target = getattr(module, name, None)
       if target is not None and not isinstance(target, _Factories):

@@ -54,13 +54,14 @@ EXCEPTIONS = {
 }
 
 
-def run_suite(stage, tmp_path, select=SELECT, workers=0):
+def run_suite(stage, tmp_path, select=SELECT, workers=0, modules=MODULES,
+              **env_extra):
   """Optax's suites at ``stage`` in a fresh process (``workers``: pytest-
   xdist processes inside it, for the serial slow suite)."""
   report = tmp_path / f"stage{stage}.jsonl"
   env = dict(os.environ, ZEROJAX_CONFORMANCE_REPORT=str(report),
              ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE="0",
-             XLA_FLAGS=xla_flags(8))
+             XLA_FLAGS=xla_flags(8), **env_extra)
   # run from an outer xdist worker, the inner pytest must not think it is one
   env = {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST")}
   if stage is not None:
@@ -69,7 +70,7 @@ def run_suite(stage, tmp_path, select=SELECT, workers=0):
       [sys.executable, "-m", "pytest", "-p", "tests.optax_dropin",
        "--noconftest", "-o", "addopts=", "-p", "no:cacheprovider", "-q",
        *(["-n", str(workers)] if workers else []),
-       "-k", select, "--pyargs", *MODULES],
+       "-k", select, "--pyargs", *modules],
       capture_output=True, text=True, env=env, timeout=3600,
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   if not report.exists():
@@ -103,11 +104,45 @@ def test_optax_suites_through_the_dropin_stage1(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,select,min_passed", [
-    (0, SELECT, MIN_PASSED),
-    (1, f"{SELECT} and LBFGSTest", 30)], ids=["stage0", "stage1-lbfgs"])
-def test_optax_suites_through_the_dropin(tmp_path, stage, select, min_passed):
-  _check(*run_suite(stage, tmp_path, select, workers=2), min_passed)
+@pytest.mark.parametrize("stage,select,min_passed,types", [
+    (0, SELECT, MIN_PASSED, "explicit"),
+    (1, f"{SELECT} and LBFGSTest", 30, "explicit"),
+    (1, f"{SELECT} and not LBFGSTest", MIN_PASSED, "auto")],
+    ids=["stage0", "stage1-lbfgs", "stage1-auto-axes"])
+def test_optax_suites_through_the_dropin(tmp_path, stage, select, min_passed,
+                                         types):
+  """The default suite's stage-1 run is on an Explicit mesh (what
+  jax.make_mesh gives); here the rest, and stage 1 on Auto axes."""
+  _check(*run_suite(stage, tmp_path, select, workers=2,
+                    ZEROJAX_CONFORMANCE_AXIS_TYPES=types), min_passed)
+
+
+@pytest.fixture(scope="module")
+def plain_sharding_suite(tmp_path_factory):
+  """Optax's sharding-in-types tests, plain Optax: which fail on this JAX."""
+  records, proc = run_suite(None, tmp_path_factory.mktemp("plain"), "",
+                            modules=("optax._src.sharding_test",),
+                            ZEROJAX_CONFORMANCE_AXIS="x")
+  assert len(records) >= 80, proc.stdout[-2000:]
+  return {r["id"] for r in records if r["outcome"] == "failed"}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optax_sharding_in_types_suite_through_the_dropin(
+    tmp_path, stage, plain_sharding_suite):
+  """``optax/_src/sharding_test.py`` (an Explicit mesh, params
+  ``P(None, 'x')``, the state's ``jax.typeof`` equal after init and update,
+  eager and jitted), its version guards lifted, every optimizer wrapped at
+  ``stage``: nothing fails that fails not with plain Optax."""
+  records, proc = run_suite(stage, tmp_path, "",
+                            modules=("optax._src.sharding_test",),
+                            ZEROJAX_CONFORMANCE_AXIS="x")
+  failed = {r["id"] for r in records if r["outcome"] == "failed"}
+  assert failed <= plain_sharding_suite, [
+      (r["id"], r["error"][:300]) for r in records if r["id"] in
+      failed - plain_sharding_suite]
+  passed = sum(r["outcome"] == "passed" for r in records)
+  assert passed >= 77 and len(records) >= 80, proc.stdout[-2000:]
 
 
 def test_an_unlisted_failure_fails_the_conformance_check():

@@ -277,7 +277,7 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
     raise ValueError(f"gpt.forward: {t} tokens exceed seq_len={config.seq_len}.")
   embed_VxD = _cast(gather(params["embed_VxD"]), config)
   pos_TxD = _cast(gather(params["pos_TxD"]), config)
-  x_BxTxD = embed_VxD[tokens_BxT] + pos_TxD[None, :t, :]
+  x_BxTxD = _lookup(embed_VxD, tokens_BxT) + pos_TxD[None, :t, :]
   if key is not None and config.dropout > 0:
     keys_L = jax.random.split(key, config.depth)        # one key per layer
     block = _remat(lambda x, lk: _block(config, x, lk[0], lk[1]), config.remat)
@@ -298,27 +298,32 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
                     preferred_element_type=jnp.float32)
 
 
+def _lookup(table_VxD, tokens_BxT):
+  """``table[tokens]``. On a mesh with Explicit axes (a loop written for
+  sharding in types) the rows come out split as the tokens are."""
+  spec = getattr(jax.typeof(tokens_BxT).sharding, "spec", None)
+  mesh = jax.sharding.get_abstract_mesh()
+  if spec is None or mesh.empty or not any(
+      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return table_VxD[tokens_BxT]
+  return table_VxD.at[tokens_BxT].get(
+      out_sharding=jax.sharding.PartitionSpec(*spec, None))
+
+
 def _split_sequence(x_BxTxD, config: GPTConfig):
-  """``x`` split along its sequence over ``config.seq_shard`` when the
-  current mesh has that axis: a constraint on an ``Auto`` axis, a
-  ``reshard`` (a type) on an ``Explicit`` one."""
+  """``x`` constrained to be split along its sequence over
+  ``config.seq_shard`` (when the current mesh has that axis, automatic)."""
   mesh = jax.sharding.get_abstract_mesh()
   axis = config.seq_shard
-  if axis not in mesh.axis_names or mesh.shape[axis] == 1:
-    return x_BxTxD
-  kind = mesh.axis_types[mesh.axis_names.index(axis)]
-  if kind == jax.sharding.AxisType.Manual:
+  if axis not in mesh.axis_names or mesh.shape[axis] == 1 or (
+      mesh.axis_types[mesh.axis_names.index(axis)]
+      == jax.sharding.AxisType.Manual):
     return x_BxTxD
   if x_BxTxD.shape[1] % mesh.shape[axis]:
     raise ValueError(
         f"gpt: seq_shard={axis!r} splits the sequence over {mesh.shape[axis]} "
         f"devices, but it has {x_BxTxD.shape[1]} tokens; use a sequence "
         f"length divisible by {mesh.shape[axis]}.")
-  if kind == jax.sharding.AxisType.Explicit:
-    # keep the batch's own split (e.g. over an Explicit data axis)
-    batch = tuple(jax.typeof(x_BxTxD).sharding.spec) + (None,)
-    return jax.sharding.reshard(
-        x_BxTxD, jax.sharding.PartitionSpec(batch[0], axis, None))
   return jax.lax.with_sharding_constraint(
       x_BxTxD, jax.sharding.PartitionSpec(None, axis, None))
 
