@@ -21,6 +21,16 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 @pytest.fixture(scope="session")
 def mesh():
+  """The mesh users hold: ``jax.make_mesh``'s Explicit axes."""
   import zerojax
   assert len(jax.devices()) == 8, "tests need 8 fake CPU devices"
   return zerojax.make_mesh()
+
+
+@pytest.fixture(scope="session", params=["explicit", "auto"])
+def any_mesh(request):
+  """Both axis types, for the tests whose claims must hold on each."""
+  import zerojax
+  return zerojax.make_mesh(axis_types={
+      "explicit": jax.sharding.AxisType.Explicit,
+      "auto": jax.sharding.AxisType.Auto}[request.param])

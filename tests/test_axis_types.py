@@ -2,7 +2,8 @@
 default), Auto axes, and a mix -- the same numbers, the same collectives.
 
 The rest of the suite runs on ``zerojax.make_mesh()`` (Explicit, like
-``jax.make_mesh``); here each claim is checked on both axis types side by
+``jax.make_mesh``), the parity zoo on both (``any_mesh``,
+``test_parity.py``); here each claim is checked on both axis types side by
 side, and the Explicit-only behaviour (sharding in types) is asserted.
 """
 
@@ -23,21 +24,8 @@ from zerojax import checkpoint
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
 TYPES = {"auto": AUTO, "explicit": EXPLICIT}
 
-OPTIMIZERS = {
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.05),
-                                     optax.adam(1e-2)),
-    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
-    "lamb": lambda: optax.lamb(1e-2),
-}
-
-
 def _mesh(axes=None, types="explicit"):
   return zerojax.make_mesh(axes, axis_types=TYPES[types])
-
-
-def _floats(tree):
-  return {k: v for k, v in tree.items() if k != "ids"}
 
 
 def _data_in_type(x) -> bool:
@@ -57,30 +45,6 @@ def test_make_mesh_gives_what_jax_make_mesh_gives():
   assert mixed.axis_types == (EXPLICIT, AUTO)
   with pytest.raises(ValueError, match="one jax.sharding.AxisType, or a tuple of 2"):
     zerojax.make_mesh("data=4,model=2", axis_types=(AUTO,))
-
-
-@pytest.mark.parametrize("types", TYPES)
-@pytest.mark.parametrize("opt_name", OPTIMIZERS)
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_every_stage_equals_unsharded_optax(setup, stage, opt_name, types):
-  params, data = setup
-  want = toy.reference(params, OPTIMIZERS[opt_name](), data)
-  tx = zerojax.zero(OPTIMIZERS[opt_name](), stage=stage, mesh=_mesh(None, types))
-  state = zerojax.init(params, tx)
-  step = zerojax.train_step(toy.loss_fn, tx)
-  for b in data:
-    state, _ = step(state, b)
-  got = zerojax.gather_params(state)
-  assert toy.rel_err(_floats(got), _floats(want)) < 2e-5
-  # sharded as the stage says: (3, 7, 7) moments split over data from stage 1
-  mu = [x for x, o in zip(jax.tree.leaves(state.opt_state), state.spec.opt_leaves)
-        if o.aval.shape == (3, 7, 7)]
-  for x in mu:
-    assert ("data" in str(x.sharding.spec)) == (stage >= 1)
-    # on an Explicit mesh the split is part of the array's type
-    assert _data_in_type(x) == (stage >= 1 and types == "explicit")
-  w = state.params["layers"]["w"]
-  assert ("data" in str(w.sharding.spec)) == (stage == 3)
 
 
 def _loss(params, batch):

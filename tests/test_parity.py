@@ -53,12 +53,21 @@ def setup():
 
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fp32_parity(setup, mesh, opt_name, stage):
+def test_fp32_parity(setup, any_mesh, opt_name, stage):
+  """On Explicit and on Auto axes."""
   params, data = setup
   want, want_opt = toy.reference(params, OPTIMIZERS[opt_name](), data,
                                  with_state=True)
-  tx = zerojax.zero(OPTIMIZERS[opt_name](), stage=stage, mesh=mesh)
+  tx = zerojax.zero(OPTIMIZERS[opt_name](), stage=stage, mesh=any_mesh)
   state, _ = _run(params, tx, data)
+  # sharded as the stage says; on an Explicit mesh, in the arrays' types
+  explicit = any_mesh.axis_types[0] == jax.sharding.AxisType.Explicit
+  for x, o in zip(jax.tree.leaves(state.opt_state), state.spec.opt_leaves):
+    if o.layout.sharded:
+      assert stage >= 1 and "data" in str(x.sharding.spec)
+      assert ("data" in str(jax.typeof(x).sharding.spec)) == explicit
+  w = state.params["layers"]["w"]
+  assert ("data" in str(w.sharding.spec)) == (stage == 3)
   got = zerojax.gather_params(state)
   assert int(state.step) == STEPS
   assert jax.tree.structure(got) == jax.tree.structure(params)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from zerojax import _buckets, _deps, _gather, _layout, _offload
 from zerojax._mesh import auto_region

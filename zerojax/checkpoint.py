@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from zerojax import _layout
 from zerojax._mesh import named
