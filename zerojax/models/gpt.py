@@ -301,13 +301,13 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
 def _lookup(table_VxD, tokens_BxT):
   """``table[tokens]``. On a mesh with Explicit axes (a loop written for
   sharding in types) the rows come out split as the tokens are."""
-  spec = getattr(jax.typeof(tokens_BxT).sharding, "spec", None)
-  mesh = jax.sharding.get_abstract_mesh()
-  if spec is None or mesh.empty or not any(
+  typed = jax.typeof(tokens_BxT).sharding
+  mesh = getattr(typed, "mesh", None)
+  if mesh is None or mesh.empty or not any(
       t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     return table_VxD[tokens_BxT]
-  return table_VxD.at[tokens_BxT].get(
-      out_sharding=jax.sharding.PartitionSpec(*spec, None))
+  return table_VxD.at[tokens_BxT].get(out_sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*typed.spec, None)))
 
 
 def _split_sequence(x_BxTxD, config: GPTConfig):
