@@ -304,3 +304,46 @@ def test_gpt_loss_in_a_users_explicit_sharding_loop():
   with jax.set_mesh(mesh):
     loss, _ = grad_fn(*placed())
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+
+
+def test_dropin_reads_explicit_model_axes_from_the_params_types():
+  """Tensor parallel on an all-Explicit data x model mesh, the drop-in with
+  no model_specs: inside the caller's jit the params' types name their
+  model axes, zerojax reads them there, adds data beside them, and the
+  params keep their types; Optax's numbers."""
+  mesh = _mesh("data=4,model=2")
+  k = jax.random.split(jax.random.key(0), 2)
+  host = {"w1": jax.random.normal(k[0], (6, 10)),
+          "w2": jax.random.normal(k[1], (10, 3))}
+  specs = {"w1": P(None, "model"), "w2": P("model", None)}
+
+  def loss(p, b, typed):
+    h = jnp.tanh(b["x"] @ p["w1"])
+    y = (jnp.matmul(h, p["w2"], out_sharding=P("data", None)) if typed
+         else h @ p["w2"])
+    return jnp.mean((y - b["y"]) ** 2)
+  opt, data = optax.adam(1e-2), _dropin_data()
+  p, s = host, opt.init(host)
+  for b in data:
+    u, s = opt.update(jax.grad(loss)(p, b, False), s, p)
+    p = optax.apply_updates(p, u)
+  with jax.set_mesh(mesh):
+    params = {n: jax.device_put(v, NamedSharding(mesh, specs[n]))
+              for n, v in host.items()}
+    tx = zerojax.zero(opt, stage=1)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+      u, opt_state = tx.update(jax.grad(loss)(params, batch, True), opt_state,
+                               params)
+      return optax.apply_updates(params, u), opt_state
+    for b in data:
+      params, opt_state = step(params, opt_state, jax.device_put(
+          b, NamedSharding(mesh, P("data"))))
+  assert jax.typeof(opt_state[0].mu["w1"]).sharding.spec == P(
+      None, ("data", "model"))
+  assert jax.typeof(opt_state[0].mu["w2"]).sharding.spec == P("model", "data")
+  assert {n: jax.typeof(x).sharding.spec for n, x in params.items()} == {
+      "w1": P(None, "model"), "w2": P("model", None)}
+  assert toy.rel_err(params, p) < 2e-6

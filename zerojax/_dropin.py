@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import _offload, _update
 from zerojax._config import ZeroConfig
-from zerojax._mesh import named
+from zerojax._mesh import explicit_names, named
 from zerojax._spec import StateSpec, gathered, make_spec
 from zerojax._state import warn_untrained
 
@@ -61,13 +61,17 @@ def _check_config(config, where: str):
         f"optimizer updates. Drop the policy (cast params yourself), or use "
         f"zerojax.init + zerojax.train_step for bf16 params with an fp32 "
         f"master.")
-  if config.model_specs is None and any(
-      s > 1 for s in config.model_axes.values()):
+  explicit = set(explicit_names(config.mesh))
+  untyped = {a: s for a, s in config.model_axes.items()
+             if s > 1 and a not in explicit}
+  if config.model_specs is None and untyped:
     raise ValueError(
-        f"{where}: the mesh has model axes {config.model_axes} but zero() "
-        f"got no model_specs; the drop-in path cannot read the params' "
-        f"shardings inside jit. Pass zerojax.zero(..., model_specs=...) (a "
-        f"tree of PartitionSpec, e.g. zerojax.linen.model_specs(...)).")
+        f"{where}: the mesh has model axes {untyped} but zero() got no "
+        f"model_specs; inside jit the params' shardings over Auto axes are "
+        f"not part of their types, so the drop-in cannot read them. Pass "
+        f"zerojax.zero(..., model_specs=...) (a tree of PartitionSpec, e.g. "
+        f"zerojax.linen.model_specs(...)), or make the model axes Explicit "
+        f"(jax.make_mesh's default).")
 
 
 def _spec(config, params, where: str) -> StateSpec:

@@ -11,8 +11,9 @@ comes from, in order:
    ``zerojax.nnx.model_specs``, or written by hand; ``None`` for a
    replicated leaf), or a function ``(path, shape) -> PartitionSpec``;
 2. otherwise the leaf's own ``NamedSharding`` (params already placed with
-   ``jax.device_put``), minus any data or replica axis in it (placement over
-   those is zerojax's to decide);
+   ``jax.device_put``; under ``jit``, a tracer's type on a mesh with
+   Explicit axes, ``jax.typeof(x).sharding``), minus any data or replica
+   axis in it (placement over those is zerojax's to decide);
 3. otherwise none: the leaf is replicated over the model axes.
 
 Explicit specs are checked, each error naming the leaf and the fix: an axis
@@ -104,8 +105,11 @@ def leaf_model_axes(config, path: str, x) -> tuple:
                       f"not a PartitionSpec.")
     return check(config, path, shape, _entries(spec))
   if isinstance(x, jax.core.Tracer):
-    return ()
-  sharding = getattr(x, "sharding", None)
+    sharding = getattr(jax.typeof(x), "sharding", None)   # its type, if any
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+      return ()
+  else:
+    sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
     dims = [tuple(a for a in axes if a not in placement)
             for axes in _entries(sharding.spec)]
