@@ -347,3 +347,16 @@ def test_dropin_reads_explicit_model_axes_from_the_params_types():
   assert {n: jax.typeof(x).sharding.spec for n, x in params.items()} == {
       "w1": P(None, "model"), "w2": P("model", None)}
   assert toy.rel_err(params, p) < 2e-6
+
+
+def test_a_batch_on_another_mesh_of_the_same_devices_is_moved(setup):
+  """A batch split over replica x data (its rows on the same devices in the
+  same order as data=8's) is placed on the step's own mesh, not passed in
+  typed on the other one."""
+  params, data = setup
+  pod = zerojax.zero(optax.adam(1e-2), stage=1, replica_axis="replica",
+                     mesh=zerojax.make_mesh("replica=2,data=4"))
+  batch = zerojax.shard_batch(data[0], pod, 32)
+  tx = zerojax.zero(optax.adam(1e-2), stage=1, mesh=_mesh())
+  state, m = zerojax.train_step(toy.loss_fn, tx)(zerojax.init(params, tx), batch)
+  assert np.isfinite(float(m["loss"]))

@@ -52,9 +52,9 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
 
   def put(x):
     sharding = batch_sharding(tx, np.ndim(x))
-    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
-                                                                x.ndim):
-      return x
+    if (isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None)
+        == sharding.mesh and x.sharding.is_equivalent_to(sharding, x.ndim)):
+      return x            # (the same split however spelled, on this mesh)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       # resharded under jit, across processes too (jax.reshard
       # refuses Auto axes)
