@@ -191,6 +191,9 @@ def test_pod_meshes_zeropp_and_offload_equal_the_auto_mesh(setup, axes, types,
     for b in data:
       state, _ = step(state, b)
     got[name] = zerojax.gather_params(state)
+    if extra.get("offload"):            # the state stays in host memory
+      assert {x.sharding.memory_kind for x in jax.tree.leaves(
+          state.opt_state)} == {"pinned_host"}
   for a, b in zip(jax.tree.leaves(got["auto"]), jax.tree.leaves(got["typed"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
