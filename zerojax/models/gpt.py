@@ -301,13 +301,21 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
 def _lookup(table_VxD, tokens_BxT):
   """``table[tokens]``. On a mesh with Explicit axes (a loop written for
   sharding in types) the rows come out split as the tokens are."""
-  typed = jax.typeof(tokens_BxT).sharding
-  mesh = getattr(typed, "mesh", None)
+  mesh = _explicit_mesh(tokens_BxT)
+  if mesh is None:
+    return table_VxD[tokens_BxT]
+  spec = jax.typeof(tokens_BxT).sharding.spec
+  return table_VxD.at[tokens_BxT].get(out_sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*spec, None)))
+
+
+def _explicit_mesh(x):
+  """The mesh ``x`` is typed on when it has Explicit axes, else ``None``."""
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
   if mesh is None or mesh.empty or not any(
       t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-    return table_VxD[tokens_BxT]
-  return table_VxD.at[tokens_BxT].get(out_sharding=jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(*typed.spec, None)))
+    return None
+  return mesh
 
 
 def _split_sequence(x_BxTxD, config: GPTConfig):
@@ -340,8 +348,16 @@ def loss(params, batch, config: GPTConfig, key=None):
   With ``key`` (zerojax passes one when the state has a key) and
   ``config.dropout > 0``, trains with dropout."""
   logits_BxTxV = forward(params, batch["x"], config, key)
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits_BxTxV, batch["y"]).mean()
+  if _explicit_mesh(batch["y"]) is None:
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxTxV, batch["y"]).mean()
+  # labels typed on an Explicit mesh: JAX 0.12 cannot type the scatter that
+  # transposes the label gather, so pick the label's log-probability with a
+  # one-hot product (the same value, no gather)
+  logp_BxTxV = jax.nn.log_softmax(logits_BxTxV)
+  onehot_BxTxV = jax.nn.one_hot(batch["y"], logits_BxTxV.shape[-1],
+                                dtype=logp_BxTxV.dtype)
+  return -jnp.sum(logp_BxTxV * onehot_BxTxV, axis=-1).mean()
 
 
 def generate(params, prompt_T, steps: int, key, config: GPTConfig,
