@@ -188,13 +188,6 @@ def compute_mesh(mesh: Mesh) -> Mesh:
   ``shard_map`` regions name (``mesh`` itself when it is all ``Auto``)."""
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
-  bad = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
-         if t not in (AxisType.Auto, AxisType.Explicit)]
-  if bad:
-    raise ValueError(
-        f"zerojax: mesh axes {bad} are {AxisType.Manual}; zerojax runs its "
-        f"own shard_map over the data axis. Call zerojax outside your "
-        f"shard_map, on a mesh of Auto or Explicit axes.")
   return Mesh(mesh.devices, mesh.axis_names,
               axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
