@@ -9,9 +9,11 @@ unchanged. A run passes when every failure is on :data:`EXCEPTIONS`, each
 matched by its message, and at least as many tests pass as
 :data:`MIN_PASSED` says (so a run that collects nothing cannot pass).
 
-What runs where (CI time): the default suite runs stage 1 on everything
-but the long convergence tests and L-BFGS's; the slow suite runs stage 0
-on everything but the convergence tests, and stage 1's L-BFGS tests.
+What runs where (CI time): the default suite runs stage 1 on an Explicit
+mesh (``jax.make_mesh``'s default) on everything but the long convergence
+tests and L-BFGS's, and Optax's sharding-in-types tests at stages 1-2; the
+slow suite runs stage 0 on everything but the convergence tests, stage
+1's L-BFGS tests, and stage 1 again on Auto axes.
 Stage 2 through the drop-in is stage 1: the same layouts and the same code
 (the loop's own ``jax.grad`` makes the gradients, so there is no
 reduce-scatter of zerojax's to differ), which

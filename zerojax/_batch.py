@@ -8,6 +8,7 @@ training builds global batches from each process's rows with
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import jax
@@ -52,9 +53,8 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
 
   def put(x):
     sharding = batch_sharding(tx, np.ndim(x))
-    if (isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None)
-        == sharding.mesh and x.sharding.is_equivalent_to(sharding, x.ndim)):
-      return x            # (the same split however spelled, on this mesh)
+    if isinstance(x, jax.Array) and _same_split(x.sharding, sharding, x.ndim):
+      return x
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       # resharded under jit, across processes too (jax.reshard
       # refuses Auto axes)
@@ -68,12 +68,25 @@ def place_batch(batch, tx: ZeroTransformation, accum_steps: int):
   return jax.tree.map(put, batch)
 
 
+@functools.lru_cache(maxsize=64)
+def _same_split(have, want: NamedSharding, ndim: int) -> bool:
+  """``have`` splits an array as ``want`` does, on the same mesh, however
+  the spec is spelled (``P("data")`` or ``P("data", None)``). Cached: it
+  runs for every batch leaf of every step."""
+  return (getattr(have, "mesh", None) == want.mesh
+          and have.is_equivalent_to(want, ndim))
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_sharding(mesh, axes: tuple, ndim: int) -> NamedSharding:
+  return named(mesh, P(axes[0] if len(axes) == 1 else axes), ndim)
+
+
 def batch_sharding(tx: ZeroTransformation, ndim: int = 1) -> NamedSharding:
   """Rows split over the batch axes (replica, then data); replicated over
   model axes. ``ndim``: the batch leaf's rank (on a mesh with Explicit
   axes the spec names every dimension, as JAX's types do)."""
-  axes = tx.batch_axes
-  return named(tx.mesh, P(axes[0] if len(axes) == 1 else axes), ndim)
+  return _batch_sharding(tx.mesh, tx.batch_axes, ndim)
 
 
 def shard_batch(local_batch, tx: ZeroTransformation, global_rows: int):

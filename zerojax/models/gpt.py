@@ -353,7 +353,8 @@ def loss(params, batch, config: GPTConfig, key=None):
         logits_BxTxV, batch["y"]).mean()
   # labels typed on an Explicit mesh: JAX 0.12 cannot type the scatter that
   # transposes the label gather, so pick the label's log-probability with a
-  # one-hot product (the same value, no gather)
+  # one-hot product (the same loss up to rounding, no gather; one more
+  # (B, T, V) buffer)
   logp_BxTxV = jax.nn.log_softmax(logits_BxTxV)
   onehot_BxTxV = jax.nn.one_hot(batch["y"], logits_BxTxV.shape[-1],
                                 dtype=logp_BxTxV.dtype)
