@@ -76,8 +76,8 @@ def worker(args) -> dict:
   import optax
 
   import zerojax
-  from zerojax import data
-  from zerojax.models import gpt
+  from zerojax.app import data
+  from zerojax.app import gpt
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
 

@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax  # noqa: E402
-from zerojax import data  # noqa: E402
-from zerojax.models import gpt  # noqa: E402
+from zerojax.app import data  # noqa: E402
+from zerojax.app import gpt  # noqa: E402
 
 
 def measure(stage, depth, width, bucket, steps):

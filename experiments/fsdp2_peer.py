@@ -1,6 +1,6 @@
 """PyTorch FSDP2: the peer most users would otherwise pick, on the bench GPT.
 
-The same GPT as ``zerojax/models/gpt.py`` (same shapes, same initial values,
+The same GPT as ``zerojax/app/gpt.py`` (same shapes, same initial values,
 same batches, GELU-tanh, pre-norm, fp32), AdamW with optax's defaults, each
 block wrapped with ``fully_shard`` over a gloo ``init_device_mesh("cpu",
 (n,))``, the root module too (embeddings, final norm, head). Run by
@@ -53,8 +53,8 @@ BLOCK_KEYS = ("ln1_scale_LxD", "ln1_bias_LxD", "qkv_LxDx3D", "qkv_bias_Lx3D",
 def export(args) -> None:
   """Phase 1 (JAX): the bench's initial params and batches, as numpy."""
   import jax
-  from zerojax import data
-  from zerojax.models import gpt
+  from zerojax.app import data
+  from zerojax.app import gpt
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   model = gpt.GPTConfig(vocab=args.vocab, width=args.width, depth=args.depth,
                         heads=args.heads, seq_len=args.seq_len)

@@ -48,8 +48,8 @@ def run_one(size: str, config: str, steps: int) -> dict:
   import optax
 
   import zerojax
-  from zerojax import data, hardware
-  from zerojax.models import gpt
+  from zerojax.app import data, mfu
+  from zerojax.app import gpt
 
   s = SIZES[size]
   model = gpt.GPTConfig(vocab=256, seq_len=s["seq_len"], width=s["width"],
@@ -107,7 +107,7 @@ def run_one(size: str, config: str, steps: int) -> dict:
       "remat": model.remat, "batch": s["batch"], "seq_len": s["seq_len"],
       "compile_s": compile_s, "step_s": step_s, "steps_timed": len(times),
       "tokens_per_s": tokens_per_s,
-      "mfu": hardware.mfu(tokens_per_s, gpt.flops_per_token(model, n_params),
+      "mfu": mfu.mfu(tokens_per_s, gpt.flops_per_token(model, n_params),
                           [device]),
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
       # init's own peak (before any step) and what the state then holds

@@ -55,7 +55,7 @@ def run_one(size: str, policy: str, seq_len: int, steps: int) -> dict:
 
   import zerojax
   from zerojax import plan
-  from zerojax.models import gpt
+  from zerojax.app import gpt
 
   s = SIZES[size]
   model = gpt.GPTConfig(vocab=256, seq_len=seq_len, width=s["width"],

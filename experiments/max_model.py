@@ -59,8 +59,9 @@ def child(args) -> dict:
   import optax
 
   import zerojax
-  from zerojax import checkpoint, data
-  from zerojax.models import gpt
+  from zerojax import checkpoint
+  from zerojax.app import data
+  from zerojax.app import gpt
 
   def rss_now():
     for line in open("/proc/self/status"):
@@ -123,7 +124,7 @@ def floor(config: str, precision: str, depth: int, runtime: int, args) -> float:
   device + the step's working set) + the runtime measured before the model."""
   import jax.numpy as jnp
   from zerojax import Policy, plan
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   policy = Policy(param_dtype=jnp.bfloat16) if precision == "bf16" else Policy()
   cfg = gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
                       heads=max(1, args.width // 128), seq_len=args.seq_len)
@@ -142,7 +143,7 @@ def predicted_depth(config: str, precision: str, args,
   device."""
   import jax.numpy as jnp
   from zerojax import Policy, plan
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   policy = Policy(param_dtype=jnp.bfloat16) if precision == "bf16" else Policy()
   budget = args.cap_gib * GIB / 8
   stage = int(config[0])
@@ -243,7 +244,7 @@ def search(config, precision, args, log, start=None) -> dict:
 
 
 def predicted_params(depth, args):
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   return gpt.num_params(gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
                                       heads=max(1, args.width // 128),
                                       seq_len=args.seq_len))

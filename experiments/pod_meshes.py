@@ -42,8 +42,8 @@ def main():
   import optax
 
   import zerojax
-  from zerojax import data
-  from zerojax.models import gpt
+  from zerojax.app import data
+  from zerojax.app import gpt
 
   cfg = gpt.GPTConfig(vocab=256, seq_len=128, width=args.width,
                       depth=args.depth, heads=4)

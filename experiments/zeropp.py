@@ -75,8 +75,8 @@ def mesh_table(args):
   import optax
 
   import zerojax
-  from zerojax import data
-  from zerojax.models import gpt
+  from zerojax.app import data
+  from zerojax.app import gpt
 
   cfg = gpt.GPTConfig(vocab=256, seq_len=64, width=128, depth=4, heads=4)
   tokens, _ = data.split(data.corpus_bytes())
@@ -153,8 +153,8 @@ def main():
   import optax
 
   import zerojax
-  from zerojax import data
-  from zerojax.models import gpt
+  from zerojax.app import data
+  from zerojax.app import gpt
 
   cfg = gpt.GPTConfig(vocab=256, seq_len=128, width=args.width,
                       depth=args.depth, heads=4)

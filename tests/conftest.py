@@ -10,6 +10,12 @@ import os
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
+# XLA CPU kills the process when a collective's device threads have not all
+# arrived after 40 s; on a loaded 2-core machine (CI beside another job) 8
+# device threads can be that late without anything being wrong. Subprocesses
+# (notebook kernels, multi-process workers) inherit these flags.
+if "collective_call_terminate_timeout" not in _flags:
+  _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
 os.environ["XLA_FLAGS"] = _flags + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -19,7 +19,7 @@ import pytest
 import toy
 import zerojax
 from zerojax import plan
-from zerojax.models import gpt
+from zerojax.app import gpt
 
 B, T, D, V = 16, 32, 64, 64
 

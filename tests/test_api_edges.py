@@ -135,7 +135,7 @@ def test_stacked_must_say_true_or_false(mesh):
 
 
 def test_init_from_builds_leaf_groups_of_an_eighth_of_the_bytes(mesh):
-  from zerojax import _state              # the init module, under test
+  from zerojax._src.step import state as _state# the init module, under test
   init_fn = lambda key: {f"w{i}": jax.random.normal(jax.random.fold_in(key, i),
                                                     (16 * (i + 1), 64))
                          for i in range(10)}

@@ -1,4 +1,4 @@
-"""The loss audit (``zerojax._audit``) on every structured primitive.
+"""The loss audit (``zerojax._src.jaxpr.audit``) on every structured primitive.
 
 A stage-3 loss that gathers one layer at a time inside a ``scan``, a
 ``jax.checkpoint`` with a policy, a ``cond``, a ``while``, a ``jit`` or a
@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax import _audit
+from zerojax._src.jaxpr import audit as _audit
 from tests import toy
 
 g = zerojax.gather
@@ -163,7 +163,7 @@ def test_custom_jvp_and_shard_map_bodies_that_gather_are_read_as_lean(mesh):
 
 def _audit_gather_stub(sink, src):
   from zerojax import ShardedParam
-  from zerojax._gather import GatherSpec
+  from zerojax._src.comm.gather import GatherSpec
   spec = GatherSpec(axis_name="data", dim=-1, size=4, stage=2,
                     reduce_dtype=jnp.float32)
   return g(ShardedParam(sink, src, spec))

@@ -265,7 +265,7 @@ def test_gpt_with_seq_shard_on_an_explicit_data_model_mesh():
   """The reference GPT, Pa (seq_shard) included, trains on an all-Explicit
   data x model mesh as on the Auto one: zerojax runs the loss on the
   mesh's Auto view, so the model's own constraints (Pa's) apply there."""
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   cfg = gpt.GPTConfig(vocab=64, seq_len=16, width=32, depth=2, heads=4,
                       seq_shard="model")
   params = gpt.init(cfg, jax.random.key(0))
@@ -291,7 +291,7 @@ def test_gpt_loss_in_a_users_explicit_sharding_loop():
   params replicated and a batch split over an Explicit data axis (with and
   without jax.set_mesh): its embedding lookup type-checks and the loss is
   the unsharded one."""
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   cfg = gpt.GPTConfig(vocab=64, seq_len=16, width=32, depth=2, heads=4)
   params = gpt.init(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)

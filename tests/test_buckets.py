@@ -131,7 +131,7 @@ def test_combine_threshold_flags_are_flags_xla_knows():
 
 def _gpt_temp(stage, bucket):
   import functools
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   cfg = gpt.GPTConfig(vocab=64, width=128, depth=8, heads=4, seq_len=16)
   b = {"x": np.zeros((8, 16), np.int32), "y": np.zeros((8, 16), np.int32)}
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, bucket_bytes=bucket)
@@ -166,7 +166,7 @@ def test_bucketed_stage_1_holds_what_the_planner_counts():
   8.20 MB against the planner's 8.10 (full gradient, the gradient and
   updated-weight shards, activations, logits)."""
   from zerojax import Policy, plan
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   bucketed, psi = _gpt_temp(1, LAYER_OF_FC1)
   cfg = gpt.GPTConfig(vocab=64, width=128, depth=8, heads=4, seq_len=16)
   planned = 4 * psi + plan.working_set(cfg, 1, 1, Policy(), n_devices=8)

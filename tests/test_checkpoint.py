@@ -194,13 +194,14 @@ def test_export_gathers_one_leaf_at_a_time(monkeypatch):
   del params
   baseline = sum(x.nbytes for x in jax.live_arrays())
   extra = []
-  real = checkpoint.gather_leaf
+  from zerojax._src.io import checkpoint as impl    # where export_params looks
+  real = impl.gather_leaf
 
   def watched(*a, **kw):
     out = real(*a, **kw)
     extra.append(sum(x.nbytes for x in jax.live_arrays()) - baseline)
     return out
-  monkeypatch.setattr(checkpoint, "gather_leaf", watched)
+  monkeypatch.setattr(impl, "gather_leaf", watched)
   full = checkpoint.export_params(state)
   leaf = 64 * 64 * 4                       # one fp32 master leaf, unsharded
   assert len(extra) == 8

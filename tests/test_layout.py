@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax._layout import plan_leaf
+from zerojax._src.records.layout import plan_leaf
 from tests import toy
 
 
@@ -154,7 +154,7 @@ def test_init_sends_each_device_only_its_shard(mesh):
   """No device ever receives a full copy of a sharded leaf at init."""
   params = {"w": np.ones((64, 1024), np.float32)}
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
-  from zerojax import _state              # the init module, under test
+  from zerojax._src.step import state as _state# the init module, under test
   spec = zerojax.make_spec(params, tx)
   placed = _state.place_leaf(params["w"], spec.leaves[0].shard, spec)
   assert {s.data.shape for s in placed.addressable_shards} == {(64, 128)}

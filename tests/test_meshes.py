@@ -294,7 +294,7 @@ def test_make_mesh_fills_one_axis():
 # --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt_setup():
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   cfg = gpt.GPTConfig(vocab=64, seq_len=16, width=32, depth=2, heads=4)
   params = gpt.init(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)

@@ -205,7 +205,7 @@ def test_state_and_step_must_agree_on_offload():
     step(state, toy.batches(1)[0])
 
 
-# --- the streamed update and the grouped init (zerojax._offload) ----------
+# --- the streamed update and the grouped init (zerojax._src.step.offload) ----------
 OPTIMIZERS = {
     "lamb": lambda: optax.lamb(1e-2),
     "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
@@ -268,7 +268,7 @@ def test_update_coupled_through_the_state_runs_whole_and_says_why():
 
 
 def test_init_builds_the_offloaded_state_a_group_at_a_time_in_host_memory():
-  from zerojax import _state             # the init module, under test
+  from zerojax._src.step import state as _state# the init module, under test
   init_fn = lambda key: {f"w{i}": jax.random.normal(jax.random.fold_in(key, i),
                                                     (16 * (i + 1), 64))
                          for i in range(10)}

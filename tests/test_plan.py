@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from zerojax import plan
-from zerojax.models import gpt
+from zerojax.app import gpt
 
 
 def test_paper_example_7_5b_on_64_devices():

@@ -80,8 +80,8 @@ def test_report_theory_knows_zeropp(stage, zeropp, mesh_axes):
   1% for every setting and mesh, on the reference GPT."""
   import functools
   import jax
-  from zerojax import data
-  from zerojax.models import gpt
+  from zerojax.app import data
+  from zerojax.app import gpt
   cfg = gpt.GPTConfig(vocab=64, seq_len=16, width=64, depth=2, heads=4)
   tokens, _ = data.split(data.corpus_bytes())
   batch = data.batch_at(tokens, seed=0, step=0, batch=16, seq_len=16)

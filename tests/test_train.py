@@ -12,8 +12,8 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import data
-from zerojax.models import gpt
+from zerojax.app import data
+from zerojax.app import gpt
 
 TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--seq-len", "32",
         "--batch", "16", "--steps", "30", "--eval-every", "15",
@@ -269,7 +269,7 @@ def test_gpt_fast_kernels_stay_lean_and_exact_at_stage3(mesh):
 
 
 def test_mfu_from_the_peak_table():
-  from zerojax import hardware
+  from zerojax.app import mfu as hardware
 
   class Dev:
     device_kind = "NVIDIA H100 80GB HBM3"

@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax import _zeropp
+from zerojax._src.comm import quantized as _zeropp
+from zerojax._src.records import zeropp as _settings
 from tests import toy
 
 
@@ -199,8 +200,8 @@ def _weight_gather_elems(step, state, batch, dtype):
 
 
 def test_collectives_move_int8_weights_and_int4_gradients():
-  from zerojax.models import gpt
-  from zerojax import data
+  from zerojax.app import gpt
+  from zerojax.app import data
   cfg = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16)
   tokens, _ = data.split(data.corpus_bytes())
   batch = data.batch_at(tokens, seed=0, step=0, batch=8, seq_len=16)
@@ -501,17 +502,17 @@ def test_node_size_from_the_process_layout():
                         otypes=[object])(np.asarray(procs))
     return types.SimpleNamespace(axis_names=names, devices=devs,
                                  shape=dict(zip(names, devs.shape)))
-  assert _zeropp.process_node_size(mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
-  assert _zeropp.process_node_size(mesh([0] * 8), "data") == 8
-  assert _zeropp.process_node_size(mesh([0, 1, 0, 1]), "data") == 0
-  assert _zeropp.process_node_size(mesh([0, 0, 1, 1, 1, 1]), "data") == 0
+  assert _settings.process_node_size(mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
+  assert _settings.process_node_size(mesh([0] * 8), "data") == 8
+  assert _settings.process_node_size(mesh([0, 1, 0, 1]), "data") == 0
+  assert _settings.process_node_size(mesh([0, 0, 1, 1, 1, 1]), "data") == 0
   # data x model: each data line (per model index) is cut the same way
   dm = mesh([[0, 0], [0, 0], [1, 1], [1, 1]], ("data", "model"))
-  assert _zeropp.process_node_size(dm, "data") == 2
+  assert _settings.process_node_size(dm, "data") == 2
   q = zerojax.ZeroPP(grad_bits=8)
-  assert _zeropp.qgz_node_size(q, mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
-  assert _zeropp.qgz_node_size(q, mesh([0] * 8), "data") == 0      # one node
-  assert _zeropp.qgz_node_size(zerojax.ZeroPP(grad_bits=8, node_size=2),
+  assert _settings.qgz_node_size(q, mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
+  assert _settings.qgz_node_size(q, mesh([0] * 8), "data") == 0      # one node
+  assert _settings.qgz_node_size(zerojax.ZeroPP(grad_bits=8, node_size=2),
                                mesh([0] * 8), "data") == 2
 
 
@@ -522,7 +523,7 @@ def test_hpz_secondary_is_built_per_model_shard():
   ``model``. Left to XLA, the weights were first gathered over ``model``:
   all-gather elements 1.20x the theory, 0.83 MiB over ``model``."""
   import functools
-  from zerojax.models import gpt
+  from zerojax.app import gpt
   cfg = gpt.GPTConfig(vocab=64, seq_len=16, width=64, depth=2, heads=4)
   mesh = zerojax.make_mesh("data=4,model=2")
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh,

@@ -1,1 +1,2 @@
-"""Reference models written to run under every ZeRO stage."""
+"""``zerojax.models.gpt``: the reference GPT, kept at its earlier spelling;
+it lives in :mod:`zerojax.app.gpt` (the application)."""

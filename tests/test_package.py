@@ -1,0 +1,191 @@
+"""The package's shape and its one cost model, checked from outside.
+
+The import contract itself is ``lint-imports`` (run by CI); here: no circle
+in the module graph (type-only imports included), the library loads
+without the application, old spellings keep working, configurations are
+checked however they are built, and the cost model's readings agree with
+each other and with the arrays ``init`` allocates.
+"""
+
+import math
+import subprocess
+import sys
+
+import grimp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax import cost
+
+
+def test_module_graph_has_no_circle_type_only_imports_included():
+  graph = grimp.build_graph("zerojax", exclude_type_checking_imports=False)
+  circles = [(a, b) for a in sorted(graph.modules)
+             for b in graph.find_modules_directly_imported_by(a)
+             if graph.find_shortest_chain(importer=b, imported=a)]
+  assert circles == []
+
+
+def test_the_library_loads_without_the_application_or_its_dependencies():
+  code = ("import sys, zerojax, zerojax.cost, zerojax.checkpoint, zerojax.nnx,"
+          " zerojax.linen, zerojax.distributed, zerojax.launch, "
+          "zerojax.hardware\n"
+          "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+          "('tqdm', 'matplotlib') or m.startswith('zerojax.app') or m in "
+          "('zerojax.train', 'zerojax.plan', 'zerojax.models'))\n"
+          "print(bad)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True, env={"JAX_PLATFORMS": "cpu",
+                                                   "PATH": ""})
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_old_spellings_of_moved_names_still_work():
+  from zerojax.app import gpt
+  from zerojax.models import gpt as old_gpt
+  import zerojax.hardware
+  import zerojax.plan
+  import zerojax.train
+  assert old_gpt is gpt
+  assert zerojax.plan.saved_activations is not None
+  assert zerojax.plan.comm_time is cost.comm_time
+  assert zerojax.train.main.__module__ == "zerojax.app.train"
+  assert zerojax.hardware.combine_threshold_flags(2**20).count("=1048576") == 3
+
+
+def _stack(depth=4, width=64):
+  return {"blocks": {"w": jnp.ones((depth, width, width)),
+                     "b": jnp.ones((depth, width))}}
+
+
+# --- configurations are checked however they are built ---------------------
+def test_replace_refuses_what_zero_refuses(mesh):
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  with pytest.raises(ValueError, match="stage=7 is not a ZeRO stage"):
+    tx.replace(stage=7)
+  with pytest.raises(ValueError, match="bucket_bytes=0"):
+    tx.replace(bucket_bytes=0)
+  with pytest.raises(ValueError, match="replica_axis='nope'"):
+    tx.replace(replica_axis="nope")
+  with pytest.raises(ValueError, match="grad_bits=8.*stage 0"):
+    tx.replace(stage=0, zeropp=zerojax.ZeroPP(grad_bits=8))
+  assert tx.replace(stage=2).stage == 2
+
+
+@pytest.mark.parametrize("field, value", [
+    ("bucket_bytes", 2**20), ("stacked", False), ("min_shard_size", 10**9),
+    ("model_specs", lambda path, shape: jax.sharding.PartitionSpec())])
+def test_a_state_from_another_tx_names_the_field_that_differs(
+    mesh, field, value):
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  state = zerojax.init(_stack(), tx)
+  step = zerojax.train_step(lambda p, b: jnp.mean(p["blocks"]["w"]) * b.sum(),
+                            tx.replace(**{field: value}))
+  with pytest.raises(ValueError, match=rf"another ZeroTransformation \({field}"):
+    step(state, jnp.ones((8,)))
+
+
+def test_a_state_from_a_tx_with_another_replica_axis_names_it():
+  mesh = zerojax.make_mesh("replica=2,data=4")
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  assert tx.replica_axis == "replica"                 # zero()'s default
+  state = zerojax.init(_stack(), tx)
+  step = zerojax.train_step(lambda p, b: jnp.mean(p["blocks"]["w"]) * b.sum(),
+                            tx.replace(replica_axis=None))
+  with pytest.raises(ValueError,
+                     match="replica_axis: state has 'replica', step has None"):
+    step(state, jnp.ones((8,)))
+
+
+def test_planner_refuses_a_model_axis_that_does_not_divide_the_block(capsys):
+  from zerojax.app import planner
+  with pytest.raises(SystemExit) as e:
+    planner.main(["--width", "1536", "--depth", "2",
+                  "--mesh", "data=4,model=5"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.splitlines()[-1]
+  assert "MLP width 6144" in err and "width 1536" in err
+  assert "model=4" in err and "vocab" not in err
+
+
+def test_model_spec_error_names_the_dimension_not_the_vocabulary(mesh):
+  m = zerojax.make_mesh("data=4,model=2")
+  P = jax.sharding.PartitionSpec
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=m,
+                    model_specs={"w": P(None, "model")})
+  with pytest.raises(zerojax.ModelSpecError) as e:
+    zerojax.make_spec({"w": jax.ShapeDtypeStruct((8, 5), jnp.float32)}, tx)
+  assert "e.g. 6" in str(e.value) and "vocabulary" not in str(e.value)
+
+
+# --- one cost model ----------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_planner_report_theory_and_allocated_arrays_agree(mesh, stage):
+  """Dimensions that divide the data axis and layer stacks only: the
+  planner (as laid out), the report's theory (ideal) and the bytes init
+  allocates are the same figures."""
+  params = _stack()
+  policy = zerojax.Policy(param_dtype=jnp.bfloat16)
+  tx = zerojax.zero(optax.adam(1e-3), stage=stage, mesh=mesh, policy=policy)
+  state = zerojax.init(params, tx)
+  plan = cost.plan_stage(jax.eval_shape(lambda: params), stage,
+                         n_devices=8, optimizer=optax.adam(1e-3),
+                         policy=policy)
+  measured = zerojax.state_bytes(state)              # from the arrays
+  theory = zerojax.theory_bytes(state)
+  opt = sum(v for k, v in measured.items() if k.startswith("opt_state."))
+  assert plan.params == measured["params"] == theory["params"]
+  assert plan.master == measured["master"] == theory["master"]
+  # the step count (a replicated scalar) is in the arrays and the plan;
+  # the ideal reading also keeps it whole
+  assert plan.optimizer == opt
+  assert plan.optimizer == pytest.approx(
+      sum(v for k, v in theory.items() if k.startswith("opt_state.")))
+  assert plan.grads == theory["grads"]
+  from zerojax._src.diagnostics import report
+  ideal = report.theory_collectives(state)
+  assert {k: v for k, v in plan.collectives.items()} == {
+      k: v[1] for k, v in ideal.items()}
+
+
+def test_zeropp_comm_equals_the_per_leaf_sum_on_one_node(mesh):
+  """``zeropp_comm`` (from a parameter count) and the per-leaf cost model
+  (every leaf, its blocks and scales) give the same wire bytes when the
+  blocks divide the shards: one node, qwZ and qgZ int8."""
+  params = {"blocks": {"w": jnp.ones((2, 128, 128))}}   # whole blocks
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh,
+                    zeropp=zerojax.ZeroPP(weight_bits=8))
+  spec = zerojax.make_spec(jax.eval_shape(lambda: params), tx)
+  from zerojax._src.diagnostics import cost as cost_model
+  laid_out = cost_model.collectives(spec, ideal=False)
+  n = 8
+  wire = sum(b for _, b in laid_out.values()) * (n - 1) / n
+  formula = cost.zeropp_comm(n_params, n, 1, weight_bits=8, param_bytes=4)
+  assert formula["slow_bytes"] == 0
+  assert formula["fast_bytes"] == pytest.approx(wire, rel=1e-9)
+  assert cost_model.wire_bytes_per_element(8, zerojax.ZeroPP(
+      weight_bits=8).block) == pytest.approx(1 + 4 / 256)
+
+
+def test_laid_out_reading_counts_padding_the_ideal_one_does_not(mesh):
+  params = {"w": jnp.ones((13, 7))}        # 13 rows over 8 devices: pad 16
+  tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
+  spec = zerojax.make_spec(jax.eval_shape(lambda: params), tx)
+  from zerojax._src.diagnostics import cost as cost_model
+  ideal = cost_model.state_bytes(spec, ideal=True)
+  laid = cost_model.state_bytes(spec, ideal=False)
+  assert ideal["params"] == 13 * 7 * 4 / 8
+  layout = spec.leaves[0].param            # 7 padded to 8: (13, 1) a device
+  assert layout.pad and laid["params"] == math.prod(layout.shard_shape(8)) * 4
+  assert laid["params"] > ideal["params"]
+  state = zerojax.init(params, tx)
+  assert zerojax.state_bytes(state)["params"] == laid["params"]
+  assert np.isclose(cost.plan_stage(jax.eval_shape(lambda: params), 3, 8,
+                                    optimizer=optax.adam(1e-3),
+                                    policy=zerojax.Policy()).params,
+                    laid["params"])

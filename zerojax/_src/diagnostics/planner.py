@@ -1,0 +1,249 @@
+"""Planning a stage before renting: model-state bytes and collective bytes
+per device from zerojax's own layouts, on abstract shapes.
+
+:func:`plan_stage` runs :func:`zerojax.make_spec` on ``jax.ShapeDtypeStruct``
+params and an ``AbstractMesh``, so no array is allocated and 1024 devices
+cost nothing; the bytes come from :mod:`zerojax._src.diagnostics.cost`, the
+formulas ``zerojax.report`` and the layout table read too.
+:func:`comm_time` turns collective bytes into seconds over fast and slow
+links; :func:`zeropp_comm` prices ZeRO++'s settings from a parameter count.
+Model-state memory only, as in the ZeRO paper's Figure 1: activations,
+temporary buffers and fragmentation come on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import optax
+from jax.sharding import AbstractMesh, AxisType
+
+from zerojax._src.diagnostics import cost
+from zerojax._src.records.policy import Policy
+from zerojax._src.records.spec import make_spec
+from zerojax._src.records.zeropp import ZeroPP
+from zerojax._src.step import offload as _offload
+from zerojax._src.step.transform import zero
+
+GB = 1e9
+
+# Bytes per second per chip and direction (stated in the output).
+HARDWARE = {
+    # TPU v5p: ICI ~1.8e11 B/s per axis; DCN ~6e9 B/s per chip
+    "tpu-v5p": {"fast": 1.8e11, "slow": 6e9, "fast_name": "ICI",
+                "slow_name": "DCN"},
+    # H100 SXM: NVLink 900 GB/s bidirectional; one 400 Gb/s NDR NIC per GPU
+    "h100": {"fast": 4.5e11, "slow": 5e10, "fast_name": "NVLink",
+             "slow_name": "InfiniBand"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  stage: int
+  n_params: int
+  n_devices: int
+  params: float            # bytes per device, by category
+  master: float
+  optimizer: float
+  grads: float
+  collectives: dict        # kind -> bytes per step (full-buffer convention)
+  mesh: dict = dataclasses.field(default_factory=dict)
+  comm: dict = dataclasses.field(default_factory=dict)   # per axis, see comm_time
+  offload: bool = False    # master + optimizer state in host memory
+  # offload: the largest streamed chunk's share of master + optimizer
+  # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
+  chunk_fraction: float = 1.0
+
+  @property
+  def total(self) -> float:
+    return self.params + self.master + self.optimizer + self.grads
+
+  @property
+  def update_transient(self) -> float:
+    """Offload: device bytes the streamed update holds at once (two chunks
+    of master + optimizer state: one being updated, the next loading)."""
+    if not self.offload:
+      return 0.0
+    return min(2 * self.chunk_fraction, 1.0) * self.host
+
+  @property
+  def host_traffic(self) -> float:
+    """Offload: host<->device bytes per step per device (the offloaded
+    state read down once and written back once)."""
+    return 2 * self.host
+
+  @property
+  def host(self) -> float:
+    """Bytes per device kept in host memory (offload: master + optimizer)."""
+    return self.master + self.optimizer if self.offload else 0.0
+
+  @property
+  def device(self) -> float:
+    """Bytes per device in the accelerator's own memory at its peak (with
+    offload: the update's streamed chunks included)."""
+    return self.total - self.host + self.update_transient
+
+
+def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
+               mesh: dict | None = None, optimizer=None,
+               policy: Policy | None = None, model_specs=None,
+               stacked=None, offload: bool = False) -> StagePlan:
+  """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
+
+  ``offload``: the master copy and optimizer state in host memory
+  (``zero(..., offload=True)``); :attr:`StagePlan.device` and
+  :attr:`StagePlan.host` split the total.
+
+  ``mesh``: axis sizes (e.g. ``{"replica": 4, "data": 256}``); default a
+  1-D data mesh of ``n_devices``. Collective bytes are per data-axis group
+  (full-buffer convention), plus ``"all-reduce over replica"`` (the shard,
+  hybrid sharding). ``model_specs`` / ``stacked``: as
+  :func:`zerojax.zero` takes them, needed when ``mesh`` has a model axis."""
+  mesh = {"data": n_devices} if mesh is None else dict(mesh)
+  amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh),
+                       axis_types=(AxisType.Auto,) * len(mesh))
+  optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
+  policy = Policy(param_dtype=jnp.bfloat16) if policy is None else policy
+  tp = mesh.get("model", 1) > 1
+  if tp and model_specs is None:
+    raise ValueError(
+        f"plan_stage: the mesh has a model axis of {mesh['model']} but no "
+        f"model_specs; pass model_specs= (a tree of PartitionSpec for the "
+        f"params, as zerojax.zero takes) so the planner knows which leaves "
+        f"the model axis splits.")
+  tx = zero(optimizer, stage=stage, mesh=amesh, policy=policy,
+            model_specs=model_specs if tp else None,
+            stacked=stacked if tp else None)
+  spec = make_spec(abstract_params, tx)
+  state = cost.state_bytes(spec, ideal=False)
+  optimizer_bytes = sum(v for k, v in state.items()
+                        if k.startswith("opt_state."))
+  n_params = sum(leaf.size for leaf in spec.leaves)
+  colls = {k: v[1] for k, v in cost.collectives(spec, ideal=False).items()}
+  chunk = _offload.describe(spec)["largest_chunk_fraction"] if offload else 1.0
+  return StagePlan(stage, n_params, tx.num_shards, state["params"],
+                   state.get("master", 0.0), optimizer_bytes,
+                   state.get("grads", 0.0), colls, mesh, offload=offload,
+                   chunk_fraction=chunk)
+
+
+def _slices_spanned(mesh: dict, axes: tuple, slices: int) -> tuple[int, int]:
+  """(chips in one group of ``axes``, slices such a group spans): the
+  device order is the mesh's, slices cut it into equal contiguous blocks."""
+  names = list(mesh)
+  total = math.prod(mesh.values())
+  chips = total // slices
+  size = math.prod(mesh[a] for a in axes)
+  # the group's extent in the flat order: from its innermost axis's stride
+  # to its outermost axis's span
+  outer = min(names.index(a) for a in axes)
+  extent = math.prod(mesh[a] for a in names[outer:])
+  return size, max(1, min(slices, extent // chips))
+
+
+def comm_time(p: StagePlan, slices: int = 1, hardware: str = "tpu-v5p",
+              fast: float | None = None, slow: float | None = None,
+              algorithm: str = "hierarchical") -> dict:
+  """Per mesh axis: bytes per chip over fast and slow links, and seconds.
+
+  See the module docstring for the model; ``algorithm="ring"``: one flat
+  ring per group, whose slow hops each carry the whole ring's traffic."""
+  hw = dict(HARDWARE[hardware])
+  fast = hw["fast"] if fast is None else fast
+  slow = hw["slow"] if slow is None else slow
+  mesh = p.mesh
+  batch_axes = tuple(a for a in ("replica", "data") if a in mesh)
+  out = {}
+
+  def add(label, axes, kind_factor, buffer):
+    a, s = _slices_spanned(mesh, axes, slices)
+    if a <= 1 or not buffer:
+      return
+    inside = a // s                   # the group's chips in one slice
+    if algorithm == "ring" and s > 1:
+      sl = kind_factor * (a - 1) / a * buffer
+      f = sl if inside > 1 else 0.0     # every hop crosses when inside = 1
+    else:
+      f = kind_factor * (inside - 1) / inside * buffer
+      sl = kind_factor * (s - 1) / s * buffer / inside if s > 1 else 0.0
+    e = out.setdefault(label, {"fast_bytes": 0.0, "slow_bytes": 0.0})
+    e["fast_bytes"] += f
+    e["slow_bytes"] += sl
+  c = p.collectives
+  if p.stage == 0:
+    add("+".join(batch_axes), batch_axes, 2, c.get("all-reduce", 0))
+  else:
+    add("data", ("data",), 1, c.get("reduce-scatter", 0) + c.get("all-gather", 0))
+    add("data", ("data",), 2, c.get("all-reduce", 0))   # replicated leaves
+    if "replica" in mesh:
+      add("replica", ("replica",), 2, c.get("all-reduce over replica", 0))
+  for e in out.values():
+    e["seconds"] = e["fast_bytes"] / fast + e["slow_bytes"] / slow
+  return out
+
+
+ZEROPP_ROWS = (
+    ("stage 3", {}),
+    ("qwZ", dict(weight_bits=8)),
+    ("qgZ int8", dict(grad_bits=8)),
+    ("qgZ int4", dict(grad_bits=4)),
+    ("qgZ int8, flat (nodes unknown)", dict(grad_bits=8, nodes_known=False)),
+    ("hpZ", dict(hpz=True)),
+    ("qwZ + hpZ + qgZ int8", dict(weight_bits=8, grad_bits=8, hpz=True)),
+    ("qwZ + hpZ + qgZ int4", dict(weight_bits=8, grad_bits=4, hpz=True)),
+)
+
+
+def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
+                weight_bits=None, grad_bits=None, hpz=False, block=None,
+                param_bytes=2, fast=1.8e11, slow=6e9,
+                nodes_known=True) -> dict:
+  """Stage 3's bytes per chip and step over fast and slow links, with
+  ZeRO++ settings (``zerojax.ZeroPP``) on a data axis of ``n_devices``
+  spanning ``slices`` nodes of ``k = n_devices / slices`` chips.
+
+  Per collective (Ψ elements, ``w`` bytes per gathered element: the param
+  dtype, or 1 + 4/block with qwZ; ``g``: the reduce dtype, or 1 or 0.5 +
+  4/block with qgZ), hierarchical like :func:`comm_time`:
+
+  * weight all-gathers, forward and backward: ``2 x`` a gather of Ψw over
+    all chips; with hpZ instead one gather of Ψw/k across nodes (the
+    secondary) and ``2 x`` in-node gathers of Ψ·param_bytes;
+  * gradients: reduce-scatter of Ψg; qgZ the hierarchical all-to-all
+    (zerojax knows the node: ``node_size``, ``hpz_size`` or one process
+    per node): Ψg inside the node, Ψg/k across; with ``nodes_known=False``
+    a flat all-to-all, whose cross-node share ``(n-k)/n`` cannot be
+    reduced in the node first.
+
+  Padding to blocks and devices is left out (below 1% at these sizes)."""
+  n, s = n_devices, slices
+  k = n // s
+  block = block or ZeroPP(weight_bits=weight_bits, grad_bits=grad_bits).block
+  w = (cost.wire_bytes_per_element(weight_bits, block) if weight_bits
+       else param_bytes)
+  g = (cost.wire_bytes_per_element(grad_bits, block) if grad_bits
+       else param_bytes)
+  f = sl = 0.0
+
+  def hier(buffer, times=1):        # gather / reduce-scatter over all n
+    nonlocal f, sl
+    f += times * (k - 1) / k * buffer
+    sl += times * ((s - 1) / s * buffer / k if s > 1 else 0.0)
+  if hpz and s > 1:
+    sl += (s - 1) / s * n_params * w / k          # the secondary, once
+    f += 2 * (k - 1) / k * n_params * param_bytes  # in-node gathers
+  else:
+    hier(n_params * w, 2)
+  if grad_bits and nodes_known and s > 1:
+    f += (k - 1) / k * n_params * g
+    sl += (s - 1) / s * n_params * g / k
+  elif grad_bits:                                  # flat all-to-all
+    f += (k - 1) / n * n_params * g
+    sl += (n - k) / n * n_params * g
+  else:
+    hier(n_params * param_bytes)
+  return {"fast_bytes": f, "slow_bytes": sl,
+          "seconds": f / fast + sl / slow}

@@ -1,0 +1,279 @@
+"""``zerojax.report``: what a train step costs, measured next to theory.
+
+Three sources, each labelled:
+
+* **state bytes per device**, measured from the state arrays' addressable
+  shards (padding included), next to the ZeRO formula for the stage;
+* **collectives per step**, read from the compiled HLO (while-loop bodies
+  times their trip counts, each collective counted by its full buffer), next
+  to the formula: stage 0 all-reduce Ψ; stages 1-2 reduce-scatter Ψ +
+  all-gather Ψ; stage 3 all-gather 2Ψ + reduce-scatter Ψ (times the
+  micro-batches where the stage reduces or gathers per micro-batch); on a
+  mesh with a model axis each tensor-parallel leaf counts Ψ_leaf/M, and
+  with a replica axis an all-reduce of Ψ/N is added; with ZeRO++ each leaf
+  as zerojax runs it (int8 / packed int4 blocks and their f32 scales,
+  all-to-alls for qgZ, hpZ's secondary and in-node gathers, stacked
+  leaves per layer; see :func:`zerojax._src.diagnostics.cost.collectives`). Measured and theory
+  compare ZeRO's collectives, those over the data and replica axes; a
+  model axis's own (tensor parallelism's) are in the bytes per mesh axis
+  (from each collective's replica groups), as are those crossing processes;
+* **saved activations per device**: what the loss's backward pass keeps
+  from its forward pass on one device's batch (device and host memory; the
+  layer scans' stacked part apart), from
+  ``jax.ad_checkpoint.print_saved_residuals`` (see
+  :mod:`zerojax._src.jaxpr.activations`; model-axis splits not applied);
+* **XLA's memory analysis** of the compiled step (argument, output, temp,
+  alias bytes per device). On CPU its temp figure misses buffers inside loop
+  bodies; do not read it as the peak.
+
+Theory is counted in elements (dtype-independent: XLA's CPU backend runs
+bf16 collectives in f32) and in bytes of the dtype zerojax asks for.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+import jax
+
+from zerojax._src.diagnostics import cost
+from zerojax._src.diagnostics import hlo as _hlo
+from zerojax._src.diagnostics import inspect as _inspect
+from zerojax._src.jaxpr import activations as _activations
+from zerojax._src.records.spec import ZeroState
+from zerojax._src.step import offload as _offload
+from zerojax._src.step.steps import loss_call
+
+
+def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
+  """ZeRO's collective volume per step: ``{kind: (elements, bytes)}``
+  (:func:`zerojax._src.diagnostics.cost.collectives`, ideal reading; with
+  ZeRO++ as laid out: its blocks are the point). A replica axis's
+  all-reduce counts as ``all-reduce``, as the compiled program names it."""
+  theory = cost.collectives(state.spec, accum_steps, ideal=True)
+  merged = collections.defaultdict(lambda: [0, 0])
+  for kind, (elems, nbytes) in theory.items():
+    kind = "all-reduce" if kind == cost.REPLICA_ALL_REDUCE else kind
+    merged[kind][0] += elems
+    merged[kind][1] += nbytes
+  return {kind: tuple(v) for kind, v in merged.items()}
+
+
+@dataclasses.dataclass
+class Report:
+  """Measured and theoretical costs of one train step; see :func:`report`."""
+
+  stage: int
+  n_devices: int
+  n_params: int
+  state_bytes: dict
+  theory_state_bytes: dict
+  collectives: list
+  collective_bytes: dict
+  collective_elements: dict
+  theory_collective_elements: dict
+  theory_collective_bytes: dict
+  xla_memory: dict
+  mesh: dict = dataclasses.field(default_factory=dict)
+  bytes_by_axis: dict = dataclasses.field(default_factory=dict)
+  cross_process_bytes: int = 0
+  offload: dict = dataclasses.field(default_factory=dict)
+  zero_collective_bytes: dict = dataclasses.field(default_factory=dict)
+  zero_collective_elements: dict = dataclasses.field(default_factory=dict)
+  activations: dict = dataclasses.field(default_factory=dict)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def to_json(self, **kw) -> str:
+    return json.dumps(self.to_dict(), **kw)
+
+  def ratios(self) -> dict:
+    """measured / theory: state bytes (total), and by kind the elements
+    (``kind``) and bytes (``"kind bytes"``) of ZeRO's collectives, those
+    over the data and replica axes (a model axis's own collectives are
+    tensor parallelism's, in :attr:`bytes_by_axis`)."""
+    persistent = sum(v for k, v in self.theory_state_bytes.items()
+                     if k != "grads")          # gradients are transient
+    out = {"state_bytes": sum(self.state_bytes.values()) / max(persistent, 1)}
+    elems = self.zero_collective_elements or self.collective_elements
+    nbytes = self.zero_collective_bytes or self.collective_bytes
+    for kind, t in self.theory_collective_elements.items():
+      out[kind] = elems.get(kind, 0) / t
+    for kind, t in self.theory_collective_bytes.items():
+      out[f"{kind} bytes"] = nbytes.get(kind, 0) / t
+    return out
+
+  def __str__(self) -> str:
+    lines = [f"zerojax stage {self.stage}: {self.n_params:,} params over "
+             f"{self.n_devices} devices", "",
+             "state bytes per device      measured        theory"]
+    cats = list(self.state_bytes) + [c for c in self.theory_state_bytes
+                                     if c not in self.state_bytes]
+    for c in cats:
+      m = self.state_bytes.get(c)
+      t = self.theory_state_bytes.get(c)
+      lines.append(f"  {c:<24}{'' if m is None else f'{m:>12,}':>12}  "
+                   f"{'' if t is None else f'{t:>12,.0f}':>12}"
+                   + ("  (transient)" if c == "grads" else ""))
+    elems = self.zero_collective_elements or self.collective_elements
+    lines += ["", "ZeRO's collectives per step (compiled HLO, over the "
+              "batch axes)   elements        theory"]
+    kinds = sorted(set(elems) | set(self.theory_collective_elements))
+    for kind in kinds:
+      m = elems.get(kind, 0)
+      t = self.theory_collective_elements.get(kind, 0)
+      lines.append(f"  {kind:<38}{m:>10,}  {t:>12,}")
+    if self.bytes_by_axis:
+      lines += ["", f"collective bytes per step by mesh axis (mesh "
+                f"{self.mesh})"]
+      for key, b in sorted(self.bytes_by_axis.items()):
+        lines.append(f"  {key:<38}{b:>14,}")
+      lines.append(f"  {'crossing processes':<38}{self.cross_process_bytes:>14,}")
+    if self.offload:
+      o = self.offload
+      how = (f"streamed in {o['chunks']} chunks (largest "
+             f"{o['largest_chunk_fraction']:.1%} of the offloaded state)"
+             if o["streamed"] else f"whole state at once ({o['reason']})")
+      lines += ["", f"offload: update {how}",
+                f"  host->device bytes/step per device   "
+                f"{o['host_to_device_bytes']:>14,}  theory "
+                f"{o['theory_streamed_bytes']:>14,}",
+                f"  device->host bytes/step per device   "
+                f"{o['device_to_host_bytes']:>14,}  theory "
+                f"{o['theory_streamed_bytes']:>14,}",
+                f"  (ZeRO-Offload's host-side update would move "
+                f"{o['theory_host_compute_bytes']:,}: compute-dtype "
+                f"gradients down, params up)"]
+    a = self.activations
+    if a.get("error"):
+      lines += ["", f"saved activations: {a['error']}"]
+    elif a:
+      lines += ["", "saved activations per device (the loss on one device's "
+                "batch, before model-axis splits)",
+                f"  device {a['device']:>14,}   host {a['host']:>14,}   "
+                f"(layer scans {a['scan']:,})"]
+    lines += ["", "XLA memory analysis per device (temp misses loop-body "
+              "buffers on CPU): " + ", ".join(
+                  f"{k} {v:,}" for k, v in self.xla_memory.items())]
+    return "\n".join(lines)
+
+  def _repr_markdown_(self) -> str:
+    rows = ["| category | measured bytes/device | theory |", "|---|---|---|"]
+    for c in sorted(set(self.state_bytes) | set(self.theory_state_bytes)):
+      m, t = self.state_bytes.get(c), self.theory_state_bytes.get(c)
+      rows.append(f"| {c} | {'' if m is None else f'{m:,}'} | "
+                  f"{'' if t is None else f'{t:,.0f}'} |")
+    rows += ["", "| collective | count | elements/step | theory |", "|---|---|---|---|"]
+    counts = collections.Counter()
+    for c in self.collectives:
+      counts[c["kind"]] += c["count"]
+    elems = self.zero_collective_elements or self.collective_elements
+    for kind in sorted(set(elems) | set(self.theory_collective_elements)):
+      rows.append(f"| {kind} | {counts[kind]} | "
+                  f"{elems.get(kind, 0):,} | "
+                  f"{self.theory_collective_elements.get(kind, 0):,} |")
+    return "\n".join(rows)
+
+
+def report(step, state: ZeroState, batch) -> Report:
+  """Compiles ``step`` for ``(state, batch)`` and reports what it costs.
+
+  Args:
+    step: a :class:`zerojax.TrainStep`.
+    state: its :class:`zerojax.ZeroState`.
+    batch: an example batch (only shapes matter; nothing is run).
+
+  Returns:
+    A :class:`Report`; ``print`` it, show it in a notebook, or ``to_json()``.
+  """
+  compiled = step.lower(state, batch).compile()
+  hlo = compiled.as_text()
+  spec = state.spec
+  n = spec.tx.num_shards
+  mesh = spec.tx.mesh
+  colls = _hlo.collectives(hlo, mesh.devices.size)
+  by_axis = collections.Counter()
+  crossing = 0
+  for c in colls:
+    by_axis[f"{c.kind} over {'+'.join(_hlo.axes_of(c, mesh)) or '-'}"] += (
+        c.total_bytes)
+    if _hlo.crosses_processes(c, mesh):
+      crossing += c.total_bytes
+  by_kind_b, by_kind_e = collections.Counter(), collections.Counter()
+  zero_b, zero_e = collections.Counter(), collections.Counter()
+  batch_axes = set(spec.tx.batch_axes)
+  for c in colls:
+    by_kind_b[c.kind] += c.total_bytes
+    by_kind_e[c.kind] += c.total_elements
+    if set(_hlo.axes_of(c, mesh)) <= batch_axes:
+      zero_b[c.kind] += c.total_bytes
+      zero_e[c.kind] += c.total_elements
+  theory = theory_collectives(state, step.accum_steps)
+  mem = compiled.memory_analysis()
+  return Report(
+      stage=spec.stage, n_devices=n,
+      n_params=sum(r.size for r in spec.leaves if r.trainable),
+      state_bytes=_inspect.state_bytes(state),
+      theory_state_bytes=_inspect.theory_bytes(state),
+      collectives=[dataclasses.asdict(c) for c in colls],
+      collective_bytes=dict(by_kind_b), collective_elements=dict(by_kind_e),
+      theory_collective_elements={k: v[0] for k, v in theory.items()},
+      theory_collective_bytes={k: v[1] for k, v in theory.items()},
+      xla_memory={"argument": mem.argument_size_in_bytes,
+                  "output": mem.output_size_in_bytes,
+                  "temp": mem.temp_size_in_bytes,
+                  "alias": mem.alias_size_in_bytes},
+      mesh={a: int(s) for a, s in mesh.shape.items()},
+      bytes_by_axis=dict(by_axis), cross_process_bytes=crossing,
+      zero_collective_bytes=dict(zero_b), zero_collective_elements=dict(zero_e),
+      offload=_offload_traffic(state, hlo) if spec.place.offload else {},
+      activations=_saved_activations(step, state, batch))
+
+
+def _saved_activations(step, state: ZeroState, batch) -> dict:
+  """The loss's saved residuals on one device's micro-batch, with the
+  whole params in their compute dtype (see :mod:`zerojax._src.jaxpr.activations`)."""
+  spec = state.spec
+  shards = math.prod(spec.tx.mesh.shape[a] for a in spec.tx.batch_axes)
+  rows = shards * step.accum_steps
+  params = spec.unflatten_params([
+      jax.ShapeDtypeStruct(r.aval.shape,
+                           r.compute_dtype if r.trainable else r.aval.dtype)
+      for r in spec.leaves])
+  def local(x):                  # one device's rows; scalars as they are
+    shape = np.shape(x)
+    if not shape:
+      return x
+    return jax.ShapeDtypeStruct((shape[0] // rows,) + shape[1:],
+                                np.result_type(x))
+  local = jax.tree.map(local, batch)
+  call = loss_call(state)
+  key = None if state.key is None else jax.random.key(0)
+  return _activations.saved_residuals(
+      lambda p, b: call(step.loss_fn, p, b, key, state.model_state)[0],
+      params, local)
+
+
+def _offload_traffic(state: ZeroState, hlo: str) -> dict:
+  """How the offloaded update runs and the bytes it moves per step per
+  device: measured from the compiled program's entry buffers in host
+  memory (each read down once and written back once), next to theory
+  (the offloaded state, each way) and to ZeRO-Offload's host-side update
+  (compute-dtype gradients down and params up)."""
+  spec = state.spec
+  spaces = _hlo.entry_bytes_by_memory(hlo)
+  host = _inspect.memory_bytes(state).get("pinned_host", 0)
+  compute = sum(r.size * np.dtype(r.compute_dtype).itemsize
+                // r.shard.model_shards(spec.tx.model_axes)
+                for r in spec.leaves if r.trainable) / spec.tx.num_shards
+  return {**_offload.describe(spec),
+          "host_to_device_bytes": spaces["arguments"].get("pinned_host", 0),
+          "device_to_host_bytes": spaces["outputs"].get("pinned_host", 0),
+          "theory_streamed_bytes": host,
+          "theory_host_compute_bytes": int(2 * compute)}

@@ -1,0 +1,2 @@
+"""Checkpoints of a ``ZeroState`` with Orbax, restorable across meshes and
+stages."""

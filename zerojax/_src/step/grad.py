@@ -1,0 +1,613 @@
+"""Gradients for a ZeRO stage, inside ``shard_map``: :func:`value_and_grad`.
+
+Per device, the loss runs on its rows of the batch. Which collective
+reduces the gradient depends on the stage:
+
+* stage 0: ``psum`` of the (accumulated) local gradient: one all-reduce;
+* stage 1: full local gradients, accumulated over micro-batches, then one
+  ``psum_scatter`` per leaf: a reduce-scatter;
+* stages 2-3: the model calls :func:`zerojax.gather` per layer; its custom
+  VJP reduce-scatters each layer's cotangent where the backward pass makes
+  it (see ``_gather.py``).
+
+Every differentiated value is made device-varying first: differentiating a
+replicated value inside ``shard_map`` makes JAX insert the transpose of an
+implicit broadcast, an all-reduce, that would spoil the reduce-scatter.
+
+Before the loss is differentiated at stages 2-3, its traced program is
+checked (``_audit.py``): a loss that touches a sharded parameter other than
+through ``gather`` (an L2 term over ``jax.tree.leaves(params)``, a
+``ravel_pytree``) is run on the whole gathered tree instead
+(``gather="auto"``), or rejected (``gather="model"``). Never silently on
+shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from zerojax._src.comm import buckets as _buckets
+from zerojax._src.comm import gather as _gather
+from zerojax._src.comm import quantized as _zeropp
+from zerojax._src.jaxpr import audit as _audit
+from zerojax._src.records.mesh import explain_closures
+from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
+                                       make_spec, model_axes_of,
+                                       tree_difference)
+from zerojax._src.step.batch import place_batch
+
+GATHER_MODES = ("auto", "model", "all")
+
+
+class LossOutputError(ValueError):
+  """``loss_fn`` returned something other than what its signature promises."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCall:
+  """How a loss is called and what it returns.
+
+  ``loss_fn(params, batch[, key=][, model_state=])`` returns
+
+  * without model state: ``loss``, or ``(loss, aux)`` (``has_aux`` True, or
+    ``None`` to accept either);
+  * with model state: ``(loss, new_model_state)`` or
+    ``(loss, new_model_state, aux)``.
+  """
+
+  has_key: bool = False
+  has_model_state: bool = False
+  has_aux: bool | None = None
+
+  def __call__(self, loss_fn, params, batch, key, model_state):
+    kw = {}
+    if self.has_key:
+      kw["key"] = key
+    if self.has_model_state:
+      # Rebuilt here, inside whatever transformation calls the loss: Flax
+      # NNX variables may only be mutated at the trace that created them.
+      leaves, treedef = jax.tree.flatten(model_state)
+      kw["model_state"] = jax.tree.unflatten(treedef, leaves)
+    return self.parse(loss_fn(params, batch, **kw), model_state)
+
+  def parse(self, out, model_state):
+    """-> ``(loss as float32 scalar, new_model_state, aux)``."""
+    if self.has_model_state:
+      if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise LossOutputError(
+            "zerojax: with model_state, loss_fn must return "
+            "(loss, new_model_state) or (loss, new_model_state, aux); got "
+            f"{_describe(out)}.")
+      loss, new_state = out[0], out[1]
+      aux = out[2] if len(out) == 3 else None
+      _check_same_tree(model_state, new_state)
+    elif self.has_aux is None:
+      loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+      new_state = None
+    elif self.has_aux:
+      if not isinstance(out, tuple) or len(out) != 2:
+        raise LossOutputError(f"zerojax: has_aux=True, so loss_fn must return "
+                              f"(loss, aux); got {_describe(out)}.")
+      (loss, aux), new_state = out, None
+    else:
+      loss, aux, new_state = out, None, None
+    if not hasattr(loss, "shape") or jnp.shape(loss) != ():
+      raise LossOutputError(
+          f"zerojax: loss_fn must return a scalar loss (or a tuple starting "
+          f"with one); got loss of shape {jnp.shape(loss)}.")
+    return jnp.asarray(loss).astype(jnp.float32), new_state, aux
+
+
+def _describe(out) -> str:
+  if isinstance(out, tuple):
+    return f"a tuple of {len(out)}"
+  return f"{type(out).__name__} of shape {jnp.shape(out)}"
+
+
+def _check_same_tree(old, new):
+  diff = tree_difference(new, old)
+  if diff and diff[0] == "structure":
+    raise LossOutputError(
+        f"zerojax: the model state returned by loss_fn has tree structure "
+        f"{diff[1]}, the state given to it {diff[2]}. Return the updated "
+        f"model state with the same structure (e.g. nnx.state(model, ...) "
+        f"with the same filters).")
+  if diff:
+    _, path, b, a = diff
+    raise LossOutputError(
+        f"zerojax: model_state{path} went from {a.dtype}{list(a.shape)} to "
+        f"{b.dtype}{list(b.shape)} in loss_fn; model state must keep its "
+        f"shapes and dtypes (cast it back).")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossProgram:
+  """One gradient (or evaluation) computation's static inputs: the state's
+  records, the user's loss and how it is called, the micro-batches per
+  step and the gather mode (see :func:`zerojax.train_step`)."""
+
+  spec: StateSpec
+  loss_fn: Callable
+  call: LossCall
+  accum_steps: int = 1
+  gather: str = "auto"
+
+
+# --------------------------------------------------------------------------
+# per device
+# --------------------------------------------------------------------------
+def _split_micro(x, k):
+  return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+
+
+def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpec:
+  """Param record ``r``'s gather; ``quantized``: with the tx's ZeRO++
+  settings (training), else exact (evaluation)."""
+  zeropp = spec.tx.zeropp
+  return _gather.GatherSpec(
+      axis_name=spec.tx.axis_name, dim=r.shard.dim - len(r.aval.shape),
+      size=r.aval.shape[r.shard.dim], stage=spec.stage,
+      reduce_dtype=r.reduce_dtype, path=r.path,
+      replica=tuple(a for a in spec.tx.batch_axes if a != spec.tx.axis_name),
+      padded=r.shard.padded, model=r.shard.model,
+      weight_bits=zeropp.weight_bits if quantized else None,
+      grad_bits=zeropp.grad_bits if quantized else None,
+      block_size=zeropp.block,
+      hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
+      node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
+      stochastic=quantized and zeropp.stochastic_grads)
+
+
+def hooked_leaves(spec: StateSpec) -> list[bool]:
+  """Which params reach a stage 2-3 loss as ShardedParam."""
+  return [spec.stage >= 2 and r.hooked for r in spec.leaves]
+
+
+def model_params(spec, leaves, sinks, hooked, gspecs):
+  """The params tree the loss sees: ShardedParam where hooked."""
+  return spec.unflatten_params([
+      _gather.ShardedParam(sinks[i], x, gspecs[i]) if hooked[i] else
+      (sinks[i] if sinks[i] is not None else x)
+      for i, x in enumerate(leaves)])
+
+
+def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
+                   what: str) -> str:
+  """``"model"`` or ``"all"`` for this loss; raises or warns as the mode says.
+
+  ``probe(*args, gather_all=False)`` calls the loss on ShardedParam leaves
+  (or, with ``gather_all``, on the gathered tree); ``tagged`` gives, per
+  leaf of ``args``, the param index it belongs to (None: not a param).
+  """
+  if mode == "all" or not any(t is not None for t in tagged):
+    return mode if mode == "all" else "model"
+  try:
+    misuse = _audit.ungathered_uses(probe, args, tagged)
+  except _audit.AuditUnreadable as e:
+    # zerojax's limitation, not the loss's: said as such, never as a misuse
+    if mode == "model":
+      raise RuntimeError(
+          f"zerojax {what}, gather='model': {e}. zerojax cannot prove the "
+          f"loss only gathers its sharded parameters, so it will not run it "
+          f"on shards. Use gather='all' (the whole tree gathered first: "
+          f"exact, not lean) and report the primitive to zerojax.") from e
+    warn_unreadable(spec, str(e), what)
+    return "all"
+  except _gather.UngatheredParamError as e:
+    if mode == "model":
+      raise
+    reason = str(e).splitlines()[0]
+  except LossOutputError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- told apart just below
+    if mode == "model":
+      raise
+    # A library may reject the unfamiliar ShardedParam leaf with its own
+    # error (Flax checks shapes). Trace the loss on the gathered tree: if
+    # that fails too, the bug is the loss's own, and that error is raised,
+    # once and unchanged; if it succeeds, the ShardedParam was the problem.
+    error = None
+    try:
+      jax.make_jaxpr(lambda *a: probe(*a, gather_all=True))(*args)
+    except Exception as e2:  # noqa: BLE001 -- re-raised as it is
+      error = e2
+    if error is not None:
+      raise error
+    reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+  else:
+    if not misuse:
+      return "model"
+    uses = "; ".join(f"params{spec.leaves[i].path} by {prim}"
+                     for i, prim in sorted(misuse.items())[:5])
+    more = f" (and {len(misuse) - 5} more)" if len(misuse) > 5 else ""
+    reason = f"used without zerojax.gather: {uses}{more}"
+    if mode == "model":
+      raise _gather.UngatheredParamError(
+          f"zerojax {what}, gather='model': sharded parameters are {reason}. "
+          f"Their shards are not the parameter: call zerojax.gather on "
+          f"them first, or use gather='auto' (default) / 'all' to gather the "
+          f"whole tree at the start of the loss.")
+  warn_whole_tree_gather(spec, reason, what)
+  return "all"
+
+
+def _whole_tree_cost(spec: StateSpec) -> str:
+  full = sum(int(np.prod(r.aval.shape)) * np.dtype(r.compute_dtype).itemsize
+             for r in spec.leaves)
+  return (f"all {full / 2**20:.1f} MiB of full weights are live per device "
+          f"at once, instead of one layer's" if spec.stage == 3 else
+          f"the full gradient ({full / 2**20:.1f} MiB per device in compute "
+          f"dtype) is produced before it is reduce-scattered")
+
+
+def warn_unreadable(spec: StateSpec, reason: str, what: str):
+  warnings.warn(
+      f"zerojax stage {spec.stage} {what}: {reason}, so it cannot prove that "
+      f"the loss uses its sharded parameters only through zerojax.gather. "
+      f"To stay exact it gathers the whole parameter tree at the start of "
+      f"the loss (not lean): {_whole_tree_cost(spec)}. This is a limitation "
+      f"of zerojax with this JAX release, not a fault in your loss; please "
+      f"report it. gather='all' silences this warning.", stacklevel=3)
+
+
+def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
+  cost = _whole_tree_cost(spec)
+  warnings.warn(
+      f"zerojax stage {spec.stage} {what}: loss_fn does not only gather its "
+      f"parameters ({reason}), so zerojax gathers the whole parameter tree "
+      f"at the start of the loss (exact, not lean): {cost}. To gather per "
+      f"layer, run the layers in a lax.scan and call "
+      f"zerojax.gather(layer_params) in the (jax.checkpoint-ed) body; pass "
+      f"gather='all' to silence this, gather='model' to make it an error.",
+      stacklevel=3)
+
+
+def local_grads(prog: LossProgram, leaves, batch, key, model_state):
+  """Per-device body: ``(grads, loss, aux, new_model_state)``, reduced.
+
+  ``grads[i]``: the shard (storage layout) of a sharded leaf at stages 1-3,
+  the all-reduced full gradient otherwise, ``None`` for frozen leaves.
+  """
+  spec, tx = prog.spec, prog.spec.tx
+  axes = tx.batch_axes               # every axis the batch splits over
+  hooked = hooked_leaves(spec)
+  gspecs = [gather_spec(spec, r) if h else None
+            for r, h in zip(spec.leaves, hooked)]
+  if tx.stage == 3 and tx.zeropp.hpz_size:
+    leaves = _secondary_shards(spec, leaves, hooked)
+  if key is not None:
+    key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+  micro_key = lambda i: None if key is None else jax.random.fold_in(key, i)
+  k = prog.accum_steps
+  micro = (batch if k == 1 else
+           jax.tree.map(lambda x: _split_micro(x, k), batch))
+  first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
+  mode = (gather_mode(prog, leaves, _diff_inputs(spec, leaves, hooked),
+                      hooked, gspecs, first, micro_key(0), model_state,
+                      "train step") if tx.stage >= 2 else "model")
+
+  def one(mb, key, ms):              # one micro-batch's loss and gradients
+    def f(diff):
+      loss, new_ms, aux = run_loss(prog, leaves, diff, hooked, gspecs,
+                                   mode == "all", mb, key, ms)
+      return loss, (new_ms, aux)
+    (loss, (new_ms, aux)), g = jax.value_and_grad(f, has_aux=True)(
+        _diff_inputs(spec, leaves, hooked))
+    g = [None if x is None else x.astype(r.reduce_dtype)
+         for x, r in zip(g, spec.leaves)]
+    return g, loss, aux, new_ms
+
+  if k == 1:
+    grads, loss, aux, new_ms = one(micro, micro_key(0), model_state)
+  else:
+    grads, loss, aux, new_ms = _accumulate(one, micro, first, micro_key,
+                                           model_state, k, axes)
+  scale = 1.0 / (tx.batch_shards * k)
+  return (_reduce_grads(spec, grads, hooked, scale),
+          *_reduce_outputs(loss, aux, new_ms, axes, scale))
+
+
+def _secondary_shards(spec: StateSpec, leaves, hooked):
+  """hpZ: each sharded param's secondary shard, gathered across nodes once
+  per step (outside the loss, its remat and the micro-batch loop), per
+  model shard as every data-axis collective (``over_model_shards``; left
+  to XLA it gathered the weights over ``model`` first: all-gather elements
+  1.20x the theory's on a 4 x 2 mesh)."""
+  tx = spec.tx
+  zpp = tx.zeropp
+  return [_gather.over_model_shards(
+              lambda y, r=r: _zeropp.secondary(
+                  y, tx.axis_name, r.shard.dim, zpp.hpz_size,
+                  zpp.weight_bits, zpp.block),
+              x, r.shard.model, r.shard.dim)
+          if h else x for x, h, r in zip(leaves, hooked, spec.leaves)]
+
+
+def _diff_inputs(spec: StateSpec, leaves, hooked):
+  """What the loss is differentiated with respect to: a gradient sink per
+  gathered leaf (its cotangent arrives reduce-scattered), the leaf itself
+  (varying over the batch axes) otherwise, ``None`` for frozen leaves."""
+  tx = spec.tx
+  out = []
+  for x, r, h in zip(leaves, spec.leaves, hooked):
+    if not r.trainable:
+      out.append(None)
+    elif h:
+      out.append(_gather.sink_like(r.shard.shard_shape(tx.num_shards),
+                                   r.reduce_dtype, tx.batch_axes))
+    else:
+      out.append(jax.lax.pcast(x, tx.batch_axes, to="varying"))
+  return out
+
+
+def run_loss(prog: LossProgram, leaves, diff, hooked, gspecs,
+             gather_all: bool, mb, key, model_state):
+  """The user's loss on the params the model sees (:func:`model_params`:
+  :class:`~zerojax.ShardedParam` for gathered leaves), or on the whole
+  gathered tree with ``gather_all``: ``(loss, new_model_state, aux)``."""
+  params = model_params(prog.spec, leaves, diff, hooked, gspecs)
+  if gather_all:
+    params = _gather.gather(params)
+  return prog.call(prog.loss_fn, params, mb, key, model_state)
+
+
+def gather_mode(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
+                model_state, what: str) -> str:
+  """``"model"`` or ``"all"``: whether the traced loss gathers what it uses
+  (:func:`resolve_gather` on a probe of one micro-batch, the gathered
+  leaves' sinks and sources tagged). Training and evaluation alike."""
+  sinks = [d if h else None for d, h in zip(diff, hooked)]
+  srcs = [x if h else None for x, h in zip(leaves, hooked)]
+  tags = [i for i, h in enumerate(hooked) if h] * 2
+
+  def probe(sinks, srcs, mb, k, ms, gather_all=False):
+    d = [s if h else d for s, d, h in zip(sinks, diff, hooked)]
+    ls = [s if h else x for s, x, h in zip(srcs, leaves, hooked)]
+    return run_loss(prog, ls, d, hooked, gspecs, gather_all, mb, k, ms)
+
+  args = (sinks, srcs, mb, key, model_state)
+  n_rest = len(jax.tree.leaves(args)) - len(tags)
+  return resolve_gather(prog.spec, prog.gather, probe, args,
+                        tags + [None] * n_rest, what)
+
+
+def _accumulate(one, micro, first, micro_key, model_state, k: int, axes):
+  """``one`` over ``k`` micro-batches in a ``lax.scan``, gradients, loss
+  and aux summed, model state carried."""
+  g_shape, l_shape, a_shape, _ = jax.eval_shape(
+      lambda mb: one(mb, micro_key(0), model_state), first)
+  zeros = jax.tree.map(
+      lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"),
+      (g_shape, l_shape, a_shape))
+
+  def body(carry, xs):
+    acc, ms = carry
+    mb, i = xs
+    g, loss, aux, ms = one(mb, micro_key(i), ms)
+    return (jax.tree.map(jnp.add, acc, (g, loss, aux)), ms), None
+  ms0 = (None if model_state is None else
+         jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"),
+                      model_state))
+  ((grads, loss, aux), new_ms), _ = jax.lax.scan(
+      body, (zeros, ms0), (micro, jnp.arange(k)))
+  return grads, loss, aux, new_ms
+
+
+def _reduce_grads(spec: StateSpec, grads, hooked, scale: float):
+  """Each leaf's gradient reduced over the batch axes and scaled to the
+  mean: gathered leaves are reduce-scattered already (summed over the
+  replica axis here), other sharded leaves reduce-scattered, the rest
+  all-reduced. Whole-leaf collectives run over the leaf's rows (a stack's
+  layers) in buckets of at most ``tx.bucket_bytes`` (ZeRO-R's CB); the
+  replica sum (hybrid sharding: Ψ/N elements cross it) once per step."""
+  tx = spec.tx
+  axis, axes, bucket = tx.axis_name, tx.batch_axes, tx.bucket_bytes
+  replica = tuple(a for a in axes if a != axis)
+
+  def psum(g, over, layout):
+    if not over:
+      return g
+    return _gather.over_model_shards(lambda x: jax.lax.psum(x, over), g,
+                                     layout.model)
+  out = []
+  for g, r, h in zip(grads, spec.leaves, hooked):
+    if g is None:
+      out.append(None)
+      continue
+    size = _buckets.itemsize(g.dtype)
+    if h:                                 # already reduce-scattered
+      fn = lambda x, r=r: psum(x, replica, r.shard) * scale
+      out.append(_buckets.bucketed(fn, g, size, bucket if replica else None,
+                                   _buckets.splittable(r.shard)))
+    elif tx.stage >= 1 and r.shard.sharded:
+      gs = gather_spec(spec, r)
+
+      def fn(x, r=r, gs=gs):
+        x = _gather.over_model_shards(
+            lambda y, d=r.shard.dim: _gather.reduce_scatter(y, axis, d, gs),
+            r.shard.to_storage(x), r.shard.model, r.shard.dim)
+        return psum(x, replica, r.shard) * scale
+      # qgZ's blocks span the destination shard: not split (``buckets``)
+      out.append(_buckets.bucketed(fn, g, size,
+                                   None if gs.grad_bits else bucket,
+                                   _buckets.splittable(r.shard)))
+    else:                                 # stage 0, or a replicated leaf
+      fn = lambda x, r=r: psum(x, axes, r.param) * scale
+      out.append(_buckets.bucketed(fn, g, size, bucket,
+                                   _buckets.splittable(r.param)))
+  return out
+
+
+def _reduce_outputs(loss, aux, new_ms, axes, scale: float):
+  """The loss and float aux as means over devices and micro-batches,
+  integer aux (counts) summed, the model state synchronised."""
+  loss = jax.lax.psum(loss, axes) * scale
+  aux = jax.tree.map(lambda a: _psum(a, axes) * scale
+                     if jnp.issubdtype(a.dtype, jnp.inexact)
+                     else _psum(a, axes), aux)
+  if new_ms is not None:
+    new_ms = jax.tree.map(lambda x: sync_model_state(x, axes), new_ms)
+  return loss, aux, new_ms
+
+
+def _psum(x, axes):
+  """``psum`` over manual ``axes``, run manual over any automatic (model)
+  axes too: see ``_gather.over_model_shards`` (XLA CPU aborts on bf16
+  collectives in partially automatic regions)."""
+  return _gather.over_model_shards(lambda v: jax.lax.psum(v, axes), x, ())
+
+
+def sync_model_state(x, axis):
+  """Floating state: mean over the batch axes (synchronised batch norm);
+  anything else (counters, keys): device 0's value, on every device."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return _psum(x, axis) / jax.lax.axis_size(axis)
+  if is_key_dtype(x.dtype):
+    impl = jax.random.key_impl(x)
+    return jax.random.wrap_key_data(sync_model_state(jax.random.key_data(x), axis),
+                                    impl=impl)
+  first = jax.lax.axis_index(axis) == 0
+  return _psum(jnp.where(first, x, jnp.zeros_like(x)), axis)
+
+
+# --------------------------------------------------------------------------
+# global: the shard_map around it
+# --------------------------------------------------------------------------
+def over_batch_axes(prog: LossProgram, body, out_specs, params, batch, key,
+                    model_state):
+  """``body(prog, param_leaves, batch, key, model_state)`` per device in a
+  ``shard_map`` manual over the batch axes only: model (tensor-parallel)
+  axes stay automatic, so XLA partitions the loss over them as the params
+  say. Params enter in their stored layout, the batch split by rows, key
+  and model state replicated. Training and evaluation alike."""
+  tx = prog.spec.tx
+  param_specs = [r.param.manual_spec(tx.axis_name) for r in prog.spec.leaves]
+  batch_specs = jax.tree.map(lambda _: P(tx.batch_axes), batch)
+  rep = lambda t: jax.tree.map(lambda _: P(), t)
+  return jax.shard_map(
+      functools.partial(body, prog), mesh=tx.compute_mesh,
+      in_specs=(param_specs, batch_specs, rep(key), rep(model_state)),
+      out_specs=out_specs, axis_names=set(tx.batch_axes))(
+          jax.tree.leaves(params), batch, key, model_state)
+
+
+def sharded_grads(prog: LossProgram, params, batch, key, model_state):
+  """Runs :func:`local_grads` per device; grads as global arrays."""
+  tx = prog.spec.tx
+  grad_specs = [None if not r.trainable else
+                (r.shard.manual_spec(tx.axis_name) if tx.stage >= 1 else P())
+                for r in prog.spec.leaves]
+  return over_batch_axes(prog, local_grads, (grad_specs, P(), P(), P()),
+                         params, batch, key, model_state)
+
+
+def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
+                   accum_steps: int = 1, gather: str = "auto") -> Callable:
+  """Sharded ``jax.value_and_grad`` for ``tx``'s stage, returning gradients
+  in the stage's layout.
+
+  The gradient half of :func:`zerojax.train_step`, usable alone: the loss
+  runs per device on its rows of the batch inside ``shard_map``, and the
+  gradient is all-reduced (stage 0), reduce-scattered after the backward
+  (stage 1), or reduce-scattered layer by layer through
+  :func:`zerojax.gather` (stages 2-3).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch[, key=])`` returning the mean loss over
+      its rows, or ``(loss, aux)`` with ``has_aux=True``.
+    tx: a :class:`zerojax.ZeroTransformation`.
+    has_aux: as in ``jax.value_and_grad``. Floating aux leaves are averaged
+      over devices and micro-batches, integer ones (counts) summed.
+    accum_steps: micro-batches per call (accumulated inside).
+    gather: as in :func:`zerojax.train_step`.
+
+  Returns:
+    ``fn(params, batch, *, key=None) -> (value, grads)`` with ``value`` the
+    loss, or ``(loss, aux)``. ``params`` is the params tree as you hold it
+    (stages 0-2: replicated) or a :class:`zerojax.ZeroState` (any stage;
+    needed at stage 3, whose params are stored sharded; its step key is
+    used when it carries one). ``grads`` has the params' structure: at
+    stage 0 the full gradient, replicated; at stages 1-3 each sharded leaf
+    as its storage shard (padded like the master copy, sharded over the
+    data axis), ready for ``tx.update`` or :func:`zerojax.apply_gradients`.
+    With ``key``, the loss is called with ``key=`` folded per device and
+    micro-batch. Jitted; nothing is donated.
+
+  Example:
+    >>> grad_fn = zerojax.value_and_grad(loss_fn, tx)
+    >>> loss, grads = grad_fn(params, batch)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+  """
+  check_options(loss_fn, gather, accum_steps, "zerojax.value_and_grad")
+
+  @functools.partial(jax.jit, static_argnums=3)
+  def run(params, batch, key, models):
+    if isinstance(params, ZeroState):
+      spec, model, ms = params.spec, params.params, params.model_state
+      if key is None and params.key is not None:
+        key = jax.random.fold_in(params.key, params.step)
+    else:
+      spec, model, ms = make_spec(params, tx, models), params, None
+    call = LossCall(has_key=key is not None, has_model_state=False,
+                    has_aux=has_aux)
+
+    def body(model, batch, key, ms):
+      if not isinstance(params, ZeroState):
+        model = spec.unflatten_params([
+            r.place.constrain(x, r.param)
+            for x, r in zip(jax.tree.leaves(model), spec.leaves)])
+      grads, loss, aux, _ = sharded_grads(
+          LossProgram(spec, loss_fn, call, accum_steps, gather), model,
+          batch, key, ms)
+      return [g for g in grads if g is not None], loss, aux
+    outs = ([spec.sharding(r.shard) for r in spec.leaves if r.trainable],
+            spec.replicated(), spec.replicated())
+    grads, loss, aux = spec.region(body, outs)(model, batch, key, ms)
+    grads = iter(grads)
+    grads = [next(grads) if r.trainable else None for r in spec.leaves]
+    grads = spec.unflatten_params([
+        g if g is not None else np.zeros(r.aval.shape, jax.dtypes.float0)
+        for g, r in zip(grads, spec.leaves)])
+    return ((loss, aux) if has_aux else loss), grads
+
+  def fn(params, batch, *, key=None):
+    if isinstance(params, ZeroState):
+      if params.model_state is not None:
+        raise ValueError(
+            "zerojax.value_and_grad: this state carries model_state, whose "
+            "update value_and_grad cannot return; use zerojax.train_step.")
+      if params.spec.tx.config != tx.config:
+        raise ValueError("zerojax.value_and_grad: the state was laid out by "
+                         "another ZeroTransformation than this one.")
+    elif tx.stage == 3:
+      raise ValueError(
+          "zerojax.value_and_grad at stage 3: the parameters are stored "
+          "sharded, so pass the ZeroState from zerojax.init (not a params "
+          "tree): grad_fn(state, batch).")
+    # A params tree's model shardings are read here, outside the jit.
+    models = (None if isinstance(params, ZeroState)
+              else model_axes_of(params, tx))
+    batch = place_batch(batch, tx, accum_steps)
+    with explain_closures(tx.mesh, "zerojax.value_and_grad"):
+      return run(params, batch, key, models)
+  return fn
+
+
+def check_options(loss_fn, gather, accum_steps, where):
+  if gather not in GATHER_MODES:
+    raise ValueError(f"{where}: gather={gather!r}; use 'auto', "
+                     f"'model' (the loss calls zerojax.gather per layer) or "
+                     f"'all' (zerojax gathers the whole tree first).")
+  if not isinstance(accum_steps, int) or accum_steps < 1:
+    raise ValueError(f"{where}: accum_steps={accum_steps!r} must be "
+                     f"an int >= 1.")
+  if not callable(loss_fn):
+    raise TypeError(f"{where}: loss_fn must be callable.")

@@ -1,0 +1,286 @@
+"""Offload: the optimizer update streamed through device memory in chunks.
+
+With ``zero(..., offload=True)`` the master copy and the optimizer state
+live in ``pinned_host`` memory. XLA computes on device-memory operands, so
+the update must bring them down; left to itself XLA's scheduler may bring
+all of them down at once (on one H100 the whole state was resident during
+the update: 46.8 GiB peak with offload against 47.6 GiB without). Here the
+update runs chunk by chunk -- groups of consecutive parameter leaves of at
+most ``1 / CHUNKS`` of the state's bytes (a larger leaf alone) -- and each
+chunk's loads from host memory wait, through an
+``optimization_barrier``, for the previous chunk's stored results. So the
+device holds one chunk's weights and state, old and new (the planner counts
+two chunks), never the whole of it.
+
+Why chunks of the *same* Optax update rather than a host-side update
+(``jax.experimental.compute_on``): on the supported JAX versions a
+host-compute region with host-memory operands fails to trace ordinary Optax
+code (``clip_by_global_norm``, LAMB and Adafactor mix memory spaces inside
+it), and its signature changed between 0.10 and 0.12. Streaming runs the
+inner optimizer exactly as on device, so its numbers are the on-device
+numbers, for every optimizer.
+
+Exactness. Chunk ``k`` calls the whole inner update with the other chunks'
+weights and state replaced by zeros, and keeps only its own outputs. That
+is the unsharded result only if those outputs do not read the other
+chunks' weights or state; :func:`plan` checks it from the update's jaxpr
+(:mod:`zerojax._src.jaxpr.deps`) before anything runs. Gradients, extra arguments
+and the state leaves no parameter owns (``count``, a PRNG key) are given to
+every chunk in full, so global-norm clipping, LAMB's trust ratio,
+Adafactor's factored moments and Lion stream. An optimizer whose outputs
+couple leaves through the state (``optax.MultiSteps``' conditional
+update) gets the whole-state update instead: exact, not bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax._src.jaxpr import deps as _deps
+from zerojax._src.records.spec import StateSpec
+
+# the state is streamed in chunks of at most 1/CHUNKS of its bytes
+CHUNKS = 16
+
+
+def byte_groups(sizes, parts: int) -> list[list[int]]:
+  """Consecutive items in groups of at most ``sum(sizes) / parts`` (a larger
+  item alone). Any two neighbouring groups together exceed the budget, so
+  there are fewer than ``2 * parts + 1`` groups."""
+  budget = max(sum(sizes) / parts, 1)
+  groups, current, held = [], [], 0
+  for i, size in enumerate(sizes):
+    if current and held + size > budget:
+      groups.append(current)
+      current, held = [], 0
+    current.append(i)
+    held += size
+  if current:
+    groups.append(current)
+  return groups
+
+
+def owners(spec: StateSpec) -> tuple[int | None, ...]:
+  """For each optimizer-state leaf, the param leaf it belongs to (matched by
+  path suffix, the longest param path winning), or None (shared)."""
+  out = []
+  for o in spec.opt_leaves:
+    best, best_len = None, -1
+    for i, r in enumerate(spec.leaves):
+      if r.trainable and o.path.endswith(r.path) and len(r.path) > best_len:
+        best, best_len = i, len(r.path)
+    out.append(best)
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where a chunk reads one param's weights from: ``raw`` as stored (in
+  host memory when offloaded), ``load(raw)`` its logical device view."""
+
+  raw: Any
+  load: Callable
+
+  @property
+  def aval(self):
+    return jax.eval_shape(self.load, aval_of(self.raw))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How the update is streamed: param leaves per chunk, the optimizer
+  leaves each chunk owns, and the shared optimizer leaves every chunk
+  reads."""
+
+  chunks: tuple[tuple[int, ...], ...]
+  owned: tuple[tuple[int, ...], ...]
+  shared: tuple[int, ...]
+
+
+def aval_of(x):
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _nbytes(aval) -> int:
+  if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+    return 0
+  return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+
+
+def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
+  """``(Plan, None)`` when streaming gives the whole update's numbers, else
+  ``(None, reason)``. Decided from shapes alone.
+
+  Args:
+    g_avals, w_avals: per-param logical gradients and weights as the
+      optimizer sees them (None for frozen leaves).
+    extra_avals: the update's extra arguments (a dict), arrays as
+      ``jax.ShapeDtypeStruct``, if any.
+    opt_def: the structure the inner state is handed in (default the
+      spec's).
+  """
+  opt_def = spec.opt_def if opt_def is None else opt_def
+  train = [i for i, w in enumerate(w_avals) if w is not None]
+  if not train:
+    return None, "no leaf is trained"
+  own = owners(spec)
+  opt_avals = [o.aval for o in spec.opt_leaves]
+  # array extra arguments are inputs of the probe; others (a callable, a
+  # string) are closed over as the update will see them
+  e_all, e_def = jax.tree.flatten(extra_avals or {})
+  e_leaves = [x for x in e_all if isinstance(x, jax.ShapeDtypeStruct)]
+  n_g, n_o = len(train), len(opt_avals)
+
+  def flat_update(*flat):
+    g, o = flat[:n_g], flat[n_g:n_g + n_o]
+    w, e = flat[n_g + n_o:2 * n_g + n_o], iter(flat[2 * n_g + n_o:])
+    extra = [next(e) if isinstance(x, jax.ShapeDtypeStruct) else x
+             for x in e_all]
+    updates, new = _call_inner(
+        spec, _view(spec, train, g), jax.tree.unflatten(opt_def, list(o)),
+        _view(spec, train, w), jax.tree.unflatten(e_def, extra))
+    return jax.tree.leaves(updates), jax.tree.leaves(new)
+
+  deps = _deps.input_dependencies(
+      flat_update, *[g_avals[i] for i in train], *opt_avals,
+      *[w_avals[i] for i in train], *e_leaves)
+  if deps is None:
+    return None, "the inner update could not be traced to a jaxpr here"
+  if len(deps) != n_g + n_o:
+    return None, "the inner update returned a state of another structure"
+  shared = tuple(j for j, p in enumerate(own) if p is None)
+  always = (frozenset(range(n_g)) | {n_g + j for j in shared}
+            | frozenset(range(2 * n_g + n_o, 2 * n_g + n_o + len(e_leaves))))
+  slot = {i: k for k, i in enumerate(train)}
+  allowed = {i: always | {n_g + n_o + slot[i]}
+             | {n_g + j for j, p in enumerate(own) if p == i} for i in train}
+  for i in train:
+    if not deps[slot[i]] <= allowed[i]:
+      return None, (f"the update of params{spec.leaves[i].path} reads other "
+                    f"leaves' weights or state")
+  for j, p in enumerate(own):
+    if not deps[n_g + j] <= (always if p is None else allowed[p]):
+      return None, (f"optimizer state{spec.opt_leaves[j].path} reads other "
+                    f"leaves' weights or state")
+  sizes = [_nbytes(w_avals[i]) + sum(_nbytes(opt_avals[j])
+                                     for j, p in enumerate(own) if p == i)
+           for i in train]
+  chunks = tuple(tuple(train[k] for k in g)
+                 for g in byte_groups(sizes, CHUNKS))
+  owned = tuple(tuple(j for j, p in enumerate(own) if p in c) for c in chunks)
+  return Plan(chunks, owned, shared), None
+
+
+def scatter(n: int, index, values) -> list:
+  """A list of ``n`` Nones with ``values`` at positions ``index``."""
+  out = [None] * n
+  for i, v in zip(index, values):
+    out[i] = v
+  return out
+
+
+def _view(spec, train, leaves):
+  return spec.optimizer_view(scatter(len(spec.leaves), train, leaves))
+
+
+def _call_inner(spec, g_tree, opt, w_tree, extra_args):
+  if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
+    return spec.tx.inner.update(g_tree, opt, w_tree, **extra_args)
+  return spec.tx.inner.update(g_tree, opt, w_tree)
+
+
+def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
+           finish: Callable, opt_def=None):
+  """Runs the inner update chunk by chunk (see the module docstring).
+
+  Args:
+    p: from :func:`plan`.
+    g_view: per-param logical gradients on device (None for frozen).
+    w_src: per-param :class:`Source` (None for frozen).
+    opt_raw: the inner state's leaves as stored.
+    finish: ``finish(i, w, u)`` -> param ``i``'s results from its weights
+      and update, computed inside its chunk (e.g. the new master copy,
+      stashed, and the new params).
+
+  Returns:
+    ``(per-param finish results (None for frozen), new state leaves as
+    stored)``.
+  """
+  opt_def = spec.opt_def if opt_def is None else opt_def
+  train = [i for i, s in enumerate(w_src) if s is not None]
+  g_flat = [g_view[i] for i in train]
+  results = [None] * len(w_src)
+  new_opt = [None] * len(opt_raw)
+  shared = {j: spec.opt_leaves[j].logical(opt_raw[j]) for j in p.shared}
+  previous = None
+  for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
+    raw_w = [w_src[i].raw for i in chunk]
+    raw_o = [opt_raw[j] for j in owned]
+    if previous is not None:
+      # this chunk's loads wait for the previous chunk's results
+      (raw_w, raw_o), _ = jax.lax.optimization_barrier(
+          ((raw_w, raw_o), previous))
+    w = {i: w_src[i].load(x) for i, x in zip(chunk, raw_w)}
+    o = dict(shared)
+    o.update({j: spec.opt_leaves[j].logical(x) for j, x in zip(owned, raw_o)})
+    # the other chunks' leaves: zeros, which no output kept here reads
+    # (checked by plan); typed keys have no zeros and are read as they are
+    opt_in = [o[j] if j in o else _zeros(spec.opt_leaves[j], opt_raw[j])
+              for j in range(len(opt_raw))]
+    w_in = [w[i] if i in w else jnp.zeros(a.shape, a.dtype)
+            for i, a in ((i, w_src[i].aval) for i in train)]
+    updates, new = _call_inner(
+        spec, _view(spec, train, g_flat), jax.tree.unflatten(opt_def, opt_in),
+        _view(spec, train, w_in), extra_args)
+    u_flat = spec.from_optimizer_view(updates)
+    new_leaves = jax.tree.leaves(new)
+    outs = []
+    for i in chunk:
+      results[i] = finish(i, w[i], u_flat[i])
+      outs.append(results[i])
+    for j in owned + (p.shared if k == 0 else ()):
+      new_opt[j] = spec.opt_leaves[j].storage(new_leaves[j])
+      outs.append(new_opt[j])
+    previous = outs
+  return results, new_opt
+
+
+def _zeros(o, raw):
+  if jax.dtypes.issubdtype(o.aval.dtype, jax.dtypes.extended):
+    return o.logical(raw)
+  return jnp.zeros(o.aval.shape, o.aval.dtype)
+
+
+def describe(spec: StateSpec, extra_avals=None) -> dict:
+  """How an offloaded state's update runs, from shapes alone:
+  ``{"streamed", "chunks", "largest_chunk_fraction", "reason"}`` (the
+  fraction of the optimizer's weights and state bytes the largest chunk
+  holds; ``reason`` says why the whole state is updated at once)."""
+  w_avals, g_avals = [], []
+  for r in spec.leaves:
+    if not r.trainable:
+      w_avals.append(None)
+      g_avals.append(None)
+      continue
+    dtype = r.master_dtype if spec.policy.has_master else r.compute_dtype
+    w_avals.append(jax.ShapeDtypeStruct(r.aval.shape, dtype))
+    g_avals.append(jax.ShapeDtypeStruct(r.aval.shape, r.master_dtype))
+  p, reason = plan(spec, g_avals, w_avals, extra_avals)
+  if p is None:
+    return {"streamed": False, "chunks": 1, "largest_chunk_fraction": 1.0,
+            "reason": reason}
+  own = owners(spec)
+  sizes = [sum(_nbytes(w_avals[i]) for i in c)
+           + sum(_nbytes(spec.opt_leaves[j].aval) for j in o)
+           for c, o in zip(p.chunks, p.owned)]
+  total = sum(_nbytes(a) for a in w_avals if a is not None) + sum(
+      _nbytes(spec.opt_leaves[j].aval) for j, q in enumerate(own)
+      if q is not None)
+  return {"streamed": True, "chunks": len(p.chunks),
+          "largest_chunk_fraction": max(sizes) / max(total, 1), "reason": None}

@@ -1,0 +1,321 @@
+"""The jitted, donated train step: :func:`value_and_grad`'s half, then
+:func:`apply_gradients`'s half, in one ``jit``.
+
+* **Gradients** (``_grad.py``) are computed inside ``jax.shard_map`` over the
+  data axis, so every parameter-sized collective is written by hand and XLA
+  emits exactly it: stage 0 ``psum`` (all-reduce), stage 1 ``psum_scatter``
+  after the local backward (reduce-scatter), stages 2-3 ``psum_scatter``
+  inside the backward pass through :func:`zerojax.gather`, and at stage 3
+  the forward (and rematerialised backward) ``all_gather``. Left to GSPMD,
+  the same layouts compile to an all-reduce of the full gradient on CPU,
+  twice the bytes of a reduce-scatter.
+* **The optimizer update** (``_update.py``) runs on global arrays under
+  ``jit``: logical views of the sharded gradient, master weights and
+  optimizer state, so every Optax optimizer gives the unsharded result.
+  Stage 1-2 parameters are all-gathered back, in the compute dtype.
+* **Randomness and model state**: a state built with ``key=`` hands the loss
+  ``fold_in(fold_in(fold_in(key, step), device), micro_batch)``; one built
+  with ``model_state=`` threads it through the micro-batches and averages
+  its floating leaves over the data axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zerojax._src.records.mesh import explain_closures
+from zerojax._src.records.spec import (StateSpec, ZeroState, leaf_dtype,
+                                       tree_difference)
+from zerojax._src.step import grad as _grad
+from zerojax._src.step import update as _update
+from zerojax._src.step.batch import place_batch
+from zerojax._src.step.dropin import ZeroTransformation
+from zerojax._src.step.grad import LossCall
+
+
+# --------------------------------------------------------------------------
+# input checks (all before tracing, so a failed step loses nothing)
+# --------------------------------------------------------------------------
+def config_differences(have, want) -> list[str]:
+  """Every configuration field in which two transformations differ."""
+  diffs = []
+  for f in dataclasses.fields(have.config):
+    a, b = getattr(have, f.name), getattr(want, f.name)
+    if f.name == "inner":
+      if a is not b and a != b:
+        diffs.append("inner optimizer: a different optax transformation")
+    elif f.name == "mesh":
+      if a != b:
+        diffs.append("mesh: the state lives on a different mesh")
+    elif a != b:
+      diffs.append(f"{f.name}: state has {a!r}, step has {b!r}")
+  return diffs
+
+
+def check_state(state, tx: ZeroTransformation) -> StateSpec:
+  if not isinstance(state, ZeroState):
+    raise TypeError(f"zerojax train step: expected a ZeroState from "
+                    f"zerojax.init, got {type(state).__name__}.")
+  spec = state.spec
+  have = spec.tx
+  if have != tx:
+    raise ValueError(
+        "zerojax train step: this state was laid out by another "
+        "ZeroTransformation (" + "; ".join(config_differences(have, tx))
+        + "). Build the step with the tx that built the state "
+        "(zerojax.init(params, tx); zerojax.train_step(loss_fn, tx)). To "
+        "move a state to another stage, re-init from "
+        "zerojax.gather_params(state).")
+  # The arrays must still match the spec (a user may have replaced params).
+  # Fast path, every step: compare against a per-layout signature computed
+  # once; walk the trees for a message only when something differs.
+  if _signature(state) == _expected_signature(spec):
+    return spec
+  expected = spec.abstract()
+  for name in _SECTIONS:
+    diff = tree_difference(getattr(state, name), getattr(expected, name))
+    if diff and diff[0] == "structure":
+      raise ValueError(
+          f"zerojax train step: state.{name} has tree structure {diff[1]}, "
+          f"but the optimizer state was built for {diff[2]}. Params and "
+          f"optimizer state must come from the same zerojax.init call.")
+    if diff:
+      _, path, g, w = diff
+      raise ValueError(
+          f"zerojax train step: state.{name}{path} is "
+          f"{leaf_dtype(g.dtype)}{list(g.shape)}, but the state layout "
+          f"expects {leaf_dtype(w.dtype)}{list(w.shape)} (stage "
+          f"{spec.stage} storage, padded). Rebuild the state with "
+          f"zerojax.init instead of replacing leaves.")
+  return spec
+
+
+_SECTIONS = ("params", "master", "opt_state")
+
+
+def _signature(state: ZeroState):
+  return tuple((jax.tree.structure(getattr(state, n)),
+                tuple((tuple(x.shape), leaf_dtype(x.dtype))
+                      for x in jax.tree.leaves(getattr(state, n))))
+               for n in _SECTIONS)
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_signature(spec: StateSpec):
+  return _signature(spec.abstract())
+
+
+# --------------------------------------------------------------------------
+# the train step: gradients (shard_map), then the update (GSPMD)
+# --------------------------------------------------------------------------
+def loss_call(state: ZeroState) -> LossCall:
+  return LossCall(has_key=state.key is not None,
+                  has_model_state=state.model_state is not None, has_aux=None)
+
+
+def step_key(state: ZeroState):
+  """The step's key: ``fold_in(root, step)`` (devices and micro-batches fold
+  in their own index inside the step)."""
+  return None if state.key is None else jax.random.fold_in(state.key, state.step)
+
+
+def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
+          gather_mode):
+  spec = state.spec
+  prog = _grad.LossProgram(spec, loss_fn, loss_call(state), accum_steps,
+                           gather_mode)
+  grads, loss, aux, new_ms = _grad.sharded_grads(
+      prog, state.params, batch, step_key(state), state.model_state)
+  if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
+    extra_args = {"value": loss, **extra_args}
+  new_state, grad_norm = _update.update_state(state, grads, extra_args,
+                                              "zerojax train step")
+  if new_ms is not None:
+    new_state = new_state.replace(model_state=new_ms)
+  metrics = {"loss": loss, "grad_norm": grad_norm}
+  if aux is not None:
+    metrics["aux"] = aux
+  return new_state, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class _CompiledStep:
+  """A jitted program over a :class:`ZeroState`: checks the state against
+  ``tx`` and places the batch before each call."""
+
+  loss_fn: Callable
+  tx: ZeroTransformation
+  gather: str
+  accum_steps: int
+  _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
+
+  def _prepare(self, state, batch):
+    check_state(state, self.tx)
+    return place_batch(batch, self.tx, self.accum_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep(_CompiledStep):
+  """A jitted, state-donating train step; call it as ``step(state, batch)``.
+
+  ``step(state, batch, **extra_args)`` returns ``(new_state, metrics)`` with
+  ``metrics = {"loss", "grad_norm"}`` (plus ``"aux"`` when the loss returns
+  one: floating leaves averaged over devices and micro-batches, integer
+  leaves -- counts -- summed). ``extra_args`` go to the inner optimizer's
+  update (an ``optax.GradientTransformationExtraArgs``), after ``value=``
+  (the step's mean loss), which is always passed. Metrics are device
+  arrays: read them a step late to keep the host from stalling the device.
+  """
+
+  donate: bool = True
+
+  def __call__(self, state: ZeroState, batch, **extra_args):
+    batch = self._prepare(state, batch)
+    with explain_closures(self.tx.mesh, "zerojax.train_step"):
+      return self._jitted(state, batch, *_update.split_extra_args(extra_args))
+
+  def lower(self, state: ZeroState, batch, **extra_args):
+    """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO."""
+    batch = self._prepare(state, batch)
+    with explain_closures(self.tx.mesh, "zerojax.train_step"):
+      return self._jitted.lower(state, batch,
+                                *_update.split_extra_args(extra_args))
+
+  def trace(self, state: ZeroState, batch, **extra_args):
+    """``jax.jit(...).trace`` of the step: its jaxpr, or a lowering for
+    another platform (``.lower(lowering_platforms=("cuda",))`` shows the
+    GPU program, host-memory placements included, from a CPU machine)."""
+    batch = self._prepare(state, batch)
+    with explain_closures(self.tx.mesh, "zerojax.train_step"):
+      return self._jitted.trace(state, batch,
+                                *_update.split_extra_args(extra_args))
+
+
+def train_step(
+    loss_fn: Callable,
+    tx: ZeroTransformation,
+    *,
+    accum_steps: int = 1,
+    gather: str = "auto",
+    donate: bool = True,
+) -> TrainStep:
+  """Builds the jitted train step for ``tx``'s stage.
+
+  It is :func:`zerojax.value_and_grad` followed by
+  :func:`zerojax.apply_gradients`, compiled together and donating the state.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning the mean loss over the
+      (per-device micro-) batch it is given, or ``(loss, aux)``. When the
+      state carries a key (``zerojax.init(..., key=)``) it is called with
+      ``key=`` as well, distinct per step, device and micro-batch; when it
+      carries model state, with ``model_state=``, and returns
+      ``(loss, new_model_state)`` or ``(loss, new_model_state, aux)``.
+    tx: the :class:`ZeroTransformation` that built the state.
+    accum_steps: micro-batches per step (gradient accumulation inside one
+      jitted step). Stages 0-1 accumulate local full gradients and reduce
+      once; stages 2-3 reduce every micro-batch into a sharded accumulator.
+    gather: who gathers sharded parameters at stages 2-3. ``"model"``:
+      ``loss_fn`` calls :func:`zerojax.gather` on each layer's parameters
+      just before use, and any other use of a sharded parameter is an error.
+      ``"all"``: zerojax gathers the whole tree before calling ``loss_fn`` --
+      exact for any loss, but at stage 3 every full weight is live at once.
+      ``"auto"`` (default): ``"model"`` when the loss's traced program uses
+      sharded parameters only through ``gather``; otherwise (an L2 term over
+      ``jax.tree.leaves(params)``, an ungathered layer) warn once with the
+      reason and the memory cost, and use ``"all"``. Either way the result
+      is the unsharded one. Other errors in the loss propagate unchanged.
+    donate: donate the input state's buffers to the output state.
+
+  Returns:
+    A :class:`TrainStep`.
+  """
+  _grad.check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
+
+  def fn(state, batch, arrays, static):
+    def body(state, batch, arrays):
+      return _step(state, batch, _update.join_extra_args(arrays, static),
+                   loss_fn=loss_fn, accum_steps=accum_steps,
+                   gather_mode=gather)
+    spec = state.spec
+    return spec.region(body, (spec.shardings_like(state), spec.replicated()))(
+        state, batch, arrays)
+  jitted = jax.jit(fn, donate_argnums=(0,) if donate else (),
+                   static_argnums=3)
+  return TrainStep(loss_fn=loss_fn, tx=tx, gather=gather,
+                   accum_steps=accum_steps, _jitted=jitted, donate=donate)
+
+
+# --------------------------------------------------------------------------
+# evaluation: forward only, the model's own per-layer gathers
+# --------------------------------------------------------------------------
+def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state):
+  """Per-device forward pass: the loss, averaged over the batch axes."""
+  spec = prog.spec
+  tx = spec.tx
+  hooked = [spec.stage == 3 and r.param.sharded for r in spec.leaves]
+  gspecs = [_grad.gather_spec(spec, r, quantized=False) if h else None
+            for r, h in zip(spec.leaves, hooked)]
+  # A sink of the shard's shape (never differentiated, so never computed).
+  sinks = [jnp.zeros(r.param.shard_shape(tx.num_shards), r.reduce_dtype)
+           if h else None for r, h in zip(spec.leaves, hooked)]
+  if key is not None:
+    key = jax.random.fold_in(key, jax.lax.axis_index(tx.batch_axes))
+  mode = _grad.gather_mode(prog, leaves, sinks, hooked, gspecs, batch, key,
+                           model_state, "eval step")
+  loss, _, _ = _grad.run_loss(prog, leaves, sinks, hooked, gspecs,
+                              mode == "all", batch, key, model_state)
+  return jax.lax.pmean(loss, tx.batch_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalStep(_CompiledStep):
+  """A jitted ``eval(state, batch) -> mean loss``; nothing is donated
+  (one batch per call: ``accum_steps`` is 1)."""
+
+  def __call__(self, state: ZeroState, batch):
+    batch = self._prepare(state, batch)
+    with explain_closures(self.tx.mesh, "zerojax.eval_step"):
+      return self._jitted(state, batch)
+
+  def lower(self, state: ZeroState, batch):
+    """``jax.jit(...).lower`` of the eval step (e.g. for its memory)."""
+    batch = self._prepare(state, batch)
+    with explain_closures(self.tx.mesh, "zerojax.eval_step"):
+      return self._jitted.lower(state, batch)
+
+
+def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
+              gather: str = "auto") -> EvalStep:
+  """A jitted ``eval(state, batch) -> mean loss`` that shards the batch.
+
+  No gradients, no update, nothing donated. At stage 3 the loss sees the
+  same :class:`ShardedParam` leaves as in training, so a model that gathers
+  per layer holds one layer's full weights at a time in evaluation too (a
+  forward-only gather per layer); a loss that does not is run on the whole
+  gathered tree (``gather="auto"``, with a warning) -- exact either way.
+  With a key in the state, the loss gets ``key=`` (fixed across calls:
+  ``fold_in(key, step)``, then the device); with model state,
+  ``model_state=`` and its returned update is discarded.
+  """
+  _grad.check_options(loss_fn, gather, 1, "zerojax.eval_step")
+
+  def run(state, batch):
+    return state.spec.region(_run, state.spec.replicated())(state, batch)
+
+  def _run(state, batch):
+    call = LossCall(has_key=state.key is not None,
+                    has_model_state=state.model_state is not None, has_aux=None)
+    prog = _grad.LossProgram(state.spec, loss_fn, call, gather=gather)
+    return _grad.over_batch_axes(prog, _eval_local, P(), state.params, batch,
+                                 step_key(state), state.model_state)
+  return EvalStep(loss_fn=loss_fn, tx=tx, gather=gather, accum_steps=1,
+                  _jitted=jax.jit(run))

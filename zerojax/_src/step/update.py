@@ -1,0 +1,253 @@
+"""The optimizer half of a step: the inner Optax update on global arrays.
+
+The inner optimizer sees logical (unpadded) views of the gradient, the
+weights it updates (the master copy, or the params when there is none) and
+its own state, each constrained to its shard layout under ``jit``.
+Elementwise work stays local to each shard; the few reductions that
+non-elementwise optimizers need (global norm, trust ratios, factored
+moments) are inserted by XLA as small all-reduces. That is why every Optax
+optimizer gives the unsharded result.
+
+Used by :func:`zerojax.train_step`, by :func:`apply_gradients` and by the
+drop-in ``ZeroTransformation.update``: one code path for all three.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax._src.records.mesh import in_caller_types
+from zerojax._src.records.spec import StateSpec, ZeroState
+from zerojax._src.step import offload as _offload
+from zerojax._src.step import state as _state
+
+
+def _check_opt(spec: StateSpec, opt_storage):
+  leaves = jax.tree.leaves(opt_storage)
+  if len(leaves) != len(spec.opt_leaves):
+    raise ValueError(
+        f"zerojax: the optimizer state has {len(leaves)} leaves; this "
+        f"optimizer's state for these params has {len(spec.opt_leaves)}. "
+        f"Pass the state that tx.init (or zerojax.init) returned.")
+  return leaves
+
+
+def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
+                 opt_def=None):
+  """Runs the inner optimizer on logical, sharded views, all at once.
+
+  Args:
+    g_view, w_view: per-param logical gradients and weights (``None`` for
+      frozen leaves).
+    opt_storage: the inner state's leaves as stored.
+    extra_args: keyword arguments for a ``GradientTransformationExtraArgs``.
+    opt_def: the tree structure to hand the inner state in (default the
+      spec's).
+
+  Returns:
+    ``(updates, new_opt_leaves)``: per-param logical updates (``None`` for
+    frozen leaves) and the new state's leaves in storage layout.
+  """
+  opt_def = spec.opt_def if opt_def is None else opt_def
+  leaves = _check_opt(spec, opt_storage)
+  opt_logical = jax.tree.unflatten(opt_def, [
+      o.logical(x) for x, o in zip(leaves, spec.opt_leaves)])
+  g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
+  if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
+    updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree,
+                                            **extra_args)
+  else:
+    updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree)
+  new_leaves = jax.tree.leaves(new_opt)
+  if len(new_leaves) != len(spec.opt_leaves):
+    raise ValueError(
+        "zerojax: the inner optimizer's update returned a state with "
+        f"{len(new_leaves)} leaves, its init {len(spec.opt_leaves)}.")
+  new_leaves = [o.storage(x) for x, o in zip(new_leaves, spec.opt_leaves)]
+  return spec.from_optimizer_view(updates), new_leaves
+
+
+def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
+               finish, opt_def=None):
+  """The inner update, then ``finish(i, w, u)`` per trained param.
+
+  With offload the update is streamed through device memory chunk by chunk
+  when that is exact (:mod:`zerojax._src.step.offload`); otherwise (and always
+  without offload) it runs on the whole state at once.
+
+  Args:
+    g_view: per-param logical gradients (None for frozen leaves).
+    w_src: per-param :class:`zerojax._src.step.offload.Source` (None for frozen).
+    opt_storage: the inner state as stored.
+
+  Returns:
+    ``(per-param finish results (None for frozen), new state leaves)``.
+  """
+  leaves = _check_opt(spec, opt_storage)
+  extra_args = {k: in_caller_types(spec.tx.mesh, v) if callable(v) else v
+                for k, v in extra_args.items()}
+  if spec.place.offload:
+    p, _ = _offload.plan(
+        spec, [None if g is None else _offload.aval_of(g) for g in g_view],
+        [None if s is None else s.aval for s in w_src],
+        jax.tree.map(lambda x: _offload.aval_of(x) if hasattr(x, "dtype")
+                     else x, extra_args), opt_def)
+    if p is not None:
+      return _offload.stream(spec, p, g_view, w_src, leaves, extra_args,
+                             finish, opt_def)
+  w_view = [None if s is None else s.load(s.raw) for s in w_src]
+  updates, new_opt = inner_update(spec, g_view, w_view, leaves, extra_args,
+                                  opt_def)
+  return [None if s is None else finish(i, w_view[i], updates[i])
+          for i, s in enumerate(w_src)], new_opt
+
+
+class _Static:
+  """A non-array extra argument, passed to ``jit`` as static: compared by
+  value when hashable, else by identity."""
+
+  def __init__(self, value):
+    self.value = value
+    try:
+      self._key = ("value", hash(value), value)
+    except TypeError:
+      self._key = ("id", id(value))
+
+  def __hash__(self):
+    return hash(self._key[:2])
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and (
+        self._key[0] == other._key[0] and (
+            self.value is other.value if self._key[0] == "id"
+            else self._key[1:] == other._key[1:]))
+
+
+def _is_array_like(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex,
+                        bool)) or hasattr(x, "__jax_array__")
+
+
+def split_extra_args(extra_args: dict):
+  """``(arrays, static)``: extra ``update`` arguments whose leaves are all
+  arrays or numbers (traced by ``jit``), and the rest (callables such as
+  ``optax.contrib.sophia``'s ``obj_fn``, strings) as a hashable tuple for a
+  static argument. :func:`join_extra_args` puts them back together."""
+  arrays, static = {}, []
+  for k, v in extra_args.items():
+    if all(_is_array_like(x) for x in jax.tree.leaves(v)):
+      arrays[k] = v
+    else:
+      static.append((k, _Static(v)))
+  return arrays, tuple(sorted(static, key=lambda kv: kv[0]))
+
+
+def join_extra_args(arrays: dict, static: tuple) -> dict:
+  return {**arrays, **{k: v.value for k, v in static}}
+
+
+def update_state(state: ZeroState, grads, extra_args, where: str):
+  """``state`` after one optimizer update with ``grads`` (per-param list,
+  storage or logical; ``None`` for frozen). Returns ``(state, grad_norm)``.
+
+  ``grads`` are gradients as ``jax.grad`` gives them. For a complex leaf
+  that is the conjugate of the direction of steepest ascent, so it is
+  conjugated before the optimizer sees it: Optax's convention for complex
+  parameters (its own tests do the same), under which every optimizer
+  descends."""
+  spec = state.spec
+  params = jax.tree.leaves(state.params)
+  g_view, w_src = [], []
+  for g, p, m, r in zip(grads, params, spec.masters(state.master),
+                        spec.leaves):
+    if not r.trainable:
+      g_view.append(None)
+      w_src.append(None)
+      continue
+    g = r.grad_view(g, spec.stage, where)
+    g_view.append(g.conj() if jnp.iscomplexobj(g) else g)
+    w_src.append(_offload.Source(*r.weight_source(p, m)))
+
+  def finish(i, w, u):
+    r = spec.leaves[i]
+    new_w = optax.apply_updates(w, u)
+    master = None if state.master is None else r.master_storage(new_w)
+    return master, new_w.astype(r.compute_dtype)
+
+  done, new_opt = run_update(spec, g_view, w_src, state.opt_state,
+                             extra_args, finish)
+  new_master = None
+  if state.master is not None:
+    new_master = spec.optimizer_view([None if d is None else d[0]
+                                      for d in done])
+  new_state = state.replace(
+      step=state.step + 1,
+      params=new_params(spec, params, [None if d is None else d[1]
+                                       for d in done]),
+      master=new_master, opt_state=jax.tree.unflatten(spec.opt_def, new_opt))
+  grad_norm = optax.tree.norm([g for g in g_view if g is not None])
+  return new_state, grad_norm
+
+
+def new_params(spec: StateSpec, params, new_w):
+  """Updated weights -> params as stored (stages 1-2: all-gathered back,
+  into the old params' buffers)."""
+  return spec.unflatten_params(_state.stored_params(spec, new_w, params))
+
+
+def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
+  """The optimizer half of :func:`zerojax.train_step`, usable alone.
+
+  Args:
+    state: a :class:`zerojax.ZeroState`.
+    grads: gradients with the params' structure, as returned by
+      :func:`zerojax.value_and_grad` (the stage's layout) or full and
+      replicated (e.g. from ``jax.grad`` at stages 0-2).
+    **extra_args: forwarded to the inner optimizer's update when it is an
+      ``optax.GradientTransformationExtraArgs`` (e.g. ``value=loss`` for
+      ``optax.contrib.reduce_on_plateau``).
+
+  Returns:
+    The new state (step + 1). Jitted; the input state is not donated.
+  """
+  if not isinstance(state, ZeroState):
+    raise TypeError(f"zerojax.apply_gradients: expected a ZeroState, got "
+                    f"{type(state).__name__}.")
+  flat = jax.tree.leaves(grads)
+  if len(flat) != len(state.spec.leaves):
+    raise ValueError(
+        f"zerojax.apply_gradients: grads have {len(flat)} leaves, the params "
+        f"{len(state.spec.leaves)}. Pass gradients with the params' structure.")
+  for g, r in zip(flat, state.spec.leaves):
+    if r.trainable:
+      _check_shape(state.spec, g, r)
+  arrays, static = split_extra_args(extra_args)
+  return _apply_jit(state, grads, arrays, static)
+
+
+def _check_shape(spec, g, r):
+  shape = tuple(np.shape(g))
+  if shape not in (tuple(r.aval.shape), tuple(r.shard.storage_shape)):
+    raise ValueError(
+        f"zerojax.apply_gradients: gradient{r.path} has shape {list(shape)}; "
+        f"the param is {list(r.aval.shape)} (stored as "
+        f"{list(r.shard.storage_shape)} at stage {spec.stage}).")
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _apply_jit(state, grads, arrays, static):
+  spec = state.spec
+  flat = [g if r.trainable else None
+          for g, r in zip(jax.tree.leaves(grads), spec.leaves)]
+
+  def body(state, flat, arrays):
+    new, _ = update_state(state, flat, join_extra_args(arrays, static),
+                          "zerojax.apply_gradients")
+    return new
+  return spec.region(body, spec.shardings_like(state))(state, flat, arrays)
+

@@ -1,0 +1,413 @@
+"""The planner: per-device memory and per-step communication before you rent.
+
+    python -m zerojax.plan --params 7.5e9 --devices 64
+    python -m zerojax.plan --params 1e12 --devices 1024 --memory-gb 32
+    python -m zerojax.plan --width 4096 --depth 32 --vocab 50257 --devices 256
+    python -m zerojax.plan --params 70e9 --mesh replica=4,data=256 --slices 4
+    python -m zerojax.plan --params 70e9 --mesh data=64,model=8 --hardware h100
+
+For a GPT-shaped model (from a parameter count, or an explicit config) on N
+data-parallel devices, prints for each ZeRO stage the per-device bytes of
+params, master weights, optimizer moments and gradients, and the collective
+bytes per step; then the largest GPT that fits ``--memory-gb`` per device at
+each stage. Everything comes from the layouts zerojax would use -- the same
+:func:`zerojax.make_spec` that ``zerojax.init`` runs, on abstract
+shapes (``jax.eval_shape``) and an ``AbstractMesh`` of N devices -- so no
+array is allocated and 1024 devices or 1T parameters cost nothing. Padding
+of dimensions that do not divide N is included.
+
+Model-state memory only, as in the ZeRO paper's Figure 1: activations,
+temporary buffers and fragmentation come on top.
+
+With ``--mesh`` (axes ``replica``, ``data``, ``model``) and ``--slices``
+(TPU slices or GPU nodes; the outermost axes are split across them, as
+:func:`zerojax.make_mesh` lays them out), each stage also gets its
+communication per step and mesh axis: bytes each chip sends over the fast
+links (ICI / NVLink) and over the slow ones (DCN / InfiniBand), and the
+seconds they take at the ``--hardware`` bandwidths. The model: ring
+collectives; a group of ``a`` chips moving a full buffer of ``B`` bytes
+sends ``(a-1)/a B`` per chip (all-gather, reduce-scatter; twice that for an
+all-reduce) over the fast links; a group spanning ``s`` slices also moves
+``(s-1)/s B`` into each slice, spread over its ``a/s`` chips' slow links
+(hierarchical collectives: the in-slice part moves ``(i-1)/i B`` over the
+group's ``i = a/s`` chips per slice); time = fast bytes / fast bandwidth +
+slow bytes / slow bandwidth (no overlap with compute). ``--collectives
+ring`` instead prices one flat ring per group, whose slow hops each carry
+``(a-1)/a B``: what a collective that is not decomposed by slice costs. Tensor-parallel activation
+traffic over ``model`` depends on the batch and is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zerojax
+from zerojax import cost
+from zerojax.app import gpt
+from zerojax.cost import (GB, HARDWARE, ZEROPP_ROWS, StagePlan, comm_time,
+                          zeropp_comm)
+
+
+def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
+               mesh: dict | None = None, model_specs=None, stacked=None,
+               **kwargs) -> StagePlan:
+  """:func:`zerojax.cost.plan_stage` with the reference GPT's tensor-parallel
+  rules (:func:`gpt.model_specs`, :func:`gpt.is_layer_stack`) as the
+  defaults on a mesh with a model axis."""
+  if mesh is not None and mesh.get("model", 1) > 1:
+    model_specs = gpt.model_specs() if model_specs is None else model_specs
+    stacked = gpt.is_layer_stack if stacked is None else stacked
+  return cost.plan_stage(abstract_params, stage, n_devices, mesh=mesh,
+                         model_specs=model_specs, stacked=stacked, **kwargs)
+
+
+def abstract_gpt(config: gpt.GPTConfig):
+  return jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
+
+
+def saved_activations(config: gpt.GPTConfig, batch_per_device: int, *,
+                      model: int = 1, dtype=None,
+                      platform: str | None = None) -> dict | None:
+  """Per-device bytes the reference GPT's backward pass keeps from its
+  forward pass (ZeRO-R's activation checkpoints), by where they live.
+
+  ``config.remat`` picks the policy (``"auto"`` resolved for ``platform``),
+  ``model`` is the model-axis size M the tensor-parallel activations are
+  split over, and ``config.seq_shard`` (Pa) splits the layer-boundary
+  residual over it too. Per layer and token, in the compute dtype
+  (``config.compute_dtype``, else ``dtype``, the params' dtype, default
+  fp32):
+
+  * ``"full"``: the block input, ``D`` (``D / M`` with Pa);
+  * ``"dots"``: also the matmul outputs the backward pass reads: qkv
+    ``3D / M``, the attention projection ``D`` (``D / M`` with Pa) and the
+    first MLP matmul ``F / M`` (the second MLP matmul only feeds an add);
+  * ``"offload"``: the ``"full"`` bytes in host memory (on the device, one
+    layer's input while it moves: ``per_layer``, a transient);
+  * ``"none"``: not modelled (every intermediate of the block is kept;
+    returns ``None``).
+
+  Returns ``{"device", "host", "per_layer"}`` in bytes (``per_layer``: one
+  layer's saved bytes wherever they live). Checked against the compiled
+  step's per-layer temp growth in ``tests/test_activations.py``.
+  """
+  config = config.resolved(platform)
+  if config.remat == "none":
+    return None
+  dt = config.compute_dtype or dtype or jnp.float32
+  c = np.dtype(dt).itemsize
+  d, f = config.width, config.mlp_ratio * config.width
+  s = model if config.seq_shard else 1
+  per_token = d / s
+  if config.remat == "dots":
+    per_token += 3 * d / model + d / s + f / model
+  per_layer = batch_per_device * config.seq_len * per_token * c
+  total = per_layer * config.depth
+  if config.remat == "offload":
+    return {"device": 0.0, "host": total, "per_layer": per_layer}
+  return {"device": total, "host": 0.0, "per_layer": per_layer}
+
+
+def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
+                policy: zerojax.Policy | None = None, model: int = 1,
+                n_devices: int | None = None) -> float:
+  """Per-device bytes a GPT step needs beyond the model state (zerojax's
+  layer-scanned GPT): at stage 3 the forward and the backward layer
+  gathered in the compute dtype and the layer's full gradient before its
+  reduce-scatter; at stages 1-2 the updated weight shard in the compute
+  dtype, which the all-gather reads while it overwrites the old params,
+  and at stage 1 also the reduce-scatter's output (a gradient shard) while
+  the full gradient is still live; at every stage the saved activations on
+  the device (:func:`saved_activations`; fp32 residuals per layer where its
+  policy is not modelled) and the logits (fp32, with their gradient); at
+  stage 0 a second full gradient, the all-reduce's output (XLA does not
+  all-reduce in place: measured, zerojax and a plain-jit DP step alike).
+  Temporary buffers inside a layer come on top. ``n_devices``: the
+  data-parallel size, needed for the shards of stages 1-2."""
+  policy = (zerojax.Policy(param_dtype=jnp.bfloat16) if policy is None
+            else policy)
+  if stage in (1, 2) and not n_devices:
+    raise ValueError(
+        f"plan.working_set at stage {stage} needs n_devices (the data-"
+        f"parallel size): the step holds shards of 1/n_devices of the "
+        f"weights; pass n_devices=N")
+  c = np.dtype(policy.compute(jnp.float32)).itemsize
+  r = np.dtype(policy.reduce(jnp.float32)).itemsize
+  layer = gpt._block_params(config.width, config.mlp_ratio)
+  tokens = batch_per_device * config.seq_len
+  psi = gpt.num_params(config)
+  gathered = (2 * c + r) * layer if stage == 3 else 0
+  reduced = r * psi if stage == 0 else 0
+  if stage in (1, 2):
+    reduced = (c + (r if stage == 1 else 0)) * psi / n_devices
+  saved = saved_activations(config, batch_per_device, model=model,
+                            dtype=policy.compute(jnp.float32))
+  saved = (tokens * config.width * 4 * config.depth if saved is None
+           else saved["device"] or saved["per_layer"])
+  return float(gathered + reduced + saved + 2 * tokens * config.vocab * 4)
+
+
+def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
+                    seq_len: int = 2048,
+                    offload: bool = False) -> gpt.GPTConfig | None:
+  """The largest GPT (by the count search) whose model state fits (its
+  device-memory part, with ``offload``)."""
+  fits = lambda psi: plan_stage(abstract_gpt(gpt.config_for_params(
+      psi, seq_len=seq_len)), stage, n_devices,
+      offload=offload).device <= memory_bytes
+  lo, hi = 1e7, 1e7
+  if not fits(lo):
+    return None
+  while fits(hi) and hi < 1e16:
+    lo, hi = hi, hi * 4
+  for _ in range(40):                    # bisect in log space
+    mid = math.sqrt(lo * hi)
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if hi / lo < 1.002:
+      break
+  return gpt.config_for_params(lo, seq_len=seq_len)
+
+
+def _table(plans) -> str:
+  offload = any(p.offload for p in plans)
+  head = ("stage", "params GB", "master GB", "optimizer GB", "grads GB",
+          "total GB/device",
+          *(("device GB", "host GB", "host<->dev GB/step") if offload else ()),
+          "AR GB/step", "RS GB/step", "AG GB/step")
+  rows = [(str(p.stage), f"{p.params / GB:.2f}", f"{p.master / GB:.2f}",
+           f"{p.optimizer / GB:.2f}", f"{p.grads / GB:.2f}",
+           f"{p.total / GB:.2f}",
+           *((f"{p.device / GB:.2f}", f"{p.host / GB:.2f}",
+              f"{p.host_traffic / GB:.2f}") if offload else ()),
+           *(f"{p.collectives.get(k, 0) / GB:.1f}"
+             for k in ("all-reduce", "reduce-scatter", "all-gather")))
+          for p in plans]
+  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+  line = lambda cols: "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
+  return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                   + [line(r) for r in rows])
+
+
+def _comm_table(plans, hw) -> str:
+  head = ("stage", "axis", f"{hw['fast_name']} GB/chip",
+          f"{hw['slow_name']} GB/chip", "seconds/step")
+  rows = []
+  for p in plans:
+    for axis, e in p.comm.items():
+      rows.append((str(p.stage), axis, f"{e['fast_bytes'] / GB:.3f}",
+                   f"{e['slow_bytes'] / GB:.3f}", f"{e['seconds']:.3f}"))
+  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+  line = lambda cols: "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
+  return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                   + [line(r) for r in rows])
+
+
+def main(argv=None):
+  p = _parser()
+  args = p.parse_args(argv)
+  mesh, slices = _mesh(p, args)
+  config = _config(p, args, mesh)
+  plans = [plan_stage(abstract_gpt(config), s, mesh=mesh,
+                      offload=args.offload) for s in range(4)]
+  for x in plans:
+    x.comm.update(comm_time(x, slices, args.hardware, args.fast_bw,
+                            args.slow_bw, args.collectives))
+  fitting = {}
+  if args.memory_gb:
+    for s in range(4):
+      c = largest_fitting(args.memory_gb * GB, s, args.devices, args.seq_len,
+                          offload=args.offload)
+      fitting[s] = None if c is None else gpt.num_params(c)
+  acts = _activations(p, args, config, mesh)
+  if args.zeropp and (len(mesh) > 1 or slices < 2):
+    p.error("--zeropp: give --devices N and --slices S >= 2 (nodes)")
+  if args.json:
+    print(json.dumps({"config": dataclasses.asdict(config),
+                      "saved_activations": acts,
+                      "plans": [dict(dataclasses.asdict(x), total=x.total,
+                                     device=x.device, host=x.host)
+                                for x in plans],
+                      "largest_fitting": fitting}, indent=2))
+    return
+  _print_report(args, config, mesh, slices, plans, acts, fitting)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m zerojax.plan",
+      description="Per-device model-state memory and per-step collective "
+                  "bytes of each ZeRO stage, from zerojax's own layouts "
+                  "(bf16 params and gradients, fp32 master and AdamW moments).",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--params", type=float,
+                 help="parameter count of a GPT-shaped model, e.g. 7.5e9")
+  p.add_argument("--width", type=int, help="explicit GPT width (with --depth)")
+  p.add_argument("--depth", type=int, help="explicit GPT depth")
+  p.add_argument("--vocab", type=int, default=50257, help="with --width/--depth")
+  p.add_argument("--seq-len", type=int, default=2048, help="context length")
+  p.add_argument("--devices", type=int, default=None,
+                 help="data-parallel devices N (a 1-D mesh)")
+  p.add_argument("--mesh", default=None,
+                 help="mesh axes instead of --devices, e.g. "
+                      "replica=4,data=256 or data=64,model=8")
+  p.add_argument("--slices", type=int, default=None,
+                 help="TPU slices / GPU nodes the devices span (default: the "
+                      "replica axis size, else 1)")
+  p.add_argument("--hardware", choices=sorted(HARDWARE), default="tpu-v5p",
+                 help="link bandwidth defaults")
+  p.add_argument("--fast-bw", type=float, default=None,
+                 help="in-slice bytes/s per chip (overrides --hardware)")
+  p.add_argument("--slow-bw", type=float, default=None,
+                 help="cross-slice bytes/s per chip (overrides --hardware)")
+  p.add_argument("--collectives", choices=["hierarchical", "ring"],
+                 default="hierarchical",
+                 help="how a collective spanning slices is priced")
+  p.add_argument("--memory-gb", type=float, default=None,
+                 help="also find the largest GPT whose model state fits this "
+                      "many GB (1e9 bytes) per device, at each stage")
+  p.add_argument("--offload", action="store_true",
+                 help="master copy and optimizer state in host memory "
+                      "(zero(..., offload=True)): device and host GB apart; "
+                      "--memory-gb then bounds device memory")
+  p.add_argument("--zeropp", action="store_true",
+                 help="also stage 3's communication per step with ZeRO++ "
+                      "(qwZ, qgZ, hpZ with nodes = --slices) on a 1-D data "
+                      "mesh of --devices")
+  p.add_argument("--batch", type=int, default=None,
+                 help="also the saved activations per device (ZeRO-R) for "
+                      "this many sequences per data-parallel device, by "
+                      "remat policy, with and without Pa on a model axis")
+  p.add_argument("--json", action="store_true", help="print JSON instead")
+  return p
+
+
+def _mesh(p, args) -> tuple[dict, int]:
+  """The mesh's axis sizes and the slices it spans, checked."""
+  if (args.params is None) == (args.width is None):
+    p.error("give either --params or --width and --depth")
+  if args.width is not None and args.depth is None:
+    p.error("--width needs --depth")
+  if (args.devices is None) == (args.mesh is None):
+    p.error("give either --devices or --mesh")
+  if args.mesh is not None:
+    try:
+      mesh = zerojax.parse_axes(args.mesh, None)
+    except ValueError as e:
+      p.error(f"--mesh {args.mesh}: {e}")
+    if "data" not in mesh:
+      p.error(f"--mesh {args.mesh} has no data axis")
+  else:
+    if args.devices < 1:
+      p.error(f"--devices={args.devices} must be >= 1")
+    mesh = {"data": args.devices}
+  args.devices = mesh["data"]
+  slices = args.slices or mesh.get("replica", 1)
+  if math.prod(mesh.values()) % slices:
+    p.error(f"--slices={slices} does not divide the "
+            f"{math.prod(mesh.values())} devices")
+  return mesh, slices
+
+
+def _config(p, args, mesh: dict) -> gpt.GPTConfig:
+  """The GPT to plan. On a model axis the vocabulary is padded to a
+  multiple of it (as the main job pads it); the block's own dimensions are
+  the model's shape and an axis that does not divide them is refused."""
+  if args.params is not None:
+    config = gpt.config_for_params(args.params, seq_len=args.seq_len)
+  else:
+    config = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len,
+                           width=args.width, depth=args.depth,
+                           heads=max(1, args.width // 128))
+  m = mesh.get("model", 1)
+  if m == 1:
+    return config
+  bad = [f"{name} {d}" for name, d in (
+      ("heads", config.heads), ("width", config.width),
+      ("MLP width", config.mlp_ratio * config.width)) if d % m]
+  if bad:
+    g = math.gcd(config.heads, config.width, config.mlp_ratio * config.width)
+    fits = max(k for k in range(1, m) if g % k == 0)
+    p.error(f"--mesh {args.mesh}: the model axis ({m}) must divide the "
+            f"block's tensor-parallel dimensions, but not {', '.join(bad)}; "
+            f"pick a model axis that divides them (e.g. model={fits}) or "
+            f"another --width.")
+  return dataclasses.replace(config, vocab=-(-config.vocab // m) * m)
+
+
+def _activations(p, args, config, mesh: dict) -> dict:
+  """Saved activations by remat policy, with and without Pa (``--batch``)."""
+  if not args.batch:
+    return {}
+  if args.batch < 1:
+    p.error(f"--batch={args.batch} must be >= 1")
+  m = mesh.get("model", 1)
+  acts = {}
+  for remat in ("full", "dots", "offload"):
+    for pa in ((False, True) if m > 1 else (False,)):
+      c = dataclasses.replace(config, remat=remat,
+                              seq_shard="model" if pa else None)
+      acts[f"{remat}{' + Pa' if pa else ''}"] = saved_activations(
+          c, args.batch, model=m, dtype=jnp.bfloat16)
+  return acts
+
+
+def _print_report(args, config, mesh, slices, plans, acts, fitting):
+  hw = HARDWARE[args.hardware]
+  fast = args.fast_bw or hw["fast"]
+  slow = args.slow_bw or hw["slow"]
+  print(f"GPT {plans[0].n_params:,} params (width {config.width}, depth "
+        f"{config.depth}, vocab {config.vocab}) on mesh {mesh} (N = "
+        f"{args.devices} data devices); bf16 params/grads, fp32 master + "
+        f"AdamW moments; GB = 1e9 bytes")
+  print(_table(plans))
+  if acts:
+    print(f"\nsaved activations per device (bf16, {args.batch} sequence(s) "
+          f"of {config.seq_len} per data device, model axis "
+          f"{mesh.get('model', 1)}; logits and in-layer temporaries not "
+          f"included)")
+    print("| remat policy | device GB | host GB | one layer GB |")
+    print("|---|---|---|---|")
+    for name, a in acts.items():
+      print(f"| {name} | {a['device'] / GB:.3f} | {a['host'] / GB:.3f} | "
+            f"{a['per_layer'] / GB:.4f} |")
+  if len(mesh) > 1 or slices > 1:
+    print(f"\ncommunication per step and chip, {slices} slice(s); "
+          f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
+          f"{hw['slow_name']} {slow:.3g} B/s per chip ({args.collectives} "
+          f"collectives, no overlap; TP activations not counted)")
+    print(_comm_table(plans, hw))
+  if args.zeropp:
+    _print_zeropp(args, slices, plans[3].n_params, hw, fast, slow)
+  if fitting:
+    print(f"\nlargest GPT whose model state fits {args.memory_gb:g} GB per "
+          f"device:")
+    for s, n in fitting.items():
+      print(f"  stage {s}: "
+            f"{'nothing fits' if n is None else f'{n / 1e9:,.2f} B params'}")
+
+
+def _print_zeropp(args, slices, n_params, hw, fast, slow):
+  print(f"\nstage 3 with ZeRO++ (zerojax.ZeroPP, default blocks), "
+        f"{args.devices} chips as {slices} nodes of {args.devices // slices}; "
+        f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
+        f"{hw['slow_name']} {slow:.3g} B/s per chip; GB per chip and step")
+  print(f"| setting | {hw['fast_name']} GB | {hw['slow_name']} GB | "
+        f"{hw['slow_name']} vs stage 3 | comm seconds/step |")
+  print("|---|---|---|---|---|")
+  base = None
+  for name, kw in ZEROPP_ROWS:
+    e = zeropp_comm(n_params, args.devices, slices, fast=fast, slow=slow, **kw)
+    base = base or e["slow_bytes"]
+    print(f"| {name} | {e['fast_bytes'] / GB:.3f} | {e['slow_bytes'] / GB:.3f} "
+          f"| {e['slow_bytes'] / base:.3f} | {e['seconds']:.3f} |")
+
+
+if __name__ == "__main__":
+  main()
