@@ -3,14 +3,17 @@
     python experiments/bench_stages.py                 # writes runs/bench_stages/
     python experiments/bench_stages.py --precision bf16 --width 512
 
-Configurations: zerojax stages 0 (plain DP), 1, 2, 3 (append ``b``, e.g.
+Configurations: zerojax stages 0 (data parallel through zerojax), 1, 2, 3 (append ``b``, e.g.
 ``3b``, to mark only the scanned blocks as layer stacks, so embeddings and
 head may shard their leading dimension), the Optax drop-in ``dropin1``
 (an unchanged ``jax.jit`` + ``jax.grad`` + ``tx.update`` loop), and two GSPMD peers
 (``experiments/peers.py``): ``fsdp`` (params and optimizer state sharded
 with NamedSharding, plain jit), ``zero1`` (params replicated, optimizer
-state sharded, plain jit) and, on request, ``dp`` (both replicated: plain
-data parallelism). Same model, data, seed, optimizer, precision.
+state sharded, plain jit) and ``dp`` (both replicated: plain data
+parallelism, what stage 0 stands for). Same model, data, seed, optimizer,
+precision. A last table sets each stage beside the alternative a user
+would pick (stage 0: ``dp``; 1: ``zero1``; 2-3: ``fsdp``): peak RSS and
+step time ratios from the same run.
 Each runs in its own fresh subprocess (8 fake CPU devices), so its peak RSS
 is its own.
 
@@ -334,7 +337,7 @@ def main():
   p.add_argument("--block-dtype", choices=["bfloat16"], default=None,
                  help="fp32 params cast to this dtype inside the loss for "
                       "the transformer blocks (every configuration alike)")
-  p.add_argument("--configs", default="0,1,2,3,fsdp,zero1,dropin1",
+  p.add_argument("--configs", default="0,dp,1,zero1,2,3,fsdp,dropin1",
                  help="zerojax stages and peers to run: GSPMD fsdp, zero1, dp; "
                       "PyTorch FSDP2 fsdp2 (needs the [bench] extra)")
   p.add_argument("--axis-types", choices=["explicit", "auto", "both"],
@@ -372,7 +375,13 @@ def main():
       print(f"{config} ({kind}): done", file=sys.stderr, flush=True)
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
-  (outdir / "bench.json").write_text(json.dumps({"runs": runs}, indent=2))
+  import platform
+  import jax
+  meta = {"jax_version": jax.__version__, "machine": (
+      f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU devices"),
+      "argv": sys.argv[1:]}
+  (outdir / "bench.json").write_text(json.dumps({**meta, "runs": runs},
+                                                indent=2))
   charts(runs, outdir)
   print(f"GPT {runs[0]['n_params']:,} params, {args.precision}, AdamW, 8 fake "
         f"CPU devices, batch {args.batch}x{args.seq_len}, median of "
@@ -391,6 +400,32 @@ def main():
     print(f"{r['name']} bytes/device measured (theory): {cats}")
   if args.axis_types == "both":
     print(axis_type_ratios(runs))
+  print(peer_ratios(runs))
+
+
+# what a user would pick instead of each stage, run in the same bench
+PEER_OF = {"0": "dp", "1": "zero1", "2": "fsdp", "3": "fsdp"}
+
+
+def peer_ratios(runs) -> str:
+  """Each zerojax stage against the plain-jit alternative with its layout
+  (stage 0: data parallelism; 1: the ZeRO-1 layout; 2-3: FSDP), from the
+  same run: peak RSS and step time, zerojax / peer."""
+  by = {r["config"]: r for r in runs if r.get("axis_types", "explicit")
+        == "explicit" or r["stage"] is None}
+  lines = ["| stage | peer | peak RSS MiB (peer) | memory ratio | step s "
+           "(peer) | time ratio |", "|---|---|---|---|---|---|"]
+  for stage, peer in PEER_OF.items():
+    if stage not in by or peer not in by:
+      continue
+    z, q = by[stage], by[peer]
+    lines.append(
+        f"| {stage} | {peer} | {z['peak_rss_bytes'] / 2**20:,.0f} "
+        f"({q['peak_rss_bytes'] / 2**20:,.0f}) | "
+        f"{z['peak_rss_bytes'] / q['peak_rss_bytes']:.3f} | "
+        f"{z['step_time_s']:.3f} ({q['step_time_s']:.3f}) | "
+        f"{z['step_time_s'] / q['step_time_s']:.3f} |")
+  return "\n".join(lines)
 
 
 def axis_type_ratios(runs) -> str:

@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -234,7 +235,9 @@ def main(argv=None):
                       "plans": [dict(dataclasses.asdict(x), total=x.total,
                                      device=x.device, host=x.host)
                                 for x in plans],
-                      "largest_fitting": fitting}, indent=2))
+                      "largest_fitting": fitting,
+                      "argv": argv if argv is not None else sys.argv[1:],
+                      "jax_version": jax.__version__}, indent=2))
     return
   _print_report(args, config, mesh, slices, plans, acts, fitting)
 

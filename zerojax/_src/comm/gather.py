@@ -270,7 +270,7 @@ def on_major_dim(collective, x, dim: int):
   XLA runs an all-gather or reduce-scatter over the major dimension; on
   another one its layout assignment picks a layout with that dimension
   major for the operand and copies into it. Inside a bucket loop
-  (``_buckets``) it may make that copy outside the loop, on the whole
+  (``comm/buckets``) it may make that copy outside the loop, on the whole
   source leaf: stage 1's reduce-scatter of the stacked GPT gradients
   (width 512, depth 8, 8 devices, buckets of one layer) copied every big
   stack once more (compiled temp 5.80 bytes/param; the gradient itself

@@ -8,7 +8,7 @@ by default). A mesh may have two more kinds of axis:
   slices, GPU nodes; processes here) and the data axis inside them:
   :func:`make_mesh` does, so only the Ψ/N gradient all-reduce crosses them;
 * **model** axes (tensor parallelism): the model's own shardings, left to
-  XLA (see ``_model_axes.py``).
+  XLA (see ``records/model_axes.py``).
 
 Meshes come as users build them: ``jax.make_mesh`` gives ``Explicit`` axes
 (sharding in types) by default, and so does :func:`make_mesh`; ``Auto`` axes

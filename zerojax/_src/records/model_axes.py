@@ -3,7 +3,7 @@
 A parameter's *model spec* says which mesh axes other than the data and
 replica axes split each of its dimensions: the model's own tensor
 parallelism, e.g. ``W[D, F_model]``. zerojax leaves those axes to XLA and
-adds the data axis on another dimension (see ``_layout.py``). A model spec
+adds the data axis on another dimension (see ``records/layout.py``). A model spec
 comes from, in order:
 
 1. ``zerojax.zero(..., model_specs=...)``: a pytree of ``PartitionSpec``

@@ -8,14 +8,14 @@ reduces the gradient depends on the stage:
   ``psum_scatter`` per leaf: a reduce-scatter;
 * stages 2-3: the model calls :func:`zerojax.gather` per layer; its custom
   VJP reduce-scatters each layer's cotangent where the backward pass makes
-  it (see ``_gather.py``).
+  it (see ``comm/gather.py``).
 
 Every differentiated value is made device-varying first: differentiating a
 replicated value inside ``shard_map`` makes JAX insert the transpose of an
 implicit broadcast, an all-reduce, that would spoil the reduce-scatter.
 
 Before the loss is differentiated at stages 2-3, its traced program is
-checked (``_audit.py``): a loss that touches a sharded parameter other than
+checked (``jaxpr/audit.py``): a loss that touches a sharded parameter other than
 through ``gather`` (an L2 term over ``jax.tree.leaves(params)``, a
 ``ravel_pytree``) is run on the whole gathered tree instead
 (``gather="auto"``), or rejected (``gather="model"``). Never silently on
@@ -460,7 +460,7 @@ def _reduce_outputs(loss, aux, new_ms, axes, scale: float):
 
 def _psum(x, axes):
   """``psum`` over manual ``axes``, run manual over any automatic (model)
-  axes too: see ``_gather.over_model_shards`` (XLA CPU aborts on bf16
+  axes too: see ``comm/gather.over_model_shards`` (XLA CPU aborts on bf16
   collectives in partially automatic regions)."""
   return _gather.over_model_shards(lambda v: jax.lax.psum(v, axes), x, ())
 

@@ -3,9 +3,8 @@
 With ``zero(..., offload=True)`` the master copy and the optimizer state
 live in ``pinned_host`` memory. XLA computes on device-memory operands, so
 the update must bring them down; left to itself XLA's scheduler may bring
-all of them down at once (on one H100 the whole state was resident during
-the update: 46.8 GiB peak with offload against 47.6 GiB without). Here the
-update runs chunk by chunk -- groups of consecutive parameter leaves of at
+all of them down at once, and the device then holds the whole state during
+the update, as without offload. Here the update runs chunk by chunk -- groups of consecutive parameter leaves of at
 most ``1 / CHUNKS`` of the state's bytes (a larger leaf alone) -- and each
 chunk's loads from host memory wait, through an
 ``optimization_barrier``, for the previous chunk's stored results. So the

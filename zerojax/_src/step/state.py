@@ -6,7 +6,7 @@ only), then place each leaf straight into its layout: :func:`init` from a
 params tree the caller holds (each device receives only its shard),
 :func:`init_from` by running the initialiser sharded, so no device holds
 the full params. The gathers are the reverse: full, unpadded, replicated.
-Non-trainable leaves are said in a warning at init (see :mod:`_spec`).
+Non-trainable leaves are said in a warning at init (see :mod:`zerojax._src.records.spec`).
 """
 
 from __future__ import annotations
@@ -85,13 +85,12 @@ def stored_params(spec: StateSpec, weights, old=None) -> list:
   keeps ``old``'s entry there, or ``None``). At stage 3 each leaf takes its shard layout; at
   stages 1-2 a sharded leaf's shard is all-gathered back to the replicated
   params in an explicit ``shard_map`` (left to GSPMD the layout change may
-  take another route), over its layers in bounded buckets (``_buckets``,
+  take another route), over its layers in bounded buckets (``comm.buckets``,
   ZeRO-R's CB) with the gather on the major dimension
-  (``_gather.on_major_dim``): the result is written bucket by bucket,
+  (``comm.gather.on_major_dim``): the result is written bucket by bucket,
   into ``old`` (the donated params of a step) when given, never a second
   full copy. The step's update and :func:`init_from` both build params
-  this way (init: 226 -> 75 MB per device of temporaries for a width-1024
-  depth-12 MLP stack at stage 2 on 8 devices)."""
+  this way."""
   tx = spec.tx
   axis, stage = tx.axis_name, tx.stage
   old = [None] * len(spec.leaves) if old is None else list(old)

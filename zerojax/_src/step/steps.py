@@ -1,7 +1,7 @@
 """The jitted, donated train step: :func:`value_and_grad`'s half, then
 :func:`apply_gradients`'s half, in one ``jit``.
 
-* **Gradients** (``_grad.py``) are computed inside ``jax.shard_map`` over the
+* **Gradients** (``step/grad.py``) are computed inside ``jax.shard_map`` over the
   data axis, so every parameter-sized collective is written by hand and XLA
   emits exactly it: stage 0 ``psum`` (all-reduce), stage 1 ``psum_scatter``
   after the local backward (reduce-scatter), stages 2-3 ``psum_scatter``
@@ -9,7 +9,7 @@
   the forward (and rematerialised backward) ``all_gather``. Left to GSPMD,
   the same layouts compile to an all-reduce of the full gradient on CPU,
   twice the bytes of a reduce-scatter.
-* **The optimizer update** (``_update.py``) runs on global arrays under
+* **The optimizer update** (``step/update.py``) runs on global arrays under
   ``jit``: logical views of the sharded gradient, master weights and
   optimizer state, so every Optax optimizer gives the unsharded result.
   Stage 1-2 parameters are all-gathered back, in the compute dtype.
