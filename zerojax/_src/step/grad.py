@@ -152,9 +152,10 @@ def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpe
   """Param record ``r``'s gather; ``quantized``: with the tx's ZeRO++
   settings (training), else exact (evaluation)."""
   zeropp = spec.tx.zeropp
+  dim = r.shard.dim if r.shard.dim is not None else len(r.aval.shape) - 1
   return _gather.GatherSpec(
-      axis_name=spec.tx.axis_name, dim=r.shard.dim - len(r.aval.shape),
-      size=r.aval.shape[r.shard.dim], stage=spec.stage,
+      axis_name=spec.tx.axis_name, dim=dim - len(r.aval.shape),
+      size=r.aval.shape[dim], stage=spec.stage,
       reduce_dtype=r.reduce_dtype, path=r.path,
       replica=tuple(a for a in spec.tx.batch_axes if a != spec.tx.axis_name),
       padded=r.shard.padded, model=r.shard.model,
@@ -163,7 +164,8 @@ def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpe
       block_size=zeropp.block,
       hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
       node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
-      stochastic=quantized and zeropp.stochastic_grads)
+      stochastic=quantized and zeropp.stochastic_grads,
+      scale=1.0 / spec.tx.batch_shards if spec.stage == 0 else 1.0)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:
@@ -278,7 +280,13 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   """
   spec, tx = prog.spec, prog.spec.tx
   axes = tx.batch_axes               # every axis the batch splits over
+  k = prog.accum_steps
+  micro = (batch if k == 1 else
+           jax.tree.map(lambda x: _split_micro(x, k), batch))
+  first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   hooked = hooked_leaves(spec)
+  if tx.stage == 0 and k == 1 and prog.gather != "all":
+    hooked = _gathered_by_the_loss(prog, leaves, first, key, model_state)
   gspecs = [gather_spec(spec, r) if h else None
             for r, h in zip(spec.leaves, hooked)]
   if tx.stage == 3 and tx.zeropp.hpz_size:
@@ -286,10 +294,6 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   if key is not None:
     key = jax.random.fold_in(key, jax.lax.axis_index(axes))
   micro_key = lambda i: None if key is None else jax.random.fold_in(key, i)
-  k = prog.accum_steps
-  micro = (batch if k == 1 else
-           jax.tree.map(lambda x: _split_micro(x, k), batch))
-  first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   mode = (gather_mode(prog, leaves, _diff_inputs(spec, leaves, hooked),
                       hooked, gspecs, first, micro_key(0), model_state,
                       "train step") if tx.stage >= 2 else "model")
@@ -341,8 +345,12 @@ def _diff_inputs(spec: StateSpec, leaves, hooked):
     if not r.trainable:
       out.append(None)
     elif h:
+      # the cotangent arrives reduced over the data axis (stage 0: summed,
+      # replicated over it; stages 2-3: reduce-scattered, one shard each)
+      axes = tx.batch_axes if tx.stage >= 2 else tuple(
+          a for a in tx.batch_axes if a != tx.axis_name)
       out.append(_gather.sink_like(r.shard.shard_shape(tx.num_shards),
-                                   r.reduce_dtype, tx.batch_axes))
+                                   r.reduce_dtype, axes))
     else:
       out.append(jax.lax.pcast(x, tx.batch_axes, to="varying"))
   return out
@@ -359,11 +367,11 @@ def run_loss(prog: LossProgram, leaves, diff, hooked, gspecs,
   return prog.call(prog.loss_fn, params, mb, key, model_state)
 
 
-def gather_mode(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
-                model_state, what: str) -> str:
-  """``"model"`` or ``"all"``: whether the traced loss gathers what it uses
-  (:func:`resolve_gather` on a probe of one micro-batch, the gathered
-  leaves' sinks and sources tagged). Training and evaluation alike."""
+def _probe(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
+           model_state):
+  """``(probe, args, tagged)`` for the audit: the loss on
+  :class:`~zerojax.ShardedParam` leaves whose sinks and sources are
+  arguments, tagged with their param's index."""
   sinks = [d if h else None for d, h in zip(diff, hooked)]
   srcs = [x if h else None for x, h in zip(leaves, hooked)]
   tags = [i for i, h in enumerate(hooked) if h] * 2
@@ -375,8 +383,45 @@ def gather_mode(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
 
   args = (sinks, srcs, mb, key, model_state)
   n_rest = len(jax.tree.leaves(args)) - len(tags)
-  return resolve_gather(prog.spec, prog.gather, probe, args,
-                        tags + [None] * n_rest, what)
+  return probe, args, tags + [None] * n_rest
+
+
+def gather_mode(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
+                model_state, what: str) -> str:
+  """``"model"`` or ``"all"``: whether the traced loss gathers what it uses
+  (:func:`resolve_gather` on a probe of one micro-batch, the gathered
+  leaves' sinks and sources tagged). Training and evaluation alike."""
+  probe, args, tagged = _probe(prog, leaves, diff, hooked, gspecs, mb, key,
+                               model_state)
+  return resolve_gather(prog.spec, prog.gather, probe, args, tagged, what)
+
+
+def _gathered_by_the_loss(prog: LossProgram, leaves, mb, key,
+                          model_state) -> list[bool]:
+  """Stage 0: the trainable leaves a loss reaches only through
+  :func:`zerojax.gather` (a model's per-layer gathers). Their gradients are
+  all-reduced where the gather's backward produces them, layer by layer
+  inside the backward pass, as plain data parallelism under GSPMD does,
+  instead of after it: the step never holds the unreduced gradient and its
+  all-reduced copy at once. A loss that does not gather (most plain-DP
+  losses), or that the audit cannot read, keeps the all-reduce after the
+  backward: the same numbers either way, and nothing to warn about."""
+  spec = prog.spec
+  cand = [r.trainable and len(r.aval.shape) >= 1 for r in spec.leaves]
+  if not any(cand):
+    return cand
+  gspecs = [gather_spec(spec, r) if h else None
+            for r, h in zip(spec.leaves, cand)]
+  diff = _diff_inputs(spec, leaves, cand)
+  probe, args, tagged = _probe(prog, leaves, diff, cand, gspecs, mb, key,
+                               model_state)
+  try:
+    misuse = _audit.ungathered_uses(probe, args, tagged)
+  except LossOutputError:
+    raise
+  except Exception:  # noqa: BLE001 -- ungathered or unreadable: no hooks
+    return [False] * len(cand)
+  return [h and i not in misuse for i, h in enumerate(cand)]
 
 
 def _accumulate(one, micro, first, micro_key, model_state, k: int, axes):
@@ -423,7 +468,11 @@ def _reduce_grads(spec: StateSpec, grads, hooked, scale: float):
       out.append(None)
       continue
     size = _buckets.itemsize(g.dtype)
-    if h:                                 # already reduce-scattered
+    if h and tx.stage == 0:               # all-reduced and scaled already
+      out.append(_buckets.bucketed(
+          lambda x, r=r: psum(x, replica, r.param), g, size,
+          bucket if replica else None, _buckets.splittable(r.param)))
+    elif h:                               # already reduce-scattered
       fn = lambda x, r=r: psum(x, replica, r.shard) * scale
       out.append(_buckets.bucketed(fn, g, size, bucket if replica else None,
                                    _buckets.splittable(r.shard)))

@@ -190,8 +190,29 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
       params=new_params(spec, params, [None if d is None else d[1]
                                        for d in done]),
       master=new_master, opt_state=jax.tree.unflatten(spec.opt_def, new_opt))
-  grad_norm = optax.tree.norm([g for g in g_view if g is not None])
-  return new_state, grad_norm
+  return new_state, _global_norm([g for g in g_view if g is not None])
+
+
+def _global_norm(grads):
+  """The gradients' global L2 norm, a leaf's leading dimension (a stack's
+  layers) at a time: ``sum(g ** 2)`` over a whole leaf materialises
+  ``g ** 2``, a gradient-sized temporary, where the backend does not fuse
+  the square into its reduction (XLA CPU); row by row it is one row's."""
+  def dtype(g):           # at least fp32, real
+    return jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)
+
+  def sq(g):
+    dt = dtype(g)
+    g = jnp.abs(g) if jnp.iscomplexobj(g) else g
+    if g.ndim < 2 or g.shape[0] == 1:
+      return jnp.sum(jnp.square(g.astype(dt)))
+    return jax.lax.fori_loop(
+        0, g.shape[0], lambda i, acc: acc + jnp.sum(jnp.square(
+            jax.lax.dynamic_index_in_dim(g, i, keepdims=False).astype(dt))),
+        jnp.zeros((), dt))
+  dt = functools.reduce(jnp.promote_types, (dtype(g) for g in grads),
+                        jnp.dtype(jnp.float32))
+  return jnp.sqrt(sum((sq(g).astype(dt) for g in grads), jnp.zeros((), dt)))
 
 
 def new_params(spec: StateSpec, params, new_w):
