@@ -190,29 +190,36 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
       params=new_params(spec, params, [None if d is None else d[1]
                                        for d in done]),
       master=new_master, opt_state=jax.tree.unflatten(spec.opt_def, new_opt))
-  return new_state, _global_norm([g for g in g_view if g is not None])
+  return new_state, _global_norm(
+      [(g, not r.shard.sharded) for g, r in zip(g_view, spec.leaves)
+       if g is not None])
 
 
 def _global_norm(grads):
-  """The gradients' global L2 norm, a leaf's leading dimension (a stack's
-  layers) at a time: ``sum(g ** 2)`` over a whole leaf materialises
-  ``g ** 2``, a gradient-sized temporary, where the backend does not fuse
-  the square into its reduction (XLA CPU); row by row it is one row's."""
+  """The gradients' global L2 norm; ``grads``: ``(gradient, whole)`` pairs.
+
+  A whole (replicated) gradient is summed a leading row (a stack's layer)
+  at a time: ``sum(g ** 2)`` over the whole leaf materialises ``g ** 2``, a
+  gradient-sized temporary, where the backend does not fuse the square
+  into its reduction (XLA CPU). A sharded one is summed at once: its
+  square is a shard's, and row by row over a sharded dimension would add
+  collectives."""
   def dtype(g):           # at least fp32, real
     return jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)
 
-  def sq(g):
+  def sq(g, whole):
     dt = dtype(g)
     g = jnp.abs(g) if jnp.iscomplexobj(g) else g
-    if g.ndim < 2 or g.shape[0] == 1:
+    if not whole or g.ndim < 2 or g.shape[0] == 1:
       return jnp.sum(jnp.square(g.astype(dt)))
     return jax.lax.fori_loop(
         0, g.shape[0], lambda i, acc: acc + jnp.sum(jnp.square(
             jax.lax.dynamic_index_in_dim(g, i, keepdims=False).astype(dt))),
         jnp.zeros((), dt))
-  dt = functools.reduce(jnp.promote_types, (dtype(g) for g in grads),
+  dt = functools.reduce(jnp.promote_types, (dtype(g) for g, _ in grads),
                         jnp.dtype(jnp.float32))
-  return jnp.sqrt(sum((sq(g).astype(dt) for g in grads), jnp.zeros((), dt)))
+  return jnp.sqrt(sum((sq(g, w).astype(dt) for g, w in grads),
+                      jnp.zeros((), dt)))
 
 
 def new_params(spec: StateSpec, params, new_w):
