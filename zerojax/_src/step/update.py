@@ -191,34 +191,46 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
                                        for d in done]),
       master=new_master, opt_state=jax.tree.unflatten(spec.opt_def, new_opt))
   return new_state, _global_norm(
-      [(g, not r.shard.sharded) for g, r in zip(g_view, spec.leaves)
-       if g is not None])
+      [(g, not r.shard.sharded and not any(r.shard.model))
+       for g, r in zip(g_view, spec.leaves) if g is not None])
+
+
+NORM_BLOCKS = 16       # most blocks a whole gradient's norm is summed in
 
 
 def _global_norm(grads):
   """The gradients' global L2 norm; ``grads``: ``(gradient, whole)`` pairs.
 
-  A whole (replicated) gradient is summed a leading row (a stack's layer)
-  at a time: ``sum(g ** 2)`` over the whole leaf materialises ``g ** 2``, a
-  gradient-sized temporary, where the backend does not fuse the square
-  into its reduction (XLA CPU). A sharded one is summed at once: its
-  square is a shard's, and row by row over a sharded dimension would add
-  collectives."""
+  A whole gradient (replicated over every mesh axis) is summed in at most
+  :data:`NORM_BLOCKS` blocks of leading rows (a stack's layers): ``sum(g **
+  2)`` over the whole leaf materialises ``g ** 2``, a gradient-sized
+  temporary, where the backend does not fuse the square into its reduction
+  (XLA CPU). A sharded one is summed at once: its square is a shard's, and
+  blocks over a sharded dimension would add collectives."""
   def dtype(g):           # at least fp32, real
     return jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)
 
-  def sq(g, whole):
+  def sq(x, dt):
+    return jnp.sum(jnp.square(x.astype(dt)))
+
+  def blocked(g, whole):
     dt = dtype(g)
     g = jnp.abs(g) if jnp.iscomplexobj(g) else g
-    if not whole or g.ndim < 2 or g.shape[0] == 1:
-      return jnp.sum(jnp.square(g.astype(dt)))
-    return jax.lax.fori_loop(
-        0, g.shape[0], lambda i, acc: acc + jnp.sum(jnp.square(
-            jax.lax.dynamic_index_in_dim(g, i, keepdims=False).astype(dt))),
+    rows = g.shape[0] if g.ndim >= 2 else 1
+    if not whole or rows == 1:
+      return sq(g, dt)
+    n = min(rows, NORM_BLOCKS)
+    per = rows // n
+    total = jax.lax.fori_loop(
+        0, n, lambda i, acc: acc + sq(
+            jax.lax.dynamic_slice_in_dim(g, i * per, per), dt),
         jnp.zeros((), dt))
+    if n * per < rows:                       # rows left after whole blocks
+      total = total + sq(jax.lax.slice_in_dim(g, n * per, rows), dt)
+    return total
   dt = functools.reduce(jnp.promote_types, (dtype(g) for g, _ in grads),
                         jnp.dtype(jnp.float32))
-  return jnp.sqrt(sum((sq(g, w).astype(dt) for g, w in grads),
+  return jnp.sqrt(sum((blocked(g, w).astype(dt) for g, w in grads),
                       jnp.zeros((), dt)))
 
 
