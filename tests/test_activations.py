@@ -83,7 +83,7 @@ def test_pa_is_a_no_op_without_the_axis_and_checks_the_sequence():
   mesh = zerojax.make_mesh("data=4,model=2")
   odd = {"x": b["x"][:, :T - 1], "y": b["y"][:, :T - 1]}
   with jax.set_mesh(mesh):
-    with pytest.raises(ValueError, match="31 tokens.*divisible by 2"):
+    with pytest.raises(ValueError, match="31 along dimension 1.*divisible by 2"):
       jax.jit(functools.partial(gpt.loss, config=pa))(params, odd)
 
 

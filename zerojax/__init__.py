@@ -34,6 +34,9 @@ from zerojax._src.records.spec import StateSpec as StateSpec
 from zerojax._src.records.spec import ZeroState as ZeroState
 from zerojax._src.records.spec import make_spec as make_spec
 from zerojax._src.records.zeropp import ZeroPP as ZeroPP
+from zerojax._src.remat.remat import Remat as Remat
+from zerojax._src.remat.remat import RematError as RematError
+from zerojax._src.remat.remat import remat as remat
 from zerojax._src.step.batch import batch_sharding as batch_sharding
 from zerojax._src.step.batch import shard_batch as shard_batch
 from zerojax._src.step.dropin import ZeroTransformation as ZeroTransformation
@@ -55,11 +58,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Collective", "DEFAULT_BUCKET_BYTES", "EvalStep", "LeafLayout", "LeafSpec", "LossOutputError", "ModelSpecError",
     "OptLeafSpec",
-    "Policy", "Report", "ShardedParam", "StateSpec", "TrainStep",
+    "Policy", "Remat", "RematError", "Report", "ShardedParam", "StateSpec", "TrainStep",
     "UngatheredParamError", "ZeroConfig", "ZeroPP", "ZeroState", "ZeroTransformation",
     "apply_gradients", "batch_sharding", "bytes_by_axis", "collective_axes", "collective_bytes",
     "crosses_processes", "collectives", "entry_bytes_by_memory", "eval_step",
     "gather", "gather_opt_state", "gather_params", "init", "init_from", "make_spec", "layout_rows",
-    "layout_table", "make_mesh", "memory_bytes", "parse_axes", "report", "shard_batch", "state_bytes",
+    "layout_table", "make_mesh", "memory_bytes", "parse_axes", "remat", "report", "shard_batch", "state_bytes",
     "theory_bytes", "train_step", "value_and_grad", "zero",
 ]

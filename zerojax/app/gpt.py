@@ -20,8 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from jax.ad_checkpoint import checkpoint_name
-
+import zerojax
 from zerojax import gather
 
 
@@ -93,10 +92,6 @@ class GPTConfig:
 
 ATTENTION = ("auto", "einsum", "xla", "cudnn")
 REMAT = ("auto", "full", "dots", "offload", "none")
-
-# The name of each block's input (the layer-boundary checkpoint) in the
-# program, for checkpoint policies: ``remat="offload"`` offloads it.
-LAYER_INPUT = "zerojax_layer_input"
 
 
 
@@ -203,9 +198,6 @@ def _block(config: GPTConfig, x_BxTxD, layer, key=None):
 
   With ``key``, residual dropout (rate ``config.dropout``) on the attention
   and MLP outputs."""
-  # Every use of the block input goes through this name, so a policy that
-  # offloads it leaves no device copy of the input among the saved values.
-  x_BxTxD = checkpoint_name(x_BxTxD, LAYER_INPUT)
   layer = _cast(gather(layer), config)     # ZeRO-3: this layer's weights only
   k_att, k_mlp = jax.random.split(key) if key is not None else (None, None)
   b, t, d = x_BxTxD.shape
@@ -247,24 +239,18 @@ def attend(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, how: str = "einsum"):
   return jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT, v_BxTxHxK)
 
 
-def _remat(fn, remat: str):
-  """The scanned block under the config's checkpoint policy."""
-  if remat == "none":
+def _remat(fn, config: GPTConfig):
+  """The scanned block under the config's checkpoint policy, through
+  :func:`zerojax.remat` ("full": the block input; "dots": also the matmul
+  outputs; "offload": the block input in pinned host memory; ``seq_shard``:
+  Pa over that mesh axis). On JAX's CPU backend (one memory) "offload"
+  computes the numbers of "full"."""
+  if config.remat == "none" and config.seq_shard is None:
     return fn
-  if remat == "dots":
-    return jax.checkpoint(
-        fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-  if remat == "offload":
-    # The layer input goes to pinned host memory in the forward scan and
-    # comes back one layer at a time in the backward scan (on GPU and TPU;
-    # JAX's CPU backend has one memory, so there the placement is dropped
-    # and the numbers are those of "full").
-    return jax.checkpoint(
-        fn, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
-            names_which_can_be_offloaded=[LAYER_INPUT],
-            offload_src="device", offload_dst="pinned_host"))
-  return jax.checkpoint(fn)
+  saves = {"none": "all", "dots": "dots"}.get(config.remat, "input")
+  return zerojax.remat(
+      fn, saves=saves,
+      offload=config.remat == "offload", partition=config.seq_shard)
 
 
 def forward(params, tokens_BxT, config: GPTConfig, key=None):
@@ -280,16 +266,11 @@ def forward(params, tokens_BxT, config: GPTConfig, key=None):
   x_BxTxD = _lookup(embed_VxD, tokens_BxT) + pos_TxD[None, :t, :]
   if key is not None and config.dropout > 0:
     keys_L = jax.random.split(key, config.depth)        # one key per layer
-    block = _remat(lambda x, lk: _block(config, x, lk[0], lk[1]), config.remat)
+    block = _remat(lambda x, lk: _block(config, x, lk[0], lk[1]), config)
     xs = (params["blocks"], keys_L)
   else:
-    block = _remat(lambda x, layer: _block(config, x, layer), config.remat)
+    block = _remat(lambda x, layer: _block(config, x, layer), config)
     xs = params["blocks"]
-  if config.seq_shard is not None:     # Pa: the carry, saved per layer
-    inner = block
-    block = lambda x, l: (lambda y, o: (_split_sequence(y, config), o))(
-        *inner(x, l))
-    x_BxTxD = _split_sequence(x_BxTxD, config)
   x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, xs, unroll=config.scan_unroll)
   x_BxTxD = _layer_norm(x_BxTxD, gather(params["lnf_scale_D"]),
                         gather(params["lnf_bias_D"]))
@@ -316,24 +297,6 @@ def _explicit_mesh(x):
       t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     return None
   return mesh
-
-
-def _split_sequence(x_BxTxD, config: GPTConfig):
-  """``x`` constrained to be split along its sequence over
-  ``config.seq_shard`` (when the current mesh has that axis, automatic)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  axis = config.seq_shard
-  if axis not in mesh.axis_names or mesh.shape[axis] == 1 or (
-      mesh.axis_types[mesh.axis_names.index(axis)]
-      == jax.sharding.AxisType.Manual):
-    return x_BxTxD
-  if x_BxTxD.shape[1] % mesh.shape[axis]:
-    raise ValueError(
-        f"gpt: seq_shard={axis!r} splits the sequence over {mesh.shape[axis]} "
-        f"devices, but it has {x_BxTxD.shape[1]} tokens; use a sequence "
-        f"length divisible by {mesh.shape[axis]}.")
-  return jax.lax.with_sharding_constraint(
-      x_BxTxD, jax.sharding.PartitionSpec(None, axis, None))
 
 
 def _cast(tree, config: GPTConfig):
