@@ -4,6 +4,8 @@ state and collective bytes from zerojax's own layouts, for any params.
     plan = zerojax.cost.plan_stage(jax.eval_shape(init_fn, key), stage=3,
                                    n_devices=64)
     plan.total, plan.collectives, zerojax.cost.comm_time(plan, slices=4)
+    acts = zerojax.cost.saved_activations(loss_fn, params, one_device_batch,
+                                          mesh={"data": 8, "model": 2})
 """
 
 from zerojax._src.diagnostics.planner import GB as GB
@@ -12,7 +14,8 @@ from zerojax._src.diagnostics.planner import StagePlan as StagePlan
 from zerojax._src.diagnostics.planner import ZEROPP_ROWS as ZEROPP_ROWS
 from zerojax._src.diagnostics.planner import comm_time as comm_time
 from zerojax._src.diagnostics.planner import plan_stage as plan_stage
+from zerojax._src.diagnostics.planner import saved_activations as saved_activations
 from zerojax._src.diagnostics.planner import zeropp_comm as zeropp_comm
 
 __all__ = ["GB", "HARDWARE", "StagePlan", "ZEROPP_ROWS", "comm_time",
-           "plan_stage", "zeropp_comm"]
+           "plan_stage", "saved_activations", "zeropp_comm"]

@@ -7,8 +7,10 @@ cost nothing; the bytes come from :mod:`zerojax._src.diagnostics.cost`, the
 formulas ``zerojax.report`` and the layout table read too.
 :func:`comm_time` turns collective bytes into seconds over fast and slow
 links; :func:`zeropp_comm` prices ZeRO++'s settings from a parameter count.
-Model-state memory only, as in the ZeRO paper's Figure 1: activations,
-temporary buffers and fragmentation come on top.
+Model-state memory, as in the ZeRO paper's Figure 1; :func:`saved_activations`
+traces a user's loss abstractly for what its backward pass keeps (ZeRO-R's
+activation checkpoints), and ``plan_stage(..., activations=...)`` adds it to
+the working set. Temporary buffers and fragmentation come on top.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AbstractMesh, AxisType
 
 from zerojax._src.diagnostics import cost
+from zerojax._src.jaxpr import activations as _activations
 from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
 from zerojax._src.records.zeropp import ZeroPP
@@ -56,6 +61,15 @@ class StagePlan:
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
+  # saved activations per device (saved_activations(); 0: not planned)
+  activations: float = 0.0          # in the device's memory
+  activations_host: float = 0.0     # offloaded to pinned host memory
+
+  @property
+  def working_set(self) -> float:
+    """Device bytes of the model state (:attr:`device`) plus the saved
+    activations kept on the device."""
+    return self.device + self.activations
 
   @property
   def total(self) -> float:
@@ -90,7 +104,8 @@ class StagePlan:
 def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
                mesh: dict | None = None, optimizer=None,
                policy: Policy | None = None, model_specs=None,
-               stacked=None, offload: bool = False) -> StagePlan:
+               stacked=None, offload: bool = False,
+               activations: dict | None = None) -> StagePlan:
   """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
 
   ``offload``: the master copy and optimizer state in host memory
@@ -101,7 +116,9 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
   1-D data mesh of ``n_devices``. Collective bytes are per data-axis group
   (full-buffer convention), plus ``"all-reduce over replica"`` (the shard,
   hybrid sharding). ``model_specs`` / ``stacked``: as
-  :func:`zerojax.zero` takes them, needed when ``mesh`` has a model axis."""
+  :func:`zerojax.zero` takes them, needed when ``mesh`` has a model axis.
+  ``activations``: :func:`saved_activations`'s figure, added to
+  :attr:`StagePlan.working_set`."""
   mesh = {"data": n_devices} if mesh is None else dict(mesh)
   amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh),
                        axis_types=(AxisType.Auto,) * len(mesh))
@@ -127,7 +144,51 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
   return StagePlan(stage, n_params, tx.num_shards, state["params"],
                    state.get("master", 0.0), optimizer_bytes,
                    state.get("grads", 0.0), colls, mesh, offload=offload,
-                   chunk_fraction=chunk)
+                   chunk_fraction=chunk,
+                   activations=float((activations or {}).get("device", 0)),
+                   activations_host=float((activations or {}).get("host", 0)))
+
+
+def saved_activations(loss_fn, params, batch, *, mesh: dict | None = None,
+                      compute_dtype=None) -> dict:
+  """Per-device bytes ``loss_fn``'s backward pass keeps from its forward
+  pass, traced abstractly (nothing is allocated or compiled).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), the
+      model's own loss, as ``zerojax.train_step`` takes it.
+    params: the params' shapes (``jax.eval_shape(init_fn, key)``) or arrays.
+    batch: **one device's** batch (shapes or arrays).
+    mesh: mesh axis sizes (``{"data": 4, "model": 2}``); the
+      :class:`zerojax.Remat` blocks' Pa splits over them are applied.
+    compute_dtype: the dtype floating params are used in (e.g. bf16 under
+      ``Policy(compute_dtype=...)``); default their own.
+
+  Returns:
+    ``{"device", "host", "scan", "partitioned", "count", "lines"}``: bytes
+    kept on the device, in host memory (Pa+cpu), the layer scans' stacked
+    part, the bytes Pa's splits take off, the number of saved tensors, and
+    each one's ``(shape, itemsize, "device" | "host", in a scan)``.
+    Tensor parallelism's splits of a block's inside are not applied.
+  """
+  def abstract(x):
+    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+    if compute_dtype is not None and np.issubdtype(dtype, np.floating):
+      dtype = np.dtype(compute_dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), dtype)
+
+  out = _activations.saved_residuals(
+      lambda p, b: _scalar_loss(loss_fn(p, b)),
+      jax.tree.map(abstract, params), jax.tree.map(abstract, batch),
+      axes=dict(mesh or {}))
+  if "error" in out:
+    raise ValueError(f"zerojax.cost.saved_activations: {out['error']}")
+  out.pop("unread", None)
+  return out
+
+
+def _scalar_loss(out):
+  return out[0] if isinstance(out, tuple) else out
 
 
 def _slices_spanned(mesh: dict, axes: tuple, slices: int) -> tuple[int, int]:

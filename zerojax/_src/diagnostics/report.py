@@ -21,7 +21,8 @@ Three sources, each labelled:
   from its forward pass on one device's batch (device and host memory; the
   layer scans' stacked part apart), from
   ``jax.ad_checkpoint.print_saved_residuals`` (see
-  :mod:`zerojax._src.jaxpr.activations`; model-axis splits not applied);
+  :mod:`zerojax._src.jaxpr.activations`; Pa's splits applied, tensor
+  parallelism's not);
 * **XLA's memory analysis** of the compiled step (argument, output, temp,
   alias bytes per device). On CPU its temp figure misses buffers inside loop
   bodies; do not read it as the peak.
@@ -154,10 +155,12 @@ class Report:
     if a.get("error"):
       lines += ["", f"saved activations: {a['error']}"]
     elif a:
+      pa = (f"; Pa took off {a['partitioned']:,}"
+            if a.get("partitioned") else "")
       lines += ["", "saved activations per device (the loss on one device's "
-                "batch, before model-axis splits)",
+                "batch; Pa's splits applied, tensor parallelism's not)",
                 f"  device {a['device']:>14,}   host {a['host']:>14,}   "
-                f"(layer scans {a['scan']:,})"]
+                f"(layer scans {a['scan']:,}{pa})"]
     lines += ["", "XLA memory analysis per device (temp misses loop-body "
               "buffers on CPU): " + ", ".join(
                   f"{k} {v:,}" for k, v in self.xla_memory.items())]
@@ -255,9 +258,11 @@ def _saved_activations(step, state: ZeroState, batch) -> dict:
   local = jax.tree.map(local, batch)
   call = loss_call(state)
   key = None if state.key is None else jax.random.key(0)
+  model_axes = {a: int(n) for a, n in spec.tx.mesh.shape.items()
+                if a not in spec.tx.batch_axes}
   return _activations.saved_residuals(
       lambda p, b: call(step.loss_fn, p, b, key, state.model_state)[0],
-      params, local)
+      params, local, axes=model_axes)
 
 
 def _offload_traffic(state: ZeroState, hlo: str) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import flax.linen as nn
 
 from zerojax._src.comm.gather import gather
+from zerojax._src.remat.remat import Remat, name_input
 
 
 def gathered(module_cls):
@@ -34,7 +35,7 @@ def gathered(module_cls):
   return nn.map_variables(module_cls, "params", trans_in_fn=gather, init=True)
 
 
-def scan_layers(block_cls, length: int, *, remat: bool = True,
+def scan_layers(block_cls, length: int, *, remat: bool | Remat = True,
                 partition_name: str = "layers", **scan_kwargs):
   """``length`` copies of ``block_cls`` in an ``nn.scan``, gathered per layer.
 
@@ -42,10 +43,17 @@ def scan_layers(block_cls, length: int, *, remat: bool = True,
   are stacked on a leading axis (named ``partition_name`` in partition
   metadata), which zerojax never shards, so each iteration gathers one
   layer's shards.
+
+  ``remat``: ``True``: ``nn.remat`` (the layer input kept, the rest
+  recomputed); a :class:`zerojax.Remat` (``zerojax.remat(saves="dots",
+  partition="model", offload=True)``): ZeRO-R's choice of what is kept, Pa,
+  Pa+cpu; ``False``: every intermediate kept.
   """
   block = gathered(block_cls)
+  if remat is True:
+    remat = Remat()
   if remat:
-    block = nn.remat(block)
+    block = _remat(block, remat)
   return nn.scan(block, variable_axes={"params": 0},
                  split_rngs={"params": True}, length=length,
                  metadata_params={nn.PARTITION_NAME: partition_name},
@@ -74,3 +82,28 @@ def model_specs(variables, rules=None):
     return logical
   return jax.tree.map(lambda s: nn.logical_to_mesh_axes(tuple(s), rules),
                       logical, is_leaf=lambda x: isinstance(x, P))
+
+
+def _remat(block_cls, r: Remat):
+  """``block_cls`` under ``nn.remat`` with ``r``'s policy, its input named
+  inside the remat (so the policy may offload it) and split / restored by
+  ``r`` outside it (so the saved input is the split one). Subclasses keep
+  their base's name, so the params tree is the one ``nn.remat`` gives."""
+  def subclass(base, call):
+    cls = type(base.__name__, (base,), {"__call__": call})
+    cls.__qualname__ = base.__qualname__
+    return cls
+
+  if r.saves == "all":
+    inner = block_cls
+  else:
+    def named_call(self, carry, *args, **kwargs):
+      return name_input(super(named, self).__call__)(carry, *args, **kwargs)
+    named = subclass(block_cls, named_call)
+    inner = nn.remat(named, policy=r.policy)
+
+  def split_call(self, carry, *args, **kwargs):
+    out = super(outer, self).__call__(r.split(carry), *args, **kwargs)
+    return r.restore(out, carry)
+  outer = subclass(inner, split_call)
+  return outer

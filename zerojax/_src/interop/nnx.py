@@ -27,6 +27,7 @@ import jax
 from flax import nnx
 
 from zerojax._src.comm.gather import gather
+from zerojax._src.remat.remat import Remat
 
 
 def gathered(module: nnx.Module) -> nnx.Module:
@@ -42,7 +43,7 @@ def gathered(module: nnx.Module) -> nnx.Module:
 
 def scan(stacked: nnx.Module, carry, *,
          call: Callable = lambda layer, carry: layer(carry),
-         remat: bool = True):
+         remat: bool | Remat = True):
   """Runs ``carry = call(layer_i, carry)`` over the stacked layers.
 
   Args:
@@ -50,7 +51,11 @@ def scan(stacked: nnx.Module, carry, *,
       with ``nnx.vmap``).
     carry: the input of the first layer.
     call: how to apply one layer; default ``layer(carry)``.
-    remat: wrap the body in ``jax.checkpoint`` (re-gather in backward).
+    remat: ``True``: the body under ``jax.checkpoint`` (only the layer
+      input is kept; weights re-gathered in backward); a
+      :class:`zerojax.Remat` (``zerojax.remat(partition="model",
+      offload=True)``): ZeRO-R's choice of what is kept, Pa, Pa+cpu;
+      ``False``: every intermediate kept.
 
   Returns:
     The output of the last layer.
@@ -63,8 +68,10 @@ def scan(stacked: nnx.Module, carry, *,
     out = call(module, carry)
     return out, nnx.state(module, nnx.Not(nnx.Param))   # updated stats
 
+  if remat is True:
+    remat = Remat()
   if remat:
-    body = jax.checkpoint(body)
+    body = remat(body)
   carry, new_rest = jax.lax.scan(body, carry, (params, rest))
   nnx.update(stacked, new_rest)        # e.g. each layer's BatchNorm averages
   return carry

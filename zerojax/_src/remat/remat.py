@@ -187,9 +187,11 @@ class Remat:
 
     return block
 
-  def split(self, x):
+  def split(self, x, *, record: bool = True):
     """``x``'s array leaves split over ``partition`` along ``dim`` (Pa);
-    ``x`` itself without ``partition`` or a mesh to split over."""
+    ``x`` itself without ``partition`` or a mesh to split over. ``record``:
+    report the split to :func:`recording` (the block input, not its
+    output)."""
     if self.partition is None:
       return x
     mesh = jax.sharding.get_abstract_mesh()
@@ -209,7 +211,7 @@ class Remat:
       if shards == 1:
         out.append(leaf)
         continue
-      if recorder is not None:
+      if record and recorder is not None:
         recorder[1].append(Split(tuple(leaf.shape), np.dtype(leaf.dtype), shards))
       out.append(leaf if mesh.empty else self._constrain(leaf, dim, mesh, path))
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -238,7 +240,7 @@ class Remat:
       return jax.tree.map(
           lambda o, i: jax.sharding.reshard(o, jax.typeof(i).sharding.spec)
           if hasattr(o, "shape") else o, out, x)
-    return self.split(out)
+    return self.split(out, record=False)
 
   def _shards(self, axes: dict, mesh) -> int:
     axis = self.partition

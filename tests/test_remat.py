@@ -1,0 +1,322 @@
+"""ZeRO-R on models that are not the reference GPT: ``zerojax.remat`` around
+an NNX and a Linen MLP-mixer block stack (``zerojax.nnx.scan``,
+``zerojax.linen.scan_layers``) on a data=4 x model=2 mesh.
+
+Claims: the numbers are those of the same model without the call (SGD,
+rtol 1e-5); Pa (``partition="model"``) keeps at least 0.45 of one block
+input less per layer in the compiled step; ``offload=True`` places exactly
+the kept tensors in ``pinned_host`` in the CUDA lowering made on CPU; the
+report's and the planner's saved-activation figure per layer is within 5%
+of the compiled step's per-layer growth; bad settings raise before any
+compile, naming the numbers.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zerojax
+import zerojax.cost
+import zerojax.linen
+import zerojax.nnx
+
+# the model axis carries Pa only here (no tensor-parallel params)
+pytestmark = pytest.mark.filterwarnings("ignore:zerojax.init. mesh axes")
+
+B, T, D, IN, C = 16, 8, 32, 6, 3        # global batch, tokens, width, in, out
+MESH = "data=4,model=2"
+LOCAL_ROWS = B // 4                     # one device's batch (data=4)
+INPUT_BYTES = LOCAL_ROWS * T * D * 4    # one saved block input, fp32
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"x": rng.normal(size=(B, T, IN)).astype(np.float32),
+          "y": rng.normal(size=(B, C)).astype(np.float32)}
+
+
+# ----------------------------------------------------------------- NNX
+class NNXMixerBlock(nnx.Module):
+  """Token mixing across T, then channel mixing across D (MLP-Mixer)."""
+
+  def __init__(self, rngs):
+    self.norm1 = nnx.LayerNorm(D, rngs=rngs)
+    self.tok1 = nnx.Linear(T, 2 * T, rngs=rngs)
+    self.tok2 = nnx.Linear(2 * T, T, rngs=rngs)
+    self.norm2 = nnx.LayerNorm(D, rngs=rngs)
+    self.ch1 = nnx.Linear(D, 2 * D, rngs=rngs)
+    self.ch2 = nnx.Linear(2 * D, D, rngs=rngs)
+
+  def __call__(self, x_BxTxD):
+    y_BxDxT = self.norm1(x_BxTxD).swapaxes(1, 2)
+    x_BxTxD = x_BxTxD + self.tok2(jnp.tanh(self.tok1(y_BxDxT))).swapaxes(1, 2)
+    return x_BxTxD + self.ch2(jnp.tanh(self.ch1(self.norm2(x_BxTxD))))
+
+
+class NNXMixer(nnx.Module):
+  def __init__(self, depth, remat, rngs):
+    self.inp = nnx.Linear(IN, D, rngs=rngs)
+
+    @nnx.split_rngs(splits=depth)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NNXMixerBlock(rngs)
+
+    self.blocks = make(rngs)
+    self.out = nnx.Linear(D, C, rngs=rngs)
+    self.remat = remat
+
+  def __call__(self, x_BxTxIN):
+    x_BxTxD = zerojax.nnx.gathered(self.inp)(x_BxTxIN)
+    x_BxTxD = zerojax.nnx.scan(self.blocks, x_BxTxD, remat=self.remat)
+    return zerojax.nnx.gathered(self.out)(x_BxTxD.mean(1))
+
+
+def _nnx(depth, remat):
+  graphdef, params = nnx.split(NNXMixer(depth, remat, nnx.Rngs(0)), nnx.Param)
+  def loss(p, b):
+    return jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
+  return params, loss
+
+
+# --------------------------------------------------------------- Linen
+class LinenMixerBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x_BxTxD, _):
+    y_BxDxT = nn.LayerNorm()(x_BxTxD).swapaxes(1, 2)
+    y_BxDxT = nn.Dense(T)(jnp.tanh(nn.Dense(2 * T)(y_BxDxT)))
+    x_BxTxD = x_BxTxD + y_BxDxT.swapaxes(1, 2)
+    y_BxTxD = nn.Dense(D)(jnp.tanh(nn.Dense(2 * D)(nn.LayerNorm()(x_BxTxD))))
+    return x_BxTxD + y_BxTxD, None
+
+
+class LinenMixer(nn.Module):
+  depth: int
+  remat: object
+
+  @nn.compact
+  def __call__(self, x_BxTxIN):
+    x_BxTxD = zerojax.linen.gathered(nn.Dense)(D)(x_BxTxIN)
+    x_BxTxD, _ = zerojax.linen.scan_layers(
+        LinenMixerBlock, self.depth, remat=self.remat)()(x_BxTxD, None)
+    return zerojax.linen.gathered(nn.Dense)(C)(x_BxTxD.mean(1))
+
+
+def _linen(depth, remat):
+  model = LinenMixer(depth, remat)
+  params = model.init(jax.random.key(0), _batch()["x"][:2])["params"]
+  def loss(p, b):
+    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+  return params, loss
+
+
+MODELS = {"nnx": _nnx, "linen": _linen}
+
+
+def _step(kind, depth, remat, stage=3, mesh=MESH):
+  params, loss = MODELS[kind](depth, remat)
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=zerojax.make_mesh(mesh))
+  state = zerojax.init(params, tx)
+  return state, zerojax.train_step(loss, tx)
+
+
+def _trained(kind, remat, steps=2):
+  state, step = _step(kind, 2, remat)
+  for s in range(steps):
+    state, _ = step(state, _batch(s))
+  return zerojax.gather_params(state)
+
+
+SETTINGS = {
+    "pa": zerojax.remat(partition="model"),
+    "dots+pa+offload": zerojax.remat(saves="dots", partition="model",
+                                     offload=True),
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("kind", MODELS)
+def test_remat_gives_the_numbers_of_the_model_without_it(kind, setting):
+  """Stage 3, SGD, two steps: the params equal those of the same model
+  with every intermediate kept (``remat=False``), rtol 1e-5 (Pa's split
+  reorders fp32 sums only)."""
+  want = _trained(kind, False)
+  got = _trained(kind, SETTINGS[setting])
+  # (Linen names a rematerialised scan "ScanCheckpoint...", nn.remat's way)
+  assert len(jax.tree.leaves(got)) == len(jax.tree.leaves(want))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_pa_in_a_users_explicit_mesh_loop_through_the_drop_in():
+  """The NNX model with Pa in the user's own jitted loop on
+  ``jax.make_mesh`` (Explicit axes), the drop-in at stage 1: Optax's
+  numbers (the same loop with plain ``optax.sgd``)."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  results = []
+  for remat in (False, zerojax.remat(partition="model")):
+    params, loss = _nnx(2, remat)
+    tx = (optax.sgd(0.1) if remat is False
+          else zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh))
+    with jax.set_mesh(mesh):
+      params = jax.device_put(params, jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec()))
+      opt_state = tx.init(params)
+
+      @jax.jit
+      def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+      for s in range(2):
+        b = jax.device_put(_batch(s), jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec("data")))
+        params, opt_state = step(params, opt_state, b)
+    results.append(params)
+  for a, b in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _growth(kind, remat):
+  """Compiled temp bytes per added layer (depths 2 and 4), less the
+  layer's gradient shard the backward scan stacks too, and the report's
+  saved bytes per layer."""
+  temps, report = {}, {}
+  for depth in (2, 4):
+    state, step = _step(kind, depth, remat)
+    temps[depth] = step.lower(state, _batch()).compile().memory_analysis(
+        ).temp_size_in_bytes
+    report[depth] = zerojax.report(step, state, _batch()).activations
+  grads = sum(x.addressable_shards[0].data.size * 4
+              for path, x in jax.tree_util.tree_leaves_with_path(state.params)
+              if "blocks" in jax.tree_util.keystr(path)
+              or "ScanCheckpoint" in jax.tree_util.keystr(path)
+              or "Scan" in jax.tree_util.keystr(path)) / 4
+  compiled = (temps[4] - temps[2]) / 2 - grads
+  reported = (report[4]["scan"] - report[2]["scan"]) / 2
+  return compiled, reported, report[4]
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_pa_cuts_the_saved_block_input_and_the_report_says_so(kind):
+  """With Pa the compiled step grows by at least 0.45 of one block input
+  less per layer; the report's per-layer figure (Pa applied) is within 5%
+  of the compiled growth, with and without Pa."""
+  full_c, full_r, _ = _growth(kind, True)
+  pa_c, pa_r, pa_report = _growth(kind, zerojax.remat(partition="model"))
+  assert full_c - pa_c >= 0.45 * INPUT_BYTES, (full_c, pa_c, INPUT_BYTES)
+  assert full_r == pytest.approx(full_c, rel=0.05), (full_r, full_c)
+  assert pa_r == pytest.approx(pa_c, rel=0.05), (pa_r, pa_c)
+  assert pa_report["partitioned"] == 4 * INPUT_BYTES // 2, pa_report
+
+
+def _placements(step, state, batch):
+  text = step.trace(state, batch).lower(
+      lowering_platforms=("cuda",)).as_text()
+  return re.findall(r'annotate_device_placement[^\n]*_xla_buffer_placement'
+                    r' = "(\w+)"[^\n]*: \((tensor<[^>]*>)\)', text)
+
+
+def _tensor(shape, itemsize=4):
+  return f"tensor<{'x'.join(map(str, shape))}xf{8 * itemsize}>"
+
+
+@pytest.mark.parametrize("saves", ["input", "dots"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_offload_places_exactly_the_kept_tensors_in_pinned_host(kind, saves):
+  """``offload=True``: the pinned-host placements of the CUDA program are,
+  shape for shape, the saved tensors the traced loss keeps per layer
+  (read from ``jax.ad_checkpoint.print_saved_residuals`` by the planner),
+  one each way per layer inside the scans; none without offload."""
+  remat = zerojax.remat(saves=saves, offload=True)
+  state, step = _step(kind, 2, remat)
+  placed = _placements(step, state, _batch())
+  host = sorted(p[1] for p in placed if p[0] == "pinned_host")
+  assert all(p[0] in ("pinned_host", "device") for p in placed), placed
+  params, loss = MODELS[kind](2, remat)
+  acts = zerojax.cost.saved_activations(
+      loss, params, jax.tree.map(lambda x: x[:LOCAL_ROWS], _batch()))
+  # the layer scans keep everything in host memory (outside them, the
+  # input and head layers keep their few residuals on the device)
+  assert acts["host"] == acts["scan"] > 0, acts
+  kept = sorted(_tensor(s[1:], i) for s, i, where, scan in acts["lines"]
+                if where == "host")
+  assert host == kept, (host, kept)
+  if saves == "input":
+    assert host == [_tensor((LOCAL_ROWS, T, D))]
+  state, step = _step(kind, 2, zerojax.remat(saves=saves))
+  assert [p for p in _placements(step, state, _batch())
+          if p[0] == "pinned_host"] == []
+
+
+def test_planner_traces_a_users_model_and_adds_it_to_the_working_set():
+  """``zerojax.cost.saved_activations`` on abstract shapes: the NNX model
+  with Pa keeps ``depth`` block inputs split over model=2; the planner's
+  working set adds it to the model state."""
+  depth = 4
+  params, loss = _nnx(depth, zerojax.remat(partition="model"))
+  shapes = jax.eval_shape(lambda: params)
+  batch = jax.eval_shape(lambda: jax.tree.map(lambda x: x[:LOCAL_ROWS],
+                                              _batch()))
+  acts = zerojax.cost.saved_activations(loss, shapes, batch,
+                                        mesh={"data": 4, "model": 2})
+  assert acts["scan"] == depth * INPUT_BYTES // 2, acts
+  plan = zerojax.cost.plan_stage(shapes, 3, mesh={"data": 4, "model": 2},
+                                 model_specs=jax.tree.map(
+                                     lambda _: jax.sharding.PartitionSpec(),
+                                     shapes), activations=acts)
+  assert plan.working_set == plan.device + acts["device"]
+
+
+def test_gpt_figure_from_the_traced_loss_matches_the_gpt_formula():
+  """The planner's GPT formula and the traced figure for the same GPT
+  agree (full remat with Pa, model=2)."""
+  from zerojax import plan
+  from zerojax.app import gpt
+  cfg = gpt.GPTConfig(vocab=64, seq_len=32, width=64, depth=3, heads=4,
+                      remat="full", seq_shard="model")
+  params = jax.eval_shape(lambda: gpt.init(cfg, jax.random.key(0)))
+  batch = {"x": jax.ShapeDtypeStruct((4, 32), jnp.int32),
+           "y": jax.ShapeDtypeStruct((4, 32), jnp.int32)}
+  acts = zerojax.cost.saved_activations(
+      lambda p, b: gpt.loss(p, b, cfg), params, batch,
+      mesh={"data": 4, "model": 2})
+  formula = plan.saved_activations(cfg, 4, model=2)
+  assert acts["scan"] == formula["device"], (acts, formula)
+
+
+def test_remat_refuses_what_it_cannot_honour():
+  """Settings are checked when built; a mesh without the axis, a
+  dimension the axis does not divide and a manual axis are refused at
+  trace time, before anything compiles, each naming the numbers."""
+  with pytest.raises(zerojax.RematError, match="saves='some'"):
+    zerojax.remat(saves="some")
+  with pytest.raises(zerojax.RematError, match="offload=True"):
+    zerojax.remat(saves="all", offload=True)
+  with pytest.raises(zerojax.RematError, match="partition=3"):
+    zerojax.remat(partition=3)
+  state, step = _step("nnx", 2, zerojax.remat(partition="model"),
+                      mesh="data=8")
+  with pytest.raises(zerojax.RematError,
+                     match=r"partition='model' names no axis.*'data': 8"):
+    step.lower(state, _batch())
+  block = zerojax.remat(lambda x, w: (x @ w, None), partition="model", dim=1)
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    with pytest.raises(zerojax.RematError,
+                       match=r"has 7 along dimension 1.*divisible by 2"):
+      jax.jit(lambda x, w: jax.lax.scan(block, x, w)[0]).lower(
+          jnp.ones((4, 7, 8)), jnp.ones((2, 8, 8)))
+  manual = zerojax.remat(lambda x: x * 2, partition="data")
+  with pytest.raises(zerojax.RematError, match="manual axis"):
+    jax.jit(jax.shard_map(manual, mesh=mesh, in_specs=jax.sharding.PartitionSpec("data"),
+                          out_specs=jax.sharding.PartitionSpec("data"),
+                          axis_names={"data"})).lower(jnp.ones((8, 4, 2)))
