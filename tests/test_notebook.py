@@ -38,3 +38,15 @@ def test_bring_your_model_notebook_runs(tmp_path):
   curves = float(re.search(r"stage 0 and stage 3 curves: (\S+)", outputs)[1])
   assert curves < 1e-4, outputs
   assert "P(None, 'data')" in outputs and "reduce-scatter" in outputs
+  # ZeRO-R: the planner's line per choice; offload (one memory on CPU)
+  # trains the numbers of remat=True
+  kept = {name.strip(): (int(dev.replace(",", "")), int(host.replace(",", "")))
+          for name, dev, host in re.findall(
+              r"(.+?)saved per device: +([\d,]+) B on device, +([\d,]+) B in host",
+              outputs)}
+  assert len(kept) == 3, outputs
+  full, block, offloaded = kept.values()
+  assert full[0] > block[0] > offloaded[0] and offloaded[1] > 0, kept
+  offload_diff = float(re.search(r"remat=True and offload=True: (\S+)",
+                                 outputs)[1])
+  assert offload_diff == 0.0, outputs

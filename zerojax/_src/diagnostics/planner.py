@@ -150,7 +150,8 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
 
 
 def saved_activations(loss_fn, params, batch, *, mesh: dict | None = None,
-                      compute_dtype=None) -> dict:
+                      compute_dtype=None, key=None,
+                      model_state=None) -> dict:
   """Per-device bytes ``loss_fn``'s backward pass keeps from its forward
   pass, traced abstractly (nothing is allocated or compiled).
 
@@ -163,6 +164,10 @@ def saved_activations(loss_fn, params, batch, *, mesh: dict | None = None,
       :class:`zerojax.Remat` blocks' Pa splits over them are applied.
     compute_dtype: the dtype floating params are used in (e.g. bf16 under
       ``Policy(compute_dtype=...)``); default their own.
+    key, model_state: for a loss written for ``zerojax.init(...,
+      key=..., model_state=...)``: it is called as ``loss_fn(params, batch,
+      key=key, model_state=model_state)`` (dropout keys, batch statistics),
+      ``key`` a PRNG key, ``model_state`` shapes or arrays.
 
   Returns:
     ``{"device", "host", "scan", "partitioned", "count", "lines"}``: bytes
@@ -177,10 +182,19 @@ def saved_activations(loss_fn, params, batch, *, mesh: dict | None = None,
       dtype = np.dtype(compute_dtype)
     return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
+  extras = {}
+  if key is not None:
+    extras["key"] = key
+  if model_state is not None:
+    extras["model_state"] = model_state
+  def call(p, b, extra):
+    return _scalar_loss(loss_fn(p, b, **extra))
+  def abstract_extra(x):          # keys stay keys; the rest as shapes
+    return x if jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32,
+                                      jax.dtypes.prng_key) else abstract(x)
   out = _activations.saved_residuals(
-      lambda p, b: _scalar_loss(loss_fn(p, b)),
-      jax.tree.map(abstract, params), jax.tree.map(abstract, batch),
-      axes=dict(mesh or {}))
+      call, jax.tree.map(abstract, params), jax.tree.map(abstract, batch),
+      jax.tree.map(abstract_extra, extras), axes=dict(mesh or {}))
   if "error" in out:
     raise ValueError(f"zerojax.cost.saved_activations: {out['error']}")
   out.pop("unread", None)
