@@ -13,110 +13,29 @@ compile, naming the numbers.
 
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
+import mixers
 import zerojax
 import zerojax.cost
-import zerojax.linen
-import zerojax.nnx
 
 # the model axis carries Pa only here (no tensor-parallel params)
 pytestmark = pytest.mark.filterwarnings("ignore:zerojax.init. mesh axes")
 
-B, T, D, IN, C = 16, 8, 32, 6, 3        # global batch, tokens, width, in, out
+B, T, D = mixers.B, mixers.T, mixers.D
+MODELS = mixers.MODELS
 MESH = "data=4,model=2"
 LOCAL_ROWS = B // 4                     # one device's batch (data=4)
 INPUT_BYTES = LOCAL_ROWS * T * D * 4    # one saved block input, fp32
 
 
-def _batch(seed=0):
-  rng = np.random.default_rng(seed)
-  return {"x": rng.normal(size=(B, T, IN)).astype(np.float32),
-          "y": rng.normal(size=(B, C)).astype(np.float32)}
+_batch = mixers.batch
 
 
-# ----------------------------------------------------------------- NNX
-class NNXMixerBlock(nnx.Module):
-  """Token mixing across T, then channel mixing across D (MLP-Mixer)."""
-
-  def __init__(self, rngs):
-    self.norm1 = nnx.LayerNorm(D, rngs=rngs)
-    self.tok1 = nnx.Linear(T, 2 * T, rngs=rngs)
-    self.tok2 = nnx.Linear(2 * T, T, rngs=rngs)
-    self.norm2 = nnx.LayerNorm(D, rngs=rngs)
-    self.ch1 = nnx.Linear(D, 2 * D, rngs=rngs)
-    self.ch2 = nnx.Linear(2 * D, D, rngs=rngs)
-
-  def __call__(self, x_BxTxD):
-    y_BxDxT = self.norm1(x_BxTxD).swapaxes(1, 2)
-    x_BxTxD = x_BxTxD + self.tok2(jnp.tanh(self.tok1(y_BxDxT))).swapaxes(1, 2)
-    return x_BxTxD + self.ch2(jnp.tanh(self.ch1(self.norm2(x_BxTxD))))
-
-
-class NNXMixer(nnx.Module):
-  def __init__(self, depth, remat, rngs):
-    self.inp = nnx.Linear(IN, D, rngs=rngs)
-
-    @nnx.split_rngs(splits=depth)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return NNXMixerBlock(rngs)
-
-    self.blocks = make(rngs)
-    self.out = nnx.Linear(D, C, rngs=rngs)
-    self.remat = remat
-
-  def __call__(self, x_BxTxIN):
-    x_BxTxD = zerojax.nnx.gathered(self.inp)(x_BxTxIN)
-    x_BxTxD = zerojax.nnx.scan(self.blocks, x_BxTxD, remat=self.remat)
-    return zerojax.nnx.gathered(self.out)(x_BxTxD.mean(1))
-
-
-def _nnx(depth, remat):
-  graphdef, params = nnx.split(NNXMixer(depth, remat, nnx.Rngs(0)), nnx.Param)
-  def loss(p, b):
-    return jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
-  return params, loss
-
-
-# --------------------------------------------------------------- Linen
-class LinenMixerBlock(nn.Module):
-  @nn.compact
-  def __call__(self, x_BxTxD, _):
-    y_BxDxT = nn.LayerNorm()(x_BxTxD).swapaxes(1, 2)
-    y_BxDxT = nn.Dense(T)(jnp.tanh(nn.Dense(2 * T)(y_BxDxT)))
-    x_BxTxD = x_BxTxD + y_BxDxT.swapaxes(1, 2)
-    y_BxTxD = nn.Dense(D)(jnp.tanh(nn.Dense(2 * D)(nn.LayerNorm()(x_BxTxD))))
-    return x_BxTxD + y_BxTxD, None
-
-
-class LinenMixer(nn.Module):
-  depth: int
-  remat: object
-
-  @nn.compact
-  def __call__(self, x_BxTxIN):
-    x_BxTxD = zerojax.linen.gathered(nn.Dense)(D)(x_BxTxIN)
-    x_BxTxD, _ = zerojax.linen.scan_layers(
-        LinenMixerBlock, self.depth, remat=self.remat)()(x_BxTxD, None)
-    return zerojax.linen.gathered(nn.Dense)(C)(x_BxTxD.mean(1))
-
-
-def _linen(depth, remat):
-  model = LinenMixer(depth, remat)
-  params = model.init(jax.random.key(0), _batch()["x"][:2])["params"]
-  def loss(p, b):
-    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
-  return params, loss
-
-
-MODELS = {"nnx": _nnx, "linen": _linen}
 
 
 def _step(kind, depth, remat, stage=3, mesh=MESH, params=None):
@@ -164,7 +83,7 @@ def test_pa_in_a_users_explicit_mesh_loop_through_the_drop_in():
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   results = []
   for remat in (False, zerojax.remat(partition="model")):
-    params, loss = _nnx(2, remat)
+    params, loss = mixers.nnx_model(2, remat)
     tx = (optax.sgd(0.1) if remat is False
           else zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh))
     with jax.set_mesh(mesh):
@@ -264,7 +183,7 @@ def test_planner_traces_a_users_model_and_adds_it_to_the_working_set():
   with Pa keeps ``depth`` block inputs split over model=2; the planner's
   working set adds it to the model state."""
   depth = 4
-  params, loss = _nnx(depth, zerojax.remat(partition="model"))
+  params, loss = mixers.nnx_model(depth, zerojax.remat(partition="model"))
   shapes = jax.eval_shape(lambda: params)
   batch = jax.eval_shape(lambda: jax.tree.map(lambda x: x[:LOCAL_ROWS],
                                               _batch()))

@@ -93,6 +93,10 @@ class GPTConfig:
 ATTENTION = ("auto", "einsum", "xla", "cudnn")
 REMAT = ("auto", "full", "dots", "offload", "none")
 
+# The name of each block's input in the program (zerojax.remat's), for
+# checkpoint policies: ``remat="offload"`` offloads it.
+LAYER_INPUT = zerojax.Remat.input_name
+
 
 
 # Logical axis names of every parameter's dimensions (None: never split).

@@ -43,7 +43,7 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -140,6 +140,9 @@ class Remat:
   partition: str | None = None
   dim: int = 1
   offload: bool = False
+
+  # the name the block input carries in the traced program
+  input_name: ClassVar[str] = LAYER_INPUT
 
   def __post_init__(self):
     saves = self.saves
