@@ -118,9 +118,8 @@ def _growth(kind, remat):
     report[depth] = zerojax.report(step, state, _batch()).activations
   grads = sum(x.addressable_shards[0].data.size * 4
               for path, x in jax.tree_util.tree_leaves_with_path(state.params)
-              if "blocks" in jax.tree_util.keystr(path)
-              or "ScanCheckpoint" in jax.tree_util.keystr(path)
-              or "Scan" in jax.tree_util.keystr(path)) / 4
+              if "blocks" in jax.tree_util.keystr(path)       # NNX
+              or "Scan" in jax.tree_util.keystr(path)) / 4    # Linen
   compiled = (temps[4] - temps[2]) / 2 - grads
   reported = (report[4]["scan"] - report[2]["scan"]) / 2
   return compiled, reported, report[4]
@@ -229,6 +228,9 @@ def test_remat_refuses_what_it_cannot_honour():
   with pytest.raises(zerojax.RematError,
                      match=r"partition='model' names no axis.*'data': 8"):
     step.lower(state, _batch())
+  params, loss = mixers.nnx_model(2, zerojax.remat(partition="model"))
+  with pytest.raises(zerojax.RematError, match="names no axis"):
+    zerojax.cost.saved_activations(loss, params, _batch(), mesh={"data": 8})
   block = zerojax.remat(lambda x, w: (x @ w, None), partition="model", dim=1)
   mesh = jax.make_mesh((4, 2), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -30,6 +30,7 @@ from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
 from zerojax._src.records.zeropp import ZeroPP
 from zerojax._src.step import offload as _offload
+from zerojax._src.step.grad import LossCall
 from zerojax._src.step.transform import zero
 
 GB = 1e9
@@ -177,32 +178,26 @@ def saved_activations(loss_fn, params, batch, *, mesh: dict | None = None,
     Tensor parallelism's splits of a block's inside are not applied.
   """
   def abstract(x):
-    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+      return jax.ShapeDtypeStruct(np.shape(x), dtype)     # e.g. NNX RNG state
+    dtype = np.dtype(dtype) if dtype is not None else np.result_type(x)
     if compute_dtype is not None and np.issubdtype(dtype, np.floating):
       dtype = np.dtype(compute_dtype)
     return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
-  extras = {}
-  if key is not None:
-    extras["key"] = key
-  if model_state is not None:
-    extras["model_state"] = model_state
-  def call(p, b, extra):
-    return _scalar_loss(loss_fn(p, b, **extra))
-  def abstract_extra(x):          # keys stay keys; the rest as shapes
-    return x if jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32,
-                                      jax.dtypes.prng_key) else abstract(x)
+  call = LossCall(has_key=key is not None,
+                  has_model_state=model_state is not None)
   out = _activations.saved_residuals(
-      call, jax.tree.map(abstract, params), jax.tree.map(abstract, batch),
-      jax.tree.map(abstract_extra, extras), axes=dict(mesh or {}))
+      lambda p, b, ms: call(loss_fn, p, b, key, ms)[0],
+      jax.tree.map(abstract, params), jax.tree.map(abstract, batch),
+      None if model_state is None else jax.tree.map(abstract, model_state),
+      axes=dict(mesh or {}))
   if "error" in out:
     raise ValueError(f"zerojax.cost.saved_activations: {out['error']}")
   out.pop("unread", None)
   return out
 
-
-def _scalar_loss(out):
-  return out[0] if isinstance(out, tuple) else out
 
 
 def _slices_spanned(mesh: dict, axes: tuple, slices: int) -> tuple[int, int]:

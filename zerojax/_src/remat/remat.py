@@ -31,9 +31,9 @@ Pa names a mesh axis: under zerojax's step (and any ``jit`` under
 a sharding constraint, on an Explicit one a ``jax.sharding.reshard``; the
 output keeps the input's type there, as ``lax.scan`` requires of a carry.
 With no mesh in context (a one-device reference run) there is nothing to
-split over and the call only rematerialises. The numbers never change:
-what is kept, split or offloaded is a memory choice, not a different
-computation.
+split over and the call only rematerialises. What is kept, split or
+offloaded is a memory choice, not a different computation: the numbers are
+those of the block without the call, up to the order XLA sums in.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class Remat:
     recorder = _RECORDER.get()
     axes = (dict(recorder[0]) if recorder else {}) if mesh.empty else dict(
         zip(mesh.axis_names, mesh.axis_sizes))
-    if mesh.empty and self.partition not in axes:
+    if mesh.empty and not axes:
       return x                  # no mesh: nothing to split over
     shards = self._shards(axes, mesh)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
