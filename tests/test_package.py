@@ -57,6 +57,76 @@ def test_old_spellings_of_moved_names_still_work():
   assert zerojax.hardware.combine_threshold_flags(2**20).count("=1048576") == 3
 
 
+# --- following the state through one update ---------------------------------
+def _data_path(fn, *args):
+  """The zerojax functions the data passes through while ``fn`` traces, in
+  the order they are first called: those with an argument that is the
+  state, a weight source or a traced array (or a list, tuple or dict of
+  them). Nested functions, lambdas and comprehensions count as their
+  enclosing function."""
+  order = []
+
+  def holds_data(v, depth=0):
+    if isinstance(v, (jax.core.Tracer, zerojax.ZeroState)):
+      return True
+    if depth < 2 and isinstance(v, (list, tuple)):
+      return any(holds_data(x, depth + 1) for x in v)
+    if depth < 2 and isinstance(v, dict):
+      return any(holds_data(x, depth + 1) for x in v.values())
+    return type(v).__name__ == "WeightSource"
+
+  def profile(frame, event, arg):
+    module = frame.f_globals.get("__name__", "")
+    if event != "call" or not module.startswith("zerojax._src."):
+      return
+    name = frame.f_code.co_qualname.split(".<locals>")[0]
+    if "__create_fn__" in name or name.startswith("<"):
+      return
+    code = frame.f_code
+    n_args = code.co_argcount + code.co_kwonlyargcount
+    if not any(holds_data(frame.f_locals.get(a))
+               for a in code.co_varnames[:n_args]):
+      return
+    if (module, name) not in order:
+      order.append((module, name))
+
+  sys.setprofile(profile)
+  try:
+    fn(*args)
+  finally:
+    sys.setprofile(None)
+  return order
+
+
+def _module_visits(order):
+  visits = []
+  for module, _ in order:
+    if not visits or visits[-1] != module:
+      visits.append(module)
+  return visits
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_following_the_state_through_one_update_is_short(mesh, stage):
+  """Reading ``update_state`` call by call, following the state's data:
+  the modules visited in the order their functions are first called, and
+  the moves back up (to a module that imports the one just left)."""
+  from zerojax._src.step import update as _update
+  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh)
+  state = zerojax.init(_stack(), tx)
+  grads = jax.tree.leaves(jax.tree.map(jnp.ones_like,
+                                       zerojax.gather_params(state)))
+  order = _data_path(lambda: jax.eval_shape(
+      lambda s, g: _update.update_state(s, g, {}, "test"), state, grads))
+  visits = _module_visits(order)
+  graph = grimp.build_graph("zerojax")
+  ups = [(a, b) for a, b in zip(visits, visits[1:])
+         if graph.chain_exists(importer=b, imported=a)]
+  assert order[0] == ("zerojax._src.step.update", "update_state")
+  assert len(visits) <= (15 if stage in (1, 2) else 13), visits
+  assert len(ups) <= 5, ups
+
+
 def _stack(depth=4, width=64):
   return {"blocks": {"w": jnp.ones((depth, width, width)),
                      "b": jnp.ones((depth, width))}}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +123,22 @@ class Placement:
             if self.offload else x)
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightSource:
+  """Where an update reads one param's weights from: ``raw`` as stored (in
+  host memory when offloaded), ``load(raw)`` its logical device view. The
+  update loads every source at once; the offloaded update streams them
+  chunk by chunk (:mod:`zerojax._src.step.offload`)."""
+
+  raw: Any
+  load: Callable
+
+  @property
+  def aval(self):
+    raw = jax.ShapeDtypeStruct(np.shape(self.raw), self.raw.dtype)
+    return jax.eval_shape(self.load, raw)
+
+
 def gathered(layout):
   """``layout`` gathered over the data axis: the model axes kept."""
   return _layout.replicated(layout.shape, layout.model, reason="gathered")
@@ -207,6 +223,29 @@ class LeafSpec:
           f"gradients shaped like the params, or as returned by "
           f"zerojax.value_and_grad.")
     return self.place.constrain(logical.astype(self.master_dtype), self.shard)
+
+  @property
+  def whole(self) -> bool:
+    """Its gradient is replicated over every mesh axis (stage 0, or a leaf
+    too small to shard, with no model axis)."""
+    return not self.shard.sharded and not any(self.shard.model)
+
+  def update_input(self, g, param, master, stage: int, where: str):
+    """``(gradient view, WeightSource)`` for one update: the gradient as
+    the inner optimizer reads it (:meth:`grad_view`, conjugated when
+    complex: Optax's convention, under which every optimizer descends on
+    ``jax.grad``'s gradient of a complex leaf) and where its weights are
+    read from."""
+    g = self.grad_view(g, stage, where)
+    return (g.conj() if jnp.iscomplexobj(g) else g,
+            WeightSource(*self.weight_source(param, master)))
+
+  def apply_update(self, w, u, keep_master: bool):
+    """``(master copy as stored or None, new params' weights)`` from the
+    optimizer's weights ``w`` and its update ``u``."""
+    new_w = optax.apply_updates(w, u)
+    master = self.master_storage(new_w) if keep_master else None
+    return master, new_w.astype(self.compute_dtype)
 
   def master_storage(self, w):
     """Updated logical weights -> the master copy as stored."""
@@ -319,6 +358,28 @@ class StateSpec:
     if master is None:
       return [None] * len(self.leaves)
     return self.from_optimizer_view(master)
+
+  # --- one optimizer update -----------------------------------------------
+  def update_inputs(self, state: ZeroState, grads, where: str):
+    """Per param, ``(gradient views, weight sources)`` of one update of
+    ``state`` with ``grads`` (per-param list, logical or storage shapes;
+    ``None`` at frozen leaves, in both outputs)."""
+    g_view, w_src = [], []
+    for g, p, m, r in zip(grads, jax.tree.leaves(state.params),
+                          self.masters(state.master), self.leaves):
+      g, w = r.update_input(g, p, m, self.stage, where) if r.trainable else (
+          None, None)
+      g_view.append(g)
+      w_src.append(w)
+    return g_view, w_src
+
+  def after_update(self, state: ZeroState, masters, params, opt_leaves):
+    """``state`` one step on: its new master leaves (per param, None where
+    frozen), params (as stored) and optimizer-state leaves (as stored)."""
+    return state.replace(
+        step=state.step + 1, params=self.unflatten_params(params),
+        master=None if state.master is None else self.optimizer_view(masters),
+        opt_state=jax.tree.unflatten(self.opt_def, opt_leaves))
 
   # --- shardings and shapes ----------------------------------------------
   def shardings(self) -> ZeroState:

@@ -43,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.mesh import explicit_names, named
-from zerojax._src.records.spec import StateSpec, gathered, make_spec
+from zerojax._src.records.spec import (StateSpec, WeightSource, gathered,
+                                      make_spec)
 from zerojax._src.step import offload as _offload
 from zerojax._src.step import update as _update
 from zerojax._src.step.state import warn_untrained
@@ -213,7 +214,7 @@ def _update_region(spec, static, g_leaves, state, p_leaves, arrays):
         and r.aval.shape != r.shard.storage_shape):
       g = r.place.constrain(g, gathered(r.param))
     g_view.append(r.grad_view(g, spec.stage, where))
-    w_src.append(_offload.Source(p, functools.partial(
+    w_src.append(WeightSource(p, functools.partial(
         lambda x, r: r.place.constrain(x, r.shard), r=r)))
   updates, new_opt = _update.run_update(
       spec, g_view, w_src, state, _update.join_extra_args(arrays, static),

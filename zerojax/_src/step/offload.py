@@ -34,7 +34,7 @@ update) gets the whole-state update instead: exact, not bounded.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -76,19 +76,6 @@ def owners(spec: StateSpec) -> tuple[int | None, ...]:
         best, best_len = i, len(r.path)
     out.append(best)
   return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """Where a chunk reads one param's weights from: ``raw`` as stored (in
-  host memory when offloaded), ``load(raw)`` its logical device view."""
-
-  raw: Any
-  load: Callable
-
-  @property
-  def aval(self):
-    return jax.eval_shape(self.load, aval_of(self.raw))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +188,8 @@ def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
   Args:
     p: from :func:`plan`.
     g_view: per-param logical gradients on device (None for frozen).
-    w_src: per-param :class:`Source` (None for frozen).
+    w_src: per-param :class:`~zerojax._src.records.spec.WeightSource`
+      (None for frozen).
     opt_raw: the inner state's leaves as stored.
     finish: ``finish(i, w, u)`` -> param ``i``'s results from its weights
       and update, computed inside its chunk (e.g. the new master copy,

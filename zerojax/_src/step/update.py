@@ -82,7 +82,7 @@ def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
 
   Args:
     g_view: per-param logical gradients (None for frozen leaves).
-    w_src: per-param :class:`zerojax._src.step.offload.Source` (None for frozen).
+    w_src: per-param :class:`~zerojax._src.records.spec.WeightSource` (None for frozen).
     opt_storage: the inner state as stored.
 
   Returns:
@@ -155,44 +155,23 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   """``state`` after one optimizer update with ``grads`` (per-param list,
   storage or logical; ``None`` for frozen). Returns ``(state, grad_norm)``.
 
-  ``grads`` are gradients as ``jax.grad`` gives them. For a complex leaf
-  that is the conjugate of the direction of steepest ascent, so it is
-  conjugated before the optimizer sees it: Optax's convention for complex
-  parameters (its own tests do the same), under which every optimizer
-  descends."""
+  Three steps, each one call: the records give the optimizer's inputs
+  (:meth:`StateSpec.update_inputs`), the inner optimizer runs
+  (:func:`run_update`; streamed when offloaded), and the new weights go
+  back to the params' layout (:func:`new_params`: all-gathered at stages
+  1-2) and into the state (:meth:`StateSpec.after_update`)."""
   spec = state.spec
-  params = jax.tree.leaves(state.params)
-  g_view, w_src = [], []
-  for g, p, m, r in zip(grads, params, spec.masters(state.master),
-                        spec.leaves):
-    if not r.trainable:
-      g_view.append(None)
-      w_src.append(None)
-      continue
-    g = r.grad_view(g, spec.stage, where)
-    g_view.append(g.conj() if jnp.iscomplexobj(g) else g)
-    w_src.append(_offload.Source(*r.weight_source(p, m)))
-
-  def finish(i, w, u):
-    r = spec.leaves[i]
-    new_w = optax.apply_updates(w, u)
-    master = None if state.master is None else r.master_storage(new_w)
-    return master, new_w.astype(r.compute_dtype)
-
-  done, new_opt = run_update(spec, g_view, w_src, state.opt_state,
-                             extra_args, finish)
-  new_master = None
-  if state.master is not None:
-    new_master = spec.optimizer_view([None if d is None else d[0]
-                                      for d in done])
-  new_state = state.replace(
-      step=state.step + 1,
-      params=new_params(spec, params, [None if d is None else d[1]
-                                       for d in done]),
-      master=new_master, opt_state=jax.tree.unflatten(spec.opt_def, new_opt))
+  g_view, w_src = spec.update_inputs(state, grads, where)
+  keep_master = state.master is not None
+  done, new_opt = run_update(
+      spec, g_view, w_src, state.opt_state, extra_args,
+      lambda i, w, u: spec.leaves[i].apply_update(w, u, keep_master))
+  done = [(None, None) if d is None else d for d in done]
+  params = new_params(spec, jax.tree.leaves(state.params),
+                      [w for _, w in done])
+  new_state = spec.after_update(state, [m for m, _ in done], params, new_opt)
   return new_state, _global_norm(
-      [(g, not r.shard.sharded and not any(r.shard.model))
-       for g, r in zip(g_view, spec.leaves) if g is not None])
+      [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None])
 
 
 NORM_BLOCKS = 16       # most blocks a whole gradient's norm is summed in
@@ -234,10 +213,10 @@ def _global_norm(grads):
                       jnp.zeros((), dt)))
 
 
-def new_params(spec: StateSpec, params, new_w):
-  """Updated weights -> params as stored (stages 1-2: all-gathered back,
-  into the old params' buffers)."""
-  return spec.unflatten_params(_state.stored_params(spec, new_w, params))
+def new_params(spec: StateSpec, params, new_w) -> list:
+  """Updated weights -> the params' leaves as stored (stages 1-2:
+  all-gathered back, into the old params' buffers)."""
+  return _state.stored_params(spec, new_w, params)
 
 
 def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
