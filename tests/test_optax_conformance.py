@@ -113,16 +113,18 @@ def test_optax_suites_through_the_dropin_stage1(tmp_path, module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,select,min_passed,types", [
-    (0, SELECT, MIN_PASSED, "explicit"),
-    (1, f"{SELECT} and LBFGSTest", 30, "explicit"),
-    (1, f"{SELECT} and not LBFGSTest", MIN_PASSED, "auto")],
-    ids=["stage0", "stage1-lbfgs", "stage1-auto-axes"])
+@pytest.mark.parametrize("stage,select,min_passed,types,modules", [
+    *[(0, SELECT, MIN_PASSED_PER_MODULE[m], "explicit", (m,))
+      for m in MODULES],
+    (1, f"{SELECT} and LBFGSTest", 30, "explicit", MODULES),
+    (1, f"{SELECT} and not LBFGSTest", MIN_PASSED, "auto", MODULES)],
+    ids=["stage0-alias", "stage0-contrib", "stage1-lbfgs",
+         "stage1-auto-axes"])
 def test_optax_suites_through_the_dropin(tmp_path, stage, select, min_passed,
-                                         types):
+                                         types, modules):
   """The default suite's stage-1 run is on an Explicit mesh (what
   jax.make_mesh gives); here the rest, and stage 1 on Auto axes."""
-  _check(*run_suite(stage, tmp_path, select, workers=2,
+  _check(*run_suite(stage, tmp_path, select, workers=2, modules=modules,
                     ZEROJAX_CONFORMANCE_AXIS_TYPES=types), min_passed)
 
 
