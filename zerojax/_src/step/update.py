@@ -155,11 +155,12 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   """``state`` after one optimizer update with ``grads`` (per-param list,
   storage or logical; ``None`` for frozen). Returns ``(state, grad_norm)``.
 
-  Three steps, each one call: the records give the optimizer's inputs
-  (:meth:`StateSpec.update_inputs`), the inner optimizer runs
-  (:func:`run_update`; streamed when offloaded), and the new weights go
-  back to the params' layout (:func:`new_params`: all-gathered at stages
-  1-2) and into the state (:meth:`StateSpec.after_update`)."""
+  Four calls: the records give the optimizer's inputs
+  (:meth:`StateSpec.update_inputs`; a complex leaf's gradient conjugated,
+  Optax's convention), the inner optimizer runs (:func:`run_update`;
+  streamed when offloaded), the new weights go back to the params' layout
+  (:func:`new_params`: all-gathered at stages 1-2) and into the state
+  (:meth:`StateSpec.after_update`)."""
   spec = state.spec
   g_view, w_src = spec.update_inputs(state, grads, where)
   keep_master = state.master is not None
