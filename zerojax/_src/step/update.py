@@ -37,56 +37,28 @@ def _check_opt(spec: StateSpec, opt_storage):
   return leaves
 
 
-def inner_update(spec: StateSpec, g_view, w_view, opt_storage, extra_args,
-                 opt_def=None):
-  """Runs the inner optimizer on logical, sharded views, all at once.
+def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
+               finish, opt_def=None):
+  """The inner Optax update, then ``finish(i, w, u)`` per trained param.
+
+  The inner optimizer sees logical, sharded views of the gradients, the
+  weights (loaded from ``w_src``) and its own state, all at once; with
+  offload the update is streamed through device memory chunk by chunk
+  when that is exact (:mod:`zerojax._src.step.offload`).
 
   Args:
-    g_view, w_view: per-param logical gradients and weights (``None`` for
-      frozen leaves).
-    opt_storage: the inner state's leaves as stored.
-    extra_args: keyword arguments for a ``GradientTransformationExtraArgs``.
+    g_view: per-param logical gradients (None for frozen leaves).
+    w_src: per-param :class:`~zerojax._src.records.spec.WeightSource`
+      (None for frozen).
+    opt_storage: the inner state as stored.
+    finish: ``finish(i, w, u)`` -> param ``i``'s results from its weights
+      and update.
     opt_def: the tree structure to hand the inner state in (default the
       spec's).
 
   Returns:
-    ``(updates, new_opt_leaves)``: per-param logical updates (``None`` for
-    frozen leaves) and the new state's leaves in storage layout.
-  """
-  opt_def = spec.opt_def if opt_def is None else opt_def
-  leaves = _check_opt(spec, opt_storage)
-  opt_logical = jax.tree.unflatten(opt_def, [
-      o.logical(x) for x, o in zip(leaves, spec.opt_leaves)])
-  g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
-  if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
-    updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree,
-                                            **extra_args)
-  else:
-    updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree)
-  new_leaves = jax.tree.leaves(new_opt)
-  if len(new_leaves) != len(spec.opt_leaves):
-    raise ValueError(
-        "zerojax: the inner optimizer's update returned a state with "
-        f"{len(new_leaves)} leaves, its init {len(spec.opt_leaves)}.")
-  new_leaves = [o.storage(x) for x, o in zip(new_leaves, spec.opt_leaves)]
-  return spec.from_optimizer_view(updates), new_leaves
-
-
-def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
-               finish, opt_def=None):
-  """The inner update, then ``finish(i, w, u)`` per trained param.
-
-  With offload the update is streamed through device memory chunk by chunk
-  when that is exact (:mod:`zerojax._src.step.offload`); otherwise (and always
-  without offload) it runs on the whole state at once.
-
-  Args:
-    g_view: per-param logical gradients (None for frozen leaves).
-    w_src: per-param :class:`~zerojax._src.records.spec.WeightSource` (None for frozen).
-    opt_storage: the inner state as stored.
-
-  Returns:
-    ``(per-param finish results (None for frozen), new state leaves)``.
+    ``(per-param finish results (None for frozen), new state leaves in
+    storage layout)``.
   """
   leaves = _check_opt(spec, opt_storage)
   extra_args = {k: in_caller_types(spec.tx.mesh, v) if callable(v) else v
@@ -100,11 +72,25 @@ def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
     if p is not None:
       return _offload.stream(spec, p, g_view, w_src, leaves, extra_args,
                              finish, opt_def)
+  opt_def = spec.opt_def if opt_def is None else opt_def
+  opt_logical = jax.tree.unflatten(opt_def, [
+      o.logical(x) for x, o in zip(leaves, spec.opt_leaves)])
   w_view = [None if s is None else s.load(s.raw) for s in w_src]
-  updates, new_opt = inner_update(spec, g_view, w_view, leaves, extra_args,
-                                  opt_def)
+  g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
+  if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
+    updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree,
+                                            **extra_args)
+  else:
+    updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree)
+  new_leaves = jax.tree.leaves(new_opt)
+  if len(new_leaves) != len(spec.opt_leaves):
+    raise ValueError(
+        "zerojax: the inner optimizer's update returned a state with "
+        f"{len(new_leaves)} leaves, its init {len(spec.opt_leaves)}.")
+  new_leaves = [o.storage(x) for x, o in zip(new_leaves, spec.opt_leaves)]
+  updates = spec.from_optimizer_view(updates)
   return [None if s is None else finish(i, w_view[i], updates[i])
-          for i, s in enumerate(w_src)], new_opt
+          for i, s in enumerate(w_src)], new_leaves
 
 
 class _Static:
@@ -157,22 +143,24 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
 
   Four calls: the records give the optimizer's inputs
   (:meth:`StateSpec.update_inputs`; a complex leaf's gradient conjugated,
-  Optax's convention), the inner optimizer runs (:func:`run_update`;
-  streamed when offloaded), the new weights go back to the params' layout
-  (:func:`new_params`: all-gathered at stages 1-2) and into the state
-  (:meth:`StateSpec.after_update`)."""
+  Optax's convention), whose global norm is the step's metric; the inner
+  optimizer runs (:func:`run_update`; streamed when offloaded); the new
+  weights are laid out as the params are stored
+  (:func:`~zerojax._src.step.state.stored_params`: all-gathered at stages
+  1-2) and go into the state (:meth:`StateSpec.after_update`)."""
   spec = state.spec
   g_view, w_src = spec.update_inputs(state, grads, where)
+  grad_norm = _global_norm(
+      [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None])
   keep_master = state.master is not None
   done, new_opt = run_update(
       spec, g_view, w_src, state.opt_state, extra_args,
       lambda i, w, u: spec.leaves[i].apply_update(w, u, keep_master))
   done = [(None, None) if d is None else d for d in done]
-  params = new_params(spec, jax.tree.leaves(state.params),
-                      [w for _, w in done])
-  new_state = spec.after_update(state, [m for m, _ in done], params, new_opt)
-  return new_state, _global_norm(
-      [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None])
+  params = _state.stored_params(spec, [w for _, w in done],
+                                jax.tree.leaves(state.params))
+  return spec.after_update(state, [m for m, _ in done], params,
+                           new_opt), grad_norm
 
 
 NORM_BLOCKS = 16       # most blocks a whole gradient's norm is summed in
@@ -212,12 +200,6 @@ def _global_norm(grads):
                         jnp.dtype(jnp.float32))
   return jnp.sqrt(sum((blocked(g, w).astype(dt) for g, w in grads),
                       jnp.zeros((), dt)))
-
-
-def new_params(spec: StateSpec, params, new_w) -> list:
-  """Updated weights -> the params' leaves as stored (stages 1-2:
-  all-gathered back, into the old params' buffers)."""
-  return _state.stored_params(spec, new_w, params)
 
 
 def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
