@@ -76,7 +76,13 @@ def main():
     gaps[label] = {"max_rel_gap_first_50": max(rel[:50]),
                    "max_rel_gap_all": max(rel), "final_eval_loss": last,
                    "final_eval_gap": last / base_eval - 1}
-  (out / "stage_curves.json").write_text(json.dumps(gaps, indent=2))
+  import os
+  import platform
+  import jax
+  (out / "stage_curves.json").write_text(json.dumps({
+      "command": sys.argv, "jax_version": jax.__version__,
+      "machine": f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU "
+                 f"devices", "gaps": gaps, "curves": curves}, indent=1))
   print(json.dumps(gaps, indent=2))
 
 
