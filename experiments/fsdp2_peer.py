@@ -234,6 +234,7 @@ def run(args) -> None:
         "final_loss": float(global_loss) / world,
         "checkpoint": None, "xla_memory": None, "argument_bytes_per_device": None,
     }), flush=True)
+  dist.barrier()            # no rank tears gloo down while another still talks
   dist.destroy_process_group()
 
 
