@@ -373,6 +373,15 @@ class StateSpec:
       w_src.append(w)
     return g_view, w_src
 
+  def inner_update(self, g_tree, opt_state, w_tree, extra_args):
+    """The inner optimizer's ``update`` on optimizer-view trees; extra
+    arguments reach it only when it takes them
+    (``optax.GradientTransformationExtraArgs``)."""
+    inner = self.tx.inner
+    if isinstance(inner, optax.GradientTransformationExtraArgs):
+      return inner.update(g_tree, opt_state, w_tree, **extra_args)
+    return inner.update(g_tree, opt_state, w_tree)
+
   def after_update(self, state: ZeroState, masters, params, opt_leaves):
     """``state`` one step on: its new master leaves (per param, None where
     frozen), params (as stored) and optimizer-state leaves (as stored)."""

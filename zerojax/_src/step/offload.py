@@ -39,7 +39,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.records.spec import StateSpec
@@ -128,8 +127,8 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
     w, e = flat[n_g + n_o:2 * n_g + n_o], iter(flat[2 * n_g + n_o:])
     extra = [next(e) if isinstance(x, jax.ShapeDtypeStruct) else x
              for x in e_all]
-    updates, new = _call_inner(
-        spec, _view(spec, train, g), jax.tree.unflatten(opt_def, list(o)),
+    updates, new = spec.inner_update(
+        _view(spec, train, g), jax.tree.unflatten(opt_def, list(o)),
         _view(spec, train, w), jax.tree.unflatten(e_def, extra))
     return jax.tree.leaves(updates), jax.tree.leaves(new)
 
@@ -175,12 +174,6 @@ def _view(spec, train, leaves):
   return spec.optimizer_view(scatter(len(spec.leaves), train, leaves))
 
 
-def _call_inner(spec, g_tree, opt, w_tree, extra_args):
-  if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
-    return spec.tx.inner.update(g_tree, opt, w_tree, **extra_args)
-  return spec.tx.inner.update(g_tree, opt, w_tree)
-
-
 def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
            finish: Callable, opt_def=None):
   """Runs the inner update chunk by chunk (see the module docstring).
@@ -222,8 +215,8 @@ def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
               for j in range(len(opt_raw))]
     w_in = [w[i] if i in w else jnp.zeros(a.shape, a.dtype)
             for i, a in ((i, w_src[i].aval) for i in train)]
-    updates, new = _call_inner(
-        spec, _view(spec, train, g_flat), jax.tree.unflatten(opt_def, opt_in),
+    updates, new = spec.inner_update(
+        _view(spec, train, g_flat), jax.tree.unflatten(opt_def, opt_in),
         _view(spec, train, w_in), extra_args)
     u_flat = spec.from_optimizer_view(updates)
     new_leaves = jax.tree.leaves(new)

@@ -19,7 +19,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from zerojax._src.records.mesh import in_caller_types
 from zerojax._src.records.spec import StateSpec, ZeroState
@@ -77,11 +76,8 @@ def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
       o.logical(x) for x, o in zip(leaves, spec.opt_leaves)])
   w_view = [None if s is None else s.load(s.raw) for s in w_src]
   g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
-  if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
-    updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree,
-                                            **extra_args)
-  else:
-    updates, new_opt = spec.tx.inner.update(g_tree, opt_logical, w_tree)
+  updates, new_opt = spec.inner_update(g_tree, opt_logical, w_tree,
+                                       extra_args)
   new_leaves = jax.tree.leaves(new_opt)
   if len(new_leaves) != len(spec.opt_leaves):
     raise ValueError(
