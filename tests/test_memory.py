@@ -16,11 +16,11 @@ from tests import toy
 D, V, B = 128, 128, 64
 
 
-def _memory(layers, stage, gather="model"):
+def _memory(layers, stage, gather="model", loss=toy.layered_loss):
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage)
   state = zerojax.init(toy.layered_params(layers, D, V), tx)
   batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
-  step = zerojax.train_step(toy.layered_loss, tx, gather=gather)
+  step = zerojax.train_step(loss, tx, gather=gather)
   return step.lower(state, batch).compile().memory_analysis()
 
 
@@ -85,15 +85,18 @@ def _plain_dp_memory(layers):
   return step.lower(params, opt_state, batch).compile().memory_analysis()
 
 
-def test_stage0_holds_no_more_than_plain_data_parallelism():
-  """Stage 0's compiled step against the plain loop it stands for:
-  argument + temp bytes per device may exceed the loop's by what zerojax
-  adds by design -- the step counter and the gradient-norm metric (a few
-  scalars) and one layer's gradient in flight where the reduction order
-  differs -- never by a second copy of the gradient (the unreduced stacked
-  gradient beside its all-reduced copy)."""
+@pytest.mark.parametrize("loss", [toy.layered_loss, toy.plain_layered_loss],
+                         ids=["gathers_per_layer", "plain_jax"])
+def test_stage0_holds_no_more_than_plain_data_parallelism(loss):
+  """Stage 0's compiled step against the plain loop it stands for, whether
+  the loss calls zerojax.gather per layer or is plain JAX: argument + temp
+  bytes per device may exceed the loop's by what zerojax adds by design --
+  the step counter and the gradient-norm metric (a few scalars) and one
+  layer's gradient in flight where the reduction order differs -- never by
+  a second copy of the gradient (the unreduced stacked gradient beside its
+  all-reduced copy, or a scaled copy after it)."""
   layers = 8
-  z, p = _memory(layers, 0), _plain_dp_memory(layers)
+  z, p = _memory(layers, 0, loss=loss), _plain_dp_memory(layers)
   layer_grad = (D * D + D) * 4                      # one block's gradient
   stacked_grad = layers * layer_grad
   excess = (z.argument_size_in_bytes + z.temp_size_in_bytes) - (

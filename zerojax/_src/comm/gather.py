@@ -64,8 +64,6 @@ class GatherSpec:
   node: int = 0                    # qgZ: hierarchical over nodes of this
                                    # many devices (0: flat)
   stochastic: bool = False         # qgZ: stochastic rounding
-  scale: float = 1.0               # stage 0: the reduced gradient's factor
-                                   # (1 / devices the batch splits over)
 
 
 def _entries(model, ndim):
@@ -254,11 +252,11 @@ def zerojax_gather_fwd(spec, sink, src):
 
 def zerojax_gather_bwd(spec, _, ct):
   if spec.stage == 0:        # replicated: the cotangent summed over the data
-    # axis, layer by layer, and scaled to the mean here (not after the
-    # backward, where the scaled copy would sit beside the stacked gradient)
+    # axis, layer by layer, in the reduce dtype (the step scales the loss
+    # before differentiating it, so the sum is the mean already)
     return over_model_shards(
-        lambda c: jax.lax.psum(c.astype(spec.reduce_dtype) * spec.scale,
-                               spec.axis_name), ct, spec.model), None
+        lambda c: jax.lax.psum(c.astype(spec.reduce_dtype), spec.axis_name),
+        ct, spec.model), None
   dim = ct.ndim + spec.dim
   n = jax.lax.axis_size(spec.axis_name)
   pad = (spec.padded - ct.shape[dim]) if spec.padded else -ct.shape[dim] % n

@@ -164,8 +164,7 @@ def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpe
       block_size=zeropp.block,
       hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
       node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
-      stochastic=quantized and zeropp.stochastic_grads,
-      scale=1.0 / spec.tx.batch_shards if spec.stage == 0 else 1.0)
+      stochastic=quantized and zeropp.stochastic_grads)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:
@@ -285,8 +284,11 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
            jax.tree.map(lambda x: _split_micro(x, k), batch))
   first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   hooked = hooked_leaves(spec)
-  if tx.stage == 0 and k == 1 and prog.gather != "all":
-    hooked = _gathered_by_the_loss(prog, leaves, first, key, model_state)
+  direct = reduced_where_used(spec, k)
+  if (tx.stage == 0 and k == 1 and prog.gather != "all"
+      and not all(d or not r.trainable for d, r in zip(direct, spec.leaves))):
+    hooked = [h and not d for h, d in zip(
+        _gathered_by_the_loss(prog, leaves, first, key, model_state), direct)]
   gspecs = [gather_spec(spec, r) if h else None
             for r, h in zip(spec.leaves, hooked)]
   if tx.stage == 3 and tx.zeropp.hpz_size:
@@ -297,14 +299,21 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   mode = (gather_mode(prog, leaves, _diff_inputs(spec, leaves, hooked),
                       hooked, gspecs, first, micro_key(0), model_state,
                       "train step") if tx.stage >= 2 else "model")
+  diff_in = _diff_inputs(spec, leaves, hooked, direct)
+
+  scale = 1.0 / (tx.batch_shards * k)
+  # Stage 0 with one micro-batch reduces inside the backward pass (leaves
+  # reduced where used, gathered leaves): the loss is scaled before it is
+  # differentiated, so each sum made there is the mean, with no scaled copy
+  # of the gradient made after it.
+  seed = scale if tx.stage == 0 and k == 1 else 1.0
 
   def one(mb, key, ms):              # one micro-batch's loss and gradients
     def f(diff):
       loss, new_ms, aux = run_loss(prog, leaves, diff, hooked, gspecs,
                                    mode == "all", mb, key, ms)
-      return loss, (new_ms, aux)
-    (loss, (new_ms, aux)), g = jax.value_and_grad(f, has_aux=True)(
-        _diff_inputs(spec, leaves, hooked))
+      return loss * seed, (loss, new_ms, aux)
+    (_, (loss, new_ms, aux)), g = jax.value_and_grad(f, has_aux=True)(diff_in)
     g = [None if x is None else x.astype(r.reduce_dtype)
          for x, r in zip(g, spec.leaves)]
     return g, loss, aux, new_ms
@@ -314,8 +323,7 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   else:
     grads, loss, aux, new_ms = _accumulate(one, micro, first, micro_key,
                                            model_state, k, axes)
-  scale = 1.0 / (tx.batch_shards * k)
-  return (_reduce_grads(spec, grads, hooked, scale),
+  return (_reduce_grads(spec, grads, hooked, scale / seed, direct),
           *_reduce_outputs(loss, aux, new_ms, axes, scale))
 
 
@@ -335,15 +343,43 @@ def _secondary_shards(spec: StateSpec, leaves, hooked):
           if h else x for x, h, r in zip(leaves, hooked, spec.leaves)]
 
 
-def _diff_inputs(spec: StateSpec, leaves, hooked):
+def reduced_where_used(spec: StateSpec, accum_steps: int) -> list[bool]:
+  """Stage 0, one micro-batch: the trainable leaves differentiated as they
+  enter the ``shard_map``, replicated (invariant over the batch axes).
+
+  Where the loss first combines such a leaf with its rows of the batch, JAX
+  inserts an implicit broadcast to device-varying; its transpose is a
+  ``psum`` of the cotangent right there. In a layer scan that is one
+  all-reduce per layer inside the backward loop, as plain data parallelism
+  gets from GSPMD, for any loss, whether or not it calls
+  :func:`zerojax.gather`: the step never holds a whole unreduced gradient
+  beside its all-reduced copy. The sum is the one the all-reduce after the
+  backward would make (the loss is a mean over each device's rows, the
+  gradient the sum of the devices' gradients, scaled once).
+
+  Only where the gradient is reduced in the dtype it is computed in (the
+  stored param's): a policy that reduces in another dtype keeps the
+  explicit, cast reduction. With several micro-batches the local gradients
+  are accumulated first and reduced once per step instead."""
+  if spec.stage != 0 or accum_steps != 1:
+    return [False] * len(spec.leaves)
+  return [r.trainable and np.dtype(r.reduce_dtype) == np.dtype(r.compute_dtype)
+          for r in spec.leaves]
+
+
+def _diff_inputs(spec: StateSpec, leaves, hooked, direct=None):
   """What the loss is differentiated with respect to: a gradient sink per
-  gathered leaf (its cotangent arrives reduce-scattered), the leaf itself
-  (varying over the batch axes) otherwise, ``None`` for frozen leaves."""
+  gathered leaf (its cotangent arrives reduce-scattered), the leaf as it
+  is (replicated) where :func:`reduced_where_used` says so, the leaf made
+  varying over the batch axes otherwise, ``None`` for frozen leaves."""
   tx = spec.tx
+  direct = direct or [False] * len(leaves)
   out = []
-  for x, r, h in zip(leaves, spec.leaves, hooked):
+  for x, r, h, d in zip(leaves, spec.leaves, hooked, direct):
     if not r.trainable:
       out.append(None)
+    elif d:
+      out.append(x)
     elif h:
       # the cotangent arrives reduced over the data axis (stage 0: summed,
       # replicated over it; stages 2-3: reduce-scattered, one shard each)
@@ -446,11 +482,11 @@ def _accumulate(one, micro, first, micro_key, model_state, k: int, axes):
   return grads, loss, aux, new_ms
 
 
-def _reduce_grads(spec: StateSpec, grads, hooked, scale: float):
+def _reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
   """Each leaf's gradient reduced over the batch axes and scaled to the
-  mean: gathered leaves are reduce-scattered already (summed over the
-  replica axis here), other sharded leaves reduce-scattered, the rest
-  all-reduced. Whole-leaf collectives run over the leaf's rows (a stack's
+  mean: leaves :func:`reduced_where_used` are summed already, gathered
+  leaves reduce-scattered already (summed over the replica axis here),
+  other sharded leaves reduce-scattered, the rest all-reduced. Whole-leaf collectives run over the leaf's rows (a stack's
   layers) in buckets of at most ``tx.bucket_bytes`` (ZeRO-R's CB); the
   replica sum (hybrid sharding: Ψ/N elements cross it) once per step."""
   tx = spec.tx
@@ -463,12 +499,14 @@ def _reduce_grads(spec: StateSpec, grads, hooked, scale: float):
     return _gather.over_model_shards(lambda x: jax.lax.psum(x, over), g,
                                      layout.model)
   out = []
-  for g, r, h in zip(grads, spec.leaves, hooked):
+  for g, r, h, d in zip(grads, spec.leaves, hooked, direct):
     if g is None:
       out.append(None)
       continue
     size = _buckets.itemsize(g.dtype)
-    if h and tx.stage == 0:               # all-reduced and scaled already
+    if d:                                 # summed where the loss used it
+      out.append(g if scale == 1.0 else g * scale)
+    elif h and tx.stage == 0:               # all-reduced and scaled already
       out.append(_buckets.bucketed(
           lambda x, r=r: psum(x, replica, r.param), g, size,
           bucket if replica else None, _buckets.splittable(r.param)))
