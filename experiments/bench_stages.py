@@ -91,7 +91,17 @@ def worker(args) -> dict:
                         heads=args.heads, seq_len=args.seq_len)
   bf16 = args.precision == "bf16"
   optimizer = optax.adamw(1e-3)
-  loss_fn = functools.partial(gpt.loss, config=model)
+  if args.model == "plain":     # a user's plain-JAX GPT: no zerojax.gather
+    import plain_gpt
+    init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
+                                width=args.width, depth=args.depth,
+                                seq_len=args.seq_len)
+    loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
+    gather_mode = "auto"
+  else:
+    init_fn = functools.partial(gpt.init, model)
+    loss_fn = functools.partial(gpt.loss, config=model)
+    gather_mode = "model"
   if args.block_dtype:
     # fp32 params, the blocks computed in a lower precision (a common user
     # setup without a master copy): cast inside the loss
@@ -102,7 +112,7 @@ def worker(args) -> dict:
           lambda x: x.astype(args.block_dtype), params["blocks"]))
       return full_loss(params, batch)
   key = jax.random.key(0)
-  n_params = gpt.num_params(model)
+  n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_fn, key)))
   tokens, _ = data.split(data.corpus_bytes())
   batch_at = lambda i: data.batch_at(tokens, seed=0, step=i, batch=args.batch,
                                      seq_len=args.seq_len)
@@ -123,8 +133,8 @@ def worker(args) -> dict:
     tx = zerojax.zero(optimizer, stage=stage, mesh=mesh, policy=policy,
                       stacked=stacked)
     # created sharded under jit: no device ever holds the full model
-    state = zerojax.init_from(functools.partial(gpt.init, model), tx, key)
-    step = zerojax.train_step(loss_fn, tx, gather="model")
+    state = zerojax.init_from(init_fn, tx, key)
+    step = zerojax.train_step(loss_fn, tx, gather=gather_mode)
     t0 = time.perf_counter()
     rep = zerojax.report(step, state, batch_at(0))
     compile_s = time.perf_counter() - t0
@@ -145,7 +155,7 @@ def worker(args) -> dict:
       tx = zerojax.zero(optimizer, stage=d_stage, mesh=mesh)
       rep_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
       data_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-      p = jax.device_put(gpt.init(model, key), rep_s)    # a DP loop's params
+      p = jax.device_put(init_fn(key), rep_s)    # a DP loop's params
       o = tx.init(p)
 
       @jax.jit
@@ -157,7 +167,7 @@ def worker(args) -> dict:
       like, name = 1, f"Optax drop-in, stage {d_stage}"
     else:
       jitted, p, o = peers.make_peer(args.config, loss_fn, optimizer,
-                                     gpt.init(model, key), mesh,
+                                     init_fn(key), mesh,
                                      compute_dtype=jnp.bfloat16 if bf16 else None)
       put = lambda b: b
       like = {"fsdp": 3, "dp": 0}.get(args.config, 1)
@@ -216,7 +226,7 @@ def worker(args) -> dict:
       t = time.perf_counter()
       with checkpoint.Checkpointer(where) as ckpt:
         restored, _ = ckpt.restore(
-            jax.eval_shape(functools.partial(gpt.init, model), key), tx)
+            jax.eval_shape(init_fn, key), tx)
         jax.block_until_ready(restored)
       restore_s = time.perf_counter() - t
       disk = sum(f.stat().st_size for f in where.rglob("*") if f.is_file())
@@ -334,6 +344,11 @@ def main():
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--precision", choices=["bf16", "fp32"], default="fp32")
+  p.add_argument("--model", choices=["gpt", "plain"], default="gpt",
+                 help="gpt: zerojax's reference GPT (calls zerojax.gather per "
+                      "layer); plain: experiments/plain_gpt.py, a plain-JAX "
+                      "GPT that never calls zerojax (a user who wraps only "
+                      "the optimizer)")
   p.add_argument("--block-dtype", choices=["bfloat16"], default=None,
                  help="fp32 params cast to this dtype inside the loss for "
                       "the transformer blocks (every configuration alike)")
