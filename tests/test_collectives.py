@@ -62,13 +62,21 @@ def test_stage12_reduce_scatter_and_all_gather(stage):
   assert elements(colls, "all-reduce") <= 8  # a few scalars: loss, norms
 
 
-def test_stage2_reduce_scatters_inside_the_backward_loop():
-  _, colls = compiled(2)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reduce_scatters_inside_the_backward_loop(stage):
+  """Stage 2, and stage 1 with one micro-batch: each layer's gradient is
+  reduce-scattered where the backward loop makes it."""
+  _, colls = compiled(stage)
   in_loop = [c for c in colls if c.kind == "reduce-scatter" and c.count == L]
   assert sum(c.total_elements for c in in_loop) == PSI_SCAN
-  # stage 1 reduces the stacked gradient once, after the backward loop
-  _, colls1 = compiled(1)
-  assert all(c.count == 1 for c in colls1 if c.kind == "reduce-scatter")
+
+
+def test_stage1_accumulating_reduces_the_stacked_gradient_after_the_loop():
+  """With micro-batches stage 1 keeps the full local gradient and
+  reduce-scatters it once per step, after the backward loop."""
+  _, colls = compiled(1, accum_steps=2)
+  assert all(c.count == 1 for c in colls if c.kind == "reduce-scatter")
+  assert elements(colls, "reduce-scatter") == PSI
 
 
 def test_stage3_gathers_per_layer_in_forward_and_backward():

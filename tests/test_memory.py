@@ -16,26 +16,41 @@ from tests import toy
 D, V, B = 128, 128, 64
 
 
-def _memory(layers, stage, gather="model", loss=toy.layered_loss):
+def _memory(layers, stage, gather="model", loss=toy.layered_loss,
+            accum_steps=1):
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage)
   state = zerojax.init(toy.layered_params(layers, D, V), tx)
   batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
-  step = zerojax.train_step(loss, tx, gather=gather)
+  step = zerojax.train_step(loss, tx, gather=gather, accum_steps=accum_steps)
   return step.lower(state, batch).compile().memory_analysis()
 
 
-def test_stage2_peak_below_stage1():
+def test_stage2_peak_below_stage1_when_accumulating():
   layers = 8
   full_grad = layers * D * D * 4
-  t1 = _memory(layers, 1).temp_size_in_bytes
-  t2 = _memory(layers, 2).temp_size_in_bytes
+  t1 = _memory(layers, 1, accum_steps=2).temp_size_in_bytes
+  t2 = _memory(layers, 2, accum_steps=2).temp_size_in_bytes
   # stage 2 never holds the stacked full gradient: (1 - 1/N) of it is saved
   assert t1 - t2 > 0.75 * full_grad * (1 - 1 / 8), (t1, t2)
 
 
+def test_stage1_with_one_micro_batch_holds_what_stage2_holds():
+  """One micro-batch, a loss that gathers its layers: stage 1 reduce-
+  scatters inside the backward as stage 2 does, so its step never holds
+  the stacked full gradient either (a plain loss keeps it: the reduction
+  after the backward)."""
+  layers = 8
+  full_grad = layers * D * D * 4
+  t1 = _memory(layers, 1).temp_size_in_bytes
+  t2 = _memory(layers, 2).temp_size_in_bytes
+  plain = _memory(layers, 1, loss=toy.plain_layered_loss).temp_size_in_bytes
+  assert abs(t1 - t2) < 0.05 * full_grad, (t1, t2)
+  assert plain - t1 > 0.75 * full_grad * (1 - 1 / 8), (plain, t1)
+
+
 def test_stage2_without_layer_gathers_is_stage1():
   layers = 8
-  t1 = _memory(layers, 1).temp_size_in_bytes
+  t1 = _memory(layers, 1, loss=toy.plain_layered_loss).temp_size_in_bytes
   t2 = _memory(layers, 2, gather="all").temp_size_in_bytes
   assert abs(t1 - t2) < 0.1 * layers * D * D * 4, (t1, t2)
 

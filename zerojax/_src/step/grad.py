@@ -3,14 +3,18 @@
 Per device, the loss runs on its rows of the batch. Which collective
 reduces the gradient depends on the stage:
 
-* stage 0: ``psum`` of the (accumulated) local gradient: one all-reduce;
-* stage 1: full local gradients, accumulated over micro-batches, then one
+* stage 0: with one micro-batch, an all-reduce where the loss uses each
+  param, inside the backward (:func:`reduced_where_used`); with several,
+  ``psum`` of the accumulated local gradient: one all-reduce;
+* stage 1: with one micro-batch, a reduce-scatter inside the backward as
+  at stages 2-3 where the loss gathers its layers; otherwise (several micro-batches, a loss that does not gather)
+  full local gradients, accumulated over micro-batches, then one
   ``psum_scatter`` per leaf: a reduce-scatter;
 * stages 2-3: the model calls :func:`zerojax.gather` per layer; its custom
   VJP reduce-scatters each layer's cotangent where the backward pass makes
   it (see ``comm/gather.py``).
 
-Every differentiated value is made device-varying first: differentiating a
+Every other differentiated value is made device-varying first: differentiating a
 replicated value inside ``shard_map`` makes JAX insert the transpose of an
 implicit broadcast, an all-reduce, that would spoil the reduce-scatter.
 
@@ -285,8 +289,7 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   hooked = hooked_leaves(spec)
   direct = reduced_where_used(spec, k)
-  if (tx.stage == 0 and k == 1 and prog.gather != "all"
-      and not all(d or not r.trainable for d, r in zip(direct, spec.leaves))):
+  if _reduce_in_backward(spec, k, prog.gather, direct):
     hooked = [h and not d for h, d in zip(
         _gathered_by_the_loss(prog, leaves, first, key, model_state), direct)]
   gspecs = [gather_spec(spec, r) if h else None
@@ -382,8 +385,8 @@ def _diff_inputs(spec: StateSpec, leaves, hooked, direct=None):
       out.append(x)
     elif h:
       # the cotangent arrives reduced over the data axis (stage 0: summed,
-      # replicated over it; stages 2-3: reduce-scattered, one shard each)
-      axes = tx.batch_axes if tx.stage >= 2 else tuple(
+      # replicated over it; stages 1-3: reduce-scattered, one shard each)
+      axes = tx.batch_axes if tx.stage >= 1 else tuple(
           a for a in tx.batch_axes if a != tx.axis_name)
       out.append(_gather.sink_like(r.shard.shard_shape(tx.num_shards),
                                    r.reduce_dtype, axes))
@@ -432,18 +435,35 @@ def gather_mode(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
   return resolve_gather(prog.spec, prog.gather, probe, args, tagged, what)
 
 
+def _reduce_in_backward(spec: StateSpec, k: int, gather: str,
+                        direct) -> bool:
+  """Whether a stage 0-1 step with one micro-batch asks the audit which
+  leaves the loss gathers (:func:`_gathered_by_the_loss`): at stage 0 for
+  the leaves :func:`reduced_where_used` leaves out, at stage 1 for its
+  sharded leaves (not with qgZ, whose blocks span a whole leaf's shard)."""
+  if k != 1 or gather == "all":
+    return False
+  if spec.stage == 0:
+    return not all(d or not r.trainable for d, r in zip(direct, spec.leaves))
+  return spec.stage == 1 and spec.tx.zeropp.grad_bits is None
+
+
 def _gathered_by_the_loss(prog: LossProgram, leaves, mb, key,
                           model_state) -> list[bool]:
-  """Stage 0: the trainable leaves a loss reaches only through
-  :func:`zerojax.gather` (a model's per-layer gathers). Their gradients are
-  all-reduced where the gather's backward produces them, layer by layer
-  inside the backward pass, as plain data parallelism under GSPMD does,
-  instead of after it: the step never holds the unreduced gradient and its
-  all-reduced copy at once. A loss that does not gather (most plain-DP
-  losses), or that the audit cannot read, keeps the all-reduce after the
-  backward: the same numbers either way, and nothing to warn about."""
+  """Stages 0-1, one micro-batch: the trainable leaves (at stage 1 the
+  sharded ones) a loss reaches only through :func:`zerojax.gather` (a
+  model's per-layer gathers). Their gradients are reduced where the
+  gather's backward produces them, layer by layer inside the backward
+  pass -- all-reduced at stage 0, reduce-scattered at stage 1, as at stage
+  2 -- instead of after it: the step never holds the whole unreduced
+  gradient beside its reduction. With several micro-batches stage 1 keeps
+  the full local gradient and reduces once per step instead. A loss that
+  does not gather, or that the audit cannot read, keeps the reduction
+  after the backward: the same numbers either way, and nothing to warn
+  about."""
   spec = prog.spec
-  cand = [r.trainable and len(r.aval.shape) >= 1 for r in spec.leaves]
+  cand = [r.trainable and len(r.aval.shape) >= 1
+          and (spec.stage == 0 or r.shard.sharded) for r in spec.leaves]
   if not any(cand):
     return cand
   gspecs = [gather_spec(spec, r) if h else None
