@@ -32,9 +32,11 @@ paper's Figure 1) and ``<out>/step_time.png``.
 - ``name``, ``config`` ("0".."3", "3b", "dropin1", "fsdp", "zero1"), ``stage`` (int, null for
   peers), ``n_devices``, ``n_params``, ``precision``
 - ``step_time_s``: median over ``--steps`` steps after one warm-up step;
-  ``compile_s`` apart
+  ``compile_s`` apart; with ``--repeat R``, the median over the R rounds
+  of that (every round in ``step_time_s_rounds``)
 - ``peak_rss_bytes``: process peak RSS (all 8 fake devices plus runtime)
   up to the end of the timed steps (before the checkpoint measurement);
+  with ``--repeat``, the median over rounds (``peak_rss_bytes_rounds``);
   ``runtime_rss_bytes``: RSS before the model was built
 - ``argument_bytes_per_device``: XLA's argument size for the step;
   ``xla_memory``: XLA's memory analysis (argument, output, temp, alias per
@@ -361,40 +363,60 @@ def main():
                       "'both' runs each zerojax configuration on each, side "
                       "by side, and prints the Explicit / Auto step-time "
                       "ratio (peers are GSPMD code: Auto either way)")
+  p.add_argument("--repeat", type=int, default=1,
+                 help="rounds of every configuration, interleaved (each in "
+                      "a fresh process); peak RSS and step time are the "
+                      "medians over rounds (a single process's peak RSS "
+                      "varies by a few percent from run to run)")
   p.add_argument("--out", default="runs/bench_stages")
   p.add_argument("--config", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args()
+  import numpy as np
   if args.worker:
     print(json.dumps(worker(args)))
     return
   runs = []
-  for config in args.configs.split(","):
-    if config == "fsdp2":
-      runs.append(fsdp2(args))
-      print(f"{config}: done", file=sys.stderr, flush=True)
-      continue
-    zerojax_config = config.rstrip("b").isdigit() or config.startswith("dropin")
-    kinds = (["auto", "explicit"] if args.axis_types == "both" and zerojax_config
-             else ["explicit" if args.axis_types == "both" else args.axis_types])
-    for kind in kinds:            # side by side: one configuration after the other
-      cmd = [sys.executable, __file__, "--worker", "--config", config,
-             f"--axis-types={kind}"] + [
-          f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-          if k not in ("worker", "config", "configs", "out", "axis_types")
-          and v is not None]
-      out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-      if out.returncode:
-        sys.exit(f"{config} ({kind}) failed:\n{out.stderr[-3000:]}")
-      runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-      print(f"{config} ({kind}): done", file=sys.stderr, flush=True)
+  repeats: dict[tuple, list] = {}
+  for rep in range(args.repeat):   # rounds: every configuration once per round
+    for config in args.configs.split(","):
+      if config == "fsdp2":
+        if rep == 0:
+          runs.append(fsdp2(args))
+          print(f"{config}: done", file=sys.stderr, flush=True)
+        continue
+      zerojax_config = config.rstrip("b").isdigit() or config.startswith("dropin")
+      kinds = (["auto", "explicit"] if args.axis_types == "both" and zerojax_config
+               else ["explicit" if args.axis_types == "both" else args.axis_types])
+      for kind in kinds:          # side by side: one configuration after the other
+        cmd = [sys.executable, __file__, "--worker", "--config", config,
+               f"--axis-types={kind}"] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("worker", "config", "configs", "out", "axis_types",
+                         "repeat") and v is not None]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode:
+          sys.exit(f"{config} ({kind}) failed:\n{out.stderr[-3000:]}")
+        run = json.loads(out.stdout.strip().splitlines()[-1])
+        if (config, kind) not in repeats:
+          repeats[(config, kind)] = []
+          runs.append(run)
+        repeats[(config, kind)].append(run)
+        print(f"{config} ({kind}) round {rep + 1}: done", file=sys.stderr,
+              flush=True)
+  for r in runs:
+    group = repeats.get((r["config"], r.get("axis_types", "explicit")), [])
+    if len(group) > 1:            # medians over the rounds; every round kept
+      for key in ("peak_rss_bytes", "step_time_s"):
+        r[key + "_rounds"] = [g[key] for g in group]
+        r[key] = float(np.median(r[key + "_rounds"]))
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
   import platform
   import jax
   meta = {"jax_version": jax.__version__, "machine": (
       f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU devices"),
-      "argv": sys.argv[1:]}
+      "argv": sys.argv[1:], "repeat": args.repeat}
   (outdir / "bench.json").write_text(json.dumps({**meta, "runs": runs},
                                                 indent=2))
   charts(runs, outdir)
