@@ -87,6 +87,13 @@ def worker(args) -> dict:
   import peers
 
   rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  page = os.sysconf("SC_PAGE_SIZE")
+
+  def mark(name):          # peak and current RSS where each phase ends
+    with open("/proc/self/statm") as f:
+      current = int(f.read().split()[1]) * page
+    milestones[name] = {"peak": rss(), "current": current}
+  milestones = {}
   jax.devices()
   rss_runtime = rss()
   model = gpt.GPTConfig(vocab=args.vocab, width=args.width, depth=args.depth,
@@ -136,10 +143,13 @@ def worker(args) -> dict:
                       stacked=stacked)
     # created sharded under jit: no device ever holds the full model
     state = zerojax.init_from(init_fn, tx, key)
+    jax.block_until_ready(state)
+    mark("state")
     step = zerojax.train_step(loss_fn, tx, gather=gather_mode)
     t0 = time.perf_counter()
     rep = zerojax.report(step, state, batch_at(0))
     compile_s = time.perf_counter() - t0
+    mark("compiled")
     run_step = lambda st, b: step(st, b)
     measured = rep.state_bytes
     theory_state = {k: v for k, v in rep.theory_state_bytes.items() if k != "grads"}
@@ -175,9 +185,12 @@ def worker(args) -> dict:
       like = {"fsdp": 3, "dp": 0}.get(args.config, 1)
       name = f"GSPMD peer: {args.config}"
     state = (p, o)
+    jax.block_until_ready(state)
+    mark("state")
     t0 = time.perf_counter()
     compiled = jitted.lower(p, o, put(batch_at(0))).compile()
     compile_s = time.perf_counter() - t0
+    mark("compiled")
     coll_bytes, coll_elems = {}, {}
     for c in zerojax.collectives(compiled.as_text(), n):
       coll_bytes[c.kind] = coll_bytes.get(c.kind, 0) + c.total_bytes
@@ -207,6 +220,7 @@ def worker(args) -> dict:
 
   state, metrics = run_step(state, batch_at(0))        # warm-up
   jax.block_until_ready(metrics)
+  mark("first step")
   times = []
   for i in range(1, args.steps + 1):
     t = time.perf_counter()
@@ -214,6 +228,7 @@ def worker(args) -> dict:
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t)
   peak_rss = rss()                               # before the checkpoint phase
+  mark("steps")
   ckpt_cost = None
   if stage is not None:                          # checkpoint cost (zerojax)
     import shutil
@@ -247,6 +262,7 @@ def worker(args) -> dict:
       "n_params": n_params, "precision": args.precision,
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
       "peak_rss_bytes": peak_rss, "runtime_rss_bytes": rss_runtime,
+      "rss_milestones": milestones,
       "argument_bytes_per_device": argument,
       "xla_memory": xla_memory,
       "state_bytes_per_device": measured,

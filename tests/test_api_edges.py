@@ -157,3 +157,54 @@ def test_init_from_builds_leaf_groups_of_an_eighth_of_the_bytes(mesh):
   whole = zerojax.init(jax.jit(init_fn)(key), tx)
   for x, y in zip(jax.tree.leaves(grouped), jax.tree.leaves(whole)):
     assert x.sharding == y.sharding and np.array_equal(x, y)
+
+
+def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
+  """Stage 0 replicates everything, so groups would bound nothing: one
+  init program (fewer freed buffers left in the host allocator), with the
+  state a program per group gives, bit for bit."""
+  from zerojax._src.step import state as _state  # the init module, under test
+  init_fn = lambda key: toy.layered_params(4, D, V, key)
+  key = jax.random.key(0)
+  programs = []
+  real_jit = jax.jit
+
+  def counting_jit(fn, **kw):
+    programs.append(fn)
+    return real_jit(fn, **kw)
+  tx0 = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
+  try:
+    _state.jax.jit = counting_jit
+    whole = zerojax.init_from(init_fn, tx0, key)
+  finally:
+    _state.jax.jit = real_jit
+  assert len(programs) == 1
+  spec = zerojax.make_spec(jax.eval_shape(init_fn, key), tx0)
+  assert len(_state.build_plan(spec)[0]) > 1   # what grouping would have run
+  by_group = zerojax.init(jax.jit(init_fn)(key), tx0)
+  for x, y in zip(jax.tree.leaves(whole), jax.tree.leaves(by_group)):
+    assert x.sharding == y.sharding and np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("where", ["one device", "the mesh, replicated"])
+def test_init_takes_device_params_and_leaves_them_alive(mesh, where):
+  """Params already on a device or laid out on the mesh go to the state
+  device to device; the state owns its buffers, so the donated train step
+  never deletes the caller's arrays."""
+  params = toy.layered_params(2, D, V)
+  host = jax.tree.map(np.asarray, params)
+  put = (jax.devices()[1] if where == "one device" else
+         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  params = jax.device_put(params, put)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
+  state = zerojax.init(params, tx)
+  reference = zerojax.init(host, tx)
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
+    assert x.sharding == y.sharding and np.array_equal(x, y)
+  batch = {"x": np.arange(B, dtype=np.int32) % V,
+           "y": np.arange(B, dtype=np.int32)[::-1] % V}
+  step = zerojax.train_step(toy.layered_loss, tx)
+  state, _ = step(state, batch)
+  jax.block_until_ready(state)
+  for x, h in zip(jax.tree.leaves(params), jax.tree.leaves(host)):
+    assert not x.is_deleted() and np.array_equal(x, h)
