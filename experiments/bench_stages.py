@@ -384,6 +384,14 @@ def main():
                       "a fresh process); peak RSS and step time are the "
                       "medians over rounds (a single process's peak RSS "
                       "varies by a few percent from run to run)")
+  p.add_argument("--malloc-mmap-threshold", type=int, default=None,
+                 metavar="BYTES",
+                 help="run the workers with glibc's MALLOC_MMAP_THRESHOLD_ "
+                      "fixed at BYTES: buffers above it are mapped and "
+                      "unmapped, so freed ones leave the process and peak RSS "
+                      "follows the live buffers (glibc's default raises the "
+                      "threshold as buffers are freed and keeps them in its "
+                      "arenas)")
   p.add_argument("--out", default="runs/bench_stages")
   p.add_argument("--config", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -409,8 +417,11 @@ def main():
                f"--axis-types={kind}"] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
             if k not in ("worker", "config", "configs", "out", "axis_types",
-                         "repeat") and v is not None]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                         "repeat", "malloc_mmap_threshold") and v is not None]
+        env = None if args.malloc_mmap_threshold is None else dict(
+            os.environ, MALLOC_MMAP_THRESHOLD_=str(args.malloc_mmap_threshold))
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                             env=env)
         if out.returncode:
           sys.exit(f"{config} ({kind}) failed:\n{out.stderr[-3000:]}")
         run = json.loads(out.stdout.strip().splitlines()[-1])
@@ -432,7 +443,8 @@ def main():
   import jax
   meta = {"jax_version": jax.__version__, "machine": (
       f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU devices"),
-      "argv": sys.argv[1:], "repeat": args.repeat}
+      "argv": sys.argv[1:], "repeat": args.repeat,
+      "malloc_mmap_threshold": args.malloc_mmap_threshold}
   (outdir / "bench.json").write_text(json.dumps({**meta, "runs": runs},
                                                 indent=2))
   charts(runs, outdir)
