@@ -363,10 +363,20 @@ def reduced_where_used(spec: StateSpec, accum_steps: int) -> list[bool]:
   Only where the gradient is reduced in the dtype it is computed in (the
   stored param's): a policy that reduces in another dtype keeps the
   explicit, cast reduction. With several micro-batches the local gradients
-  are accumulated first and reduced once per step instead."""
+  are accumulated first and reduced once per step instead.
+
+  Nor where the mesh has a model axis and the gradient is narrower than 32
+  bits: JAX's ``psum`` then runs over the manual data axis inside a region
+  automatic over the model axis, which XLA CPU aborts compiling in bf16
+  ("Invalid binary instruction opcode copy", JAX 0.10.2); the explicit
+  reduction runs manual over every axis (:func:`over_model_shards`)."""
   if spec.stage != 0 or accum_steps != 1:
     return [False] * len(spec.leaves)
+  tx = spec.tx
+  model_axis = any(n > 1 for a, n in tx.mesh.shape.items()
+                   if a not in tx.batch_axes)
   return [r.trainable and np.dtype(r.reduce_dtype) == np.dtype(r.compute_dtype)
+          and not (model_axis and np.dtype(r.reduce_dtype).itemsize < 4)
           for r in spec.leaves]
 
 
