@@ -178,7 +178,8 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
     whole = zerojax.init_from(init_fn, tx0, key)
   finally:
     _state.jax.jit = real_jit
-  assert len(programs) == 1
+  # the init programs (not the step counter's, jitted on first use)
+  assert len([f for f in programs if "init_from" in f.__qualname__]) == 1
   spec = zerojax.make_spec(jax.eval_shape(init_fn, key), tx0)
   assert len(_state.build_plan(spec)[0]) > 1   # what grouping would have run
   by_group = zerojax.init(jax.jit(init_fn)(key), tx0)
