@@ -90,8 +90,11 @@ def worker(args) -> dict:
   page = os.sysconf("SC_PAGE_SIZE")
 
   def mark(name):          # peak and current RSS where each phase ends
-    with open("/proc/self/statm") as f:
-      current = int(f.read().split()[1]) * page
+    try:                   # current RSS: Linux only
+      with open("/proc/self/statm") as f:
+        current = int(f.read().split()[1]) * page
+    except OSError:
+      current = None
     milestones[name] = {"peak": rss(), "current": current}
   milestones = {}
   jax.devices()

@@ -7,15 +7,16 @@ reduces the gradient depends on the stage:
   param, inside the backward (:func:`reduced_where_used`); with several,
   ``psum`` of the accumulated local gradient: one all-reduce;
 * stage 1: with one micro-batch, a reduce-scatter inside the backward as
-  at stages 2-3 where the loss gathers its layers; otherwise (several micro-batches, a loss that does not gather)
-  full local gradients, accumulated over micro-batches, then one
-  ``psum_scatter`` per leaf: a reduce-scatter;
+  at stages 2-3 where the loss gathers its layers; otherwise (several
+  micro-batches, a loss that does not gather) full local gradients,
+  accumulated over micro-batches, then one ``psum_scatter`` per leaf: a
+  reduce-scatter;
 * stages 2-3: the model calls :func:`zerojax.gather` per layer; its custom
   VJP reduce-scatters each layer's cotangent where the backward pass makes
   it (see ``comm/gather.py``).
 
-Every other differentiated value is made device-varying first: differentiating a
-replicated value inside ``shard_map`` makes JAX insert the transpose of an
+Every other differentiated value is made device-varying first:
+differentiating a replicated value inside ``shard_map`` makes JAX insert the transpose of an
 implicit broadcast, an all-reduce, that would spoil the reduce-scatter.
 
 Before the loss is differentiated at stages 2-3, its traced program is

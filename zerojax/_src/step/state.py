@@ -380,8 +380,8 @@ def init_from(init_fn, tx: optax.GradientTransformationExtraArgs, *args, key=Non
   # state exist for one group at a time, never for the whole model at once.
   # Stage 0 replicates everything, so every device ends up holding the whole
   # state and groups bound nothing: one program, as plain data parallelism
-  # builds it (a dozen programs' freed buffers otherwise stay in the host
-  # allocator's arenas and raise a CPU process's peak RSS by a few percent).
+  # builds it (the programs' freed buffers otherwise stay in the host
+  # allocator's arenas and raise a CPU process's peak RSS; docs/results.md).
   grouped = spec.place.offload or spec.stage > 0
   for group, owned in zip(*build_plan(spec, grouped=grouped)):
     def build(*a, group=group, owned=owned):
