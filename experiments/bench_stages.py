@@ -160,6 +160,7 @@ def worker(args) -> dict:
     theory_elems = rep.theory_collective_elements
     argument = rep.xla_memory["argument"]
     xla_memory = rep.xla_memory
+    launches = [c["count"] for c in rep.collectives]
     name = f"zerojax stage {stage}" + (" (stacks: blocks)" if stacked else "")
   else:              # a plain-jit loop: the Optax drop-in or a GSPMD peer
     stage, n = None, 8
@@ -195,7 +196,9 @@ def worker(args) -> dict:
     compile_s = time.perf_counter() - t0
     mark("compiled")
     coll_bytes, coll_elems = {}, {}
-    for c in zerojax.collectives(compiled.as_text(), n):
+    colls = zerojax.collectives(compiled.as_text(), n)
+    launches = [c.count for c in colls]
+    for c in colls:
       coll_bytes[c.kind] = coll_bytes.get(c.kind, 0) + c.total_bytes
       coll_elems[c.kind] = coll_elems.get(c.kind, 0) + c.total_elements
 
@@ -271,6 +274,9 @@ def worker(args) -> dict:
       "state_bytes_per_device": measured,
       "theory_state_bytes_per_device": theory_state,
       "collective_bytes": coll_bytes, "collective_elements": coll_elems,
+      # collective instructions in the compiled step, and how many times
+      # they run per step (a loop body's once per iteration)
+      "collective_ops": len(launches), "collective_launches": sum(launches),
       "theory_collective_elements": theory_elems,
       "final_loss": float(metrics["loss"]),
   }

@@ -93,6 +93,32 @@ def test_stage3_gathers_per_layer_in_forward_and_backward():
   assert elements(colls, "all-reduce") <= 8  # a few scalars: loss, norms
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_layers_leaves_move_in_one_collective_each_way(stage):
+  """One ``gather`` call on a layer (kernel and bias) is one collective
+  per direction per layer, not one per leaf: the loop body holds one
+  reduce-scatter (stage 0: all-reduce) of the whole layer, and at stage 3
+  one all-gather in the forward loop and one in the backward."""
+  _, colls = compiled(stage)
+  loop = sorted(c.kind for c in colls if c.count == L and c.elements > 64)
+  reduce = "all-reduce" if stage == 0 else "reduce-scatter"
+  assert loop == (["all-gather"] * 2 if stage == 3 else []) + [reduce]
+  assert all(c.elements == D * D + D for c in colls
+             if c.count == L and c.elements > 64)
+
+
+def test_a_layers_leaves_move_one_by_one_under_zeropp():
+  """Quantized collectives keep one leaf each (their blocks are per leaf):
+  the layer's kernel and bias are two all-to-alls (qgZ), not one."""
+  tx = zerojax.zero(optax.adamw(1e-3), stage=2,
+                    zeropp=zerojax.ZeroPP(grad_bits=8))
+  state = zerojax.init(wide_params(), tx)
+  colls = zerojax.collectives(zerojax.train_step(wide_loss, tx, gather="model")
+                              .lower(state, BATCH).compile().as_text(), 8)
+  assert len([c for c in colls if c.kind == "all-to-all" and c.count == L
+              and c.dtype == "s8"]) == 2
+
+
 def test_collectives_run_in_the_policy_dtypes():
   policy = zerojax.Policy(param_dtype=jnp.bfloat16)   # reduce in bf16 too
   lowered, colls = compiled(3, policy=policy)

@@ -21,6 +21,16 @@ shard-shaped input exists. The gathered value is marked device-varying so
 that JAX does not insert an implicit all-reduce (the transpose of an
 implicit broadcast) before our reduce-scatter.
 
+One ``gather`` call moves its leaves together: leaves that share the
+data axis, stage, reduce dtype and stored dtype (and are exact and not
+split over a model axis) are laid end to end in one flat buffer, up to the
+tx's ``bucket_bytes``, and move in one all-gather and one reduce-scatter
+(stage 0: one all-reduce), as FSDP's flat parameter does per layer. A
+layer's dozen weights are one collective each way instead of a dozen: XLA
+CPU does not merge them, and on GPU the grouping no longer depends on
+XLA's combiner thresholds. The cost is a copy of the layer's values into
+and out of the buffer, one layer at a time.
+
 Outside a train step, or on plain arrays, ``gather`` is the identity, so a
 model that calls it also runs unchanged at stages 0-1 and in evaluation.
 """
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -64,6 +75,8 @@ class GatherSpec:
   node: int = 0                    # qgZ: hierarchical over nodes of this
                                    # many devices (0: flat)
   stochastic: bool = False         # qgZ: stochastic rounding
+  group_bytes: int | None = None   # cap on one grouped collective's full
+                                   # bytes (the tx's bucket_bytes; None: no cap)
 
 
 def _entries(model, ndim):
@@ -199,9 +212,60 @@ def gather(tree):
     ...   return jnp.tanh(h @ w["kernel"]), None
     >>> h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
   """
-  return jax.tree.map(
-      lambda x: zerojax_gather(x.spec, x.sink, x.src) if _is_sharded(x) else x,
-      tree, is_leaf=_is_sharded)
+  return _gather_groups(tree, _groups)
+
+
+def gather_each(tree):
+  """:func:`gather` with one collective per leaf: for the whole parameter
+  tree at once, where a group's flat buffer would be a second copy of the
+  whole gradient."""
+  return _gather_groups(tree, lambda items: [[i] for i, _ in items])
+
+
+def _gather_groups(tree, groups):
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
+  out = list(leaves)
+  for group in groups([(i, x) for i, x in enumerate(leaves)
+                       if _is_sharded(x)]):
+    specs = tuple(leaves[i].spec for i in group)
+    full = zerojax_gather(specs, tuple(leaves[i].sink for i in group),
+                          tuple(leaves[i].src for i in group))
+    for i, x in zip(group, full):
+      out[i] = x
+  return jax.tree.unflatten(treedef, out)
+
+
+def _groupable(spec: GatherSpec) -> bool:
+  """Whether the leaf's collectives can share one flat buffer with others:
+  exact (no ZeRO++), and not split over a model axis (those run per model
+  shard, :func:`over_model_shards`)."""
+  return not (spec.weight_bits or spec.grad_bits or spec.hpz
+              or any(_entries(spec.model, len(spec.model))))
+
+
+def _groups(items) -> list[list[int]]:
+  """The ``gather`` call's sharded leaves in groups that move in one
+  collective each: leaves with the same axes, stage, reduce dtype and
+  stored dtype, in tree order, up to ``group_bytes`` of full value per
+  group; any other leaf alone."""
+  groups, open_ = [], {}
+  for i, x in items:
+    s = x.spec
+    if not _groupable(s):
+      groups.append([i])
+      continue
+    key = (s.axis_name, s.replica, s.stage, np.dtype(s.reduce_dtype),
+           np.dtype(x.src.dtype))
+    size = math.prod(x.shape) * max(np.dtype(x.src.dtype).itemsize,
+                                    np.dtype(s.reduce_dtype).itemsize)
+    g = open_.get(key)
+    if g is None or (s.group_bytes is not None
+                     and g[1] + size > s.group_bytes):
+      g = open_[key] = [[], 0]
+      groups.append(g[0])
+    g[0].append(i)
+    g[1] += size
+  return groups
 
 
 def _check_rank(spec: GatherSpec, x):
@@ -235,37 +299,109 @@ def _full_value(spec: GatherSpec, src):
   return jax.lax.pcast(src, (spec.axis_name,) + spec.replica, to="varying")
 
 
+def _gather_flat(specs, srcs):
+  """Stage 3, several leaves: one ``all_gather`` of their shards laid end
+  to end. Each shard enters with its sharded dimension major and
+  flattened; device ``d``'s row of the result holds every leaf's shard
+  ``d``, so leaf ``i``'s full value is column block ``i`` reshaped, with
+  the dimension moved back and the padding sliced off."""
+  spec = specs[0]
+  dims = [s.ndim + g.dim for g, s in zip(specs, srcs)]
+  for g, s in zip(specs, srcs):
+    _check_rank(g, s)
+  rows = [jnp.moveaxis(s, d, 0) for s, d in zip(srcs, dims)]
+  buf = jnp.concatenate([r.reshape(-1) for r in rows])
+  full = over_model_shards(
+      lambda b: jax.lax.all_gather(b, spec.axis_name, axis=0, to="varying"),
+      buf, ())
+  n = full.shape[0]
+  outs, at = [], 0
+  for g, r, d in zip(specs, rows, dims):
+    block = full[:, at:at + r.size].reshape((n * r.shape[0],) + r.shape[1:])
+    at += r.size
+    x = jnp.moveaxis(jax.lax.slice_in_dim(block, 0, g.size, axis=0), 0, d)
+    outs.append(jax.lax.pcast(x, g.replica, to="varying") if g.replica else x)
+  return tuple(outs)
+
+
+def _reduce_flat(specs, cts):
+  """Several leaves' cotangents reduced in one collective, in the shared
+  reduce dtype: stage 0 a ``psum`` of them laid end to end; stages 1-3 a
+  ``psum_scatter`` of a ``[N, ...]`` buffer whose row ``d`` holds every
+  leaf's block ``d`` (its sharded dimension padded, made major and split
+  in N), so device ``d`` receives each leaf's shard ``d``."""
+  spec = specs[0]
+  dtype = spec.reduce_dtype
+  if spec.stage == 0:
+    buf = jnp.concatenate([c.astype(dtype).reshape(-1) for c in cts])
+    summed = over_model_shards(
+        lambda b: jax.lax.psum(b, spec.axis_name), buf, ())
+    outs, at = [], 0
+    for c in cts:
+      outs.append(summed[at:at + c.size].reshape(c.shape))
+      at += c.size
+    return tuple(outs)
+  n = jax.lax.axis_size(spec.axis_name)
+  rows = []
+  for g, c in zip(specs, cts):
+    d = c.ndim + g.dim
+    pad = (g.padded - c.shape[d]) if g.padded else -c.shape[d] % n
+    if pad:
+      c = _layout.pad_dim(c, d, pad)
+    rows.append(jnp.moveaxis(c.astype(dtype), d, 0))
+  buf = jnp.concatenate([r.reshape(n, -1) for r in rows], axis=1)
+  mine = over_model_shards(
+      lambda b: jax.lax.psum_scatter(b, spec.axis_name, scatter_dimension=0,
+                                     tiled=True),
+      buf, (), 0)
+  outs, at = [], 0
+  for g, r, c in zip(specs, rows, cts):
+    width = r.size // n
+    shard = mine[0, at:at + width].reshape((r.shape[0] // n,) + r.shape[1:])
+    at += width
+    outs.append(jnp.moveaxis(shard, 0, c.ndim + g.dim))
+  return tuple(outs)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def zerojax_gather(spec: GatherSpec, sink, src):
-  """The gather as one ``custom_vjp`` call, recognisable by name in a jaxpr."""
-  del sink
-  return _full_value(spec, src)
+def zerojax_gather(specs: tuple[GatherSpec, ...], sinks, srcs):
+  """The gather of one group of leaves (:func:`_groups`) as one
+  ``custom_vjp`` call, recognisable by name in a jaxpr."""
+  return zerojax_gather_fwd(specs, sinks, srcs)[0]
 
 
 GATHER_NAME = zerojax_gather.__name__   # read by zerojax._src.jaxpr.audit
 
 
-def zerojax_gather_fwd(spec, sink, src):
-  del sink
-  return _full_value(spec, src), None
+def zerojax_gather_fwd(specs, sinks, srcs):
+  del sinks
+  if len(specs) > 1 and specs[0].stage == 3:
+    return _gather_flat(specs, srcs), None
+  return tuple(_full_value(g, s) for g, s in zip(specs, srcs)), None
 
 
-def zerojax_gather_bwd(spec, _, ct):
+def zerojax_gather_bwd(specs, _, cts):
+  if len(specs) > 1:
+    return _reduce_flat(specs, cts), None
+  return (_reduce_one(specs[0], cts[0]),), None
+
+
+def _reduce_one(spec, ct):
+  """One leaf's cotangent reduced on its own (in the reduce dtype)."""
   if spec.stage == 0:        # replicated: the cotangent summed over the data
     # axis, layer by layer, in the reduce dtype (the step scales the loss
     # before differentiating it, so the sum is the mean already)
     return over_model_shards(
         lambda c: jax.lax.psum(c.astype(spec.reduce_dtype), spec.axis_name),
-        ct, spec.model), None
+        ct, spec.model)
   dim = ct.ndim + spec.dim
   n = jax.lax.axis_size(spec.axis_name)
   pad = (spec.padded - ct.shape[dim]) if spec.padded else -ct.shape[dim] % n
   if pad:
     ct = _layout.pad_dim(ct, dim, pad)
-  shard = over_model_shards(
+  return over_model_shards(
       lambda c: reduce_scatter(c, spec.axis_name, dim, spec),
       ct, spec.model, dim)
-  return shard, None
 
 
 def on_major_dim(collective, x, dim: int):

@@ -169,7 +169,8 @@ def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpe
       block_size=zeropp.block,
       hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
       node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
-      stochastic=quantized and zeropp.stochastic_grads)
+      stochastic=quantized and zeropp.stochastic_grads,
+      group_bytes=spec.tx.bucket_bytes)
 
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:
@@ -413,7 +414,7 @@ def run_loss(prog: LossProgram, leaves, diff, hooked, gspecs,
   gathered tree with ``gather_all``: ``(loss, new_model_state, aux)``."""
   params = model_params(prog.spec, leaves, diff, hooked, gspecs)
   if gather_all:
-    params = _gather.gather(params)
+    params = _gather.gather_each(params)
   return prog.call(prog.loss_fn, params, mb, key, model_state)
 
 
