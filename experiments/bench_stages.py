@@ -449,8 +449,17 @@ def main():
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
   import platform
+  import subprocess
   import jax
-  meta = {"jax_version": jax.__version__, "machine": (
+  import zerojax
+  try:            # the zerojax code measured: its checkout's commit
+    commit = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], capture_output=True,
+        text=True, cwd=pathlib.Path(zerojax.__file__).parent).stdout.strip()
+  except OSError:
+    commit = ""
+  meta = {"jax_version": jax.__version__, "zerojax_commit": commit or None,
+          "machine": (
       f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU devices"),
       "argv": sys.argv[1:], "repeat": args.repeat,
       "malloc_mmap_threshold": args.malloc_mmap_threshold}

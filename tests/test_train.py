@@ -152,7 +152,8 @@ def test_unrolled_scan_gathers_the_next_layer_in_the_same_iteration(mesh):
   colls = zerojax.collectives(text, 8)
   in_loops = [c for c in colls if c.kind == "all-gather" and c.count > 1]
   assert {c.count for c in in_loops} == {2}             # depth / unroll
-  per_layer = 1          # a layer's leaves move in one all-gather
+  blocks = state.spec.params_avals()["blocks"]
+  per_layer = len(jax.tree.leaves(blocks))
   counts = {name: sum(1 for c in in_loops if c.computation == name)
             for name in {c.computation for c in in_loops}}
   name = max(counts, key=counts.get)                     # the forward loop
