@@ -449,7 +449,6 @@ def main():
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
   import platform
-  import subprocess
   import jax
   import zerojax
   try:            # the zerojax code measured: its checkout's commit
