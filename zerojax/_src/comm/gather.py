@@ -247,9 +247,9 @@ def _groupable(spec: GatherSpec) -> bool:
 
 def _groups(items) -> list[list[int]]:
   """The ``gather`` call's sharded leaves in groups whose gradients are
-  reduced in one collective each: leaves with the same axes, stage, reduce dtype and
-  stored dtype, in tree order, up to ``group_bytes`` of full value per
-  group; any other leaf alone."""
+  reduced in one collective each: leaves with the same axes, stage,
+  reduce dtype and stored dtype, in tree order, up to ``group_bytes`` of
+  full value per group; any other leaf alone."""
   groups, open_ = [], {}
   for i, x in items:
     s = x.spec
