@@ -21,17 +21,15 @@ shard-shaped input exists. The gathered value is marked device-varying so
 that JAX does not insert an implicit all-reduce (the transpose of an
 implicit broadcast) before our reduce-scatter.
 
-One ``gather`` call reduces its leaves' gradients together: leaves that
-share the data axis, stage, reduce dtype and stored dtype (and are exact
-and not split over a model axis) are laid end to end in one buffer, up to
-the tx's ``bucket_bytes``, and reduced in one reduce-scatter (stage 0: one
-all-reduce), as FSDP's flat parameter does per layer. A layer's dozen
+At stages 1-2 one ``gather`` call reduces its leaves' gradients
+together: leaves that share the data axis, reduce dtype and stored dtype
+(and are exact and not split over a model axis) are laid end to end in
+one buffer, up to the tx's ``bucket_bytes``, and reduced in one
+reduce-scatter, as FSDP's flat parameter does per layer. A layer's dozen
 gradients are one collective instead of a dozen: XLA CPU merges none of
 them, and on GPU the grouping no longer depends on XLA's combiner
 thresholds. The cost is a copy of the layer's gradient into the buffer.
-Stage 3's forward all-gathers stay one per leaf: their outputs are the
-weights themselves, where a shared buffer would need a copy out of it and
-keep one more gathered layer alive (docs/design.md).
+Stage 3 moves each leaf alone, both ways (docs/design.md says why).
 
 Outside a train step, or on plain arrays, ``gather`` is the identity, so a
 model that calls it also runs unchanged at stages 0-1 and in evaluation.
@@ -238,11 +236,12 @@ def _gather_groups(tree, groups):
 
 
 def _groupable(spec: GatherSpec) -> bool:
-  """Whether the leaf's reduction can share one buffer with others:
-  exact (no ZeRO++), and not split over a model axis (those run per model
-  shard, :func:`over_model_shards`)."""
-  return not (spec.weight_bits or spec.grad_bits or spec.hpz
-              or any(_entries(spec.model, len(spec.model))))
+  """Whether the leaf's reduction can share one buffer with others: at
+  stages 1-2, exact (no ZeRO++), and not split over a model axis (those
+  run per model shard, :func:`over_model_shards`)."""
+  return spec.stage in (1, 2) and not (
+      spec.weight_bits or spec.grad_bits or spec.hpz
+      or any(_entries(spec.model, len(spec.model))))
 
 
 def _groups(items) -> list[list[int]]:
@@ -303,7 +302,7 @@ def _full_value(spec: GatherSpec, src):
 
 def _reduce_flat(specs, cts):
   """Several leaves' cotangents reduced in one collective, in the shared
-  reduce dtype: stage 0 a ``psum`` of them laid end to end; stages 1-3 a
+  reduce dtype: stage 0 a ``psum`` of them laid end to end; otherwise a
   ``psum_scatter`` of a ``[N, ...]`` buffer whose row ``d`` holds every
   leaf's block ``d`` (its sharded dimension padded, made major and split
   in N), so device ``d`` receives each leaf's shard ``d``."""
@@ -352,8 +351,7 @@ GATHER_NAME = zerojax_gather.__name__   # read by zerojax._src.jaxpr.audit
 
 def zerojax_gather_fwd(specs, sinks, srcs):
   """Each leaf gathered on its own: an all-gather's output is then the
-  leaf itself, where a shared buffer would need a copy out of it (one
-  more gathered layer alive; see :func:`_groups`)."""
+  leaf itself, where a shared buffer would need a copy out of it."""
   del sinks
   return tuple(_full_value(g, s) for g, s in zip(specs, srcs)), None
 
