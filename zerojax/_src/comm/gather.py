@@ -301,22 +301,13 @@ def _full_value(spec: GatherSpec, src):
 
 
 def _reduce_flat(specs, cts):
-  """Several leaves' cotangents reduced in one collective, in the shared
-  reduce dtype: stage 0 a ``psum`` of them laid end to end; otherwise a
-  ``psum_scatter`` of a ``[N, ...]`` buffer whose row ``d`` holds every
-  leaf's block ``d`` (its sharded dimension padded, made major and split
-  in N), so device ``d`` receives each leaf's shard ``d``."""
+  """Several leaves' cotangents (stages 1-2) reduced in one collective,
+  in the shared reduce dtype: a ``psum_scatter`` of a ``[N, ...]`` buffer
+  whose row ``d`` holds every leaf's block ``d`` (its sharded dimension
+  padded, made major and split in N), so device ``d`` receives each
+  leaf's shard ``d``."""
   spec = specs[0]
   dtype = spec.reduce_dtype
-  if spec.stage == 0:
-    buf = jnp.concatenate([c.astype(dtype).reshape(-1) for c in cts])
-    summed = over_model_shards(
-        lambda b: jax.lax.psum(b, spec.axis_name), buf, ())
-    outs, at = [], 0
-    for c in cts:
-      outs.append(summed[at:at + c.size].reshape(c.shape))
-      at += c.size
-    return tuple(outs)
   n = jax.lax.axis_size(spec.axis_name)
   rows = []
   for g, c in zip(specs, cts):
