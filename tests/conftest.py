@@ -1,6 +1,10 @@
 """Test set-up: 8 fake CPU devices, set before JAX initialises its backend."""
 
+import atexit
 import os
+import shutil
+import tempfile
+from importlib.metadata import version
 
 # LLVM optimisation level 0 compiles the CPU programs ~35% faster (measured on
 # tests/test_zeropp.py, 2 cores). It changes only the machine code's speed,
@@ -18,6 +22,25 @@ if "collective_call_terminate_timeout" not in _flags:
   _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
 os.environ["XLA_FLAGS"] = _flags + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache per test session, shared by the
+# xdist workers and every subprocess they start (notebook kernels, Optax's
+# suites, resumed main jobs): tests that build the same program (the same
+# model, stage and mesh; the unsharded Optax baselines) compile it once.
+# JAX keys an entry on the HLO, the compile options, the XLA flags, the
+# devices and the jaxlib version, so a hit is the executable a compile would
+# have produced. The session's creator (the xdist controller, or the only
+# process) removes it at exit; a directory the caller set is kept. Not on
+# jaxlib < 0.11: there an executable read back from the cache (zerojax's
+# init program, all-gathers over 8 CPU devices) segfaulted when it ran
+# (docs/testing.md).
+if (tuple(int(v) for v in version("jaxlib").split(".")[:2]) >= (0, 11)
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+      prefix="zerojax-tests-xla-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"],
+                  ignore_errors=True)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -1,0 +1,92 @@
+"""Wall time of the test suite as CI runs it, per test and in total.
+
+    python experiments/suite_time.py                      # the default suite
+    python experiments/suite_time.py --marker slow        # the slow suite
+    python experiments/suite_time.py --no-cache           # the baseline
+
+Runs ``python -m pytest -n 2`` (the README's test command; ``-m slow``
+with ``--marker slow``) with the Python that runs this script, and writes
+one JSON file: the JAX version, the machine (CPU count, platform), the
+suite's wall time, its outcome counts, whether the persistent compilation
+cache was on (``tests/conftest.py`` turns it on for jaxlib >= 0.11;
+``--no-cache`` turns it off with ``JAX_ENABLE_COMPILATION_CACHE=false``), and
+every test phase that took at least ``--min-s`` seconds (pytest's
+``--durations``), slowest first.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_DURATION = re.compile(r"^([0-9.]+)s (call|setup|teardown)\s+(\S+)$")
+_OUTCOME = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
+
+
+def run(marker: str, workers: int, min_s: float, cache: bool) -> dict:
+  cmd = [sys.executable, "-m", "pytest", "-n", str(workers), "-q",
+         "-p", "no:cacheprovider", "--durations=0",
+         f"--durations-min={min_s}"]
+  if marker:
+    cmd += ["-m", marker]
+  env = dict(os.environ)
+  if not cache:
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        env=env)
+  wall = time.perf_counter() - t0
+  lines = proc.stdout.splitlines()
+  phases = [{"seconds": float(m[1]), "phase": m[2], "test": m[3]}
+            for m in map(_DURATION.match, lines) if m]
+  summary = next((l for l in reversed(lines) if " in " in l and
+                  _OUTCOME.search(l)), "")
+  outcomes = {k.rstrip("s") if k.startswith("error") else k: int(n)
+              for n, k in _OUTCOME.findall(summary)}
+  return {
+      "command": " ".join(["python"] + cmd[1:]),
+      "marker": marker or None,
+      "returncode": proc.returncode,
+      "wall_s": round(wall, 1),
+      "outcomes": outcomes,
+      "summary": summary.strip("= "),
+      "jax": version("jax"), "jaxlib": version("jaxlib"),
+      "python": platform.python_version(),
+      "cpu_count": os.cpu_count(), "machine": platform.platform(),
+      "compilation_cache": cache and tuple(
+          int(v) for v in version("jaxlib").split(".")[:2]) >= (0, 11),
+      "phases_over_min_s": phases, "min_s": min_s,
+      "failures": [l for l in lines if l.startswith(("FAILED", "ERROR"))],
+  }
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--marker", default="", help="pytest -m (e.g. slow)")
+  ap.add_argument("--workers", type=int, default=2)
+  ap.add_argument("--min-s", type=float, default=5.0)
+  ap.add_argument("--no-cache", action="store_true",
+                  help="the persistent compilation cache off")
+  ap.add_argument("--out", default=None, help="JSON path (default: "
+                  "runs/suite_time/suite_<marker>_jax<version>.json)")
+  args = ap.parse_args(argv)
+  rec = run(args.marker, args.workers, args.min_s, not args.no_cache)
+  tag = "_nocache" if args.no_cache else ""
+  out = pathlib.Path(args.out or ROOT / "runs" / "suite_time" / (
+      f"suite_{args.marker or 'default'}{tag}_jax{rec['jax']}.json"))
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(rec, indent=1) + "\n")
+  print(f"{rec['summary']} (wall {rec['wall_s']} s, jax {rec['jax']}, "
+        f"cache {'on' if rec['compilation_cache'] else 'off'}) -> {out}")
+  return 0 if rec["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
