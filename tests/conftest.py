@@ -28,11 +28,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # model, stage and mesh; the unsharded Optax baselines) compile it once.
 # JAX keys an entry on the HLO, the compile options, the XLA flags, the
 # devices and the jaxlib version, so a hit is the executable a compile would
-# have produced. The session's creator (the xdist controller, or the only
+# have produced. A size limit turns on JAX's file lock around each read and
+# write (without one, a worker could read an entry the other is still
+# writing). The session's creator (the xdist controller, or the only
 # process) removes it at exit; a directory the caller set is kept. Not on
 # jaxlib < 0.11: there an executable read back from the cache (zerojax's
 # init program, all-gathers over 8 CPU devices) segfaulted when it ran
-# (docs/testing.md).
+# (docs/architecture.md, "The test suite").
 if (tuple(int(v) for v in version("jaxlib").split(".")[:2]) >= (0, 11)
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
@@ -41,6 +43,7 @@ if (tuple(int(v) for v in version("jaxlib").split(".")[:2]) >= (0, 11)
                   ignore_errors=True)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
