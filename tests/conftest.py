@@ -32,8 +32,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # write (without one, a worker could read an entry the other is still
 # writing). The session's creator (the xdist controller, or the only
 # process) removes it at exit; a directory the caller set is kept. Not on
-# jaxlib < 0.11: there an executable read back from the cache (zerojax's
-# init program, all-gathers over 8 CPU devices) segfaulted when it ran
+# jaxlib < 0.11: there a program with bucketed all-gathers read back from
+# the cache aborted in XLA CPU's rendezvous when it ran
 # (docs/architecture.md, "The test suite").
 if (tuple(int(v) for v in version("jaxlib").split(".")[:2]) >= (0, 11)
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
