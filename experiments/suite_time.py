@@ -8,8 +8,9 @@ Runs ``python -m pytest -n 2`` (the README's test command; ``-m slow``
 with ``--marker slow``) with the Python that runs this script, and writes
 one JSON file: the JAX version, the machine (CPU count, platform), the
 suite's wall time, its outcome counts, whether the persistent compilation
-cache was on (``tests/conftest.py`` turns it on for jaxlib >= 0.11;
-``--no-cache`` turns it off with ``JAX_ENABLE_COMPILATION_CACHE=false``), and
+cache was on (as ``tests/conftest.py`` reports it in pytest's header: on
+for jaxlib >= 0.11; ``--no-cache`` turns it off with
+``JAX_ENABLE_COMPILATION_CACHE=false``), and
 every test phase that took at least ``--min-s`` seconds (pytest's
 ``--durations``), slowest first.
 """
@@ -31,7 +32,7 @@ _OUTCOME = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
 
 
 def run(marker: str, workers: int, min_s: float, cache: bool) -> dict:
-  cmd = [sys.executable, "-m", "pytest", "-n", str(workers), "-q",
+  cmd = [sys.executable, "-m", "pytest", "-n", str(workers),
          "-p", "no:cacheprovider", "--durations=0",
          f"--durations-min={min_s}"]
   if marker:
@@ -60,8 +61,9 @@ def run(marker: str, workers: int, min_s: float, cache: bool) -> dict:
       "jax": version("jax"), "jaxlib": version("jaxlib"),
       "python": platform.python_version(),
       "cpu_count": os.cpu_count(), "machine": platform.platform(),
-      "compilation_cache": cache and tuple(
-          int(v) for v in version("jaxlib").split(".")[:2]) >= (0, 11),
+      "compilation_cache": next(
+          (l.split("persistent compilation cache ", 1)[1] for l in lines
+           if l.startswith("zerojax: persistent compilation cache ")), None),
       "phases_over_min_s": phases, "min_s": min_s,
       "failures": [l for l in lines if l.startswith(("FAILED", "ERROR"))],
   }
@@ -84,7 +86,7 @@ def main(argv=None):
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(rec, indent=1) + "\n")
   print(f"{rec['summary']} (wall {rec['wall_s']} s, jax {rec['jax']}, "
-        f"cache {'on' if rec['compilation_cache'] else 'off'}) -> {out}")
+        f"cache {rec['compilation_cache']}) -> {out}")
   return 0 if rec["returncode"] == 0 else 1
 
 

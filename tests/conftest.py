@@ -24,8 +24,8 @@ os.environ["XLA_FLAGS"] = _flags + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache per test session, shared by the
 # xdist workers and every subprocess they start (notebook kernels, Optax's
-# suites, resumed main jobs): tests that build the same program (the same
-# model, stage and mesh; the unsharded Optax baselines) compile it once.
+# suites, resumed main jobs): a program built again, in another test,
+# worker or subprocess, is read back instead of compiled.
 # JAX keys an entry on the HLO, the compile options, the XLA flags, the
 # devices and the jaxlib version, so a hit is the executable a compile would
 # have produced. A size limit turns on JAX's file lock around each read and
@@ -35,8 +35,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxlib < 0.11: there a program with bucketed all-gathers read back from
 # the cache aborted in XLA CPU's rendezvous when it ran
 # (docs/architecture.md, "The test suite").
-if (tuple(int(v) for v in version("jaxlib").split(".")[:2]) >= (0, 11)
-    and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+def _cache_state() -> str:
+  """Whether this session's persistent cache is on, and why not."""
+  if os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() in (
+      "0", "false"):
+    return "off (JAX_ENABLE_COMPILATION_CACHE)"
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return "on, the caller's " + os.environ["JAX_COMPILATION_CACHE_DIR"]
+  if tuple(int(v) for v in version("jaxlib").split(".")[:2]) < (0, 11):
+    return "off (jaxlib < 0.11)"
+  return "on"
+
+
+_CACHE = _cache_state()
+if _CACHE == "on":
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
       prefix="zerojax-tests-xla-cache-")
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"],
@@ -66,3 +78,7 @@ def any_mesh(request):
   return zerojax.make_mesh(axis_types={
       "explicit": jax.sharding.AxisType.Explicit,
       "auto": jax.sharding.AxisType.Auto}[request.param])
+
+
+def pytest_report_header(config):
+  return "zerojax: persistent compilation cache " + _CACHE
