@@ -10,7 +10,7 @@ one JSON file: the JAX version, the machine (CPU count, platform), the
 suite's wall time, its outcome counts, whether the persistent compilation
 cache was on (as ``tests/conftest.py`` reports it in pytest's header: on
 for jaxlib >= 0.11; ``--no-cache`` turns it off with
-``JAX_ENABLE_COMPILATION_CACHE=false``), and
+``JAX_ENABLE_COMPILATION_CACHE=false``), the XLA flags it printed there, and
 every test phase that took at least ``--min-s`` seconds (pytest's
 ``--durations``), slowest first.
 """
@@ -64,6 +64,8 @@ def run(marker: str, workers: int, min_s: float, cache: bool) -> dict:
       "compilation_cache": next(
           (l.split("persistent compilation cache ", 1)[1] for l in lines
            if l.startswith("zerojax: persistent compilation cache ")), None),
+      "xla_flags": next((l.split("zerojax: XLA_FLAGS ", 1)[1] for l in lines
+                         if l.startswith("zerojax: XLA_FLAGS ")), None),
       "phases_over_min_s": phases, "min_s": min_s,
       "failures": [l for l in lines if l.startswith(("FAILED", "ERROR"))],
   }

@@ -11,9 +11,27 @@ from importlib.metadata import version
 # not XLA's HLO passes: every sharded and unsharded program in a test is
 # compiled the same way, and collectives/memory are read from the HLO. A
 # level the caller set wins.
+_JAXLIB = tuple(int(v) for v in version("jaxlib").split(".")[:2])
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
+# jaxlib 0.10's XLA CPU emits fused kernels through its MLIR fusion
+# emitters by default; its older emitters compile the same fused HLO in
+# about half the time (the default suite: 960 s -> 510 s). With them, at
+# LLVM level 0, multiply-adds are contracted to FMA instructions in some
+# programs and not in others, so two programs of the same math (stage 3 and
+# hpZ, offloaded and not) differed in the last bit; capping the instruction
+# set at AVX (256-bit vectors, no FMA) makes them agree again, as the
+# default emitters do. Unlike the level above, the emitter choice reaches
+# XLA's fusion pass: on the toy model at stages 0-3 (8 layers) the same
+# collectives, fewer and larger fusions, temp bytes within 0.6%; the tests
+# compare programs compiled alike, never a figure across these flags.
+# jaxlib 0.12 has no such emitter flag (an unknown XLA flag aborts the
+# process), so these are set for 0.10 alone; flags the caller set win.
+if _JAXLIB < (0, 11) and "xla_cpu_use_fusion_emitters" not in _flags:
+  _flags += " --xla_cpu_use_fusion_emitters=false"
+  if "xla_cpu_max_isa" not in _flags:
+    _flags += " --xla_cpu_max_isa=AVX"
 # XLA CPU kills the process when a collective's device threads have not all
 # arrived after 40 s; on a loaded 2-core machine (CI beside another job) 8
 # device threads can be that late without anything being wrong. Subprocesses
@@ -42,7 +60,7 @@ def _cache_state() -> str:
     return "off (JAX_ENABLE_COMPILATION_CACHE)"
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return "on, the caller's " + os.environ["JAX_COMPILATION_CACHE_DIR"]
-  if tuple(int(v) for v in version("jaxlib").split(".")[:2]) < (0, 11):
+  if _JAXLIB < (0, 11):
     return "off (jaxlib < 0.11)"
   return "on"
 
@@ -81,4 +99,5 @@ def any_mesh(request):
 
 
 def pytest_report_header(config):
-  return "zerojax: persistent compilation cache " + _CACHE
+  return ["zerojax: persistent compilation cache " + _CACHE,
+          "zerojax: XLA_FLAGS " + os.environ["XLA_FLAGS"].strip()]
