@@ -16,8 +16,8 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
 # jaxlib 0.10's XLA CPU emits fused kernels through its MLIR fusion
-# emitters by default; its older emitters compile the same fused HLO in
-# about half the time (the default suite: 960 s -> 510 s). With them, at
+# emitters by default; its older emitters compile in about half the time
+# (the default suite: 960 s -> 520 s, docs/data/suite_time_*). With them, at
 # LLVM level 0, multiply-adds are contracted to FMA instructions in some
 # programs and not in others, so two programs of the same math (stage 3 and
 # hpZ, offloaded and not) differed in the last bit; capping the instruction
