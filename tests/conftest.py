@@ -27,11 +27,13 @@ if "xla_backend_optimization_level" not in _flags:
 # collectives, fewer and larger fusions, temp bytes within 0.6%; the tests
 # compare programs compiled alike, never a figure across these flags.
 # jaxlib 0.12 has no such emitter flag (an unknown XLA flag aborts the
-# process), so these are set for 0.10 alone; flags the caller set win.
+# process), so it is set for 0.10 alone; the AVX cap goes with the older
+# emitters however they were chosen; flags the caller set win.
 if _JAXLIB < (0, 11) and "xla_cpu_use_fusion_emitters" not in _flags:
   _flags += " --xla_cpu_use_fusion_emitters=false"
-  if "xla_cpu_max_isa" not in _flags:
-    _flags += " --xla_cpu_max_isa=AVX"
+if ("xla_cpu_use_fusion_emitters=false" in _flags
+    and "xla_cpu_max_isa" not in _flags):
+  _flags += " --xla_cpu_max_isa=AVX"
 # XLA CPU kills the process when a collective's device threads have not all
 # arrived after 40 s; on a loaded 2-core machine (CI beside another job) 8
 # device threads can be that late without anything being wrong. Subprocesses
