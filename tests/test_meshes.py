@@ -70,7 +70,7 @@ def _grid():
 @pytest.mark.parametrize("opt_name, stage", list(_grid()))
 def test_fp32_parity_on_pod_meshes(setup, mesh_axes, stage, opt_name):
   params, data = setup
-  want = toy.reference(params, OPTIMIZERS[opt_name](), data)
+  want = toy.shared_reference(opt_name, params, OPTIMIZERS[opt_name](), data)
   tx = _tx(OPTIMIZERS[opt_name](), stage, mesh_axes)
   state, _ = _train(params, tx, data)
   err = toy.rel_err(_floats(zerojax.gather_params(state)), _floats(want))
@@ -82,9 +82,10 @@ def test_fp32_parity_on_pod_meshes(setup, mesh_axes, stage, opt_name):
 def test_bf16_master_parity_on_pod_meshes(setup, mesh_axes, stage):
   params, data = setup
   policy = zerojax.Policy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
-  want = toy.reference(params, OPTIMIZERS["adamw"](), data,
-                       param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32,
-                       devices=8 if "model" not in mesh_axes else 4)
+  want = toy.shared_reference("adamw", params, OPTIMIZERS["adamw"](), data,
+                              param_dtype=jnp.bfloat16,
+                              reduce_dtype=jnp.float32,
+                              devices=8 if "model" not in mesh_axes else 4)
   tx = _tx(OPTIMIZERS["adamw"](), stage, mesh_axes, policy=policy)
   state, _ = _train(params, tx, data)
   master = zerojax.gather_params(state, master=True)
@@ -122,7 +123,8 @@ def test_state_is_sharded_over_data_and_model_replicated_over_replica(setup):
 
 def test_hsdp_with_accumulation_equals_one_device(setup):
   params, data = setup
-  want = toy.reference(params, OPTIMIZERS["clip_adamw"](), data)
+  want = toy.shared_reference("clip_adamw", params,
+                              OPTIMIZERS["clip_adamw"](), data)
   tx = _tx(OPTIMIZERS["clip_adamw"](), 3, "replica=2,data=4")
   state, _ = _train(params, tx, data, accum_steps=2)
   err = toy.rel_err(_floats(zerojax.gather_params(state)), _floats(want))

@@ -56,8 +56,9 @@ def setup():
 def test_fp32_parity(setup, any_mesh, opt_name, stage):
   """On Explicit and on Auto axes."""
   params, data = setup
-  want, want_opt = toy.reference(params, OPTIMIZERS[opt_name](), data,
-                                 with_state=True)
+  want, want_opt = toy.shared_reference(opt_name, params,
+                                        OPTIMIZERS[opt_name](), data,
+                                        with_state=True)
   tx = zerojax.zero(OPTIMIZERS[opt_name](), stage=stage, mesh=any_mesh)
   state, _ = _run(params, tx, data)
   # sharded as the stage says; on an Explicit mesh, in the arrays' types
@@ -95,9 +96,9 @@ def test_bf16_master_parity(setup, mesh, opt_name, stage):
   emulated on one device (per-device bf16 gradients summed in fp32)."""
   params, data = setup
   policy = zerojax.Policy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
-  want = toy.reference(params, OPTIMIZERS[opt_name](), data,
-                       param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32,
-                       devices=8)
+  want = toy.shared_reference(opt_name, params, OPTIMIZERS[opt_name](), data,
+                              param_dtype=jnp.bfloat16,
+                              reduce_dtype=jnp.float32, devices=8)
   tx = zerojax.zero(OPTIMIZERS[opt_name](), stage=stage, mesh=mesh,
                     policy=policy)
   state, _ = _run(params, tx, data)
@@ -116,7 +117,7 @@ def test_bf16_master_parity(setup, mesh, opt_name, stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_more_optimizers(setup, mesh, opt_name, stage):
   params, data = setup
-  want = toy.reference(params, EXTRA[opt_name](), data)
+  want = toy.shared_reference(opt_name, params, EXTRA[opt_name](), data)
   tx = zerojax.zero(EXTRA[opt_name](), stage=stage, mesh=mesh)
   got = zerojax.gather_params(_run(params, tx, data)[0])
   err = toy.rel_err(_float_leaves(got), _float_leaves(want))

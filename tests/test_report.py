@@ -90,8 +90,7 @@ def test_report_theory_knows_zeropp(stage, zeropp, mesh_axes):
                     mesh=zerojax.make_mesh(mesh_axes),
                     zeropp=zerojax.ZeroPP(**zeropp), stacked=gpt.is_layer_stack,
                     model_specs=gpt.model_specs() if tp else None)
-  state = zerojax.init_from(functools.partial(gpt.init, cfg), tx,
-                            jax.random.key(0))
+  state = zerojax.init(gpt.init(cfg, jax.random.key(0)), tx)
   step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
                             gather="model")
   rep = zerojax.report(step, state, batch)

@@ -108,6 +108,23 @@ def test_eval_step_matches_unsharded_loss(mesh):
     assert abs(got - want) < 1e-5
 
 
+def test_gpt_init_is_one_program_and_init_from_builds_the_same_bits(mesh):
+  """``gpt.init`` is one jitted program per config, and the params
+  ``zerojax.init_from`` builds from it (tracing it inside its own
+  program) are its eager values bit for bit."""
+  model = gpt.GPTConfig(width=32, depth=3, heads=2, seq_len=16, vocab=64)
+  key = jax.random.key(3)
+  lowered = gpt.init.lower(model, key).as_text()
+  assert lowered.count("func.func public @main") == 1
+  eager = gpt.init(model, key)
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh,
+                    stacked=gpt.is_layer_stack)
+  built = zerojax.gather_params(zerojax.init_from(
+      functools.partial(gpt.init, model), tx, key))
+  for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(built)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def test_generate_extends_the_prompt():
   model = gpt.GPTConfig(width=16, depth=1, heads=2, seq_len=16)
   params = gpt.init(model, jax.random.key(0))

@@ -98,6 +98,22 @@ def reference(params, opt, data, *, param_dtype=None, reduce_dtype=None,
   return (master, state) if with_state else master
 
 
+_REFERENCES: dict = {}
+
+
+def shared_reference(name, params, opt, data, **kw):
+  """:func:`reference`, run once per process for each ``name`` and policy
+  and then shared by every stage and mesh that compares against it (the
+  unsharded run does not depend on them). Keyed on the very ``params`` and
+  ``data`` objects too (a module-scoped fixture's), so a name reused with
+  other inputs runs again."""
+  key = (name, tuple(sorted((k, str(v)) for k, v in kw.items())))
+  hit = _REFERENCES.get(key)
+  if hit is None or hit[0] is not params or hit[1] is not data:
+    hit = _REFERENCES[key] = (params, data, reference(params, opt, data, **kw))
+  return hit[2]
+
+
 def rel_err(got, want):
   """Largest per-leaf relative error ||got - want|| / ||want||."""
   errs = []

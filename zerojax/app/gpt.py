@@ -15,6 +15,7 @@ K head width, F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -156,8 +157,13 @@ def flops_per_token(config: GPTConfig, n_params: int | None = None) -> float:
   return 6.0 * n + 12.0 * config.depth * config.seq_len * config.width
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init(config: GPTConfig, key) -> dict:
-  """Parameters, fp32. Blocks are stacked along a leading layer axis L."""
+  """Parameters, fp32. Blocks are stacked along a leading layer axis L.
+
+  One program per config, the one :func:`zerojax.init_from` traces: called
+  eagerly, each draw and each filled leaf would compile a program of its
+  own for its shape."""
   d, f, l, v = config.width, config.mlp_ratio * config.width, config.depth, config.vocab
   k = jax.random.split(key, 7)
   normal = lambda key, shape, std: jax.random.normal(key, shape) * std
