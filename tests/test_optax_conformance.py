@@ -134,6 +134,7 @@ def _plain_sharding_failures(tmp_path, failed_ids):
   plain Optax on this JAX too: those tests alone, run without the drop-in
   (a name matching more tests only runs more)."""
   names = sorted({i.rsplit("::", 1)[-1].split("[")[0] for i in failed_ids})
+  (tmp_path / "plain").mkdir()
   records, proc = run_suite(None, tmp_path / "plain", " or ".join(names),
                             modules=("optax._src.sharding_test",),
                             ZEROJAX_CONFORMANCE_AXIS="x")
@@ -152,7 +153,6 @@ def test_optax_sharding_in_types_suite_through_the_dropin(tmp_path, stage):
   fail through the drop-in are run again plain). Stage 2 runs in the slow
   suite: through the drop-in it lays out and types every leaf as stage 1
   does (``test_dropin_stage2_is_stage1``)."""
-  (tmp_path / "plain").mkdir()
   records, proc = run_suite(stage, tmp_path, "",
                             modules=("optax._src.sharding_test",),
                             ZEROJAX_CONFORMANCE_AXIS="x")
