@@ -91,7 +91,10 @@ def test_pa_is_a_no_op_without_the_axis_and_checks_the_sequence():
 # Pa+cpu: the offload policy, and the planner's and report's figures
 # --------------------------------------------------------------------------
 def _step_for(mesh_spec, depth, remat, seq_shard=None, compute_dtype=None,
-              opt=None):
+              opt=None, abstract=False):
+  """``abstract``: the state's shapes and shardings only
+  (``jax.eval_shape`` of ``zerojax.init_from``), for a step that is
+  compiled and never run."""
   cfg = gpt.GPTConfig(vocab=V, seq_len=T, width=D, depth=depth, heads=4,
                       remat=remat, seq_shard=seq_shard,
                       compute_dtype=compute_dtype)
@@ -99,7 +102,11 @@ def _step_for(mesh_spec, depth, remat, seq_shard=None, compute_dtype=None,
   kw = {"model_specs": gpt.model_specs()} if "model" in mesh_spec else {}
   tx = zerojax.zero(opt or optax.sgd(0.1), stage=3, mesh=mesh,
                     stacked=gpt.is_layer_stack, **kw)
-  state = zerojax.init(gpt.init(cfg, jax.random.key(0)), tx)
+  if abstract:
+    state = jax.eval_shape(lambda k: zerojax.init_from(
+        functools.partial(gpt.init, cfg), tx, k), jax.random.key(0))
+  else:
+    state = zerojax.init(gpt.init(cfg, jax.random.key(0)), tx)
   step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
                             gather="model")
   return cfg, state, step
@@ -167,10 +174,10 @@ def _compiled_saved_per_layer(mesh_spec, remat, seq_shard, compute_dtype):
   temps = []
   for depth in DEPTHS:
     _, state, step = _step_for(mesh_spec, depth, remat, seq_shard,
-                               compute_dtype)
+                               compute_dtype, abstract=True)
     temps.append(step.lower(state, _batch()).compile().memory_analysis(
         ).temp_size_in_bytes)
-    grads = sum(x.addressable_shards[0].data.size * 4
+    grads = sum(np.prod(x.sharding.shard_shape(x.shape)) * 4
                 for x in jax.tree.leaves(state.params["blocks"])) / depth
   return float(np.polyfit(DEPTHS, temps, 1)[0]) - grads
 

@@ -25,6 +25,30 @@ def _memory(layers, stage, gather="model", loss=toy.layered_loss,
   return step.lower(state, batch).compile().memory_analysis()
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_step_lowered_from_the_abstract_state_is_the_real_states(stage):
+  """``jax.eval_shape`` of ``zerojax.init_from`` gives the state's shapes
+  and shardings with nothing allocated; the step lowered from it compiles
+  to the program the real state gives (the same memory and collectives):
+  how a step's memory is read before anything is built."""
+  import jax
+  tx = zerojax.zero(optax.adamw(1e-3), stage=stage)
+  init = lambda k: toy.layered_params(4, D, V, key=k)
+  abstract = jax.eval_shape(
+      lambda k: zerojax.init_from(init, tx, k), jax.random.key(0))
+  assert not any(isinstance(x, jax.Array) for x in jax.tree.leaves(abstract))
+  real = zerojax.init_from(init, tx, jax.random.key(0))
+  batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
+  step = zerojax.train_step(toy.layered_loss, tx)
+  a, r = (step.lower(s, batch).compile() for s in (abstract, real))
+  for field in ("argument_size_in_bytes", "output_size_in_bytes",
+                "temp_size_in_bytes"):
+    assert (getattr(a.memory_analysis(), field)
+            == getattr(r.memory_analysis(), field)), field
+  assert (zerojax.collectives(a.as_text(), 8)
+          == zerojax.collectives(r.as_text(), 8))
+
+
 def test_stage2_peak_below_stage1_when_accumulating():
   layers = 8
   full_grad = layers * D * D * 4
