@@ -208,8 +208,8 @@ def test_collectives_move_int8_weights_and_int4_gradients():
   out = {}
   for name, zpp in (("plain", None), ("q", zerojax.ZeroPP(8, 4))):
     tx = zerojax.zero(optax.adamw(1e-3), stage=3, zeropp=zpp)
-    state = zerojax.init_from(functools.partial(gpt.init, cfg), tx,
-                              jax.random.key(0))
+    state = jax.eval_shape(lambda k, tx=tx: zerojax.init_from(   # compiled only
+        functools.partial(gpt.init, cfg), tx, k), jax.random.key(0))
     step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
                               gather="model")
     colls = zerojax.collectives(step.lower(state, batch).compile().as_text(), 8)
