@@ -183,7 +183,10 @@ class TrainStep(_CompiledStep):
       return self._jitted(state, batch, *_update.split_extra_args(extra_args))
 
   def lower(self, state: ZeroState, batch, **extra_args):
-    """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO."""
+    """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO.
+    ``state`` may be abstract (``jax.eval_shape`` of ``zerojax.init_from``)
+    where its leaves carry their shardings (an Explicit mesh)."""
+    _check_abstract(state, "TrainStep.lower")
     batch = self._prepare(state, batch)
     with explain_closures(self.tx.mesh, "zerojax.train_step"):
       return self._jitted.lower(state, batch,
@@ -193,10 +196,28 @@ class TrainStep(_CompiledStep):
     """``jax.jit(...).trace`` of the step: its jaxpr, or a lowering for
     another platform (``.lower(lowering_platforms=("cuda",))`` shows the
     GPU program, host-memory placements included, from a CPU machine)."""
+    _check_abstract(state, "TrainStep.trace")
     batch = self._prepare(state, batch)
     with explain_closures(self.tx.mesh, "zerojax.train_step"):
       return self._jitted.trace(state, batch,
                                 *_update.split_extra_args(extra_args))
+
+
+def _check_abstract(state, where: str):
+  """An abstract state leaf with no sharding would be lowered as laid out
+  by XLA's choice, not the stage's: a different program, so refuse it.
+  (``jax.eval_shape`` keeps shardings only where they are part of the
+  arrays' types: on Explicit axes.)"""
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if (isinstance(x, jax.ShapeDtypeStruct) and x.shape
+        and getattr(x, "sharding", None) is None):
+      raise ValueError(
+          f"{where}: the abstract state's leaf state{jax.tree_util.keystr(path)}"
+          f" (shape {tuple(x.shape)}) carries no sharding, so the program "
+          f"would not be the one the real state gets. jax.eval_shape keeps "
+          f"shardings on Explicit mesh axes (jax.make_mesh's default); on "
+          f"Auto axes build the state (zerojax.init_from), or give each leaf "
+          f"its sharding (jax.ShapeDtypeStruct(..., sharding=...)).")
 
 
 def train_step(
