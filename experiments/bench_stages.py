@@ -13,7 +13,8 @@ state sharded, plain jit) and ``dp`` (both replicated: plain data
 parallelism, what stage 0 stands for). Same model, data, seed, optimizer,
 precision. A last table sets each stage beside the alternative a user
 would pick (stage 0: ``dp``; 1: ``zero1``; 2-3: ``fsdp``): peak RSS and
-step time ratios from the same run.
+step time ratios from the same run, with what explains a time ratio on
+CPU: XLA's temp bytes, CPU seconds and page faults per step.
 Each runs in its own fresh subprocess (8 fake CPU devices), so its peak RSS
 is its own.
 
@@ -34,6 +35,12 @@ paper's Figure 1) and ``<out>/step_time.png``.
 - ``step_time_s``: median over ``--steps`` steps after one warm-up step;
   ``compile_s`` apart; with ``--repeat R``, the median over the R rounds
   of that (every round in ``step_time_s_rounds``)
+- ``cpu_s_per_step``, ``minor_faults_per_step``: over the same timed
+  steps, the process's CPU seconds (user + system, all device threads)
+  and minor page faults; medians over rounds like the step time. XLA CPU
+  allocates a run's temp buffer per execution: above glibc's largest mmap
+  threshold (32 MiB) it is mapped anew each step and every page of it
+  faults in again
 - ``peak_rss_bytes``: process peak RSS (all 8 fake devices plus runtime)
   up to the end of the timed steps (before the checkpoint measurement);
   with ``--repeat``, the median over rounds (``peak_rss_bytes_rounds``);
@@ -228,11 +235,13 @@ def worker(args) -> dict:
   jax.block_until_ready(metrics)
   mark("first step")
   times = []
+  usage0 = resource.getrusage(resource.RUSAGE_SELF)
   for i in range(1, args.steps + 1):
     t = time.perf_counter()
     state, metrics = run_step(state, batch_at(i))
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t)
+  usage1 = resource.getrusage(resource.RUSAGE_SELF)
   peak_rss = rss()                               # before the checkpoint phase
   mark("steps")
   ckpt_cost = None
@@ -267,6 +276,13 @@ def worker(args) -> dict:
       "axis_types": args.axis_types,
       "n_params": n_params, "precision": args.precision,
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
+      # the timed steps' process CPU seconds (all device threads, user +
+      # system) and minor page faults (pages first touched: XLA CPU's
+      # buffers above glibc's mmap threshold are mapped anew each run)
+      "cpu_s_per_step": (usage1.ru_utime - usage0.ru_utime + usage1.ru_stime
+                         - usage0.ru_stime) / args.steps,
+      "minor_faults_per_step": (usage1.ru_minflt - usage0.ru_minflt)
+                               // args.steps,
       "peak_rss_bytes": peak_rss, "runtime_rss_bytes": rss_runtime,
       "rss_milestones": milestones,
       "argument_bytes_per_device": argument,
@@ -443,7 +459,8 @@ def main():
   for r in runs:
     group = repeats.get((r["config"], r.get("axis_types", "explicit")), [])
     if len(group) > 1:            # medians over the rounds; every round kept
-      for key in ("peak_rss_bytes", "step_time_s"):
+      for key in ("peak_rss_bytes", "step_time_s", "cpu_s_per_step",
+                  "minor_faults_per_step"):
         r[key + "_rounds"] = [g[key] for g in group]
         r[key] = float(np.median(r[key + "_rounds"]))
   outdir = pathlib.Path(args.out)
@@ -461,7 +478,10 @@ def main():
           "machine": (
       f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU devices"),
       "argv": sys.argv[1:], "repeat": args.repeat,
-      "malloc_mmap_threshold": args.malloc_mmap_threshold}
+      "malloc_mmap_threshold": args.malloc_mmap_threshold,
+      # glibc tunables the workers inherited (e.g. MALLOC_TRIM_THRESHOLD_)
+      "malloc_env": {k: v for k, v in os.environ.items()
+                     if k.startswith("MALLOC_")}}
   (outdir / "bench.json").write_text(json.dumps({**meta, "runs": runs},
                                                 indent=2))
   charts(runs, outdir)
@@ -496,17 +516,26 @@ def peer_ratios(runs) -> str:
   by = {r["config"]: r for r in runs if r.get("axis_types", "explicit")
         == "explicit" or r["stage"] is None}
   lines = ["| stage | peer | peak RSS MiB (peer) | memory ratio | step s "
-           "(peer) | time ratio |", "|---|---|---|---|---|---|"]
+           "(peer) | time ratio | XLA temp MiB/dev (peer) | CPU s/step "
+           "(peer) | page faults/step (peer) |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for stage, peer in PEER_OF.items():
     if stage not in by or peer not in by:
       continue
     z, q = by[stage], by[peer]
+    temp = lambda r: r["xla_memory"]["temp"] / 2**20
+    cpu = lambda r: (f"{r['cpu_s_per_step']:.3f}" if "cpu_s_per_step" in r
+                     else "-")
+    faults = lambda r: (f"{int(r['minor_faults_per_step']):,}"
+                        if "minor_faults_per_step" in r else "-")
     lines.append(
         f"| {stage} | {peer} | {z['peak_rss_bytes'] / 2**20:,.0f} "
         f"({q['peak_rss_bytes'] / 2**20:,.0f}) | "
         f"{z['peak_rss_bytes'] / q['peak_rss_bytes']:.3f} | "
         f"{z['step_time_s']:.3f} ({q['step_time_s']:.3f}) | "
-        f"{z['step_time_s'] / q['step_time_s']:.3f} |")
+        f"{z['step_time_s'] / q['step_time_s']:.3f} | "
+        f"{temp(z):.1f} ({temp(q):.1f}) | {cpu(z)} ({cpu(q)}) | "
+        f"{faults(z)} ({faults(q)}) |")
   return "\n".join(lines)
 
 
