@@ -179,7 +179,7 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
   finally:
     _state.jax.jit = real_jit
   # the init programs (not the step counter's, jitted on first use)
-  assert len([f for f in programs if "init_from" in f.__qualname__]) == 1
+  assert len([f for f in programs if "init_programs" in f.__qualname__]) == 1
   spec = zerojax.make_spec(jax.eval_shape(init_fn, key), tx0)
   assert len(_state.build_plan(spec)[0]) > 1   # what grouping would have run
   plan = _state.build_plan

@@ -141,9 +141,10 @@ def stored_params(spec: StateSpec, weights, old=None) -> list:
 
 
 def _build_group(stored, spec: StateSpec, group, owned):
-  """One init program's outputs: the params, master copy and owned
-  optimizer-state leaves of ``group``, from its leaves in their shard
-  layouts (under ``jit``)."""
+  """One init program's outputs: the params, master copy (where the
+  policy keeps one; else none, so the program allocates no copy the state
+  drops) and owned optimizer-state leaves of ``group``, from its leaves in
+  their shard layouts (under ``jit``)."""
   convert = _layout.convert
   recs = [spec.leaves[i] for i in group]
   weights = {i: convert(x, r.shard, r.shard, r.master_dtype)
@@ -161,15 +162,18 @@ def _build_group(stored, spec: StateSpec, group, owned):
     by_leaf[i] = r.shard.to_logical(x)
   built = stored_params(spec, by_leaf)
   params = [built[i] for i in group]
-  master = [weights[i] for i in group if i in weights]
+  master = ([weights[i] for i in group if i in weights]
+            if spec.policy.has_master else [])
   return params, master, [spec.opt_leaves[j].layout.to_storage(opt[j])
                           for j in owned]
 
 
 def _group_shardings(spec: StateSpec, group, owned):
   recs = [spec.leaves[i] for i in group]
+  keeps_master = spec.policy.has_master
   return ([spec.sharding(r.param) for r in recs],
-          [spec.sharding(r.shard, host=True) for r in recs if r.trainable],
+          [spec.sharding(r.shard, host=True) for r in recs
+           if r.trainable and keeps_master],
           [spec.sharding(spec.opt_leaves[j].layout, host=True) for j in owned])
 
 
@@ -373,26 +377,57 @@ def init_from(init_fn, tx: optax.GradientTransformationExtraArgs, *args, key=Non
                     f"{type(init_fn).__name__}; for a params tree use "
                     f"zerojax.init(params, tx).")
   spec = make_spec(jax.eval_shape(init_fn, *args), tx)
-  parts = []
+  parts = [((group, owned), program(*args))
+           for (group, owned), program in init_programs(spec, init_fn)]
+  return _with_extras(_assemble(spec, parts), key, model_state,
+                      "zerojax.init_from")
+
+
+def init_programs(spec: StateSpec, init_fn) -> list:
+  """``init_from``'s programs: ``((group, owned), jitted)`` per group of
+  param leaves, each ``jitted(*args)`` running ``init_fn`` and laying out
+  that group's params, master copy and owned optimizer-state leaves (one
+  group for all unless the state is sharded or offloaded)."""
   # Sharded or offloaded state: one jit per group of leaves. XLA drops the
   # other leaves' work (their random number generation), so the
   # initialiser's temporaries and the group's master copy and optimizer
   # state exist for one group at a time, never for the whole model at once.
   # Stage 0 replicates everything, so every device ends up holding the whole
-  # state and groups bound nothing: one program, as plain data parallelism
-  # builds it (the programs' freed buffers otherwise stay in the host
-  # allocator's arenas and raise a CPU process's peak RSS; docs/results.md).
+  # state and groups bound nothing: one program (the programs' freed
+  # buffers otherwise stay in the host allocator's arenas and raise a CPU
+  # process's peak RSS; docs/results.md), whose initialiser runs split
+  # over the data axis (_drawn_split) so no device holds a whole draw's
+  # temporaries.
   grouped = spec.place.offload or spec.stage > 0
+  split = spec.stage == 0 and not spec.place.offload
+  programs = []
   for group, owned in zip(*build_plan(spec, grouped=grouped)):
     def build(*a, group=group, owned=owned):
       leaves = jax.tree.leaves(init_fn(*a))
+      if split:
+        leaves = [_drawn_split(spec, r, x) for r, x in zip(spec.leaves, leaves)]
       return _build_group([spec.leaves[i].shard.to_storage(leaves[i])
                            for i in group], spec, group, owned)
     outs = _group_shardings(spec, group, owned)
-    parts.append(((group, owned), jax.jit(
-        spec.region(build, outs), out_shardings=outs)(*args)))
-  return _with_extras(_assemble(spec, parts), key, model_state,
-                      "zerojax.init_from")
+    programs.append(((group, owned), jax.jit(spec.region(build, outs),
+                                             out_shardings=outs)))
+  return programs
+
+
+def _drawn_split(spec: StateSpec, record, x):
+  """A stage-0 param leaf as ``init_fn`` makes it, split over the data
+  axis where a dimension divides evenly: XLA then partitions the
+  initialiser and all-gathers the replicated result, so each device draws
+  ``1/N`` of the leaf (with ``jax_threefry_partitionable``, JAX's default;
+  the values are the same either way), where a replicated initialiser has
+  every device draw every leaf, with every device's temporaries live at
+  once."""
+  layout = _layout.plan_leaf(x.shape, x.dtype, spec.tx.num_shards, 0,
+                             stacked=False, model=record.shard.model,
+                             model_sizes=spec.tx.model_axes)
+  if not layout.sharded or layout.pad:
+    return x
+  return record.place.constrain(x, layout)
 
 
 def init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
