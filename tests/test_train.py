@@ -115,12 +115,15 @@ def test_gpt_init_is_one_program_and_init_from_builds_the_same_bits(mesh):
   model = gpt.GPTConfig(width=24, depth=3, heads=2, seq_len=12, vocab=40)
   key = jax.random.key(3)
   compiles = []
-  counting = [True]
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: counting[0] and event ==
-      "/jax/core/compile/backend_compile_duration" and compiles.append(secs))
-  eager = gpt.init(model, key)        # a config no other test builds
-  counting[0] = False
+
+  def listen(event, secs, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(secs)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    eager = gpt.init(model, key)      # a config no other test builds
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
   assert len(compiles) == 1, len(compiles)
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh,
                     stacked=gpt.is_layer_stack)

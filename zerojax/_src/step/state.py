@@ -386,8 +386,9 @@ def init_from(init_fn, tx: optax.GradientTransformationExtraArgs, *args, key=Non
 def init_programs(spec: StateSpec, init_fn) -> list:
   """``init_from``'s programs: ``((group, owned), jitted)`` per group of
   param leaves, each ``jitted(*args)`` running ``init_fn`` and laying out
-  that group's params, master copy and owned optimizer-state leaves (one
-  group for all unless the state is sharded or offloaded)."""
+  that group's params, master copy (if the policy keeps one) and owned
+  optimizer-state leaves (one group for all unless the state is sharded
+  or offloaded)."""
   # Sharded or offloaded state: one jit per group of leaves. XLA drops the
   # other leaves' work (their random number generation), so the
   # initialiser's temporaries and the group's master copy and optimizer
