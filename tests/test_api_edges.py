@@ -214,3 +214,28 @@ def test_init_takes_device_params_and_leaves_them_alive(mesh, where):
   jax.block_until_ready(state)
   for x, h in zip(jax.tree.leaves(params), jax.tree.leaves(host)):
     assert not x.is_deleted() and np.array_equal(x, h)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gather_params_compiles_once_per_params_layout(mesh, stage):
+  """Two states of the same params under different optimizers share
+  gather_params' program (it reads the params alone), and both give the
+  params back exactly."""
+  params = {"w": np.arange(40 * 24, dtype=np.float32).reshape(40, 24) / 7,
+            "b": np.arange(40, dtype=np.float32)}
+  states = [zerojax.init(params, zerojax.zero(opt, stage=stage, mesh=mesh))
+            for opt in (optax.adamw(1e-3), optax.lion(1e-4))]
+  compiles = []
+
+  def listen(event, secs, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(secs)
+  full = [zerojax.gather_params(states[0])]
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    full.append(zerojax.gather_params(states[1]))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == []
+  for got in full:
+    jax.tree.map(np.testing.assert_array_equal, got, params)

@@ -440,14 +440,6 @@ def init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
       [r.size * np.dtype(r.aval.dtype).itemsize for r in spec.leaves], parts)
 
 
-def _full_weights(state: ZeroState, use_master: bool):
-  spec = state.spec
-  master = spec.masters(state.master if use_master else None)
-  return spec.unflatten_params([
-      r.weights(p, m)
-      for p, m, r in zip(jax.tree.leaves(state.params), master, spec.leaves)])
-
-
 def gather_params(state: ZeroState, *, master: bool = False):
   """The full, unsharded params (replicated on every device).
 
@@ -462,21 +454,26 @@ def gather_params(state: ZeroState, *, master: bool = False):
   if not isinstance(state, ZeroState):
     raise TypeError(f"zerojax.gather_params: expected a ZeroState, got "
                     f"{type(state).__name__}.")
-  return _gather_replicated(state.replace(key=None, model_state=None),
-                            bool(master))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _gather_replicated(state: ZeroState, use_master: bool):
-  """Compiled once per state layout (the spec is part of the treedef)."""
   spec = state.spec
+  masters = spec.masters(state.master if master else None)
+  return spec.unflatten_params(_gather_weights(
+      jax.tree.leaves(state.params), masters, tuple(spec.leaves)))
 
-  def body(state):
-    return [r.place.constrain(x, gathered(r.param))
-            for x, r in zip(jax.tree.leaves(_full_weights(state, use_master)),
-                            spec.leaves)]
-  outs = [spec.sharding(gathered(r.param)) for r in spec.leaves]
-  return spec.unflatten_params(spec.region(body, outs)(state))
+
+@functools.partial(jax.jit, static_argnums=2)
+def _gather_weights(params, masters, records):
+  """Each leaf's weights (``masters[i]`` where given, else ``params[i]``)
+  full and replicated over the data axis. Keyed on the params' records
+  alone: states of one params layout share the program, whatever their
+  optimizer, and it takes no optimizer state as arguments."""
+  if not records:
+    return []
+
+  def body(params, masters):
+    return [r.place.constrain(r.weights(p, m), gathered(r.param))
+            for p, m, r in zip(params, masters, records)]
+  outs = [r.place.sharding(gathered(r.param)) for r in records]
+  return auto_region(records[0].place.mesh, body, outs)(params, masters)
 
 
 def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
