@@ -482,17 +482,7 @@ def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
   spec = state.spec
   m = spec.masters(state.master if master else None)[index]
   p = None if m is not None else jax.tree.leaves(state.params)[index]
-  return _gather_leaf_jit(p, m, spec.leaves[index])
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _gather_leaf_jit(param, master, record):
-  def body(param, master):
-    return record.place.constrain(record.weights(param, master),
-                                  gathered(record.param))
-  return auto_region(record.place.mesh, body,
-                     record.place.sharding(gathered(record.param)))(
-                         param, master)
+  return _gather_weights([p], [m], (spec.leaves[index],))[0]
 
 
 def gather_opt_state(state: ZeroState):
