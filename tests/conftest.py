@@ -48,10 +48,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # worker or subprocess, is read back instead of compiled.
 # JAX keys an entry on the HLO, the compile options, the XLA flags, the
 # devices and the jaxlib version, so a hit is the executable a compile would
-# have produced. A size limit turns on JAX's file lock around each read and
-# write (without one, a worker could read an entry the other is still
-# writing). The session's creator (the xdist controller, or the only
-# process) removes it at exit; a directory the caller set is kept. Not on
+# have produced. No size limit: with one, JAX takes a file lock around
+# each read and write and, before every write, scans every entry to choose
+# what to evict, so a write costs more the more the session has written
+# (experiments/cache_limit.py). Without the lock a process may read an
+# entry another is still writing: JAX then warns that it could not read it
+# and compiles the program itself (toy.warnings_as_errors lets that
+# warning through). The session's
+# creator (the xdist controller, or the only process) removes the
+# directory at exit; a directory the caller set is kept. Not on
 # jaxlib < 0.11: there a program with bucketed all-gathers read back from
 # the cache aborted in XLA CPU's rendezvous when it ran
 # (docs/architecture.md, "The test suite").
@@ -75,7 +80,6 @@ if _CACHE == "on":
                   ignore_errors=True)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -1,7 +1,6 @@
 """What a real user hits: eval at stage 3, the context mesh, the two ways
 into init, and the layout of leaves that are not layer stacks."""
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +43,7 @@ def test_eval_equals_the_unsharded_loss(mesh, stage):
   rng = np.random.default_rng(0)
   batch = {"x": rng.integers(0, V, (B,)).astype(np.int32),
            "y": rng.integers(0, V, (B,)).astype(np.int32)}
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")          # the lean path, no fallback
+  with toy.warnings_as_errors():          # the lean path, no fallback
     got = float(zerojax.eval_step(toy.layered_loss, tx)(state, batch))
   np.testing.assert_allclose(got, float(toy.layered_loss(params, batch)),
                              rtol=1e-5)

@@ -7,8 +7,6 @@ arrays; one compile for a user's loop; leaves zerojax does not train said
 in a warning.
 """
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
+from tests import toy
 from zerojax import checkpoint
 
 TARGET = jnp.array([1.0, -1.0, 1.0], jnp.complex64) * (1 + 1j)
@@ -261,8 +260,7 @@ def _three_steps(tx, params):
   """tx.init without a warning, then three steps of a user's loop:
   ``(params, compiles)``, the compiles no more than the same loop's with
   plain Optax."""
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
+  with toy.warnings_as_errors():
     opt_state = tx.init(params)
   step, x = _user_step(tx), jnp.ones((4, 5))
   plain, plain_p = _user_step(tx.inner), params

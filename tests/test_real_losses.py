@@ -118,8 +118,7 @@ def test_per_layer_loss_takes_the_lean_path_silently(mesh):
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
   state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
   step = zerojax.train_step(toy.loss_fn, tx)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
+  with toy.warnings_as_errors():
     hlo = step.lower(state, toy.batches(1)[0]).compile().as_text()
   loops = [c for c in zerojax.collectives(hlo, 8)
            if c.kind == "all-gather" and c.count == toy.LAYERS]

@@ -20,12 +20,23 @@ TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--seq-len", "32",
         "--log-every", "5", "--sample-len", "20", "--lr", "1e-2"]
 
 
-def test_main_job_runs_and_writes_its_outputs(tmp_path):
-  out = tmp_path / "run"
+def _main_job(out, *flags):
   proc = subprocess.run(
-      [sys.executable, "-m", "zerojax.train", *TINY, "--out", str(out)],
-      capture_output=True, text=True, timeout=600)
+      [sys.executable, "-m", "zerojax.train", *TINY, "--out", str(out),
+       *flags], capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+@pytest.fixture(scope="module")
+def main_job_run(tmp_path_factory):
+  """One run of the main job on TINY, shared by the tests that read it."""
+  out = tmp_path_factory.mktemp("main_job") / "run"
+  return out, _main_job(out)
+
+
+def test_main_job_runs_and_writes_its_outputs(main_job_run):
+  out, proc = main_job_run
   records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
   assert records[0] == {"step": 0, "eval_loss": pytest.approx(np.log(256), rel=0.05)}
   logged = [r for r in records if "loss" in r]
@@ -140,28 +151,26 @@ def test_generate_extends_the_prompt():
   assert out.shape == (8,) and (out[:3] == jnp.array([1, 2, 3])).all()
 
 
-def test_main_job_resumes_exactly(tmp_path):
-  def run(*flags):
-    proc = subprocess.run(
-        [sys.executable, "-m", "zerojax.train", *TINY[:-10], "--steps", "20",
-         "--eval-every", "10", "--log-every", "5", "--sample-len", "0",
-         "--lr", "1e-2", *flags], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-  run("--out", str(tmp_path / "a"))
+def test_main_job_resumes_exactly(tmp_path, main_job_run):
+  """Stopped after step 15 and resumed from its checkpoint, the main job
+  ends where the run that never stopped (nor saved) ends: every logged
+  loss and eval loss after the resume bitwise (JSON floats)."""
   ckpt = tmp_path / "ckpt"
-  run("--out", str(tmp_path / "b"), "--checkpoint-dir", str(ckpt),
-      "--save-every", "10")
-  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["10", "20"]
+  _main_job(tmp_path / "b", "--checkpoint-dir", str(ckpt), "--save-every",
+            "15")
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == [
+      "15", "30"]
   import shutil
-  shutil.rmtree(ckpt / "20")                        # as if stopped after 10
-  out = run("--out", str(tmp_path / "c"), "--checkpoint-dir", str(ckpt),
-            "--resume")
-  assert "resumed from" in out.stdout and "at step 10" in out.stdout
-  last = lambda d: json.loads((tmp_path / d / "summary.json").read_text())[
-      "last_eval_loss"]
-  assert last("c") == last("a")                     # bitwise, via JSON floats
+  shutil.rmtree(ckpt / "30")                        # as if stopped after 15
+  out = _main_job(tmp_path / "c", "--checkpoint-dir", str(ckpt), "--resume")
+  assert "resumed from" in out.stdout and "at step 15" in out.stdout
+  kept = ("step", "loss", "grad_norm", "lr", "eval_loss")   # not timings
+  records = lambda d: [{k: r[k] for k in kept if k in r} for r in map(
+      json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+  after = lambda rs: [r for r in rs if r["step"] > 15]
+  straight = after(records(main_job_run[0]))
+  assert straight and after(records(tmp_path / "c")) == straight
+  assert after(records(tmp_path / "b")) == straight  # saving changes nothing
 
 
 def test_unrolled_scan_gathers_the_next_layer_in_the_same_iteration(mesh):

@@ -6,6 +6,9 @@ plus a scalar, a bias of 3 and an integer buffer. ``loss_fn`` calls
 function serves ``gather="model"`` and ``gather="all"``.
 """
 
+import contextlib
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,3 +180,17 @@ def zero_run(loss, tx, params, data, **step_kw):
       losses.append(float(metrics["loss"]))
   notes = [str(w.message) for w in caught if "zerojax" in str(w.message)]
   return zerojax.gather_params(state), losses, notes
+
+
+@contextlib.contextmanager
+def warnings_as_errors():
+  """Every warning raised as an error, but JAX's note that an entry of the
+  session's shared compilation cache could not be read (another test
+  process was still writing it; JAX then compiles the program itself, so
+  the result is the same): that one is about the harness, not the code
+  under test (tests/conftest.py)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    warnings.filterwarnings(
+        "default", message="Error reading persistent compilation cache")
+    yield
