@@ -1,7 +1,6 @@
 """What a real user hits: eval at stage 3, the context mesh, the two ways
 into init, and the layout of leaves that are not layer stacks."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
