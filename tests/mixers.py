@@ -2,13 +2,16 @@
 them: an MLP-Mixer block stack (token mixing across the sequence T, then
 channel mixing across the width D) in Flax NNX (blocks built with
 ``nnx.vmap``, run in ``zerojax.nnx.scan``) and in Flax Linen
-(``zerojax.linen.scan_layers``); ``remat`` is what each block keeps
-(``zerojax.remat(...)``, ``True`` or ``False``). Used by
+(``zerojax.linen.scan_layers``); and a plain-JAX block function in a
+``lax.scan`` (``jnp.einsum``, a tensor tagged with ``checkpoint_name``).
+``remat`` is what each block keeps (``zerojax.remat(...)``, ``True`` or
+``False``). Used by
 ``tests/test_remat.py`` and ``experiments/remat_models.py``.
 """
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -102,3 +105,35 @@ def linen_model(depth, remat):
 
 
 MODELS = {"nnx": nnx_model, "linen": linen_model}
+
+
+# ----------------------------------------------------------- plain JAX
+def jax_model(depth, remat):
+  """Channel mixing only, as a function of ``(x, layer params)`` scanned
+  over stacked params; its hidden activation is tagged ``"mix"``."""
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: (rng.normal(size=shape) / np.sqrt(shape[-2])
+                           ).astype(np.float32)
+  params = {"inp": normal(IN, D), "out": normal(D, C),
+            "blocks": {"a": normal(depth, D, 2 * D),
+                       "b": normal(depth, 2 * D, D)}}
+
+  def block(x_BxTxD, w):
+    w = zerojax.gather(w)
+    h_BxTxF = checkpoint_name(
+        jnp.tanh(jnp.einsum("btd,df->btf", x_BxTxD, w["a"])), "mix")
+    return x_BxTxD + h_BxTxF @ w["b"], None
+
+  if remat is True:
+    block = zerojax.remat(block)
+  elif remat:
+    block = remat(block)
+
+  def loss(p, b):
+    x_BxTxD = b["x"] @ zerojax.gather(p["inp"])
+    x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, p["blocks"])
+    return jnp.mean((x_BxTxD.mean(1) @ zerojax.gather(p["out"]) - b["y"]) ** 2)
+  return params, loss
+
+
+ALL = {**MODELS, "jax": jax_model}

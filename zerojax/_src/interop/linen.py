@@ -98,7 +98,11 @@ def _remat(block_cls, r: Remat):
     inner = block_cls
   else:
     def named_call(self, carry, *args, **kwargs):
-      return name_input(super(named, self).__call__)(carry, *args, **kwargs)
+      call = super(named, self).__call__
+      if not self.is_initializing() and not self.scope.mutable:
+        # re-traced from a jaxpr: no variable may be written inside
+        call = r.split_kept(call)
+      return name_input(call)(carry, *args, **kwargs)
     named = subclass(block_cls, named_call)
     inner = nn.remat(named, policy=r.policy)
 

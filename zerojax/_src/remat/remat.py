@@ -17,7 +17,11 @@ way ``jax.checkpoint`` / ``nnx.remat`` / ``nn.remat`` are used:
   the tensor-parallel ``model`` axis) along dimension ``dim`` (the
   sequence of a ``(B, T, D)`` input by default), so each device keeps
   ``1/M`` of it; the compiler gathers it back where the block needs it
-  whole (Megatron's sequence parallelism);
+  whole (Megatron's sequence parallelism). Every other tensor the block
+  keeps (``"dots"``, names) is split too, along ``dim`` when ``M``
+  divides it, else along its largest dimension ``M`` divides (else kept
+  whole), unless its type already splits it over the axis: each is saved
+  split and used whole (:mod:`zerojax._src.remat.kept`);
 * **Pa+cpu** (``offload=True``): every kept tensor goes to ``pinned_host``
   memory in the forward pass and comes back when the backward pass reaches
   its layer (inside a ``lax.scan``: one layer at a time).
@@ -51,6 +55,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.remat import kept
+
 # The name of each block's input (the layer-boundary checkpoint) in the
 # traced program, for checkpoint policies.
 LAYER_INPUT = "zerojax_layer_input"
@@ -64,9 +70,10 @@ class RematError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-  """One block input Pa split, seen while tracing (for the saved-activation
-  figures: the traced program carries the whole tensor, the compiled one
-  ``1/shards`` of it per device)."""
+  """One tensor Pa splits (a block input or a tensor the block keeps),
+  seen while tracing (for the saved-activation figures: the traced program
+  carries the whole tensor, the compiled one ``1/shards`` of it per
+  device)."""
 
   shape: tuple
   dtype: Any
@@ -125,7 +132,8 @@ class Remat:
       outputs without batch dimensions), a tuple of names the block tags
       with ``jax.ad_checkpoint.checkpoint_name`` (with the input), or
       ``"all"`` (no rematerialisation: every intermediate is kept).
-    partition: a mesh axis to split the block input over (Pa), or ``None``.
+    partition: a mesh axis to split the block input and the tensors the
+      block keeps over (Pa), or ``None``.
     dim: the input's dimension ``partition`` splits (default 1: the
       sequence of ``(B, T, D)``; negative counts from the end).
     offload: keep the saved tensors in ``pinned_host`` memory (Pa+cpu).
@@ -175,12 +183,25 @@ class Remat:
   @property
   def policy(self) -> Callable:
     """The ``jax.checkpoint`` policy (also for ``nnx.remat`` / ``nn.remat``)."""
-    names = frozenset(self.saves) if isinstance(self.saves, tuple) else frozenset()
+    names = self._kept_policy(offload=False).names
     if self.offload:
       names |= {LAYER_INPUT}
+    if self.splits_kept:
+      names |= {kept.KEPT}
     return _Policy(names=names, dots=self.saves == "dots", offload=self.offload)
 
+  @property
+  def splits_kept(self) -> bool:
+    """Whether Pa splits tensors kept inside the block too (``saves``
+    ``"dots"`` or names, with ``partition``), not only its input."""
+    return self.partition is not None and self.saves not in ("input", "all")
+
+  def _kept_policy(self, offload: bool) -> _Policy:
+    names = frozenset(self.saves) if isinstance(self.saves, tuple) else frozenset()
+    return _Policy(names=names, dots=self.saves == "dots", offload=offload)
+
   def __call__(self, fn: Callable) -> Callable:
+    fn = self.split_kept(fn)
     checkpointed = fn if self.saves == "all" else jax.checkpoint(
         name_input(fn), policy=self.policy)
 
@@ -190,19 +211,74 @@ class Remat:
 
     return block
 
+  def split_kept(self, fn: Callable) -> Callable:
+    """``fn`` with each tensor the policy keeps inside it split over
+    ``partition`` (:mod:`zerojax._src.remat.kept`), when
+    :attr:`splits_kept`; ``fn`` itself otherwise."""
+    if not self.splits_kept:
+      return fn
+    splitting = kept.split_kept(fn, self._keeps, self._keep)
+
+    @functools.wraps(fn)
+    def block(*args, **kwargs):
+      # no mesh to split over (a one-device run): the block as written
+      return (fn if self._where() is None else splitting)(*args, **kwargs)
+
+    return block
+
+  def _keeps(self, prim, *avals, **params) -> bool:
+    """Whether the block's policy keeps this equation's output."""
+    return self._kept_policy(offload=False)(
+        prim, *avals, **params) is not jax.ad_checkpoint.Recompute
+
+  def _keep(self, v):
+    """A kept tensor split over ``partition`` (see :meth:`_kept_dim`) and
+    named :data:`kept.KEPT`; on an Explicit axis the block goes on with
+    the tensor's own type (the split is what is saved)."""
+    where = self._where()
+    if where is None or not hasattr(v, "shape"):
+      return checkpoint_name(v, kept.KEPT)
+    mesh, axes, recorder = where
+    shards = self._shards(axes, mesh)
+    dim = self._kept_dim(v, shards, mesh)
+    if dim is None:
+      return checkpoint_name(v, kept.KEPT)
+    if recorder is not None:
+      recorder[1].append(Split(tuple(v.shape), np.dtype(v.dtype), shards))
+    if mesh.empty:
+      return checkpoint_name(v, kept.KEPT)
+    saved = checkpoint_name(self._constrain(v, dim, mesh, ()), kept.KEPT)
+    if _axis_type(mesh, self.partition) == AxisType.Explicit:
+      return jax.sharding.reshard(saved, jax.typeof(v).sharding.spec)
+    return saved
+
+  def _kept_dim(self, v, shards: int, mesh) -> int | None:
+    """The dimension of kept tensor ``v`` to split in ``shards``: ``dim``
+    when ``shards`` divides it, else the largest one it divides; ``None``
+    (kept whole) when it divides none, or when ``v`` is already split over
+    ``partition`` or over another axis there (Explicit types)."""
+    if shards == 1 or v.ndim == 0:
+      return None
+    spec = [None] * v.ndim
+    if not mesh.empty and _axis_type(mesh, self.partition) == AxisType.Explicit:
+      spec = list(jax.typeof(v).sharding.spec) + [None] * v.ndim
+      if any(e == self.partition or (isinstance(e, tuple) and self.partition in e)
+             for e in spec):
+        return None
+    first = self.dim % v.ndim if -v.ndim <= self.dim < v.ndim else None
+    order = sorted(range(v.ndim), key=lambda d: (d != first, -v.shape[d]))
+    return next((d for d in order
+                 if spec[d] is None and v.shape[d] % shards == 0), None)
+
   def split(self, x, *, record: bool = True):
     """``x``'s array leaves split over ``partition`` along ``dim`` (Pa);
     ``x`` itself without ``partition`` or a mesh to split over. ``record``:
     report the split to :func:`recording` (the block input, not its
     output)."""
-    if self.partition is None:
+    where = self._where()
+    if where is None:
       return x
-    mesh = jax.sharding.get_abstract_mesh()
-    recorder = _RECORDER.get()
-    axes = (dict(recorder[0]) if recorder else {}) if mesh.empty else dict(
-        zip(mesh.axis_names, mesh.axis_sizes))
-    if mesh.empty and not axes:
-      return x                  # no mesh: nothing to split over
+    mesh, axes, recorder = where
     shards = self._shards(axes, mesh)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
     out = []
@@ -218,6 +294,19 @@ class Remat:
         recorder[1].append(Split(tuple(leaf.shape), np.dtype(leaf.dtype), shards))
       out.append(leaf if mesh.empty else self._constrain(leaf, dim, mesh, path))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+  def _where(self):
+    """``(abstract mesh, axis sizes, recorder)`` to split over, or ``None``
+    (no ``partition``, or no mesh and no :func:`recording` sizes)."""
+    if self.partition is None:
+      return None
+    mesh = jax.sharding.get_abstract_mesh()
+    recorder = _RECORDER.get()
+    axes = (dict(recorder[0]) if recorder else {}) if mesh.empty else dict(
+        zip(mesh.axis_names, mesh.axis_sizes))
+    if mesh.empty and not axes:
+      return None               # no mesh: nothing to split over
+    return mesh, axes, recorder
 
   def restore(self, out, x):
     """The block's output with its carry (``out``, or ``out[0]`` of a
