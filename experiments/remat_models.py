@@ -2,14 +2,15 @@
 
     python experiments/remat_models.py            # writes docs/data/remat_models_jax<version>.json
 
-For the NNX and the Linen MLP-Mixer of ``tests/mixers.py`` (16 rows, 8
-tokens, width 32) at stage 3 on a data=4 x model=2 mesh of fake CPU devices,
-for each choice of what a block keeps (``saves``), Pa (``partition``) and
-Pa+cpu (``offload``):
+For the NNX and the Linen MLP-Mixer and the plain-JAX block function of
+``tests/mixers.py`` (16 rows, 8 tokens, width 32) at stage 3 on a
+data=4 x model=2 mesh of fake CPU devices, for each choice of what a block
+keeps (``saves``; for the plain-JAX block also the tensor it tags), Pa
+(``partition``) and Pa+cpu (``offload``):
 
 * ``compiled_per_layer``: the compiled step's temp bytes per added layer
-  (depths 2 and 4), less the layer's gradient shard the backward scan
-  stacks too;
+  (least-squares slope over depths 2-8; ``temps``: the bytes at each
+  depth), less the layer's gradient shard the backward scan stacks too;
 * ``report_per_layer``: ``zerojax.report``'s saved activations per layer
   (the layer scan's part, Pa applied), and its ratio to the compiled figure;
 * ``host_placements``: the tensors the CUDA lowering (made on CPU) puts in
@@ -44,6 +45,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import mixers  # noqa: E402  (the models tests/test_remat.py checks)
 
 MESH = "data=4,model=2"
+# XLA's temp is not exactly linear in depth (JAX 0.10.2 packs depth 2's
+# tighter with "dots" and Pa): per layer is the least-squares slope
+DEPTHS = (2, 4, 6, 8)
 CHOICES = {
     "input": dict(saves="input"),
     "dots": dict(saves="dots"),
@@ -53,10 +57,15 @@ CHOICES = {
     "input + Pa + offload": dict(saves="input", partition="model", offload=True),
     "dots + Pa + offload": dict(saves="dots", partition="model", offload=True),
 }
+# the plain-JAX block also tags its hidden activation "mix"
+NAMED = {
+    "names": dict(saves=("mix",)),
+    "names + Pa": dict(saves=("mix",), partition="model"),
+}
 
 
 def _step(kind, depth, remat, params=None):
-  own, loss = mixers.MODELS[kind](depth, remat)
+  own, loss = mixers.ALL[kind](depth, remat)
   params = own if params is None else jax.tree.unflatten(
       jax.tree.structure(own), jax.tree.leaves(params))
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=zerojax.make_mesh(MESH))
@@ -64,17 +73,19 @@ def _step(kind, depth, remat, params=None):
 
 
 def _per_layer(kind, remat):
-  temps, scans = {}, {}
-  for depth in (2, 4):
+  temps, scans = [], []
+  for depth in DEPTHS:
     state, step = _step(kind, depth, remat)
-    temps[depth] = step.lower(state, mixers.batch()).compile(
-        ).memory_analysis().temp_size_in_bytes
-    scans[depth] = zerojax.report(step, state, mixers.batch()).activations[
-        "scan"]
+    temps.append(step.lower(state, mixers.batch()).compile(
+        ).memory_analysis().temp_size_in_bytes)
+    scans.append(zerojax.report(step, state, mixers.batch()).activations[
+        "scan"])
+  depth = DEPTHS[-1]
   grads = sum(x.addressable_shards[0].data.size * x.dtype.itemsize
               for x in jax.tree.leaves(state.params)
-              if x.ndim and x.shape[0] == 4) / 4
-  return (temps[4] - temps[2]) / 2 - grads, (scans[4] - scans[2]) / 2
+              if x.ndim and x.shape[0] == depth) / depth
+  slope = lambda ys: float(np.polyfit(DEPTHS, ys, 1)[0])
+  return slope(temps) - grads, slope(scans), temps
 
 
 def _host_placements(kind, remat):
@@ -94,14 +105,15 @@ def _trained(kind, remat, init):
 
 def measure(kind, name, kw):
   remat = zerojax.remat(**kw)
-  compiled, reported = _per_layer(kind, remat)
-  init = mixers.MODELS[kind](2, remat)[0]
+  compiled, reported, temps = _per_layer(kind, remat)
+  init = mixers.ALL[kind](2, remat)[0]
   want = _trained(kind, False, init)
   got = _trained(kind, remat, init)
   err = max(float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
   return {"model": kind, "choice": name, **kw,
           "compiled_per_layer": compiled, "report_per_layer": reported,
+          "temps": dict(zip(DEPTHS, temps)),
           "report_over_compiled": reported / compiled if compiled else None,
           "host_placements": _host_placements(kind, remat),
           "max_rel_err": err,
@@ -115,8 +127,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   warnings.filterwarnings("ignore", message="zerojax.init: mesh axes")
   rows = []
-  for kind in mixers.MODELS:
-    for name, kw in CHOICES.items():
+  for kind in mixers.ALL:
+    for name, kw in {**CHOICES, **(NAMED if kind == "jax" else {})}.items():
       row = measure(kind, name, kw)
       rows.append(row)
       print(f"{kind:6s} {name:22s} compiled/layer {row['compiled_per_layer']:>9,.0f}"

@@ -192,7 +192,7 @@ def test_planner_saved_activations_match_the_compiled_step(
   """``zerojax.plan.saved_activations`` per layer within 10% of what the
   compiled step stacks per layer, by policy, model-axis size and Pa
   (measured, least-squares slope over depths 2-8: exact, except Pa with
-  dots: -0.2% on JAX 0.10.2, -3.3% on 0.12). fp32 compute: JAX
+  dots on JAX 0.12: the compiled step 2.2% below the planner). fp32 compute: JAX
   0.10.2's CPU backend stores bf16 activations as f32 (0.12's keeps bf16),
   so the bf16 figures are checked on the traced program (the report test)."""
   compute_dtype = None
