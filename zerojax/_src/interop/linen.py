@@ -102,7 +102,7 @@ def _remat(block_cls, r: Remat):
       if not self.is_initializing() and not self.scope.mutable:
         # re-traced from a jaxpr: no variable may be written inside
         call = r.split_kept(call)
-      return name_input(call)(carry, *args, **kwargs)
+      return name_input(r.on_whole_input(call))(carry, *args, **kwargs)
     named = subclass(block_cls, named_call)
     inner = nn.remat(named, policy=r.policy)
 

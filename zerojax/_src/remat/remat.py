@@ -32,8 +32,10 @@ leaves no device copy of it among the saved values.
 
 Pa names a mesh axis: under zerojax's step (and any ``jit`` under
 ``jax.set_mesh``), the current abstract mesh. On an Auto axis the split is
-a sharding constraint, on an Explicit one a ``jax.sharding.reshard``; the
-output keeps the input's type there, as ``lax.scan`` requires of a carry.
+a sharding constraint, on an Explicit one a ``jax.sharding.reshard``: the
+checkpoint saves the split input and the block computes on it resharded
+whole (its types are those it was written for), and the output keeps the
+input's type, as ``lax.scan`` requires of a carry.
 With no mesh in context (a one-device reference run) there is nothing to
 split over and the call only rematerialises. What is kept, split or
 offloaded is a memory choice, not a different computation: the numbers are
@@ -201,7 +203,7 @@ class Remat:
     return _Policy(names=names, dots=self.saves == "dots", offload=offload)
 
   def __call__(self, fn: Callable) -> Callable:
-    fn = self.split_kept(fn)
+    fn = self.on_whole_input(self.split_kept(fn))
     checkpointed = fn if self.saves == "all" else jax.checkpoint(
         name_input(fn), policy=self.policy)
 
@@ -294,6 +296,35 @@ class Remat:
         recorder[1].append(Split(tuple(leaf.shape), np.dtype(leaf.dtype), shards))
       out.append(leaf if mesh.empty else self._constrain(leaf, dim, mesh, path))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+  def on_whole_input(self, fn: Callable) -> Callable:
+    """``fn`` given its first argument whole again on an Explicit axis:
+    the split input is what the checkpoint saves, and the block computes
+    on the type it was written for (attention over a split sequence would
+    not type-check). On an Auto axis the compiler gathers where needed."""
+    if self.partition is None:
+      return fn
+
+    @functools.wraps(fn)
+    def whole(x, *args, **kwargs):
+      mesh = jax.sharding.get_abstract_mesh()
+      if (mesh.empty or self.partition not in mesh.axis_names
+          or _axis_type(mesh, self.partition) != AxisType.Explicit):
+        return fn(x, *args, **kwargs)
+      return fn(jax.tree.map(self._unsplit, x), *args, **kwargs)
+
+    return whole
+
+  def _unsplit(self, leaf):
+    if not hasattr(leaf, "shape") or not -leaf.ndim <= self.dim < leaf.ndim:
+      return leaf
+    spec = list(jax.typeof(leaf).sharding.spec)
+    spec += [None] * (leaf.ndim - len(spec))
+    dim = self.dim % leaf.ndim
+    if spec[dim] != self.partition:
+      return leaf
+    spec[dim] = None
+    return jax.sharding.reshard(leaf, P(*spec))
 
   def _where(self):
     """``(abstract mesh, axis sizes, recorder)`` to split over, or ``None``
