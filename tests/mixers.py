@@ -3,7 +3,8 @@ them: an MLP-Mixer block stack (token mixing across the sequence T, then
 channel mixing across the width D) in Flax NNX (blocks built with
 ``nnx.vmap``, run in ``zerojax.nnx.scan``) and in Flax Linen
 (``zerojax.linen.scan_layers``); and a plain-JAX block function in a
-``lax.scan`` (``jnp.einsum``, a tensor tagged with ``checkpoint_name``).
+``lax.scan`` (a ``jax.jit`` function inside, a tensor tagged with
+``checkpoint_name``).
 ``remat`` is what each block keeps (``zerojax.remat(...)``, ``True`` or
 ``False``). Used by
 ``tests/test_remat.py`` and ``experiments/remat_models.py``.
@@ -118,10 +119,13 @@ def jax_model(depth, remat):
             "blocks": {"a": normal(depth, D, 2 * D),
                        "b": normal(depth, 2 * D, D)}}
 
+  @jax.jit
+  def up(x_BxTxD, a_DxF):                 # a jitted helper inside the block
+    return jnp.einsum("btd,df->btf", x_BxTxD, a_DxF)
+
   def block(x_BxTxD, w):
     w = zerojax.gather(w)
-    h_BxTxF = checkpoint_name(
-        jnp.tanh(jnp.einsum("btd,df->btf", x_BxTxD, w["a"])), "mix")
+    h_BxTxF = checkpoint_name(jnp.tanh(up(x_BxTxD, w["a"])), "mix")
     return x_BxTxD + h_BxTxF @ w["b"], None
 
   if remat is True:

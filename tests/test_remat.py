@@ -194,8 +194,8 @@ def test_pa_splits_every_kept_matmul_output_and_the_report_says_so(kind):
 
 def test_pa_splits_tagged_tensors_and_matmuls_inside_nested_jit():
   """A plain-JAX block function: the tensor it tags (``saves=("mix",)``)
-  and the matmul outputs inside ``jnp.einsum`` / ``@`` (jitted functions:
-  ``saves="dots"``) are split by Pa, halving the compiled per-layer growth
+  and the matmul output inside the ``jax.jit`` function it calls
+  (``saves="dots"``) are split by Pa, halving the compiled per-layer growth
   (<= 0.55x) with the report within 5%; SGD params equal to the block
   without the call (rtol 1e-5). Depths 4 and 6: on JAX 0.10.2 XLA packs
   depth 2's temp buffers tighter with "dots" and Pa (9,216 B from depth 2

@@ -10,11 +10,10 @@ each equation the policy keeps, the output goes through ``keep``, which
 splits it, names the split value :data:`KEPT` (``checkpoint_name``) and
 may give the rest of the block back its layout: a policy that saves
 :data:`KEPT` saves the split value, and the original output is needed by
-nothing the backward pass reads. Calls to nested ``jit`` functions are evaluated the
-same way inside (``jnp.einsum`` and ``jax.nn`` functions are jitted);
-other higher-order equations (a nested ``scan``, ``cond``, custom
-derivative) are bound as they are, so the policy keeps what it keeps inside
-them, whole.
+nothing the backward pass reads. Calls to ``jax.jit`` functions inside
+the block are evaluated the same way, inside; other higher-order
+equations (a nested ``scan``, ``cond``, custom derivative) are bound as
+they are, so the policy keeps what it keeps inside them, whole.
 
 Public API only: ``jax.make_jaxpr`` and ``jax.extend.core``'s equations,
 re-bound with their primitives in their context (as ``jax.core.eval_jaxpr``
@@ -32,8 +31,8 @@ from jax.extend import core as jex
 # The name of every kept tensor after its split, for checkpoint policies.
 KEPT = "zerojax_kept"
 
-# JAX's nested-jit primitive ("pjit" up to JAX 0.6, "jit" after).
-_JIT = ("pjit", "jit")
+# The primitive of a jax.jit call inside a traced function.
+_JIT = "jit"
 
 
 def split_kept(fn: Callable, keeps: Callable, keep: Callable) -> Callable:
@@ -67,10 +66,9 @@ def _eval(jaxpr, consts, args, keeps, keep) -> list:
     env[var] = val
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    inner = eqn.params.get("jaxpr")
-    if (eqn.primitive.name in _JIT and isinstance(inner, jex.ClosedJaxpr)
-        and _has_kept(inner.jaxpr, keeps)):
-      outs = _eval(inner.jaxpr, inner.consts, ins, keeps, keep)
+    inner = _jit_body(eqn)
+    if inner is not None and _has_kept(inner[0], keeps):
+      outs = _eval(*inner, ins, keeps, keep)
     else:
       with eqn.ctx.manager:       # e.g. jax.experimental.compute_on
         outs = eqn.primitive.bind(
@@ -85,13 +83,26 @@ def _eval(jaxpr, consts, args, keeps, keep) -> list:
   return [read(v) for v in jaxpr.outvars]
 
 
+def _jit_body(eqn):
+  """``(jaxpr, consts)`` of a ``jax.jit`` call equation (a closed jaxpr on
+  JAX 0.10, an open one without constants on 0.12), else ``None``."""
+  inner = eqn.params.get("jaxpr")
+  if eqn.primitive.name != _JIT:
+    return None
+  if isinstance(inner, jex.ClosedJaxpr):
+    return inner.jaxpr, inner.consts
+  if isinstance(inner, jex.Jaxpr) and not inner.constvars:
+    return inner, []
+  return None
+
+
 def _has_kept(jaxpr, keeps) -> bool:
-  """Whether ``jaxpr`` or a nested jit call in it has an equation
-  ``keeps`` is true of."""
+  """Whether ``jaxpr`` or a jit call in it has an equation ``keeps`` is
+  true of."""
   for eqn in jaxpr.eqns:
-    inner = eqn.params.get("jaxpr")
-    if eqn.primitive.name in _JIT and isinstance(inner, jex.ClosedJaxpr):
-      if _has_kept(inner.jaxpr, keeps):
+    inner = _jit_body(eqn)
+    if inner is not None:
+      if _has_kept(inner[0], keeps):
         return True
     elif keeps(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params):
       return True
