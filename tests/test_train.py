@@ -50,6 +50,39 @@ def test_main_job_runs_and_writes_its_outputs(main_job_run):
   assert "sample:" in proc.stdout
 
 
+def test_main_job_checks_a_sized_mesh_before_it_knows_the_devices():
+  """``--devices`` automatic (0): a ``--mesh`` that sizes every axis is
+  checked when the flags are read (its model axis may carry
+  ``--seq-shard``); one with a -1 size once the devices are known."""
+  from zerojax.app import train
+  config = lambda **kw: train.TrainConfig(**kw)
+  assert train.check(config(mesh="data=4,model=2", seq_shard="model")) == []
+  assert train.check(config(mesh="data=-1,model=2", seq_shard="model")) == []
+  assert any("--seq-shard=model is not a model axis of the mesh (data)" in p
+             for p in train.check(config(mesh="data=8", seq_shard="model")))
+  assert any("--batch=12 does not split over the 8 replica x data devices"
+             in p for p in train.check(config(mesh="replica=2,data=4",
+                                              batch=12)))
+
+
+def test_main_job_samples_from_params_split_over_a_model_axis():
+  """The main job's closing sample, from a stage-3 state on data=4,model=2
+  (params split over the model axis): it runs (the forward sees the params
+  whole, on one device) and writes the sample's bytes."""
+  from zerojax.app import train
+  config = train.TrainConfig(mesh="data=4,model=2", seq_shard="model",
+                             width=32, depth=2, heads=4, seq_len=32,
+                             sample_len=8)
+  model = gpt.GPTConfig(width=32, depth=2, heads=4, seq_len=32,
+                        seq_shard="model")
+  mesh = zerojax.make_mesh("data=4,model=2")
+  tx, _ = train._optimizer(config, mesh)
+  state = zerojax.init_from(lambda k: gpt.init(model, k), tx,
+                            jax.random.key(0))
+  text = train._sample(config, model, state)
+  assert text.startswith("The ") and len(text.encode("utf-8", "replace")) >= 4
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--batch", "12"], "--batch=12 does not split over --devices=8"),
     (["--stage", "5"], "invalid choice: 5"),

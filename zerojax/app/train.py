@@ -166,10 +166,12 @@ def check(config: TrainConfig) -> list[str]:
                     f"leaves)")
   splits, over = config.devices, f"--devices={config.devices}"
   axes = {"data": config.devices}
-  if config.mesh and config.devices:
+  # with --devices automatic, a mesh that sizes every axis is checked now;
+  # one with a -1 size once resolve() knows the device count
+  if config.mesh and (config.devices or "-1" not in config.mesh):
     from zerojax import parse_axes
     try:
-      axes = parse_axes(config.mesh, config.devices)
+      axes = parse_axes(config.mesh, config.devices or None)
     except ValueError as e:
       problems.append(f"--mesh={config.mesh}: {e}")
       axes = {"data": config.devices}
@@ -177,8 +179,10 @@ def check(config: TrainConfig) -> list[str]:
       problems.append(f"--mesh={config.mesh} has no data axis")
     splits = axes.get("data", 1) * axes.get("replica", 1)
     over = f"the {splits} replica x data devices of --mesh={config.mesh}"
-  if config.seq_shard and (config.seq_shard in ("data", "replica")
-                           or config.seq_shard not in axes):
+  elif config.mesh:
+    axes = None
+  if axes is not None and config.seq_shard and (
+      config.seq_shard in ("data", "replica") or config.seq_shard not in axes):
     problems.append(
         f"--seq-shard={config.seq_shard} is not a model axis of the mesh "
         f"({', '.join(axes)}); e.g. --mesh data=4,model=2 --seq-shard model")
@@ -196,7 +200,7 @@ def check(config: TrainConfig) -> list[str]:
   if config.quant_block and (config.quant_block < 2 or config.quant_block % 2):
     problems.append(f"--quant-block={config.quant_block} must be even and >= 2 "
                     f"(or 0: the default)")
-  data = splits // (axes.get("replica", 1) if config.mesh else 1)
+  data = splits // ((axes or {}).get("replica", 1) if config.mesh else 1)
   if config.hpz_size and data and (
       config.hpz_size < 2 or data % config.hpz_size
       or config.hpz_size >= data or config.stage != 3):
@@ -573,7 +577,10 @@ def _sample(config: TrainConfig, model, state) -> str:
 
   import zerojax
   from zerojax.app import data, gpt
-  full = zerojax.gather_params(state)
+  # on the host, then one device: the sample needs no mesh, and a model
+  # axis's split of the params (typed on an Explicit mesh) would not
+  # type-check in a forward written for zerojax's step
+  full = jax.device_get(zerojax.gather_params(state))
   prompt = np.frombuffer(b"The ", dtype=np.uint8).astype(np.int32)
   n = min(config.sample_len, config.seq_len - len(prompt))
   sample = jax.jit(lambda p, x, k: gpt.generate(p, x, n, k, model))(
