@@ -12,8 +12,9 @@ The figures are for the program as traced on one device's batch with the
 whole (gathered) params. Splits over a model axis are applied by the
 compiler later: Pa's (:class:`zerojax.Remat` ``partition=``) are counted,
 from what each block reports splitting while traced (its saved input and
-the tensors it keeps are ``1/M`` per device); tensor parallelism's splits of the block's inside are
-not (the GPT formula, ``zerojax.plan.saved_activations``, has those).
+the tensors it keeps are ``1/M`` per device); tensor parallelism's splits
+of the block's inside are not (the GPT formula,
+``zerojax.plan.saved_activations``, has those).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def parse(text: str) -> dict:
 
 def apply_splits(out: dict, splits) -> dict:
   """``out`` (from :func:`parse`) with each Pa-split tensor (block input or
-  kept tensor) counted at ``1/shards``: the residual of its shape (stacked over a scan's layers, or
-  alone) is found among the lines, each line used once."""
+  kept tensor) counted at ``1/shards``: the residual of its shape (stacked
+  over a scan's layers, or alone) is found among the lines, each line used
+  once."""
   lines = list(out.get("lines", []))
   out["partitioned"] = 0
   for split in splits:

@@ -199,7 +199,7 @@ class Remat:
     return self.partition is not None and self.saves not in ("input", "all")
 
   def _kept_policy(self, offload: bool) -> _Policy:
-    names = frozenset(self.saves) if isinstance(self.saves, tuple) else frozenset()
+    names = frozenset(self.saves if isinstance(self.saves, tuple) else ())
     return _Policy(names=names, dots=self.saves == "dots", offload=offload)
 
   def __call__(self, fn: Callable) -> Callable:
@@ -264,8 +264,8 @@ class Remat:
     spec = [None] * v.ndim
     if not mesh.empty and _axis_type(mesh, self.partition) == AxisType.Explicit:
       spec = list(jax.typeof(v).sharding.spec) + [None] * v.ndim
-      if any(e == self.partition or (isinstance(e, tuple) and self.partition in e)
-             for e in spec):
+      axis = self.partition
+      if any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec):
         return None
     first = self.dim % v.ndim if -v.ndim <= self.dim < v.ndim else None
     order = sorted(range(v.ndim), key=lambda d: (d != first, -v.shape[d]))
