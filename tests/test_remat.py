@@ -80,8 +80,8 @@ def test_remat_gives_the_numbers_of_the_model_without_it(kind, setting):
 def test_pa_in_a_users_explicit_mesh_loop_through_the_drop_in(saves):
   """The NNX model with Pa in the user's own jitted loop on
   ``jax.make_mesh`` (Explicit axes), the drop-in at stage 1: Optax's
-  numbers (the same loop with plain ``optax.sgd``). With ``"dots"`` each
-  kept matmul output is resharded, saved split and resharded back."""
+  numbers (the same loop with plain ``optax.sgd``), with ``"dots"`` too
+  (each kept matmul output resharded split and back in the block)."""
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   results = []
   for remat in (False, zerojax.remat(saves=saves, partition="model")):

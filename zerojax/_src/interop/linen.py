@@ -95,7 +95,10 @@ def _remat(block_cls, r: Remat):
     return cls
 
   if r.saves == "all":
-    inner = block_cls
+    def whole_call(self, carry, *args, **kwargs):
+      call = super(inner, self).__call__
+      return r.on_whole_input(call)(carry, *args, **kwargs)
+    inner = subclass(block_cls, whole_call)
   else:
     def named_call(self, carry, *args, **kwargs):
       call = super(named, self).__call__

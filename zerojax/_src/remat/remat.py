@@ -237,10 +237,7 @@ class Remat:
     """A kept tensor split over ``partition`` (see :meth:`_kept_dim`) and
     named :data:`kept.KEPT`; on an Explicit axis the block goes on with
     the tensor's own type (the split is what is saved)."""
-    where = self._where()
-    if where is None or not hasattr(v, "shape"):
-      return checkpoint_name(v, kept.KEPT)
-    mesh, axes, recorder = where
+    mesh, axes, recorder = self._where()   # split_kept runs with a mesh
     shards = self._shards(axes, mesh)
     dim = self._kept_dim(v, shards, mesh)
     if dim is None:
