@@ -31,7 +31,10 @@ paper's Figure 1) and ``<out>/step_time.png``.
 ``bench.json`` schema: ``{"runs": [run, ...]}``, one run per configuration:
 
 - ``name``, ``config`` ("0".."3", "3b", "dropin1", "fsdp", "zero1"), ``stage`` (int, null for
-  peers), ``n_devices``, ``n_params``, ``precision``
+  peers), ``n_devices``, ``n_params``, ``precision``; ``init`` (zerojax
+  stages): how the state was built (``--init``: ``params``, the README's
+  ``zerojax.init(params, tx)`` with the caller's name still bound;
+  ``params-copy``, the same with ``donate=False``; ``from``, ``init_from``)
 - ``step_time_s``: median over ``--steps`` steps after one warm-up step;
   ``compile_s`` apart; with ``--repeat R``, the median over the R rounds
   of that (every round in ``step_time_s_rounds``)
@@ -152,8 +155,16 @@ def worker(args) -> dict:
                if args.config.endswith("b") else None)
     tx = zerojax.zero(optimizer, stage=stage, mesh=mesh, policy=policy,
                       stacked=stacked)
-    # created sharded under jit: no device ever holds the full model
-    state = zerojax.init_from(init_fn, tx, key)
+    if args.init == "from":
+      # created sharded under jit: no device ever holds the full model
+      state = zerojax.init_from(init_fn, tx, key)
+    else:
+      # a user's script: params made by a jitted init on the mesh
+      # (replicated, as under jax.set_mesh), handed to zerojax.init, and
+      # still bound to the name ``params`` for the rest of the run
+      params = jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec()))(key)
+      state = zerojax.init(params, tx, donate=args.init == "params")
     jax.block_until_ready(state)
     mark("state")
     step = zerojax.train_step(loss_fn, tx, gather=gather_mode)
@@ -280,6 +291,7 @@ def worker(args) -> dict:
           stage is not None or args.config.startswith("dropin"))
           else f" [{args.axis_types}]"),
       "config": args.config, "stage": stage, "n_devices": 8,
+      "init": args.init if stage is not None else None,
       "axis_types": args.axis_types,
       "n_params": n_params, "precision": args.precision,
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
@@ -399,6 +411,14 @@ def main():
                       "layer); plain: experiments/plain_gpt.py, a plain-JAX "
                       "GPT that never calls zerojax (a user who wraps only "
                       "the optimizer)")
+  p.add_argument("--init", choices=["params", "params-copy", "from"],
+                 default="params",
+                 help="how the zerojax stages build their state: params: "
+                      "zerojax.init(params, tx) on params a jitted init "
+                      "made on the mesh, the name kept bound (the README's "
+                      "way); params-copy: the same with donate=False (the "
+                      "state copies, the caller's arrays stay valid); from: "
+                      "zerojax.init_from(init_fn, tx, key), built sharded")
   p.add_argument("--block-dtype", choices=["bfloat16"], default=None,
                  help="fp32 params cast to this dtype inside the loss for "
                       "the transformer blocks (every configuration alike)")

@@ -1,6 +1,8 @@
 """What a real user hits: eval at stage 3, the context mesh, the two ways
 into init, and the layout of leaves that are not layer stacks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,26 +191,65 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
     assert x.sharding == y.sharding and np.array_equal(x, y)
 
 
-@pytest.mark.parametrize("where", ["one device", "the mesh, replicated"])
-def test_init_takes_device_params_and_leaves_them_alive(mesh, where):
-  """Params already on a device or laid out on the mesh go to the state
-  device to device; the state owns its buffers, so the donated train step
-  never deletes the caller's arrays."""
-  params = toy.layered_params(2, D, V)
-  host = jax.tree.map(np.asarray, params)
-  put = (jax.devices()[1] if where == "one device" else
+def _device_params(mesh, where):
+  """Params as a user's jitted init makes them: on one device, or (under
+  ``jax.set_mesh``) replicated over the mesh."""
+  put = (jax.sharding.SingleDeviceSharding(jax.devices()[1])
+         if where == "one device" else
          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  params = jax.device_put(params, put)
-  tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
+  make = functools.partial(jax.jit, toy.layered_params,
+                           static_argnums=(0, 1, 2))
+  return (make(out_shardings=put)(2, D, V),
+          jax.tree.map(np.asarray, make()(2, D, V)))
+
+
+def _pointers(x):
+  return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+
+
+def _one_step(state, tx):
+  batch = {"x": np.arange(B, dtype=np.int32) % V,
+           "y": np.arange(B, dtype=np.int32)[::-1] % V}
+  state, _ = zerojax.train_step(toy.layered_loss, tx)(state, batch)
+  return jax.block_until_ready(state)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_init_holds_params_already_laid_out_as_stored(mesh, stage):
+  """Params replicated on the mesh (a jitted init under ``jax.set_mesh``)
+  are what stages 0-2 store: the state holds their very buffers, no copy,
+  and equals the state built from host copies. The donated step then
+  deletes them, as a data-parallel loop's donated step does, and building
+  again from them raises a zerojax error naming the leaf and the fix."""
+  params, host = _device_params(mesh, "the mesh, replicated")
+  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh)
   state = zerojax.init(params, tx)
   reference = zerojax.init(host, tx)
   for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
     assert x.sharding == y.sharding and np.array_equal(x, y)
-  batch = {"x": np.arange(B, dtype=np.int32) % V,
-           "y": np.arange(B, dtype=np.int32)[::-1] % V}
-  step = zerojax.train_step(toy.layered_loss, tx)
-  state, _ = step(state, batch)
-  jax.block_until_ready(state)
+  shared = jax.tree.map(lambda x, y: _pointers(x) == _pointers(y),
+                        params, state.params)
+  assert all(jax.tree.leaves(shared)) == (stage < 3), shared
+  state = _one_step(state, tx)
+  assert all(x.is_deleted() for x in jax.tree.leaves(params)) == (stage < 3)
+  if stage < 3:
+    with pytest.raises(ValueError, match=r"params\['embed'\] float32\[64, "
+                       r"64\] has been deleted.*gather_params.*copy=True"):
+      zerojax.init(params, tx)
+
+
+@pytest.mark.parametrize("where", ["one device", "the mesh, replicated"])
+def test_init_with_copy_leaves_the_callers_params_alive(mesh, where):
+  """``copy=True``, or params laid out otherwise than the state stores
+  them: the state owns buffers of its own, so neither init nor the donated
+  train step deletes the caller's arrays."""
+  params, host = _device_params(mesh, where)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
+  state = zerojax.init(params, tx, copy=where != "one device")
+  reference = zerojax.init(host, tx)
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
+    assert x.sharding == y.sharding and np.array_equal(x, y)
+  _one_step(state, tx)
   for x, h in zip(jax.tree.leaves(params), jax.tree.leaves(host)):
     assert not x.is_deleted() and np.array_equal(x, h)
 

@@ -286,7 +286,8 @@ def test_init_builds_the_offloaded_state_a_group_at_a_time_in_host_memory():
                                    jnp.float32,
                                    sharding=spec.sharding(spec.leaves[i].shard))
               for i in group]
-    hlo = _state._build_jit(spec, tuple(group), tuple(own)).lower(
+    hlo = _state._build_jit(spec, tuple(group), tuple(own),
+                            (False,) * len(group)).lower(
         stored).compile().as_text()
     outs.append(zerojax.entry_bytes_by_memory(hlo)["outputs"])
   # every program writes the master copy and optimizer state of its group

@@ -18,7 +18,7 @@ import jax
 import optax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._src.comm import buckets as _buckets
 from zerojax._src.comm import gather as _gather
@@ -303,8 +303,16 @@ def _reject_non_params(params, where: str):
 
 
 def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
-         model_state=None) -> ZeroState:
+         model_state=None, copy: bool = False) -> ZeroState:
   """Lays out params, master weights and optimizer state for ``tx``'s stage.
+
+  A param array already laid out as the state stores it (replicated on the
+  mesh, as a jitted init under ``jax.set_mesh`` makes it, at stages 0-2 in
+  the stored dtype) is held by the state as it is, with no copy, as
+  ``flax.training.train_state.TrainState.create`` holds it. The train step
+  donates the state, so, as in a data-parallel loop with donated params,
+  such arrays are deleted by the first step: read the params from the
+  state (:func:`gather_params`), or pass ``copy=True``.
 
   Args:
     params: a pytree of arrays (host or device, the same on every process),
@@ -319,6 +327,9 @@ def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
     model_state: non-trainable model state (batch-norm statistics, NNX
       non-``Param`` variables), replicated; with it the train step calls
       ``loss_fn(..., model_state=...)`` and the loss returns its new value.
+    copy: give the state buffers of its own, so the arrays passed outlive
+      the donated train steps (one more copy of the params while you hold
+      them).
 
   Returns:
     A :class:`ZeroState` whose arrays are global ``jax.Array`` sharded over
@@ -329,25 +340,79 @@ def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
     >>> state = zerojax.init(params, zerojax.zero(optax.adamw(1e-3), stage=3))
   """
   _reject_non_params(params, "zerojax.init")
+  if not isinstance(copy, bool):
+    raise TypeError(f"zerojax.init: copy must be True or False, got {copy!r}.")
+  _reject_deleted(params)
   spec = make_spec(params, tx)
   leaves = jax.tree.leaves(params)
+  held = [None] * len(leaves) if copy else _held_as_stored(leaves, spec)
   parts = []
   # offloaded: one group at a time, so the device holds one group's shards
   # and state before they go to host memory; else one program (faster to
   # compile, and the state ends up on the device anyway)
   for group, owned in zip(*build_plan(spec, grouped=spec.place.offload)):
     stored = [place_leaf(leaves[i], spec.leaves[i].shard, spec) for i in group]
-    parts.append(((group, owned),
-                  _build_jit(spec, tuple(group), tuple(owned))(stored)))
+    keep = tuple(held[i] is not None for i in group)
+    p, m, o = _build_jit(spec, tuple(group), tuple(owned), keep)(stored)
+    p = iter(p)
+    p = [held[i] if k else next(p) for i, k in zip(group, keep)]
+    parts.append(((group, owned), (p, m, o)))
   return _with_extras(_assemble(spec, parts), key, model_state, "zerojax.init")
 
 
+def _held_as_stored(leaves, spec: StateSpec) -> list:
+  """Per param leaf, the caller's array as the state's stored param (its
+  buffers, the state's exact sharding) where it is laid out as the state
+  stores it; else ``None``. A buffer at two leaves is copied: the donated
+  step must not take one buffer twice."""
+  concrete = [isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+              for x in leaves]
+  seen = {}
+  for x, c in zip(leaves, concrete):
+    if c:
+      seen[id(x)] = seen.get(id(x), 0) + 1
+  held = []
+  for x, c, r in zip(leaves, concrete, spec.leaves):
+    target = spec.sharding(r.param)
+    ok = (c and seen[id(x)] == 1 and isinstance(x.sharding, NamedSharding)
+          and x.sharding.mesh == target.mesh
+          and x.sharding.memory_kind == target.memory_kind
+          and x.sharding.is_equivalent_to(target, x.ndim)
+          and x.dtype == r.compute_dtype
+          and tuple(x.shape) == tuple(r.param.storage_shape))
+    held.append(jax.make_array_from_single_device_arrays(
+        x.shape, target, [s.data for s in x.addressable_shards])
+                if ok else None)
+  return held
+
+
+def _reject_deleted(params):
+  """A deleted array (donated to a step that freed it) is said with its
+  leaf before anything runs."""
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and x.is_deleted()):
+      raise ValueError(
+          f"zerojax.init: params{jax.tree_util.keystr(path)} "
+          f"{x.dtype}{list(x.shape)} has been deleted, most likely by a "
+          f"train step: a state holds the params it was given where they "
+          f"are already laid out as it stores them (no copy), and the step "
+          f"donates the state. Read the params from that state "
+          f"(zerojax.gather_params(state)), build them again, or pass "
+          f"copy=True to zerojax.init to keep the arrays you pass.")
+
+
 @functools.lru_cache(maxsize=256)
-def _build_jit(spec, group, owned):
-  outs = _group_shardings(spec, group, owned)
-  return jax.jit(spec.region(
-      lambda stored: _build_group(stored, spec, group, owned), outs),
-                 out_shardings=outs)
+def _build_jit(spec, group, owned, keep):
+  """The init program of one group; its params output leaves out those the
+  state holds as the caller passed them (``keep``)."""
+  params, master, opt = _group_shardings(spec, group, owned)
+  outs = ([s for s, k in zip(params, keep) if not k], master, opt)
+
+  def build(stored):
+    p, m, o = _build_group(stored, spec, group, owned)
+    return [x for x, k in zip(p, keep) if not k], m, o
+  return jax.jit(spec.region(build, outs), out_shardings=outs)
 
 
 def init_from(init_fn, tx: optax.GradientTransformationExtraArgs, *args, key=None,
