@@ -34,7 +34,7 @@ paper's Figure 1) and ``<out>/step_time.png``.
   peers), ``n_devices``, ``n_params``, ``precision``; ``init`` (zerojax
   stages): how the state was built (``--init``: ``params``, the README's
   ``zerojax.init(params, tx)`` with the caller's name still bound;
-  ``params-copy``, the same with ``donate=False``; ``from``, ``init_from``)
+  ``params-copy``, the same with ``copy=True``; ``from``, ``init_from``)
 - ``step_time_s``: median over ``--steps`` steps after one warm-up step;
   ``compile_s`` apart; with ``--repeat R``, the median over the R rounds
   of that (every round in ``step_time_s_rounds``)
@@ -164,7 +164,7 @@ def worker(args) -> dict:
       # still bound to the name ``params`` for the rest of the run
       params = jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
           mesh, jax.sharding.PartitionSpec()))(key)
-      state = zerojax.init(params, tx, donate=args.init == "params")
+      state = zerojax.init(params, tx, copy=args.init == "params-copy")
     jax.block_until_ready(state)
     mark("state")
     step = zerojax.train_step(loss_fn, tx, gather=gather_mode)
@@ -411,14 +411,16 @@ def main():
                       "layer); plain: experiments/plain_gpt.py, a plain-JAX "
                       "GPT that never calls zerojax (a user who wraps only "
                       "the optimizer)")
-  p.add_argument("--init", choices=["params", "params-copy", "from"],
-                 default="params",
-                 help="how the zerojax stages build their state: params: "
-                      "zerojax.init(params, tx) on params a jitted init "
-                      "made on the mesh, the name kept bound (the README's "
-                      "way); params-copy: the same with donate=False (the "
-                      "state copies, the caller's arrays stay valid); from: "
-                      "zerojax.init_from(init_fn, tx, key), built sharded")
+  p.add_argument("--init", choices=["from", "params", "params-copy"],
+                 default="from",
+                 help="how the zerojax stages build their state: from: "
+                      "zerojax.init_from(init_fn, tx, key), built sharded; "
+                      "params: zerojax.init(params, tx) on params a jitted "
+                      "init made replicated on the mesh, the name kept bound "
+                      "for the whole run (a script's way; at stage 3 the "
+                      "caller's replicated copy then stays alive, as it is "
+                      "the caller's); params-copy: the same with copy=True "
+                      "(the state copies, the caller's arrays stay valid)")
   p.add_argument("--block-dtype", choices=["bfloat16"], default=None,
                  help="fp32 params cast to this dtype inside the loss for "
                       "the transformer blocks (every configuration alike)")
