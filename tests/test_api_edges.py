@@ -238,6 +238,25 @@ def test_init_holds_params_already_laid_out_as_stored(mesh, stage):
       zerojax.init(params, tx)
 
 
+def test_a_step_on_deleted_buffers_names_the_leaf_and_the_fixes(mesh):
+  """A state already donated to a step, or one sharing its params' buffers
+  with a state a step took, is refused with a zerojax error naming the
+  leaf; ``copy=True`` gives the second state buffers of its own."""
+  params, _ = _device_params(mesh, "the mesh, replicated")
+  tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
+  first = zerojax.init(params, tx)
+  second = zerojax.init(params, tx)
+  own = zerojax.init(params, tx, copy=True)
+  after = _one_step(first, tx)
+  for stale, leaf in ((first, r"step int32\[\]"),
+                      (second, r"params\['embed'\] float32\[64, 64\]")):
+    with pytest.raises(ValueError, match=rf"state\.{leaf} has been deleted"
+                       r".*the state it returns.*copy=True"):
+      _one_step(stale, tx)
+  for x, y in zip(jax.tree.leaves(_one_step(own, tx)), jax.tree.leaves(after)):
+    assert np.array_equal(x, y)
+
+
 @pytest.mark.parametrize("where", ["one device", "the mesh, replicated"])
 def test_init_with_copy_leaves_the_callers_params_alive(mesh, where):
   """``copy=True``, or params laid out otherwise than the state stores

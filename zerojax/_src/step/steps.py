@@ -180,7 +180,12 @@ class TrainStep(_CompiledStep):
   def __call__(self, state: ZeroState, batch, **extra_args):
     batch = self._prepare(state, batch)
     with explain_closures(self.tx.mesh, "zerojax.train_step"):
-      return self._jitted(state, batch, *_update.split_extra_args(extra_args))
+      try:
+        return self._jitted(state, batch,
+                            *_update.split_extra_args(extra_args))
+      except (RuntimeError, ValueError) as e:
+        _reject_deleted_state(state, e)
+        raise
 
   def lower(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO.
@@ -201,6 +206,22 @@ class TrainStep(_CompiledStep):
     with explain_closures(self.tx.mesh, "zerojax.train_step"):
       return self._jitted.trace(state, batch,
                                 *_update.split_extra_args(extra_args))
+
+
+def _reject_deleted_state(state, error):
+  """JAX refuses a deleted array before running anything; say which leaf
+  and the two ways a state's buffers get deleted."""
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if isinstance(x, jax.Array) and x.is_deleted():
+      raise ValueError(
+          f"zerojax train step: state{jax.tree_util.keystr(path)} "
+          f"{x.dtype}{list(x.shape)} has been deleted. The step donates the "
+          f"state it is given: go on with the state it returns "
+          f"(state, metrics = step(state, batch)). Or this state shares the "
+          f"buffers of params it was built from with another state or "
+          f"array that a step took: zerojax.init holds params already laid "
+          f"out as it stores them without a copy; pass copy=True to "
+          f"zerojax.init for a state of its own.") from error
 
 
 def _check_abstract(state, where: str):
