@@ -31,10 +31,12 @@ paper's Figure 1) and ``<out>/step_time.png``.
 ``bench.json`` schema: ``{"runs": [run, ...]}``, one run per configuration:
 
 - ``name``, ``config`` ("0".."3", "3b", "dropin1", "fsdp", "zero1"), ``stage`` (int, null for
-  peers), ``n_devices``, ``n_params``, ``precision``; ``init`` (zerojax
-  stages): how the state was built (``--init``: ``params``, the README's
-  ``zerojax.init(params, tx)`` with the caller's name still bound;
-  ``params-copy``, the same with ``copy=True``; ``from``, ``init_from``)
+  peers), ``n_devices``, ``n_params``, ``precision``; ``init``: how the
+  zerojax stages built their state (``--init``: ``params``, the README's
+  ``zerojax.init(params, tx)`` on params born replicated on the mesh, the
+  caller's name still bound; ``params-copy``, the same with
+  ``copy=True``; ``from``, ``init_from``); the peers' params are born as
+  the stages' are (on the mesh, or on one device for ``from``)
 - ``step_time_s``: median over ``--steps`` steps after one warm-up step;
   ``compile_s`` apart; with ``--repeat R``, the median over the R rounds
   of that (every round in ``step_time_s_rounds``)
@@ -146,6 +148,14 @@ def worker(args) -> dict:
       jax.tree_util.keystr(path): int(x.addressable_shards[0].data.nbytes)
       for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
+  def born_on_mesh():
+    # a script's params: a jitted init under the mesh, replicated on it
+    return jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))(key)
+  # the peers' params are born as the zerojax stages' are: on one device
+  # for --init from (init_from needs none), on the mesh otherwise
+  peer_params = (lambda: init_fn(key)) if args.init == "from" else born_on_mesh
+
   if args.config.rstrip("b").isdigit():           # zerojax stage
     stage = int(args.config.rstrip("b"))
     policy = zerojax.Policy(param_dtype=jnp.bfloat16) if bf16 else zerojax.Policy()
@@ -162,8 +172,7 @@ def worker(args) -> dict:
       # a user's script: params made by a jitted init on the mesh
       # (replicated, as under jax.set_mesh), handed to zerojax.init, and
       # still bound to the name ``params`` for the rest of the run
-      params = jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
-          mesh, jax.sharding.PartitionSpec()))(key)
+      params = born_on_mesh()
       state = zerojax.init(params, tx, copy=args.init == "params-copy")
     jax.block_until_ready(state)
     mark("state")
@@ -186,7 +195,7 @@ def worker(args) -> dict:
       tx = zerojax.zero(optimizer, stage=d_stage, mesh=mesh)
       rep_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
       data_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-      p = jax.device_put(init_fn(key), rep_s)    # a DP loop's params
+      p = jax.device_put(peer_params(), rep_s)    # a DP loop's params
       o = tx.init(p)
 
       @jax.jit
@@ -198,7 +207,7 @@ def worker(args) -> dict:
       like, name = 1, f"Optax drop-in, stage {d_stage}"
     else:
       jitted, p, o = peers.make_peer(args.config, loss_fn, optimizer,
-                                     init_fn(key), mesh,
+                                     peer_params(), mesh,
                                      compute_dtype=jnp.bfloat16 if bf16 else None)
       put = lambda b: b
       like = {"fsdp": 3, "dp": 0}.get(args.config, 1)
@@ -291,7 +300,7 @@ def worker(args) -> dict:
           stage is not None or args.config.startswith("dropin"))
           else f" [{args.axis_types}]"),
       "config": args.config, "stage": stage, "n_devices": 8,
-      "init": args.init if stage is not None else None,
+      "init": args.init,
       "axis_types": args.axis_types,
       "n_params": n_params, "precision": args.precision,
       "step_time_s": float(np.median(times)), "compile_s": compile_s,
@@ -420,7 +429,9 @@ def main():
                       "for the whole run (a script's way; at stage 3 the "
                       "caller's replicated copy then stays alive, as it is "
                       "the caller's); params-copy: the same with copy=True "
-                      "(the state copies, the caller's arrays stay valid)")
+                      "(the state copies, the caller's arrays stay valid). "
+                      "The peers' params are born as the stages' are: on "
+                      "one device for from, on the mesh otherwise")
   p.add_argument("--block-dtype", choices=["bfloat16"], default=None,
                  help="fp32 params cast to this dtype inside the loss for "
                       "the transformer blocks (every configuration alike)")
