@@ -360,13 +360,17 @@ def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
   return _with_extras(_assemble(spec, parts), key, model_state, "zerojax.init")
 
 
+def _concrete(x) -> bool:
+  """An array with buffers (not a tracer: ``init`` may run under a trace)."""
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
 def _held_as_stored(leaves, spec: StateSpec) -> list:
   """Per param leaf, the caller's array as the state's stored param (its
   buffers, the state's exact sharding) where it is laid out as the state
   stores it; else ``None``. A buffer at two leaves is copied: the donated
   step must not take one buffer twice."""
-  concrete = [isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-              for x in leaves]
+  concrete = [_concrete(x) for x in leaves]
   seen = {}
   for x, c in zip(leaves, concrete):
     if c:
@@ -390,8 +394,7 @@ def _reject_deleted(params):
   """A deleted array (donated to a step that freed it) is said with its
   leaf before anything runs."""
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-        and x.is_deleted()):
+    if _concrete(x) and x.is_deleted():
       raise ValueError(
           f"zerojax.init: params{jax.tree_util.keystr(path)} "
           f"{x.dtype}{list(x.shape)} has been deleted, most likely by a "
