@@ -240,19 +240,26 @@ def test_init_holds_params_already_laid_out_as_stored(mesh, stage):
 
 def test_a_step_on_deleted_buffers_names_the_leaf_and_the_fixes(mesh):
   """A state already donated to a step, or one sharing its params' buffers
-  with a state a step took, is refused with a zerojax error naming the
-  leaf; ``copy=True`` gives the second state buffers of its own."""
+  with a state a step took, is refused by the train and eval steps with a
+  zerojax error naming the leaf; ``copy=True`` gives the second state
+  buffers of its own."""
   params, _ = _device_params(mesh, "the mesh, replicated")
   tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
   first = zerojax.init(params, tx)
   second = zerojax.init(params, tx)
   own = zerojax.init(params, tx, copy=True)
   after = _one_step(first, tx)
+  evaluate = zerojax.eval_step(toy.layered_loss, tx)
+  batch = {"x": np.arange(B, dtype=np.int32) % V,
+           "y": np.arange(B, dtype=np.int32)[::-1] % V}
   for stale, leaf in ((first, r"step int32\[\]"),
                       (second, r"params\['embed'\] float32\[64, 64\]")):
-    with pytest.raises(ValueError, match=rf"state\.{leaf} has been deleted"
-                       r".*the state it returns.*copy=True"):
-      _one_step(stale, tx)
+    for where, run in (("train_step", lambda s: _one_step(s, tx)),
+                       ("eval_step", lambda s: evaluate(s, batch))):
+      with pytest.raises(ValueError, match=rf"zerojax\.{where}: state\."
+                         rf"{leaf} has been deleted.*the state it returns.*"
+                         r"copy=True"):
+        run(stale)
   for x, y in zip(jax.tree.leaves(_one_step(own, tx)), jax.tree.leaves(after)):
     assert np.array_equal(x, y)
 

@@ -161,6 +161,15 @@ class _CompiledStep:
     check_state(state, self.tx)
     return place_batch(batch, self.tx, self.accum_steps)
 
+  def _run(self, where: str, state, *args):
+    """The jitted call; a deleted state leaf is said with its path."""
+    with explain_closures(self.tx.mesh, where):
+      try:
+        return self._jitted(state, *args)
+      except (RuntimeError, ValueError) as e:
+        _reject_deleted_state(state, where, e)
+        raise
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep(_CompiledStep):
@@ -179,13 +188,8 @@ class TrainStep(_CompiledStep):
 
   def __call__(self, state: ZeroState, batch, **extra_args):
     batch = self._prepare(state, batch)
-    with explain_closures(self.tx.mesh, "zerojax.train_step"):
-      try:
-        return self._jitted(state, batch,
-                            *_update.split_extra_args(extra_args))
-      except (RuntimeError, ValueError) as e:
-        _reject_deleted_state(state, e)
-        raise
+    return self._run("zerojax.train_step", state, batch,
+                     *_update.split_extra_args(extra_args))
 
   def lower(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO.
@@ -208,15 +212,15 @@ class TrainStep(_CompiledStep):
                                 *_update.split_extra_args(extra_args))
 
 
-def _reject_deleted_state(state, error):
+def _reject_deleted_state(state, where: str, error):
   """JAX refuses a deleted array before running anything; say which leaf
   and the two ways a state's buffers get deleted."""
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     if isinstance(x, jax.Array) and x.is_deleted():
       raise ValueError(
-          f"zerojax train step: state{jax.tree_util.keystr(path)} "
-          f"{x.dtype}{list(x.shape)} has been deleted. The step donates the "
-          f"state it is given: go on with the state it returns "
+          f"{where}: state{jax.tree_util.keystr(path)} "
+          f"{x.dtype}{list(x.shape)} has been deleted. The train step "
+          f"donates the state it is given: go on with the state it returns "
           f"(state, metrics = step(state, batch)). Or this state shares the "
           f"buffers of params it was built from with another state or "
           f"array that a step took: zerojax.init holds params already laid "
@@ -325,8 +329,7 @@ class EvalStep(_CompiledStep):
 
   def __call__(self, state: ZeroState, batch):
     batch = self._prepare(state, batch)
-    with explain_closures(self.tx.mesh, "zerojax.eval_step"):
-      return self._jitted(state, batch)
+    return self._run("zerojax.eval_step", state, batch)
 
   def lower(self, state: ZeroState, batch):
     """``jax.jit(...).lower`` of the eval step (e.g. for its memory)."""
