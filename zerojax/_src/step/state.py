@@ -390,19 +390,27 @@ def _held_as_stored(leaves, spec: StateSpec) -> list:
   return held
 
 
+def deleted_leaf(tree):
+  """``(path, array)`` of the first deleted array in ``tree``, or ``None``."""
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if _concrete(x) and x.is_deleted():
+      return jax.tree_util.keystr(path), x
+  return None
+
+
 def _reject_deleted(params):
   """A deleted array (donated to a step that freed it) is said with its
   leaf before anything runs."""
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if _concrete(x) and x.is_deleted():
-      raise ValueError(
-          f"zerojax.init: params{jax.tree_util.keystr(path)} "
-          f"{x.dtype}{list(x.shape)} has been deleted, most likely by a "
-          f"train step: a state holds the params it was given where they "
-          f"are already laid out as it stores them (no copy), and the step "
-          f"donates the state. Read the params from that state "
-          f"(zerojax.gather_params(state)), build them again, or pass "
-          f"copy=True to zerojax.init to keep the arrays you pass.")
+  found = deleted_leaf(params)
+  if found:
+    path, x = found
+    raise ValueError(
+        f"zerojax.init: params{path} {x.dtype}{list(x.shape)} has been "
+        f"deleted, most likely by a train step: a state holds the params it "
+        f"was given where they are already laid out as it stores them (no "
+        f"copy), and the step donates the state. Read the params from that "
+        f"state (zerojax.gather_params(state)), build them again, or pass "
+        f"copy=True to zerojax.init to keep the arrays you pass.")
 
 
 @functools.lru_cache(maxsize=256)

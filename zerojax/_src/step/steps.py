@@ -39,6 +39,7 @@ from zerojax._src.step import update as _update
 from zerojax._src.step.batch import place_batch
 from zerojax._src.step.dropin import ZeroTransformation
 from zerojax._src.step.grad import LossCall
+from zerojax._src.step.state import deleted_leaf
 
 
 # --------------------------------------------------------------------------
@@ -215,17 +216,17 @@ class TrainStep(_CompiledStep):
 def _reject_deleted_state(state, where: str, error):
   """JAX refuses a deleted array before running anything; say which leaf
   and the two ways a state's buffers get deleted."""
-  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if isinstance(x, jax.Array) and x.is_deleted():
-      raise ValueError(
-          f"{where}: state{jax.tree_util.keystr(path)} "
-          f"{x.dtype}{list(x.shape)} has been deleted. The train step "
-          f"donates the state it is given: go on with the state it returns "
-          f"(state, metrics = step(state, batch)). Or this state shares the "
-          f"buffers of params it was built from with another state or "
-          f"array that a step took: zerojax.init holds params already laid "
-          f"out as it stores them without a copy; pass copy=True to "
-          f"zerojax.init for a state of its own.") from error
+  found = deleted_leaf(state)
+  if found:
+    path, x = found
+    raise ValueError(
+        f"{where}: state{path} {x.dtype}{list(x.shape)} has been deleted. "
+        f"The train step donates the state it is given: go on with the "
+        f"state it returns (state, metrics = step(state, batch)). Or this "
+        f"state shares the buffers of params it was built from with another "
+        f"state or array that a step took: zerojax.init holds params "
+        f"already laid out as it stores them without a copy; pass copy=True "
+        f"to zerojax.init for a state of its own.") from error
 
 
 def _check_abstract(state, where: str):
