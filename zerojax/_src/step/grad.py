@@ -43,6 +43,7 @@ from zerojax._src.comm import buckets as _buckets
 from zerojax._src.comm import gather as _gather
 from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.jaxpr import audit as _audit
+from zerojax._src.jaxpr import layers as _layers
 from zerojax._src.records.mesh import explain_closures
 from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
                                        make_spec, model_axes_of,
@@ -187,15 +188,22 @@ def model_params(spec, leaves, sinks, hooked, gspecs):
 
 
 def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
-                   what: str) -> str:
-  """``"model"`` or ``"all"`` for this loss; raises or warns as the mode says.
+                   what: str) -> tuple[str, str]:
+  """``(mode, reason)`` for this loss; raises or warns as the mode says.
+
+  ``mode``: ``"model"`` (the loss gathers what it uses), ``"all"`` (the
+  whole tree gathered first: asked for, or the audit cannot read the
+  loss), or ``"layers"`` (``gather="auto"`` and a loss that uses some
+  sharded parameter without ``zerojax.gather``: :func:`run_loss` gathers
+  each where the traced loss uses it, per layer inside a scan over a stack;
+  ``reason`` says what the audit found, for its warning).
 
   ``probe(*args, gather_all=False)`` calls the loss on ShardedParam leaves
   (or, with ``gather_all``, on the gathered tree); ``tagged`` gives, per
   leaf of ``args``, the param index it belongs to (None: not a param).
   """
   if mode == "all" or not any(t is not None for t in tagged):
-    return mode if mode == "all" else "model"
+    return ("all" if mode == "all" else "model"), ""
   try:
     misuse = _audit.ungathered_uses(probe, args, tagged)
   except _audit.AuditUnreadable as e:
@@ -207,7 +215,7 @@ def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
           f"on shards. Use gather='all' (the whole tree gathered first: "
           f"exact, not lean) and report the primitive to zerojax.") from e
     warn_unreadable(spec, str(e), what)
-    return "all"
+    return "all", ""
   except _gather.UngatheredParamError as e:
     if mode == "model":
       raise
@@ -231,7 +239,7 @@ def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
     reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
   else:
     if not misuse:
-      return "model"
+      return "model", ""
     uses = "; ".join(f"params{spec.leaves[i].path} by {prim}"
                      for i, prim in sorted(misuse.items())[:5])
     more = f" (and {len(misuse) - 5} more)" if len(misuse) > 5 else ""
@@ -242,8 +250,7 @@ def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
           f"Their shards are not the parameter: call zerojax.gather on "
           f"them first, or use gather='auto' (default) / 'all' to gather the "
           f"whole tree at the start of the loss.")
-  warn_whole_tree_gather(spec, reason, what)
-  return "all"
+  return "layers", reason
 
 
 def _whole_tree_cost(spec: StateSpec) -> str:
@@ -271,10 +278,33 @@ def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
       f"zerojax stage {spec.stage} {what}: loss_fn does not only gather its "
       f"parameters ({reason}), so zerojax gathers the whole parameter tree "
       f"at the start of the loss (exact, not lean): {cost}. To gather per "
-      f"layer, run the layers in a lax.scan and call "
+      f"layer, run the layers in a lax.scan over their stacked weights "
+      f"(zerojax then gathers one layer per iteration), or call "
       f"zerojax.gather(layer_params) in the (jax.checkpoint-ed) body; pass "
       f"gather='all' to silence this, gather='model' to make it an error.",
       stacklevel=3)
+
+
+def warn_placement(spec: StateSpec, placed, reason: str, what: str):
+  """After a ``"layers"`` run (stages 2-3): the whole-tree warning when no
+  leaf could be gathered per layer; a warning naming the leaves gathered
+  per layer and also whole (used outside their scan too), whose full
+  values (stage 3) or full gradients are then live at once."""
+  if not placed.per_layer:
+    warn_whole_tree_gather(spec, reason, what)
+    return
+  both = sorted(placed.per_layer & placed.whole)
+  if both:
+    names = ", ".join(f"params{spec.leaves[i].path}" for i in both[:5])
+    more = f" (and {len(both) - 5} more)" if len(both) > 5 else ""
+    warnings.warn(
+        f"zerojax stage {spec.stage} {what}: {names}{more} are gathered per "
+        f"layer inside the loss's lax.scan and also whole, because the loss "
+        f"uses them outside the scan too (e.g. a penalty over the whole "
+        f"tree), so their full "
+        f"{'values are' if spec.stage == 3 else 'gradients are'} live per "
+        f"device at once (exact, not lean). Use them only inside the scan to "
+        f"keep them per layer; gather='all' silences this.", stacklevel=3)
 
 
 def local_grads(prog: LossProgram, leaves, batch, key, model_state):
@@ -291,9 +321,11 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   hooked = hooked_leaves(spec)
   direct = reduced_where_used(spec, k)
+  mode, reason = "model", ""
   if _reduce_in_backward(spec, k, prog.gather, direct):
-    hooked = [h and not d for h, d in zip(
-        _gathered_by_the_loss(prog, leaves, first, key, model_state), direct)]
+    gathered, mode = _gathered_by_the_loss(prog, leaves, first, key,
+                                           model_state)
+    hooked = [h and not d for h, d in zip(gathered, direct)]
   gspecs = [gather_spec(spec, r) if h else None
             for r, h in zip(spec.leaves, hooked)]
   if tx.stage == 3 and tx.zeropp.hpz_size:
@@ -301,9 +333,10 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   if key is not None:
     key = jax.random.fold_in(key, jax.lax.axis_index(axes))
   micro_key = lambda i: None if key is None else jax.random.fold_in(key, i)
-  mode = (gather_mode(prog, leaves, _diff_inputs(spec, leaves, hooked),
-                      hooked, gspecs, first, micro_key(0), model_state,
-                      "train step") if tx.stage >= 2 else "model")
+  if tx.stage >= 2:
+    mode, reason = gather_mode(prog, leaves, _diff_inputs(spec, leaves, hooked),
+                               hooked, gspecs, first, micro_key(0),
+                               model_state, "train step")
   diff_in = _diff_inputs(spec, leaves, hooked, direct)
 
   scale = 1.0 / (tx.batch_shards * k)
@@ -316,7 +349,7 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   def one(mb, key, ms):              # one micro-batch's loss and gradients
     def f(diff):
       loss, new_ms, aux = run_loss(prog, leaves, diff, hooked, gspecs,
-                                   mode == "all", mb, key, ms)
+                                   mode, mb, key, ms, reason)
       return loss * seed, (loss, new_ms, aux)
     (_, (loss, new_ms, aux)), g = jax.value_and_grad(f, has_aux=True)(diff_in)
     g = [None if x is None else x.astype(r.reduce_dtype)
@@ -408,12 +441,29 @@ def _diff_inputs(spec: StateSpec, leaves, hooked, direct=None):
 
 
 def run_loss(prog: LossProgram, leaves, diff, hooked, gspecs,
-             gather_all: bool, mb, key, model_state):
+             mode: str, mb, key, model_state, reason: str = "",
+             what: str = "train step"):
   """The user's loss on the params the model sees (:func:`model_params`:
-  :class:`~zerojax.ShardedParam` for gathered leaves), or on the whole
-  gathered tree with ``gather_all``: ``(loss, new_model_state, aux)``."""
+  :class:`~zerojax.ShardedParam` for gathered leaves): ``(loss,
+  new_model_state, aux)``. ``mode`` (:func:`resolve_gather`): ``"model"``
+  as they are, ``"all"`` on the whole gathered tree, ``"layers"`` with
+  each gathered where the traced loss uses it (``jaxpr/layers.py``; the
+  whole tree, with a warning, where that walk cannot read the loss)."""
   params = model_params(prog.spec, leaves, diff, hooked, gspecs)
-  if gather_all:
+  if mode == "layers":
+    call = lambda p, *a: prog.call(prog.loss_fn, p, *a)
+    try:
+      out, placed = _layers.gather_where_used(call, params, mb, key,
+                                              model_state)
+    except _layers.LayersUnreadable as e:
+      if prog.spec.stage >= 2:
+        warn_unreadable(prog.spec, str(e), what)
+      mode = "all"
+    else:
+      if prog.spec.stage >= 2:
+        warn_placement(prog.spec, placed, reason, what)
+      return out
+  if mode == "all":
     params = _gather.gather_each(params)
   return prog.call(prog.loss_fn, params, mb, key, model_state)
 
@@ -430,7 +480,8 @@ def _probe(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
   def probe(sinks, srcs, mb, k, ms, gather_all=False):
     d = [s if h else d for s, d, h in zip(sinks, diff, hooked)]
     ls = [s if h else x for s, x, h in zip(srcs, leaves, hooked)]
-    return run_loss(prog, ls, d, hooked, gspecs, gather_all, mb, k, ms)
+    return run_loss(prog, ls, d, hooked, gspecs,
+                    "all" if gather_all else "model", mb, k, ms)
 
   args = (sinks, srcs, mb, key, model_state)
   n_rest = len(jax.tree.leaves(args)) - len(tags)
@@ -438,8 +489,8 @@ def _probe(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
 
 
 def gather_mode(prog: LossProgram, leaves, diff, hooked, gspecs, mb, key,
-                model_state, what: str) -> str:
-  """``"model"`` or ``"all"``: whether the traced loss gathers what it uses
+                model_state, what: str) -> tuple[str, str]:
+  """``(mode, reason)``: whether the traced loss gathers what it uses
   (:func:`resolve_gather` on a probe of one micro-batch, the gathered
   leaves' sinks and sources tagged). Training and evaluation alike."""
   probe, args, tagged = _probe(prog, leaves, diff, hooked, gspecs, mb, key,
@@ -461,23 +512,34 @@ def _reduce_in_backward(spec: StateSpec, k: int, gather: str,
 
 
 def _gathered_by_the_loss(prog: LossProgram, leaves, mb, key,
-                          model_state) -> list[bool]:
-  """Stages 0-1, one micro-batch: the trainable leaves (at stage 1 the
-  sharded ones) a loss reaches only through :func:`zerojax.gather` (a
-  model's per-layer gathers). Their gradients are reduced where the
-  gather's backward produces them, layer by layer inside the backward
-  pass -- all-reduced at stage 0, reduce-scattered at stage 1, as at stage
-  2 -- instead of after it: the step never holds the whole unreduced
-  gradient beside its reduction. With several micro-batches stage 1 keeps
-  the full local gradient and reduces once per step instead. A loss that
-  does not gather, or that the audit cannot read, keeps the reduction
-  after the backward: the same numbers either way, and nothing to warn
-  about."""
+                          model_state) -> tuple[list[bool], str]:
+  """Stages 0-1, one micro-batch: ``(hooked, mode)``, the trainable leaves
+  (at stage 1 the sharded ones) whose gradients are reduced inside the
+  backward pass, and how the loss is run (:func:`run_loss`).
+
+  Hooked leaves' gradients are reduced where the gather's backward
+  produces them, layer by layer inside the backward pass -- all-reduced at
+  stage 0, reduce-scattered at stage 1, as at stage 2 -- instead of after
+  it: the step never holds the whole unreduced gradient beside its
+  reduction.
+
+  * A loss that reaches them only through :func:`zerojax.gather` (a
+    model's per-layer gathers): all of them, ``"model"``.
+  * At stage 1, a loss that uses some of them without it (a model written
+    for plain data parallelism): all of them, ``"layers"``, so a scan over
+    stacked layers reduce-scatters each layer's gradient in its backward
+    loop, and any other use reduces its leaf's whole gradient.
+  * At stage 0 such a loss: only the leaves it gathers, ``"model"``.
+  * A loss the audit cannot read: none, ``"model"`` (reduced after the
+    backward). The same numbers either way, and nothing to warn about.
+
+  With several micro-batches stage 1 keeps the full local gradient and
+  reduces once per step instead."""
   spec = prog.spec
   cand = [r.trainable and len(r.aval.shape) >= 1
           and (spec.stage == 0 or r.shard.sharded) for r in spec.leaves]
   if not any(cand):
-    return cand
+    return cand, "model"
   gspecs = [gather_spec(spec, r) if h else None
             for r, h in zip(spec.leaves, cand)]
   diff = _diff_inputs(spec, leaves, cand)
@@ -487,9 +549,13 @@ def _gathered_by_the_loss(prog: LossProgram, leaves, mb, key,
     misuse = _audit.ungathered_uses(probe, args, tagged)
   except LossOutputError:
     raise
-  except Exception:  # noqa: BLE001 -- ungathered or unreadable: no hooks
-    return [False] * len(cand)
-  return [h and i not in misuse for i, h in enumerate(cand)]
+  except _audit.AuditUnreadable:
+    return [False] * len(cand), "model"
+  except Exception:  # noqa: BLE001 -- the loss rejects ShardedParam leaves
+    misuse = {i for i, h in enumerate(cand) if h}
+  if misuse and spec.stage == 1:
+    return cand, "layers"
+  return [h and i not in misuse for i, h in enumerate(cand)], "model"
 
 
 def _accumulate(one, micro, first, micro_key, model_state, k: int, axes):

@@ -316,10 +316,10 @@ def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state):
            if h else None for r, h in zip(spec.leaves, hooked)]
   if key is not None:
     key = jax.random.fold_in(key, jax.lax.axis_index(tx.batch_axes))
-  mode = _grad.gather_mode(prog, leaves, sinks, hooked, gspecs, batch, key,
-                           model_state, "eval step")
-  loss, _, _ = _grad.run_loss(prog, leaves, sinks, hooked, gspecs,
-                              mode == "all", batch, key, model_state)
+  mode, reason = _grad.gather_mode(prog, leaves, sinks, hooked, gspecs,
+                                   batch, key, model_state, "eval step")
+  loss, _, _ = _grad.run_loss(prog, leaves, sinks, hooked, gspecs, mode,
+                              batch, key, model_state, reason, "eval step")
   return jax.lax.pmean(loss, tx.batch_axes)
 
 

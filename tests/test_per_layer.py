@@ -1,0 +1,194 @@
+"""A loss written for plain data parallelism, with no ``zerojax.gather``:
+its ``lax.scan`` over stacked layers is gathered and reduce-scattered one
+layer at a time, exactly (stages 1-3).
+
+The losses here are plain JAX. zerojax reads their traced program and
+gathers each layer's slice inside the scan body (``jaxpr/layers.py``);
+every other use of a parameter gets the whole leaf, gathered once.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from tests import toy
+
+L, D, V, B = 4, 16, 24, 16
+
+
+def _params():
+  return toy.layered_params(L, D, V)
+
+
+def _data(n=2):
+  rng = np.random.default_rng(0)
+  return [{"x": rng.integers(0, V, (B,)).astype(np.int32),
+           "y": rng.integers(0, V, (B,)).astype(np.int32)} for _ in range(n)]
+
+
+def _head(params, h, batch):
+  logits = h @ params["head"]
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]).mean()
+
+
+def _block(h, layer):
+  return jnp.tanh(h @ layer["w"] + layer["b"][None, :])
+
+
+def checkpointed_scan(params, batch):
+  h, _ = jax.lax.scan(jax.checkpoint(lambda h, l: (_block(h, l), None)),
+                      params["embed"][batch["x"]], params["layers"])
+  return _head(params, h, batch)
+
+
+def unchecked_scan(params, batch):
+  h, _ = jax.lax.scan(lambda h, l: (_block(h, l), None),
+                      params["embed"][batch["x"]], params["layers"])
+  return _head(params, h, batch)
+
+
+def reversed_scan_with_outputs(params, batch):
+  h, hs = jax.lax.scan(lambda h, l: (_block(h, l), h.mean()),
+                       params["embed"][batch["x"]], params["layers"],
+                       reverse=True)
+  return _head(params, h, batch) + 1e-3 * hs.sum()
+
+
+@jax.jit
+def _jitted_body(params, x):
+  h, _ = jax.lax.scan(jax.checkpoint(lambda h, l: (_block(h, l), None)),
+                      x, params["layers"])
+  return h
+
+
+def scan_inside_jit(params, batch):
+  return _head(params, _jitted_body(params, params["embed"][batch["x"]]),
+               batch)
+
+
+PER_LAYER = {f.__name__: f for f in (checkpointed_scan, unchecked_scan,
+                                     reversed_scan_with_outputs,
+                                     scan_inside_jit)}
+
+
+def _zero_run(loss, stage, mesh, **kw):
+  tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=mesh, **kw)
+  return toy.zero_run(loss, tx, _params(), _data())
+
+
+def _assert_equal(got, want, losses, want_losses):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", PER_LAYER)
+def test_plain_scan_losses_equal_unsharded_optax_without_a_warning(
+    mesh, name, stage):
+  loss = PER_LAYER[name]
+  want, want_losses = toy.optax_run(loss, optax.adam(1e-2), _params(), _data())
+  got, losses, notes = _zero_run(loss, stage, mesh)
+  _assert_equal(got, want, losses, want_losses)
+  assert not notes, notes       # per layer: nothing gathered whole to warn of
+
+
+def _compiled(loss, stage, gather="auto", layers=8, width=64):
+  tx = zerojax.zero(optax.adam(1e-3), stage=stage)
+  state = zerojax.init(toy.layered_params(layers, width, V), tx)
+  batch = {"x": np.zeros((64,), np.int32), "y": np.zeros((64,), np.int32)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    step = zerojax.train_step(loss, tx, gather=gather)
+    return step.lower(state, batch).compile()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_plain_scan_reduce_scatters_each_layer_inside_the_backward_loop(
+    stage):
+  """The stacked weight's gradient is reduce-scattered once per layer
+  inside a loop (``layers`` executions of one layer's elements), and at
+  stage 3 its all-gather runs per layer too, in the forward loop and again
+  in the backward one: what a model that calls zerojax.gather compiles to."""
+  layers, width = 8, 64
+  hlo = _compiled(toy.plain_layered_loss, stage, layers=layers,
+                  width=width).as_text()
+  colls = zerojax.collectives(hlo, 8)
+  layer_w = width * width
+  rs = [c for c in colls if c.kind == "reduce-scatter"
+        and c.elements >= layer_w and c.count == layers]
+  assert rs, [(c.kind, c.elements, c.count) for c in colls]
+  assert not [c for c in colls if c.kind == "reduce-scatter"
+              and c.elements >= layers * layer_w], "a whole-stack reduction"
+  gathers = sum(c.count for c in colls if c.kind == "all-gather"
+                and c.elements == layer_w)
+  assert gathers == (2 * layers if stage == 3 else 0), gathers
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_plain_scan_holds_what_the_gathering_model_holds(stage):
+  """Compiled temp bytes per device: the plain loss (no zerojax call) within
+  a quarter of one stacked gradient of the model that gathers per layer,
+  and below the whole-tree gather (``gather="all"``) by most of the
+  stacked gradient (stages 1-2: the unreduced gradient; stage 3: that and
+  the full weights)."""
+  layers, width = 8, 64
+  stacked = layers * width * width * 4
+  temp = lambda loss, gather="auto": _compiled(
+      loss, stage, gather, layers, width).memory_analysis().temp_size_in_bytes
+  plain, model = temp(toy.plain_layered_loss), temp(toy.layered_loss)
+  whole = temp(toy.plain_layered_loss, "all")
+  assert abs(plain - model) < 0.25 * stacked, (plain, model, stacked)
+  assert whole - plain > 0.75 * stacked * (1 - 1 / 8), (whole, plain, stacked)
+
+
+def penalised_scan(params, batch):
+  reg = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(params))
+  return checkpointed_scan(params, batch) + 1e-3 * reg
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_leaf_used_inside_and_outside_its_scan_is_exact_and_named(
+    mesh, stage):
+  """An L2 term over the whole tree uses the stacked weights outside the
+  scan too: they are gathered whole as well, the numbers stay exact, and
+  stages 2-3 say which leaves are not lean."""
+  want, want_losses = toy.optax_run(penalised_scan, optax.adam(1e-2),
+                                    _params(), _data())
+  got, losses, notes = _zero_run(penalised_scan, stage, mesh)
+  _assert_equal(got, want, losses, want_losses)
+  if stage == 1:
+    assert not notes, notes
+  else:
+    assert len(notes) == 1, notes
+    assert "params['layers']['w']" in notes[0] and "per layer" in notes[0]
+
+
+def test_a_stack_sharded_along_its_layers_is_gathered_whole_exactly(mesh):
+  """With ``stacked`` saying no leaf is a layer stack, the 8-layer weight
+  is sharded along its leading dimension, which a scan slices: zerojax
+  gathers it whole before the scan, exact."""
+  params = toy.layered_params(8, D, V)
+  want, want_losses = toy.optax_run(checkpointed_scan, optax.adam(1e-2),
+                                    params, _data())
+  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh,
+                    stacked=lambda path, shape: False)
+  got, losses, notes = toy.zero_run(checkpointed_scan, tx, params, _data())
+  _assert_equal(got, want, losses, want_losses)
+
+
+@pytest.mark.parametrize("name", ["checkpointed_scan", "scan_inside_jit"])
+def test_the_eval_step_runs_a_plain_scan_per_layer_exactly(mesh, name):
+  loss = PER_LAYER[name]
+  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  batch = _data(1)[0]
+  with toy.warnings_as_errors():
+    got = zerojax.eval_step(loss, tx)(state, batch)
+  np.testing.assert_allclose(got, loss(_params(), batch), rtol=1e-5)
