@@ -199,5 +199,5 @@ def test_scan_counts_come_from_shapes():
   jaxpr = jax.make_jaxpr(f)(1.0, jnp.ones((3, 2)), 2.0).jaxpr
   eqn = [e for e in jaxpr.eqns if e.primitive.name == "scan"][0]
   body = _audit._subprograms(eqn.params)[0]
-  nconsts, ncarry = _audit._scan_counts(eqn, body)
+  nconsts, ncarry = _audit.scan_counts(eqn, body)
   assert ncarry == 1 and nconsts == len(eqn.invars) - 2

@@ -85,7 +85,7 @@ def _ndim(v) -> int:
   return len(getattr(v.aval, "shape", ()))
 
 
-def _scan_counts(eqn, body) -> tuple[int, int]:
+def scan_counts(eqn, body) -> tuple[int, int]:
   """``(consts, carry)`` of a scan equation, from shapes alone.
 
   Inputs are consts, carry, scanned xs; outputs carry, stacked ys. A
@@ -146,7 +146,7 @@ class _Walker:
 
   def _eqn(self, eqn, name, tags):
     none = [frozenset()] * len(eqn.outvars)
-    if name == "custom_vjp_call" and _is_gather(eqn.params):
+    if name == "custom_vjp_call" and is_gather(eqn.params):
       return none                                   # the one proper use
     if name in _PASS_THROUGH:
       return [frozenset().union(*tags)] * len(eqn.outvars)
@@ -177,7 +177,7 @@ class _Walker:
     return [frozenset().union(*ts) for ts in zip(*outs)]
 
   def _scan(self, eqn, body, tags):
-    nc, ncarry = _scan_counts(eqn, body)
+    nc, ncarry = scan_counts(eqn, body)
     tags = list(tags)
     while True:                        # carries: iterate to a fixed point
       out = self.run(body, tags)
@@ -228,7 +228,7 @@ def _call_body(eqn, subs):
   return None
 
 
-def _is_gather(params) -> bool:
+def is_gather(params) -> bool:
   """A ``custom_vjp_call`` of :func:`zerojax.gather`, told by the function it
   calls (its debug info) or, failing that, by its backward rule's name."""
   for sub in _subprograms(params):

@@ -95,11 +95,14 @@ def gather_where_used(fn, params, *args):
   :class:`Placement`. Errors raised while tracing ``fn`` propagate
   unchanged; :class:`LayersUnreadable` when a use cannot be evaluated.
   """
-  leaves, treedef = jax.tree.flatten(params, is_leaf=_gather._is_sharded)
-  held = [i for i, x in enumerate(leaves) if _gather._is_sharded(x)]
-  others = [x for x in leaves if not _gather._is_sharded(x)]
+  sharded = lambda x: isinstance(x, _gather.ShardedParam)
+  leaves, treedef = jax.tree.flatten(params, is_leaf=sharded)
+  held = [i for i, x in enumerate(leaves) if sharded(x)]
+  others = [x for x in leaves if not sharded(x)]
   sinks = [leaves[i].sink for i in held]
   srcs = [leaves[i].src for i in held]
+  if any(x is None for x in sinks + srcs):
+    raise LayersUnreadable("a sharded leaf without a sink or a source")
 
   def traced(sinks, srcs, others, args):
     it = iter(others)
@@ -173,7 +176,7 @@ class _Walker:
     """The trace's own gather of one leaf, from its sink and source
     inputs: held back instead of run."""
     if not sink_of or eqn.primitive.name != "custom_vjp_call" or \
-        not _audit._is_gather(eqn.params) or len(eqn.outvars) != 1:
+        not _audit.is_gather(eqn.params) or len(eqn.outvars) != 1:
       return None
     ins = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
     if len(ins) != 2 or ins[0] not in sink_of or ins[1] not in src_of or \
@@ -194,7 +197,7 @@ class _Walker:
 
   def scan(self, eqn, sub, ins):
     body, bconsts = sub
-    nc, ncarry = _audit._scan_counts(eqn, body)
+    nc, ncarry = _audit.scan_counts(eqn, body)
     start = nc + ncarry
     layered = {j: ins[j].i for j in range(start, len(ins))
                if isinstance(ins[j], _Held) and self.sliceable(ins[j].i)}

@@ -276,10 +276,17 @@ def train_step(
       ``"all"``: zerojax gathers the whole tree before calling ``loss_fn`` --
       exact for any loss, but at stage 3 every full weight is live at once.
       ``"auto"`` (default): ``"model"`` when the loss's traced program uses
-      sharded parameters only through ``gather``; otherwise (an L2 term over
-      ``jax.tree.leaves(params)``, an ungathered layer) warn once with the
-      reason and the memory cost, and use ``"all"``. Either way the result
-      is the unsharded one. Other errors in the loss propagate unchanged.
+      sharded parameters only through ``gather``; otherwise (a loss written
+      for plain data parallelism, an L2 term over
+      ``jax.tree.leaves(params)``) zerojax gathers each parameter where the
+      traced loss uses it: one layer per iteration inside a ``lax.scan``
+      over stacked weights (whose body then runs under
+      ``jax.checkpoint``), the whole leaf anywhere else. It warns once,
+      with the reason and the memory cost, when no leaf could be gathered
+      per layer or a leaf is also used whole. At stage 1 (one
+      micro-batch) the same walk reduce-scatters a plain loss's layer
+      gradients inside its backward loop. Either way the result is the
+      unsharded one. Other errors in the loss propagate unchanged.
     donate: donate the input state's buffers to the output state.
 
   Returns:
@@ -346,8 +353,9 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
   No gradients, no update, nothing donated. At stage 3 the loss sees the
   same :class:`ShardedParam` leaves as in training, so a model that gathers
   per layer holds one layer's full weights at a time in evaluation too (a
-  forward-only gather per layer); a loss that does not is run on the whole
-  gathered tree (``gather="auto"``, with a warning) -- exact either way.
+  forward-only gather per layer); a loss that does not has its scans over
+  stacked layers gathered per layer and any other use gathered whole
+  (``gather="auto"``) -- exact either way.
   With a key in the state, the loss gets ``key=`` (fixed across calls:
   ``fold_in(key, step)``, then the device); with model state,
   ``model_state=`` and its returned update is discarded.
