@@ -7,13 +7,15 @@ reduces the gradient depends on the stage:
   param, inside the backward (:func:`reduced_where_used`); with several,
   ``psum`` of the accumulated local gradient: one all-reduce;
 * stage 1: with one micro-batch, a reduce-scatter inside the backward as
-  at stages 2-3 where the loss gathers its layers; otherwise (several
-  micro-batches, a loss that does not gather) full local gradients,
-  accumulated over micro-batches, then one ``psum_scatter`` per leaf: a
-  reduce-scatter;
-* stages 2-3: the model calls :func:`zerojax.gather` per layer; its custom
-  VJP reduce-scatters each layer's cotangent where the backward pass makes
-  it (see ``comm/gather.py``).
+  at stages 2-3, through the loss's own per-layer gathers or, for a loss
+  that does not gather, through those :func:`run_loss` puts into its scans
+  (``jaxpr/layers.py``); otherwise (several micro-batches, a loss the
+  audit cannot read) full local gradients, accumulated over
+  micro-batches, then one ``psum_scatter`` per leaf: a reduce-scatter;
+* stages 2-3: the model calls :func:`zerojax.gather` per layer (or
+  :func:`run_loss` puts the calls into its scans); its custom VJP
+  reduce-scatters each layer's cotangent where the backward pass makes it
+  (see ``comm/gather.py``).
 
 Every other differentiated value is made device-varying first:
 differentiating a replicated value inside ``shard_map`` makes JAX insert the transpose of an
@@ -21,10 +23,11 @@ implicit broadcast, an all-reduce, that would spoil the reduce-scatter.
 
 Before the loss is differentiated at stages 2-3, its traced program is
 checked (``jaxpr/audit.py``): a loss that touches a sharded parameter other than
-through ``gather`` (an L2 term over ``jax.tree.leaves(params)``, a
-``ravel_pytree``) is run on the whole gathered tree instead
-(``gather="auto"``), or rejected (``gather="model"``). Never silently on
-shards.
+through ``gather`` (a plain-JAX model, an L2 term over
+``jax.tree.leaves(params)``, a ``ravel_pytree``) has each parameter
+gathered where its traced program uses it (``gather="auto"``: per layer in
+a scan over a stack, whole elsewhere), or is rejected
+(``gather="model"``). Never silently on shards.
 """
 
 from __future__ import annotations
