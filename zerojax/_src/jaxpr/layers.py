@@ -217,12 +217,15 @@ class _Walker:
     closed = jax.extend.core.ClosedJaxpr(body, list(bconsts))
 
     def step(carry, xs_t):
-      vals = []
-      for j, x in zip(range(start, len(ins)), xs_t):
-        if j in specs:
-          (x,) = _gather.zerojax_gather((specs[j],), (x[0],), (x[1],))
-        vals.append(x)
-      outs = jax.extend.core.jaxpr_as_fun(closed)(*consts, *carry, *vals)
+      # one gather call for the layer's leaves: at stages 1-2 their
+      # gradients are reduced in one collective, as a model's own
+      # ``zerojax.gather(layer)`` does (comm/gather.py)
+      vals = dict(zip(range(start, len(ins)), xs_t))
+      layer = {j: _gather.ShardedParam(vals[j][0], vals[j][1], specs[j])
+               for j in specs}
+      vals.update(_gather.gather(layer))
+      outs = jax.extend.core.jaxpr_as_fun(closed)(
+          *consts, *carry, *(vals[j] for j in range(start, len(ins))))
       return list(outs[:ncarry]), list(outs[ncarry:])
 
     carry, ys = jax.lax.scan(jax.checkpoint(step, prevent_cse=False),
