@@ -291,3 +291,56 @@ def test_a_plain_loss_trains_as_the_gathering_model_does(config, stage):
   (want, want_losses, _), (got, losses, notes) = runs
   _assert_equal(got, want, losses, want_losses)
   assert not notes, notes
+
+
+def test_an_nnx_scan_model_is_gathered_per_layer_exactly(mesh):
+  """Flax NNX's ``nnx.scan`` over vmapped blocks, no zerojax call, the loss
+  a ``nnx.merge`` of the params: at stage 3 the stacked kernel is
+  all-gathered per layer (forward and backward) and reduce-scattered per
+  layer, and two SGD steps equal plain Optax."""
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+      return jnp.tanh(self.lin(x))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.inp = nnx.Linear(5, D, rngs=rngs)
+
+      @nnx.split_rngs(splits=L)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return Block(rngs)
+      self.blocks = make(rngs)
+      self.out = nnx.Linear(D, 1, rngs=rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def forward(x, block):
+        return block(x)
+      return self.out(forward(self.inp(x), self.blocks))
+
+  graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+
+  def loss(p, batch):
+    return jnp.mean((nnx.merge(graphdef, p)(batch["x"]) - batch["y"]) ** 2)
+
+  rng = np.random.default_rng(0)
+  data = [{"x": rng.standard_normal((B, 5)).astype(np.float32),
+           "y": rng.standard_normal((B, 1)).astype(np.float32)}
+          for _ in range(2)]
+  want, want_losses = toy.optax_run(loss, optax.sgd(0.1), params, data)
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
+  got, losses, notes = toy.zero_run(loss, tx, params, data)
+  _assert_equal(got, want, losses, want_losses)
+  assert not notes, notes
+  state = zerojax.init(params, tx)
+  hlo = zerojax.train_step(loss, tx).lower(state, data[0]).compile().as_text()
+  per_layer = [(c.kind, c.count) for c in zerojax.collectives(hlo, 8)
+               if c.elements == D * D]
+  assert sorted(per_layer) == [("all-gather", L), ("all-gather", L),
+                               ("reduce-scatter", L)], per_layer
