@@ -186,7 +186,7 @@ class _Walker:
 
   def eqn(self, eqn, ins):
     name = eqn.primitive.name
-    subs = _subprograms(eqn.params)
+    subs = _subprograms(eqn.params) if name == "scan" or name in _INLINE else []
     if name == "scan" and len(subs) == 1:
       return self.scan(eqn, subs[0], ins)
     if name in _INLINE and len(subs) == 1:
