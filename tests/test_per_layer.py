@@ -344,3 +344,25 @@ def test_an_nnx_scan_model_is_gathered_per_layer_exactly(mesh):
                if c.elements == D * D]
   assert sorted(per_layer) == [("all-gather", L), ("all-gather", L),
                                ("reduce-scatter", L)], per_layer
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_loss_the_walk_cannot_evaluate_takes_the_whole_tree_exactly(
+    mesh, stage, monkeypatch):
+  """Where the per-layer walk fails inside zerojax (here: made to fail on
+  every scan), the step takes the whole-tree path: the same numbers, and
+  at stage 3 the warning that says it is zerojax's limitation."""
+  from zerojax._src.jaxpr import layers
+
+  def fail(self, eqn, sub, ins):
+    raise layers.LayersUnreadable("a scan it cannot rebuild")
+  monkeypatch.setattr(layers._Walker, "scan", fail)
+  want, want_losses = toy.optax_run(checkpointed_scan, optax.adam(1e-2),
+                                    _params(), _data())
+  got, losses, notes = _zero_run(checkpointed_scan, stage, mesh)
+  _assert_equal(got, want, losses, want_losses)
+  if stage == 1:
+    assert not notes, notes
+  else:
+    assert len(notes) == 1 and "a scan it cannot rebuild" in notes[0], notes
+    assert "limitation of zerojax" in notes[0]
