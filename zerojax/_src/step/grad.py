@@ -251,8 +251,10 @@ def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
       raise _gather.UngatheredParamError(
           f"zerojax {what}, gather='model': sharded parameters are {reason}. "
           f"Their shards are not the parameter: call zerojax.gather on "
-          f"them first, or use gather='auto' (default) / 'all' to gather the "
-          f"whole tree at the start of the loss.")
+          f"them first, or use gather='auto' (default: each gathered where "
+          f"the loss uses it, one layer at a time inside a lax.scan over "
+          f"stacked weights) or 'all' (the whole tree at the start of the "
+          f"loss).")
   return "layers", reason
 
 
