@@ -195,6 +195,23 @@ def test_the_eval_step_runs_a_plain_scan_per_layer_exactly(mesh, name):
   np.testing.assert_allclose(got, loss(_params(), batch), rtol=1e-5)
 
 
+def _check_stage3_per_layer(loss, opt, params, data, mesh):
+  """Stage 3: the same numbers as plain Optax with no warning, and the
+  ``D x D`` kernel all-gathered per layer twice (forward, backward) and
+  reduce-scattered per layer."""
+  want, want_losses = toy.optax_run(loss, opt, params, data)
+  tx = zerojax.zero(opt, stage=3, mesh=mesh)
+  got, losses, notes = toy.zero_run(loss, tx, params, data)
+  _assert_equal(got, want, losses, want_losses)
+  assert not notes, notes
+  state = zerojax.init(params, tx)
+  hlo = zerojax.train_step(loss, tx).lower(state, data[0]).compile().as_text()
+  per_layer = [(c.kind, c.count) for c in zerojax.collectives(hlo, 8)
+               if c.elements == D * D]
+  assert sorted(per_layer) == [("all-gather", L), ("all-gather", L),
+                               ("reduce-scatter", L)], per_layer
+
+
 def test_a_linen_nn_scan_model_is_gathered_per_layer_exactly(mesh):
   """Flax Linen's ``nn.scan`` over a remat block, parameters stacked on
   axis 0, no zerojax call: at stage 3 the stacked kernel is all-gathered
@@ -225,17 +242,7 @@ def test_a_linen_nn_scan_model_is_gathered_per_layer_exactly(mesh):
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, batch["y"]).mean()
 
-  want, want_losses = toy.optax_run(loss, optax.adam(1e-2), params, data)
-  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
-  got, losses, notes = toy.zero_run(loss, tx, params, data)
-  _assert_equal(got, want, losses, want_losses)
-  assert not notes, notes
-  state = zerojax.init(params, tx)
-  hlo = zerojax.train_step(loss, tx).lower(state, data[0]).compile().as_text()
-  per_layer = [(c.kind, c.count) for c in zerojax.collectives(hlo, 8)
-               if c.elements == D * D]
-  assert sorted(per_layer) == [("all-gather", L), ("all-gather", L),
-                               ("reduce-scatter", L)], per_layer
+  _check_stage3_per_layer(loss, optax.adam(1e-2), params, data, mesh)
 
 
 TP_SPECS = {"embed": P(None, "model"),
@@ -333,17 +340,7 @@ def test_an_nnx_scan_model_is_gathered_per_layer_exactly(mesh):
   data = [{"x": rng.standard_normal((B, 5)).astype(np.float32),
            "y": rng.standard_normal((B, 1)).astype(np.float32)}
           for _ in range(2)]
-  want, want_losses = toy.optax_run(loss, optax.sgd(0.1), params, data)
-  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
-  got, losses, notes = toy.zero_run(loss, tx, params, data)
-  _assert_equal(got, want, losses, want_losses)
-  assert not notes, notes
-  state = zerojax.init(params, tx)
-  hlo = zerojax.train_step(loss, tx).lower(state, data[0]).compile().as_text()
-  per_layer = [(c.kind, c.count) for c in zerojax.collectives(hlo, 8)
-               if c.elements == D * D]
-  assert sorted(per_layer) == [("all-gather", L), ("all-gather", L),
-                               ("reduce-scatter", L)], per_layer
+  _check_stage3_per_layer(loss, optax.sgd(0.1), params, data, mesh)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
