@@ -182,6 +182,8 @@ def test_a_stack_sharded_along_its_layers_is_gathered_whole_exactly(mesh):
                     stacked=lambda path, shape: False)
   got, losses, notes = toy.zero_run(checkpointed_scan, tx, params, _data())
   _assert_equal(got, want, losses, want_losses)
+  # nothing could be gathered per layer: the whole-tree warning, once
+  assert len(notes) == 1 and "gathers the whole parameter tree" in notes[0]
 
 
 @pytest.mark.parametrize("name", ["checkpointed_scan", "scan_inside_jit"])
