@@ -224,6 +224,13 @@ def test_nnx_batch_norm_statistics_train_as_model_state(mesh, stage):
                              0.01 * h.mean(0), rtol=1e-4, atol=1e-7)
 
 
+def test_an_nnx_module_passed_to_init_is_refused_with_the_split_to_use(mesh):
+  model = NNXModel(nnx.Rngs(0))
+  tx = zerojax.zero(optax.adam(1e-3), stage=1, mesh=mesh)
+  with pytest.raises(TypeError, match=r"nnx\.Module \(NNXModel\).*nnx\.split"):
+    zerojax.init(model, tx)
+
+
 # ------------------------------------------------- tensor parallel (model axis)
 def test_linen_logical_partitioning_runs_tensor_parallel():
   """Linen logical names + rules -> the model's own sharding over 'model';

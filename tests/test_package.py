@@ -44,6 +44,29 @@ def test_the_library_loads_without_the_application_or_its_dependencies():
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_a_plain_jax_training_script_does_not_load_flax():
+  """init, train_step and a step on a params dict import no Flax module:
+  Flax (and what it loads) costs a plain-JAX user ~13 MiB of RSS."""
+  code = (
+      "import os, sys\n"
+      "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
+      "import jax, jax.numpy as jnp, optax, zerojax\n"
+      "mesh = jax.make_mesh((8,), ('data',))\n"
+      "params = {'w': jnp.ones((8, 4)), 'b': jnp.zeros((4,))}\n"
+      "loss = lambda p, b: jnp.mean((b @ p['w'] + p['b']) ** 2)\n"
+      "for stage in (0, 3):\n"
+      "  tx = zerojax.zero(optax.adam(1e-3), stage=stage, mesh=mesh)\n"
+      "  state = zerojax.init(params, tx, copy=True)\n"
+      "  state, m = zerojax.train_step(loss, tx)(state, jnp.ones((16, 8)))\n"
+      "  jax.block_until_ready(m)\n"
+      "print(sorted({m.split('.')[0] for m in sys.modules} & "
+      "{'flax', 'orbax', 'treescope', 'IPython'}))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True, env={"JAX_PLATFORMS": "cpu",
+                                                   "PATH": ""})
+  assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
 def test_old_spellings_of_moved_names_still_work():
   from zerojax.app import gpt
   from zerojax.models import gpt as old_gpt
