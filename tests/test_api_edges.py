@@ -2,6 +2,7 @@
 into init, and the layout of leaves that are not layer stacks."""
 
 import functools
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 
 import zerojax
+import zerojax.checkpoint
 from tests import toy
 
 D, V, B = 64, 64, 32
@@ -262,6 +264,51 @@ def test_a_step_on_deleted_buffers_names_the_leaf_and_the_fixes(mesh):
         run(stale)
   for x, y in zip(jax.tree.leaves(_one_step(own, tx)), jax.tree.leaves(after)):
     assert np.array_equal(x, y)
+
+
+def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
+  """A state already given to the donating train step, passed again to the
+  step or to the functions that read a state (or its deleted params to
+  value_and_grad), is refused before anything runs, with a zerojax error
+  naming the leaf and the fix."""
+  params, _ = _device_params(mesh, "the mesh, replicated")
+  tx = zerojax.zero(optax.adamw(1e-3), stage=1, mesh=mesh)
+  stale = zerojax.init(params, tx)
+  fresh = _one_step(stale, tx)
+  batch = {"x": np.arange(B, dtype=np.int32) % V,
+           "y": np.arange(B, dtype=np.int32)[::-1] % V}
+  grad_fn = zerojax.value_and_grad(toy.layered_loss, tx)
+  _, grads = grad_fn(fresh, batch)
+  state_said = r"state\.step int32\[\] has been deleted.*the state it returns"
+  for where, run in (
+      ("apply_gradients", lambda: zerojax.apply_gradients(stale, grads)),
+      ("value_and_grad", lambda: grad_fn(stale, batch)),
+      ("gather_params", lambda: zerojax.gather_params(stale)),
+      ("gather_opt_state", lambda: zerojax.gather_opt_state(stale)),
+      ("layout_table", lambda: zerojax.layout_table(stale))):
+    with pytest.raises(ValueError, match=rf"zerojax\.{where}: {state_said}"):
+      run()
+  with pytest.raises(ValueError, match=r"zerojax\.value_and_grad: "
+                     r"params\['embed'\] float32\[64, 64\] has been "
+                     r"deleted.*copy=True"):
+    grad_fn(params, batch)
+  # the same step object, its program compiled and called before: refused
+  # too (JAX 0.10's fast path would run a deleted buffer and crash)
+  step = zerojax.train_step(toy.layered_loss, tx)
+  newer, _ = step(fresh, batch)
+  newest, _ = step(newer, batch)
+  with pytest.raises(ValueError, match=rf"zerojax\.train_step: {state_said}"):
+    step(newer, batch)
+  fresh = newest
+  with tempfile.TemporaryDirectory() as where:
+    with zerojax.checkpoint.Checkpointer(where) as ckpt:
+      with pytest.raises(ValueError, match=rf"Checkpointer\.save: {state_said}"):
+        ckpt.save(stale)
+      assert ckpt.save(fresh)
+  # the live state still works with every one of them
+  zerojax.apply_gradients(fresh, grads)
+  zerojax.gather_params(fresh)
+  zerojax.gather_opt_state(fresh)
 
 
 @pytest.mark.parametrize("where", ["one device", "the mesh, replicated"])

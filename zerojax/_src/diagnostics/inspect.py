@@ -13,6 +13,7 @@ import jax
 
 from zerojax._src.diagnostics import cost
 from zerojax._src.records.spec import ZeroState, leaf_dtype
+from zerojax._src.step.state import reject_deleted
 
 
 def _shard_nbytes(x) -> int:
@@ -28,6 +29,7 @@ def _memory_kind(x) -> str:
 
 def layout_rows(state: ZeroState) -> list[dict]:
   """One row per state leaf: path, shapes, sharding, bytes per device."""
+  reject_deleted(state, "zerojax.layout_rows")
   spec = state.spec
   rows = []
   sections = [("params", [(r.param, "params") for r in spec.leaves]),
@@ -66,6 +68,7 @@ def layout_rows(state: ZeroState) -> list[dict]:
 
 def layout_table(state: ZeroState) -> str:
   """A printable table of :func:`layout_rows`, with totals per category."""
+  reject_deleted(state, "zerojax.layout_table")
   rows = layout_rows(state)
   head = ("path", "shape", "dtype", "sharding", "bytes/device")
   body = [(r["path"], "x".join(map(str, r["shape"])) or "()", r["dtype"],

@@ -43,7 +43,7 @@ from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
                                        make_spec)
 from zerojax._src.step.dropin import ZeroTransformation
-from zerojax._src.step.state import gather_leaf
+from zerojax._src.step.state import gather_leaf, reject_deleted
 
 FORMAT = "zerojax-checkpoint-1"
 
@@ -194,6 +194,7 @@ class Checkpointer:
     if not isinstance(state, ZeroState):
       raise TypeError(f"Checkpointer.save: expected a ZeroState, got "
                       f"{type(state).__name__}.")
+    reject_deleted(state, "Checkpointer.save")
     step = int(jax.device_get(state.step))
     meta = dict(describe(state.spec), extra=extra or {},
                 key=_key_meta(state.key),

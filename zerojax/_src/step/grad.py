@@ -52,6 +52,7 @@ from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
                                        make_spec, model_axes_of,
                                        tree_difference)
 from zerojax._src.step.batch import place_batch
+from zerojax._src.step.state import reject_deleted
 
 GATHER_MODES = ("auto", "model", "all")
 
@@ -782,6 +783,8 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
           "zerojax.value_and_grad at stage 3: the parameters are stored "
           "sharded, so pass the ZeroState from zerojax.init (not a params "
           "tree): grad_fn(state, batch).")
+    reject_deleted(params, "zerojax.value_and_grad",
+                   "state" if isinstance(params, ZeroState) else "params")
     # A params tree's model shardings are read here, outside the jit.
     models = (None if isinstance(params, ZeroState)
               else model_axes_of(params, tx))

@@ -391,11 +391,43 @@ def _held_as_stored(leaves, spec: StateSpec) -> list:
 
 
 def deleted_leaf(tree):
-  """``(path, array)`` of the first deleted array in ``tree``, or ``None``."""
+  """``(path, array)`` of the first deleted array in ``tree``, or ``None``.
+  One pass over the leaves; paths are built only when one is deleted."""
+  if not any(_concrete(x) and x.is_deleted() for x in jax.tree.leaves(tree)):
+    return None
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if _concrete(x) and x.is_deleted():
       return jax.tree_util.keystr(path), x
   return None
+
+
+def reject_deleted(tree, where: str, what: str = "state"):
+  """Raises a zerojax error naming ``tree``'s first deleted leaf, if any.
+
+  Called before a program runs: JAX 0.10's compiled-call fast path does
+  not always refuse a deleted (donated) buffer, and the process can die
+  inside the runtime (measured: SIGSEGV on the third call of a train step
+  given a state it already donated). The check is one ``is_deleted`` per
+  leaf."""
+  found = deleted_leaf(tree)
+  if not found:
+    return
+  path, x = found
+  if what == "state":
+    raise ValueError(
+        f"{where}: state{path} {x.dtype}{list(x.shape)} has been deleted. "
+        f"The train step donates the state it is given: go on with the "
+        f"state it returns (state, metrics = step(state, batch)). Or this "
+        f"state shares the buffers of params it was built from with another "
+        f"state or array that a step took: zerojax.init holds params "
+        f"already laid out as it stores them without a copy; pass copy=True "
+        f"to zerojax.init for a state of its own.")
+  raise ValueError(
+      f"{where}: {what}{path} {x.dtype}{list(x.shape)} has been deleted, "
+      f"most likely by a train step that donated it (a state holds the "
+      f"params it was built from without a copy). Pass live arrays: the "
+      f"state the step returned (or zerojax.gather_params of it), or build "
+      f"the state with copy=True to keep the arrays you pass.")
 
 
 def _reject_deleted(params):
@@ -532,6 +564,7 @@ def gather_params(state: ZeroState, *, master: bool = False):
                     f"{type(state).__name__}.")
   spec = state.spec
   masters = spec.masters(state.master if master else None)
+  reject_deleted(state, "zerojax.gather_params")
   return spec.unflatten_params(_gather_weights(
       jax.tree.leaves(state.params), masters, tuple(spec.leaves)))
 
@@ -558,6 +591,7 @@ def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
   spec = state.spec
   m = spec.masters(state.master if master else None)[index]
   p = None if m is not None else jax.tree.leaves(state.params)[index]
+  reject_deleted(state, "zerojax.gather_leaf")
   return _gather_weights([p], [m], (spec.leaves[index],))[0]
 
 
@@ -567,6 +601,7 @@ def gather_opt_state(state: ZeroState):
   if not isinstance(state, ZeroState):
     raise TypeError(f"zerojax.gather_opt_state: expected a ZeroState, got "
                     f"{type(state).__name__}.")
+  reject_deleted(state, "zerojax.gather_opt_state")
   return _gather_opt_jit(state.replace(key=None, model_state=None))
 
 

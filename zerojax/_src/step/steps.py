@@ -39,7 +39,7 @@ from zerojax._src.step import update as _update
 from zerojax._src.step.batch import place_batch
 from zerojax._src.step.dropin import ZeroTransformation
 from zerojax._src.step.grad import LossCall
-from zerojax._src.step.state import deleted_leaf
+from zerojax._src.step.state import reject_deleted
 
 
 # --------------------------------------------------------------------------
@@ -163,13 +163,10 @@ class _CompiledStep:
     return place_batch(batch, self.tx, self.accum_steps)
 
   def _run(self, where: str, state, *args):
-    """The jitted call; a deleted state leaf is said with its path."""
+    """The jitted call; a deleted state leaf is refused first, by path."""
+    reject_deleted(state, where)
     with explain_closures(self.tx.mesh, where):
-      try:
-        return self._jitted(state, *args)
-      except (RuntimeError, ValueError) as e:
-        _reject_deleted_state(state, where, e)
-        raise
+      return self._jitted(state, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,22 +208,6 @@ class TrainStep(_CompiledStep):
     with explain_closures(self.tx.mesh, "zerojax.train_step"):
       return self._jitted.trace(state, batch,
                                 *_update.split_extra_args(extra_args))
-
-
-def _reject_deleted_state(state, where: str, error):
-  """JAX refuses a deleted array before running anything; say which leaf
-  and the two ways a state's buffers get deleted."""
-  found = deleted_leaf(state)
-  if found:
-    path, x = found
-    raise ValueError(
-        f"{where}: state{path} {x.dtype}{list(x.shape)} has been deleted. "
-        f"The train step donates the state it is given: go on with the "
-        f"state it returns (state, metrics = step(state, batch)). Or this "
-        f"state shares the buffers of params it was built from with another "
-        f"state or array that a step took: zerojax.init holds params "
-        f"already laid out as it stores them without a copy; pass copy=True "
-        f"to zerojax.init for a state of its own.") from error
 
 
 def _check_abstract(state, where: str):

@@ -225,6 +225,8 @@ def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
     if r.trainable:
       _check_shape(state.spec, g, r)
   arrays, static = split_extra_args(extra_args)
+  _state.reject_deleted(state, "zerojax.apply_gradients")
+  _state.reject_deleted(grads, "zerojax.apply_gradients", "grads")
   return _apply_jit(state, grads, arrays, static)
 
 
