@@ -36,7 +36,11 @@ paper's Figure 1) and ``<out>/step_time.png``.
   ``zerojax.init(params, tx)`` on params born replicated on the mesh, the
   caller's name still bound; ``params-copy``, the same with
   ``copy=True``; ``from``, ``init_from``); the peers' params are born as
-  the stages' are (on the mesh, or on one device for ``from``)
+  the stages' are (on the mesh, or on one device for ``from``), and with
+  ``params`` the peer's script, too, keeps its name bound: a peer uses
+  arrays already laid out as it stores them as they are (as zerojax's
+  state holds them), so a replicated peer holds no extra copy and the
+  FSDP peer keeps the replicated arrays beside its shards, as stage 3 does
 - ``step_time_s``: median over ``--steps`` steps after one warm-up step;
   ``compile_s`` apart; with ``--repeat R``, the median over the R rounds
   of that (every round in ``step_time_s_rounds``)
@@ -155,6 +159,11 @@ def worker(args) -> dict:
   # the peers' params are born as the zerojax stages' are: on one device
   # for --init from (init_from needs none), on the mesh otherwise
   peer_params = (lambda: init_fn(key)) if args.init == "from" else born_on_mesh
+  if args.init != "from":
+    # the script's params, bound for the whole run as the zerojax rows'
+    # ``params`` are (a peer donates them where it holds them as they are)
+    params = born_on_mesh()
+    peer_params = lambda: params
 
   if args.config.rstrip("b").isdigit():           # zerojax stage
     stage = int(args.config.rstrip("b"))
@@ -172,7 +181,6 @@ def worker(args) -> dict:
       # a user's script: params made by a jitted init on the mesh
       # (replicated, as under jax.set_mesh), handed to zerojax.init, and
       # still bound to the name ``params`` for the rest of the run
-      params = born_on_mesh()
       state = zerojax.init(params, tx, copy=args.init == "params-copy")
     jax.block_until_ready(state)
     mark("state")
@@ -431,7 +439,10 @@ def main():
                       "the caller's); params-copy: the same with copy=True "
                       "(the state copies, the caller's arrays stay valid). "
                       "The peers' params are born as the stages' are: on "
-                      "one device for from, on the mesh otherwise")
+                      "one device for from, on the mesh otherwise, where "
+                      "the peer's script keeps the name bound too (the "
+                      "FSDP peer then holds the replicated copy beside its "
+                      "shards, as stage 3 does)")
   p.add_argument("--block-dtype", choices=["bfloat16"], default=None,
                  help="fp32 params cast to this dtype inside the loss for "
                       "the transformer blocks (every configuration alike)")

@@ -40,7 +40,9 @@ def make_peer(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
   opt_shapes = jax.eval_shape(optimizer.init, params)
   opt_sh = jax.tree.map(lambda x: NamedSharding(
       mesh, P() if kind == "dp" else _fsdp_spec(x, n)), opt_shapes)
-  params = jax.jit(lambda p: p, out_shardings=param_sh)(params)
+  # arrays already laid out so are used as they are (no copy; the step
+  # donates them), others are resharded
+  params = jax.device_put(params, param_sh)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
   batch_sh = NamedSharding(mesh, P("data"))
 

@@ -1,0 +1,129 @@
+"""Step time of a zerojax stage and its GSPMD peer in one process, interleaved.
+
+    python experiments/interleaved_steps.py                 # the plain GPT
+    python experiments/interleaved_steps.py --pairs 0:dp --rounds 8
+
+``bench_stages.py`` runs every configuration in a process of its own; on a
+shared 2-core machine its step times move by a few percent from process to
+process, more than a 1-2% difference between a stage and its peer. Here
+each pair (``stage:peer``) runs in one fresh process: both compiled and
+warmed up, then ``--rounds`` rounds of ``--steps`` steps each, alternating
+which goes first, so both see the same machine. Same model, optimizer,
+batches and 8 fake CPU devices as ``bench_stages.py --model plain``
+(a plain-JAX GPT, no zerojax call); the state is built by
+``zerojax.init_from``, the peer's params on one device.
+
+Writes ``<out>`` (JSON): per pair every step time, the medians and
+``ratio`` = the stage's median / the peer's; the JAX version, the machine,
+the zerojax commit.
+"""
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+
+def worker(args) -> dict:
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  import jax
+  import numpy as np
+  import optax
+
+  import zerojax
+  from zerojax.app import data
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  import peers
+  import plain_gpt
+
+  stage, peer = args.pair.split(":")
+  init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
+                              width=args.width, depth=args.depth,
+                              seq_len=args.seq_len)
+  loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
+  tokens, _ = data.split(data.corpus_bytes())
+  batches = [data.batch_at(tokens, seed=0, step=i, batch=args.batch,
+                           seq_len=args.seq_len) for i in range(args.steps)]
+  mesh = zerojax.make_mesh()
+  key = jax.random.key(0)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=int(stage), mesh=mesh)
+  step = zerojax.train_step(loss_fn, tx)
+  state = zerojax.init_from(init_fn, tx, key)
+  peer_step, p, o = peers.make_peer(peer, loss_fn, optax.adamw(1e-3),
+                                    init_fn(key), mesh)
+  box = {"zerojax": state, "peer": (p, o)}
+
+  def run(which, b):
+    if which == "zerojax":
+      box[which], m = step(box[which], b)
+    else:
+      p, o, m = peer_step(*box[which], b)
+      box[which] = (p, o)
+    jax.block_until_ready(m)
+
+  for which in box:                       # compile and warm up
+    run(which, batches[0])
+  times = {"zerojax": [], "peer": []}
+  for r in range(args.rounds):
+    for which in (("zerojax", "peer") if r % 2 == 0 else ("peer", "zerojax")):
+      for b in batches:
+        t = time.perf_counter()
+        run(which, b)
+        times[which].append(time.perf_counter() - t)
+  med = {k: float(np.median(v)) for k, v in times.items()}
+  return {"pair": args.pair, "stage": int(stage), "peer": peer,
+          "step_times_s": times, "median_s": med,
+          "ratio": med["zerojax"] / med["peer"]}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--pairs", default="0:dp,1:zero1,2:fsdp,3:fsdp")
+  p.add_argument("--rounds", type=int, default=6)
+  p.add_argument("--steps", type=int, default=4, help="steps per round")
+  p.add_argument("--width", type=int, default=256)
+  p.add_argument("--vocab", type=int, default=256)
+  p.add_argument("--depth", type=int, default=8)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--seq-len", type=int, default=128)
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--out", default="runs/interleaved_steps.json")
+  p.add_argument("--pair", help=argparse.SUPPRESS)
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.worker:
+    print(json.dumps(worker(args)))
+    return
+  runs = []
+  for pair in args.pairs.split(","):
+    cmd = [sys.executable, __file__, "--worker", "--pair", pair] + [
+        f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+        ("rounds", "steps", "width", "vocab", "depth", "heads", "seq_len",
+         "batch")]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    r = runs[-1]
+    print(f"stage {r['stage']} vs {r['peer']}: {r['median_s']['zerojax']:.3f}"
+          f" s vs {r['median_s']['peer']:.3f} s, ratio {r['ratio']:.3f}",
+          flush=True)
+  import jax
+  import zerojax
+  commit = subprocess.run(
+      ["git", "describe", "--always", "--dirty"], capture_output=True,
+      text=True, cwd=pathlib.Path(zerojax.__file__).parent).stdout.strip()
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({
+      "jax_version": jax.__version__, "zerojax_commit": commit or None,
+      "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                 f"8 fake CPU devices",
+      "argv": sys.argv[1:], "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+  main()
