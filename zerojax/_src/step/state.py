@@ -312,7 +312,9 @@ def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
   ``flax.training.train_state.TrainState.create`` holds it. The train step
   donates the state, so, as in a data-parallel loop with donated params,
   such arrays are deleted by the first step: read the params from the
-  state (:func:`gather_params`), or pass ``copy=True``.
+  state (:func:`gather_params`), or pass ``copy=True``. Arrays laid out
+  otherwise (at stage 3, every sharded leaf) stay the caller's, alive
+  while bound: ``del params`` after ``init`` frees them.
 
   Args:
     params: a pytree of arrays (host or device, the same on every process),
