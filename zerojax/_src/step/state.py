@@ -344,7 +344,7 @@ def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
   _reject_non_params(params, "zerojax.init")
   if not isinstance(copy, bool):
     raise TypeError(f"zerojax.init: copy must be True or False, got {copy!r}.")
-  _reject_deleted(params)
+  reject_deleted(params, "zerojax.init", "params")
   spec = make_spec(params, tx)
   leaves = jax.tree.leaves(params)
   held = [None] * len(leaves) if copy else _held_as_stored(leaves, spec)
@@ -430,21 +430,6 @@ def reject_deleted(tree, where: str, what: str = "state"):
       f"params it was built from without a copy). Pass live arrays: the "
       f"state the step returned (or zerojax.gather_params of it), or build "
       f"the state with copy=True to keep the arrays you pass.")
-
-
-def _reject_deleted(params):
-  """A deleted array (donated to a step that freed it) is said with its
-  leaf before anything runs."""
-  found = deleted_leaf(params)
-  if found:
-    path, x = found
-    raise ValueError(
-        f"zerojax.init: params{path} {x.dtype}{list(x.shape)} has been "
-        f"deleted, most likely by a train step: a state holds the params it "
-        f"was given where they are already laid out as it stores them (no "
-        f"copy), and the step donates the state. Read the params from that "
-        f"state (zerojax.gather_params(state)), build them again, or pass "
-        f"copy=True to zerojax.init to keep the arrays you pass.")
 
 
 @functools.lru_cache(maxsize=256)
