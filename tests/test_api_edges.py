@@ -279,13 +279,15 @@ def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
            "y": np.arange(B, dtype=np.int32)[::-1] % V}
   grad_fn = zerojax.value_and_grad(toy.layered_loss, tx)
   _, grads = grad_fn(fresh, batch)
+  step = zerojax.train_step(toy.layered_loss, tx)
   state_said = r"state\.step int32\[\] has been deleted.*the state it returns"
   for where, run in (
       ("apply_gradients", lambda: zerojax.apply_gradients(stale, grads)),
       ("value_and_grad", lambda: grad_fn(stale, batch)),
       ("gather_params", lambda: zerojax.gather_params(stale)),
       ("gather_opt_state", lambda: zerojax.gather_opt_state(stale)),
-      ("layout_table", lambda: zerojax.layout_table(stale))):
+      ("layout_table", lambda: zerojax.layout_table(stale)),
+      ("report", lambda: zerojax.report(step, stale, batch))):
     with pytest.raises(ValueError, match=rf"zerojax\.{where}: {state_said}"):
       run()
   with pytest.raises(ValueError, match=r"zerojax\.value_and_grad: "
@@ -294,7 +296,6 @@ def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
     grad_fn(params, batch)
   # the same step object, its program compiled and called before: refused
   # too (JAX 0.10's fast path would run a deleted buffer and crash)
-  step = zerojax.train_step(toy.layered_loss, tx)
   newer, _ = step(fresh, batch)
   newest, _ = step(newer, batch)
   with pytest.raises(ValueError, match=rf"zerojax\.train_step: {state_said}"):
@@ -309,6 +310,7 @@ def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
   zerojax.apply_gradients(fresh, grads)
   zerojax.gather_params(fresh)
   zerojax.gather_opt_state(fresh)
+  assert "params['embed']" in zerojax.layout_table(fresh)
 
 
 @pytest.mark.parametrize("where", ["one device", "the mesh, replicated"])

@@ -48,6 +48,7 @@ from zerojax._src.diagnostics import inspect as _inspect
 from zerojax._src.jaxpr import activations as _activations
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.step import offload as _offload
+from zerojax._src.step.state import reject_deleted
 from zerojax._src.step.steps import loss_call
 
 
@@ -195,6 +196,7 @@ def report(step, state: ZeroState, batch) -> Report:
   Returns:
     A :class:`Report`; ``print`` it, show it in a notebook, or ``to_json()``.
   """
+  reject_deleted(state, "zerojax.report")
   compiled = step.lower(state, batch).compile()
   hlo = compiled.as_text()
   spec = state.spec
