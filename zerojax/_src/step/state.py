@@ -285,7 +285,7 @@ def _with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
 def _reject_non_params(params, where: str):
   """Module objects and functions are not a params tree: say what to pass."""
   # An nnx.Module exists only where flax.nnx is imported: looked up, not
-  # imported, so a plain-JAX script does not load Flax (~13 MiB of RSS).
+  # imported, so a plain-JAX script does not load Flax and what it imports.
   nnx = sys.modules.get("flax.nnx")
   if nnx is not None and isinstance(params, nnx.Module):
     raise TypeError(
