@@ -193,6 +193,32 @@ def test_drop_in_refuses_what_it_cannot_do(mesh):
                                               mesh=mesh))(_params(), _data(1)[0])
 
 
+def test_drop_in_names_a_leaf_a_donating_step_deleted(mesh):
+  """An optimizer state or params donated to a jitted step, then passed to
+  the drop-in's eager init or update (three times: JAX 0.10's compiled
+  fast path would run the deleted buffer and crash), is refused with a
+  zerojax error naming the leaf; the arrays the step returned work."""
+  tx = zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh)
+  params = jax.device_put(_params(), jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, opt_state = tx.update(grads, tx.init(params), params)
+  donate = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t),
+                   donate_argnums=0)
+  fresh = donate(opt_state)
+  for _ in range(3):
+    with pytest.raises(ValueError, match=r"ZeroTransformation\.update: "
+                       r"opt_state\[0\]\.count int32\[\] has been deleted"
+                       r".*donate_argnums"):
+      tx.update(grads, opt_state, params)
+  tx.update(grads, fresh, params)
+  kept = donate(params)
+  with pytest.raises(ValueError, match=r"ZeroTransformation\.init: "
+                     r"params\['b'\] float32\[3\] has been deleted"):
+    tx.init(params)
+  tx.init(kept)
+
+
 def test_sharded_gradients_stay_sharded_in_tx_update(mesh):
   """Gradients from value_and_grad (stage 2) enter tx.update sharded: the
   update all-gathers only the updates (one Ψ), never the gradients."""

@@ -47,7 +47,7 @@ from zerojax._src.records.spec import (StateSpec, WeightSource, gathered,
                                       make_spec)
 from zerojax._src.step import offload as _offload
 from zerojax._src.step import update as _update
-from zerojax._src.step.state import warn_untrained
+from zerojax._src.step.state import reject_deleted, warn_untrained
 
 
 def _check_config(config, where: str):
@@ -87,6 +87,7 @@ def _spec(config, params, where: str) -> StateSpec:
 
 def init(config, params):
   """The inner optimizer's state for ``params``, sharded for the stage."""
+  reject_deleted(params, "ZeroTransformation.init", "params")
   spec = _spec(config, params, "ZeroTransformation.init")
   leaves = jax.tree.leaves(params)
   if not any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -145,6 +146,9 @@ def update(config, grads, state, params, **extra_args):
   arguments that are arrays are traced; any others (callables, strings,
   Python numbers) reach the inner optimizer as they are."""
   _check_config(config, "ZeroTransformation.update")     # cheap, eager
+  for tree, what in ((state, "opt_state"), (params, "params"),
+                     (grads, "grads")):          # before the jitted call
+    reject_deleted(tree, "ZeroTransformation.update", what)
   if params is None:
     _spec(config, params, "ZeroTransformation.update")   # raises the fix
   # Called eagerly with uncommitted gradients (jax.grad outside jit), let

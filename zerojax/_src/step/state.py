@@ -426,10 +426,12 @@ def reject_deleted(tree, where: str, what: str = "state"):
         f"to zerojax.init for a state of its own.")
   raise ValueError(
       f"{where}: {what}{path} {x.dtype}{list(x.shape)} has been deleted, "
-      f"most likely by a train step that donated it (a state holds the "
-      f"params it was built from without a copy). Pass live arrays: the "
-      f"state the step returned (or zerojax.gather_params of it), or build "
-      f"the state with copy=True to keep the arrays you pass.")
+      f"most likely donated to a step: a zerojax train step (it donates "
+      f"the state, and a state holds the params it was built from without "
+      f"a copy) or a jitted step with donate_argnums. Pass live arrays: "
+      f"what that step returned (zerojax.gather_params(state) for a "
+      f"state's params), or build the state with copy=True to keep the "
+      f"arrays you pass.")
 
 
 @functools.lru_cache(maxsize=256)
