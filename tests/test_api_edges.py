@@ -287,7 +287,9 @@ def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
       ("gather_params", lambda: zerojax.gather_params(stale)),
       ("gather_opt_state", lambda: zerojax.gather_opt_state(stale)),
       ("layout_table", lambda: zerojax.layout_table(stale)),
-      ("report", lambda: zerojax.report(step, stale, batch))):
+      ("report", lambda: zerojax.report(step, stale, batch)),
+      ("checkpoint.export_params",
+       lambda: zerojax.checkpoint.export_params(stale))):
     with pytest.raises(ValueError, match=rf"zerojax\.{where}: {state_said}"):
       run()
   with pytest.raises(ValueError, match=r"zerojax\.value_and_grad: "

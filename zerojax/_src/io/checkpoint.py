@@ -500,6 +500,7 @@ def export_params(state: ZeroState, path=None):
     arrays.
   """
 
+  reject_deleted(state, "zerojax.checkpoint.export_params")
   full = state.spec.unflatten_params([
       np.asarray(gather_leaf(state, i, master=True))
       for i in range(len(state.spec.leaves))])
