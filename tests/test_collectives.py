@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 from tests import toy
@@ -156,3 +157,92 @@ def test_uneven_leaves_count_their_padding(mesh):
   assert padded > logical      # the toy's leaves really are padded
   # the replicated scalar's gradient is all-reduced with the loss and norms
   assert elements(colls, "all-reduce") <= 8  # a few scalars: loss, norms
+
+
+# --------------------------------------------------------------------------
+# stage 0: each weight gradient summed before autodiff's transpose
+# --------------------------------------------------------------------------
+F = 48          # a non-square weight: its transpose has another shape
+
+
+def plain_params():
+  k = jax.random.split(jax.random.key(1), 2)
+  return {"w": jax.random.normal(k[0], (L, D, F)) * 0.2,
+          "embed": jax.random.normal(k[1], (V, D)) * 0.2}
+
+
+def plain_loss(params, batch):
+  """A loss written for plain data parallelism: ``h @ W`` in a
+  checkpointed scan, no ``zerojax.gather``."""
+  def body(h, w):
+    return h + jnp.tanh(h @ w)[:, :D], None
+  h = params["embed"][batch["x"]]
+  h, _ = jax.lax.scan(jax.checkpoint(body), h, params["w"])
+  logits = h @ params["embed"].T
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]).mean()
+
+
+def all_reduced_shapes(hlo: str) -> set:
+  return {tuple(int(d) for d in dims.split(",") if d)
+          for line in hlo.splitlines() if " all-reduce(" in line
+          for dims in re.findall(r"f32\[([\d,]*)\]", line.split(" all-reduce(")[0])}
+
+
+def test_stage0_sums_each_weight_gradient_before_autodiffs_transpose(mesh):
+  """``x @ W``'s weight gradient is ``transpose(dot)``: the step sums the
+  dot's output over the devices, then transposes, as GSPMD's all-reduce
+  does (a sum after the transpose has XLA CPU fold it into the dot, which
+  then runs on Eigen, not YNNPACK). The all-reduce carries ``W``'s
+  gradient in the dot's shape, ``W`` transposed."""
+  from zerojax._src.jaxpr import transposes
+  tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
+  state = zerojax.init(plain_params(), tx)
+  step = zerojax.train_step(plain_loss, tx)
+  traced = step.trace(state, BATCH).jaxpr
+  assert transposes.count_sums_of_transposes(traced.jaxpr) == 0
+  shapes = all_reduced_shapes(step.lower(state, BATCH).compile().as_text())
+  assert (F, D) in shapes and (D, F) not in shapes
+
+  # the same loss differentiated without the pass sums after the transposes
+  # (the weight's, and the embedding's as the head)
+  def local(params, batch):
+    return jax.grad(lambda p: plain_loss(p, batch) / 8)(params)
+  grads = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
+                        out_specs=P())
+  put = lambda x, spec: jax.device_put(
+      x, jax.sharding.NamedSharding(mesh, spec))
+  plain = jax.make_jaxpr(grads)(put(plain_params(), P()), put(BATCH, P("data")))
+  assert transposes.count_sums_of_transposes(plain.jaxpr) >= 1
+
+
+def test_reduce_before_transpose_is_the_same_sum(mesh):
+  """The pass moves a sum over devices ahead of the transpose feeding it,
+  in scan bodies and checkpoints too, and leaves a transpose that has
+  another use where it is; the numbers are the same to the bit."""
+  from zerojax._src.jaxpr import transposes
+  x = jax.device_put(
+      jax.random.normal(jax.random.key(2), (8 * 3, 5, 7)),
+      jax.sharding.NamedSharding(mesh, P("data")))
+
+  def f(x):
+    def body(c, xi):
+      t = jax.checkpoint(lambda a: jax.lax.psum(a.T, "data"))(xi)
+      return c + t, None
+    looped, _ = jax.lax.scan(body, jnp.zeros((7, 5)), x)
+    t = x[0].T
+    kept = jax.lax.psum(t, "data") + t.sum()      # t has two uses: stays
+    return looped, kept
+
+  run = lambda fn: jax.jit(jax.shard_map(
+      fn, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))))(x)
+  want, got = run(f), run(transposes.reduce_before_transpose(f))
+  for a, b in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  moved = jax.make_jaxpr(jax.shard_map(
+      transposes.reduce_before_transpose(f), mesh=mesh, in_specs=P("data"),
+      out_specs=(P(), P("data"))))(x)
+  assert transposes.count_sums_of_transposes(moved.jaxpr) == 1   # kept's
+  plain = jax.make_jaxpr(jax.shard_map(
+      f, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))))(x)
+  assert transposes.count_sums_of_transposes(plain.jaxpr) == 2

@@ -47,6 +47,7 @@ from zerojax._src.comm import gather as _gather
 from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import layers as _layers
+from zerojax._src.jaxpr import transposes as _transposes
 from zerojax._src.records.mesh import explain_closures
 from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
                                        make_spec, model_axes_of,
@@ -357,7 +358,10 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
       loss, new_ms, aux = run_loss(prog, leaves, diff, hooked, gspecs,
                                    mode, mb, key, ms, reason)
       return loss * seed, (loss, new_ms, aux)
-    (_, (loss, new_ms, aux)), g = jax.value_and_grad(f, has_aux=True)(diff_in)
+    grad_fn = jax.value_and_grad(f, has_aux=True)
+    if tx.stage == 0 and k == 1:     # the sums in the backward, as GSPMD's
+      grad_fn = _transposes.reduce_before_transpose(grad_fn)
+    (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
     g = [None if x is None else x.astype(r.reduce_dtype)
          for x, r in zip(g, spec.leaves)]
     return g, loss, aux, new_ms
