@@ -165,12 +165,18 @@ NORM_BLOCKS = 16       # most blocks a whole gradient's norm is summed in
 def _global_norm(grads):
   """The gradients' global L2 norm; ``grads``: ``(gradient, whole)`` pairs.
 
-  A whole gradient (replicated over every mesh axis) is summed in at most
-  :data:`NORM_BLOCKS` blocks of leading rows (a stack's layers): ``sum(g **
-  2)`` over the whole leaf materialises ``g ** 2``, a gradient-sized
-  temporary, where the backend does not fuse the square into its reduction
-  (XLA CPU). A sharded one is summed at once: its square is a shard's, and
-  blocks over a sharded dimension would add collectives."""
+  A whole gradient (replicated over every mesh axis) must not be squared
+  into a temporary of its size: ``sum(g ** 2)`` materialises ``g ** 2``
+  where the backend does not fuse the square into its reduction (XLA CPU
+  at ``tests/conftest.py``'s flags, where it shares the square with the
+  optimizer's second moment). In its sum's dtype (fp32: real, not cast) it
+  is one dot of the flattened leaf with itself, at full precision: no
+  temporary, and one instruction where a loop compiles to a while loop of
+  its own. Otherwise (a bf16 leaf summed in fp32, complex) it is summed in
+  at most :data:`NORM_BLOCKS` blocks of leading rows (a stack's layers), so
+  only one block is cast and squared at a time. A sharded gradient is
+  summed at once: its square is a shard's, and a reshape or blocks over a
+  sharded dimension would add collectives."""
   def dtype(g):           # at least fp32, real
     return jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)
 
@@ -179,6 +185,8 @@ def _global_norm(grads):
 
   def blocked(g, whole):
     dt = dtype(g)
+    if whole and g.dtype == dt:
+      return sq(jax.lax.optimization_barrier(g), dt)
     g = jnp.abs(g) if jnp.iscomplexobj(g) else g
     rows = g.shape[0] if g.ndim >= 2 else 1
     if not whole or rows == 1:
