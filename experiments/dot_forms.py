@@ -23,7 +23,9 @@ Writes ``<out>`` (JSON): per configuration and allocator setting the
 compiled step's dots left out of fusions (``unfused_dots``), its sums over
 devices fed by a transpose in the jaxpr (zerojax only), the page faults
 per step (``ru_minflt``, the median of ``--steps``), the median step time,
-the peak RSS; the JAX version, the machine, the zerojax commit.
+the peak RSS (the zerojax rows also trace the step once more, to count
+its sums: compare peak RSS with ``bench_stages.py``, not here); the JAX
+version, the machine, the zerojax commit.
 """
 
 import argparse
