@@ -29,7 +29,6 @@ version, the machine, the zerojax commit.
 """
 
 import argparse
-import functools
 import json
 import os
 import pathlib
@@ -50,18 +49,11 @@ def worker(args) -> dict:
   import optax
 
   import zerojax
-  from zerojax.app import data
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
   import plain_gpt
 
-  init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
-                              width=args.width, depth=args.depth,
-                              seq_len=args.seq_len)
-  loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
-  tokens, _ = data.split(data.corpus_bytes())
-  batches = [data.batch_at(tokens, seed=0, step=i, batch=args.batch,
-                           seq_len=args.seq_len) for i in range(args.steps + 1)]
+  init_fn, loss_fn, batches = plain_gpt.from_flags(args, args.steps + 1)
   mesh = zerojax.make_mesh()
   key = jax.random.key(0)
   params = jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
@@ -109,13 +101,10 @@ def worker(args) -> dict:
 
 
 def main():
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  import plain_gpt
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--width", type=int, default=256)
-  p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--depth", type=int, default=8)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--seq-len", type=int, default=128)
-  p.add_argument("--batch", type=int, default=16)
+  plain_gpt.add_size_flags(p)
   p.add_argument("--steps", type=int, default=4)
   p.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
   p.add_argument("--out", default="docs/data/dot_forms_plain_jax{jax}.json")
@@ -130,9 +119,8 @@ def main():
     if malloc != "default":
       env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
     for config in CONFIGS:
-      cmd = [sys.executable, __file__, "--config", config] + [
-          f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-          if k not in ("config", "out")]
+      cmd = [sys.executable, __file__, "--config", config,
+             f"--steps={args.steps}", *plain_gpt.size_argv(args)]
       res = subprocess.run(cmd, env=env, capture_output=True, text=True,
                            check=True)
       run = json.loads(res.stdout.strip().splitlines()[-1])

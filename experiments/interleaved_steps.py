@@ -19,7 +19,6 @@ the zerojax commit.
 """
 
 import argparse
-import functools
 import json
 import os
 import pathlib
@@ -36,19 +35,12 @@ def worker(args) -> dict:
   import optax
 
   import zerojax
-  from zerojax.app import data
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
   import plain_gpt
 
   stage, peer = args.pair.split(":")
-  init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
-                              width=args.width, depth=args.depth,
-                              seq_len=args.seq_len)
-  loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
-  tokens, _ = data.split(data.corpus_bytes())
-  batches = [data.batch_at(tokens, seed=0, step=i, batch=args.batch,
-                           seq_len=args.seq_len) for i in range(args.steps)]
+  init_fn, loss_fn, batches = plain_gpt.from_flags(args, args.steps)
   mesh = zerojax.make_mesh()
   key = jax.random.key(0)
   tx = zerojax.zero(optax.adamw(1e-3), stage=int(stage), mesh=mesh)
@@ -82,16 +74,13 @@ def worker(args) -> dict:
 
 
 def main():
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  import plain_gpt
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--pairs", default="0:dp,1:zero1,2:fsdp,3:fsdp")
   p.add_argument("--rounds", type=int, default=6)
   p.add_argument("--steps", type=int, default=4, help="steps per round")
-  p.add_argument("--width", type=int, default=256)
-  p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--depth", type=int, default=8)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--seq-len", type=int, default=128)
-  p.add_argument("--batch", type=int, default=16)
+  plain_gpt.add_size_flags(p)
   p.add_argument("--out", default="runs/interleaved_steps.json")
   p.add_argument("--pair", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -101,10 +90,9 @@ def main():
     return
   runs = []
   for pair in args.pairs.split(","):
-    cmd = [sys.executable, __file__, "--worker", "--pair", pair] + [
-        f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-        ("rounds", "steps", "width", "vocab", "depth", "heads", "seq_len",
-         "batch")]
+    cmd = [sys.executable, __file__, "--worker", "--pair", pair,
+           f"--rounds={args.rounds}", f"--steps={args.steps}",
+           *plain_gpt.size_argv(args)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     r = runs[-1]

@@ -60,3 +60,36 @@ def loss(params, batch, *, heads: int):
   logp = jax.nn.log_softmax(_norm(x, params["ln_f"]) @ params["head"])
   target = jax.nn.one_hot(batch["y"], logp.shape[-1], dtype=logp.dtype)
   return -jnp.mean(jnp.sum(logp * target, -1))
+
+
+# --------------------------------------------------------------------------
+# the experiments' shared set-up: size flags, model functions, batches
+# --------------------------------------------------------------------------
+SIZE_FLAGS = {"width": 256, "vocab": 256, "depth": 8, "heads": 4,
+              "seq_len": 128, "batch": 16}   # bench_stages.py's defaults
+
+
+def add_size_flags(parser):
+  """``--width --vocab --depth --heads --seq-len --batch`` on ``parser``."""
+  for name, default in SIZE_FLAGS.items():
+    parser.add_argument("--" + name.replace("_", "-"), type=int,
+                        default=default)
+
+
+def size_argv(args) -> list:
+  """The size flags of ``args`` as command-line arguments (for a worker)."""
+  return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in SIZE_FLAGS]
+
+
+def from_flags(args, steps: int):
+  """``(init_fn, loss_fn, batches)``: the model of ``args``'s sizes and
+  ``steps`` batches of the embedded corpus (``zerojax.app.data``)."""
+  import functools
+
+  from zerojax.app import data
+  init_fn = functools.partial(init, vocab=args.vocab, width=args.width,
+                              depth=args.depth, seq_len=args.seq_len)
+  tokens, _ = data.split(data.corpus_bytes())
+  batches = [data.batch_at(tokens, seed=0, step=i, batch=args.batch,
+                           seq_len=args.seq_len) for i in range(steps)]
+  return init_fn, functools.partial(loss, heads=args.heads), batches
