@@ -358,9 +358,12 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
       loss, new_ms, aux = run_loss(prog, leaves, diff, hooked, gspecs,
                                    mode, mb, key, ms, reason)
       return loss * seed, (loss, new_ms, aux)
-    grad_fn = jax.value_and_grad(f, has_aux=True)
-    if tx.stage == 0 and k == 1:     # the sums in the backward, as GSPMD's
-      grad_fn = _transposes.reduce_before_transpose(grad_fn)
+    # XLA CPU keeps the weight-gradient dots in YNNPACK fusions: stage 0
+    # sums each before autodiff's transpose, as GSPMD does; stages 1-3 keep
+    # the transpose out of the dot (jaxpr/transposes.py)
+    grad_fn = _transposes.rewrite_for_dots(
+        jax.value_and_grad(f, has_aux=True), sums=tx.stage == 0,
+        barriers=tx.stage >= 1)
     (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
     g = [None if x is None else x.astype(r.reduce_dtype)
          for x, r in zip(g, spec.leaves)]
