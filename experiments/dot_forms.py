@@ -1,31 +1,34 @@
-"""Stage 0's weight-gradient dots against the plain loop's, on XLA CPU.
+"""The weight-gradient dots of stages 0 and 1 against their peers', on XLA CPU.
 
     python experiments/dot_forms.py
 
-At stage 0 the backward pass sums each weight's gradient over the devices
-where JAX differentiates the loss's implicit ``pvary``: after the
-transpose autodiff adds to ``x @ W``'s weight gradient. XLA CPU folds that
-transpose into the dot, and the folded dot runs on Eigen, which allocates
-its packing buffers on every call, instead of in a YNNPACK fusion. GSPMD's
-all-reduce in a plain ``jax.jit`` loop sits before the transpose.
-``zerojax/_src/jaxpr/transposes.py`` moves the sum there too.
+Autodiff gives ``x @ W``'s weight gradient as ``transpose(dot)``. XLA CPU
+folds such a transpose into the dot, and the folded dot (transposed
+operands) runs on Eigen, which allocates its packing buffers on every
+call, instead of in a YNNPACK fusion. A plain ``jax.jit`` loop escapes it
+by accident: GSPMD's gradient all-reduce sits between the dot and the
+transpose. ``zerojax/_src/jaxpr/transposes.py`` rewrites the gradient
+program: at stage 0 the sum moves before the transpose, as GSPMD has it;
+at stages 1-3 an ``optimization_barrier`` keeps the transpose out of the
+dot.
 
-Three configurations of the plain GPT of ``bench_stages.py --model
-plain``, each in a fresh process (8 fake CPU devices): the plain ``jit``
-loop (``peers.make_peer("dp")``), zerojax stage 0, and zerojax stage 0
-with the sums left after the transposes (the pass replaced by the
-identity). For each, twice: under glibc's default allocator settings, and
-with its mmap threshold fixed at 1 MiB (``MALLOC_MMAP_THRESHOLD_``), where
-every buffer of 1 MiB or more a step allocates is mapped afresh and its
-pages counted as faults.
+Six configurations of the plain GPT of ``bench_stages.py --model plain``,
+each in a fresh process (8 fake CPU devices): the plain ``jit`` loop
+(``peers.make_peer("dp")``), zerojax stage 0, stage 0 without the rewrite
+(replaced by the identity), the ZeRO-1 layout (``peers.make_peer("zero1")``),
+stage 1, and stage 1 without the rewrite. For each, twice: under glibc's
+default allocator settings, and with its mmap threshold fixed at 1 MiB
+(``MALLOC_MMAP_THRESHOLD_``), where every buffer of 1 MiB or more a step
+allocates is mapped afresh and its pages counted as faults.
 
 Writes ``<out>`` (JSON): per configuration and allocator setting the
-compiled step's dots left out of fusions (``unfused_dots``), its sums over
-devices fed by a transpose in the jaxpr (zerojax only), the page faults
-per step (``ru_minflt``, the median of ``--steps``), the median step time,
-the peak RSS (the zerojax rows also trace the step once more, to count
-its sums: compare peak RSS with ``bench_stages.py``, not here); the JAX
-version, the machine, the zerojax commit.
+compiled step's dots left out of fusions (``unfused_dots``), in the
+traced zerojax step the sums over devices fed by a transpose and the
+transposes fed by a dot, the page faults per step (``ru_minflt``, the
+median of ``--steps``), the median step time, the peak RSS (the zerojax
+rows also trace the step once more, to count: compare peak RSS with
+``bench_stages.py``, not here); the JAX version, the machine, the zerojax
+commit.
 """
 
 import argparse
@@ -39,7 +42,8 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("dp", "stage0", "stage0-sum-after-transpose")
+CONFIGS = ("dp", "stage0", "stage0-without-rewrite", "zero1", "stage1",
+           "stage1-without-rewrite")
 
 
 def worker(args) -> dict:
@@ -59,9 +63,9 @@ def worker(args) -> dict:
   params = jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec()))(key)
   out = {"config": args.config}
-  if args.config == "dp":
-    jitted, p, o = peers.make_peer("dp", loss_fn, optax.adamw(1e-3), params,
-                                   mesh)
+  if not args.config.startswith("stage"):
+    jitted, p, o = peers.make_peer(args.config, loss_fn, optax.adamw(1e-3),
+                                   params, mesh)
     compiled = jitted.lower(p, o, batches[0]).compile()
     box = [(p, o)]
 
@@ -70,15 +74,15 @@ def worker(args) -> dict:
       box[0] = (p, o)
       return m
   else:
-    if args.config == "stage0-sum-after-transpose":
-      from zerojax._src.jaxpr import transposes
+    from zerojax._src.jaxpr import transposes
+    if args.config.endswith("-without-rewrite"):
       transposes.rewrite_for_dots = lambda fn, **rules: fn
-    from zerojax._src.jaxpr.transposes import count_sums_of_transposes
-    tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
+    tx = zerojax.zero(optax.adamw(1e-3), stage=int(args.config[5]), mesh=mesh)
     step = zerojax.train_step(loss_fn, tx)
     box = [zerojax.init(params, tx)]
-    out["sums_of_transposes"] = count_sums_of_transposes(
-        step.trace(box[0], batches[0]).jaxpr.jaxpr)
+    traced = step.trace(box[0], batches[0]).jaxpr.jaxpr
+    out["sums_of_transposes"] = transposes.count_sums_of_transposes(traced)
+    out["transposed_dots"] = transposes.count_transposed_dots(traced)
     compiled = step.lower(box[0], batches[0]).compile()
 
     def run(b):
@@ -126,7 +130,7 @@ def main():
       run = json.loads(res.stdout.strip().splitlines()[-1])
       run["malloc"] = malloc
       runs.append(run)
-      print(f"{malloc:20s} {config:28s} unfused dots {run['unfused_dots']:2d}"
+      print(f"{malloc:20s} {config:24s} unfused dots {run['unfused_dots']:2d}"
             f"  faults/step {run['faults_per_step']:9,.0f}"
             f"  step {run['step_time_s']:.3f} s"
             f"  peak RSS {run['peak_rss_bytes'] / 2**20:,.0f} MiB", flush=True)
