@@ -1,4 +1,4 @@
-"""Sums over devices moved ahead of the transposes JAX's autodiff adds.
+"""The gradient program rewritten so that XLA CPU keeps its dots whole.
 
 At stage 0 a trainable leaf enters the loss replicated, and JAX inserts an
 implicit ``pvary`` where the loss first combines it with its batch rows.
@@ -11,7 +11,7 @@ program is ``psum(transpose(dot))``.
 XLA CPU then folds the transpose into the dot's operands. The folded dot
 contracts transposed operands, which XLA CPU's YNNPACK fusions do not take,
 so it runs on Eigen instead. Eigen allocates its packing buffers on every
-call: four such dots per layer on a GPT block, on each device, every step.
+call: one such dot per weight of each layer, on each device, every step.
 Plain ``jax.jit`` data parallelism does not get this. GSPMD puts its
 all-reduce on the dot's output, before the transpose, and the dot stays
 a YNNPACK fusion.
