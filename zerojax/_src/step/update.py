@@ -170,9 +170,11 @@ def _global_norm(grads):
   where the backend does not fuse the square into its reduction (XLA CPU
   at ``tests/conftest.py``'s flags, where it shares the square with the
   optimizer's second moment). In its sum's dtype (fp32: real, not cast) it
-  is one dot of the flattened leaf with itself, at full precision: no
-  temporary, and one instruction where a loop compiles to a while loop of
-  its own. Otherwise (a bf16 leaf summed in fp32, complex) it is summed in
+  is summed at once behind an ``optimization_barrier``: XLA cannot share
+  the barrier's output's square with the optimizer's (common-subexpression
+  elimination), so the square fuses into the reduction, no temporary, one
+  fusion where a loop would compile to a while loop of its own. Otherwise
+  (a bf16 leaf summed in fp32, complex) it is summed in
   at most :data:`NORM_BLOCKS` blocks of leading rows (a stack's layers), so
   only one block is cast and squared at a time. A sharded gradient is
   summed at once: its square is a shard's, and a reshape or blocks over a
