@@ -29,7 +29,9 @@ move. There ``barriers=True`` puts an ``optimization_barrier`` between a
 dot and the transpose of its output: XLA can no longer fold the one into
 the other, the dot stays a YNNPACK fusion, and the transpose is a copy of
 its own (as in the plain loop after its all-reduce). The barrier is the
-identity on values.
+identity on values. The train step sets it on CPU devices only: GPU and
+TPU dots take transposed operands as they are, and there the barrier
+would only force the dot's output into memory before its transpose.
 
 Only a sum or transpose whose operand is used nowhere else is rewritten.
 The program is otherwise bound again equation by equation, sub-programs

@@ -358,12 +358,14 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
       loss, new_ms, aux = run_loss(prog, leaves, diff, hooked, gspecs,
                                    mode, mb, key, ms, reason)
       return loss * seed, (loss, new_ms, aux)
-    # XLA CPU keeps the weight-gradient dots in YNNPACK fusions: stage 0
-    # sums each before autodiff's transpose, as GSPMD does; stages 1-3 keep
-    # the transpose out of the dot (jaxpr/transposes.py)
+    # stage 0 sums each weight gradient before autodiff's transpose, as
+    # GSPMD does; on XLA CPU stages 1-3 keep the transpose out of the dot,
+    # which then stays a YNNPACK fusion (jaxpr/transposes.py; measured on
+    # CPU only: GPU and TPU dots take transposed operands as they are)
+    on_cpu = tx.mesh.devices.flat[0].platform == "cpu"
     grad_fn = _transposes.rewrite_for_dots(
         jax.value_and_grad(f, has_aux=True), sums=tx.stage == 0,
-        barriers=tx.stage >= 1)
+        barriers=tx.stage >= 1 and on_cpu)
     (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
     g = [None if x is None else x.astype(r.reduce_dtype)
          for x, r in zip(g, spec.leaves)]
