@@ -362,10 +362,9 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
     # GSPMD does; on XLA CPU stages 1-3 keep the transpose out of the dot,
     # which then stays a YNNPACK fusion (jaxpr/transposes.py; measured on
     # CPU only: GPU and TPU dots take transposed operands as they are)
-    on_cpu = tx.mesh.devices.flat[0].platform == "cpu"
     grad_fn = _transposes.rewrite_for_dots(
         jax.value_and_grad(f, has_aux=True), sums=tx.stage == 0,
-        barriers=tx.stage >= 1 and on_cpu)
+        barriers=tx.stage >= 1 and _on_cpu(tx.mesh))
     (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
     g = [None if x is None else x.astype(r.reduce_dtype)
          for x, r in zip(g, spec.leaves)]
@@ -378,6 +377,14 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
                                            model_state, k, axes)
   return (_reduce_grads(spec, grads, hooked, scale / seed, direct),
           *_reduce_outputs(loss, aux, new_ms, axes, scale))
+
+
+def _on_cpu(mesh) -> bool:
+  """Whether ``mesh``'s devices are CPUs (an abstract mesh, which has no
+  devices: whether the default backend is)."""
+  if isinstance(mesh, jax.sharding.Mesh):
+    return mesh.devices.flat[0].platform == "cpu"
+  return jax.default_backend() == "cpu"
 
 
 def _secondary_shards(spec: StateSpec, leaves, hooked):
