@@ -54,6 +54,8 @@ def rewrite_for_dots(fn, *, sums: bool = True, barriers: bool = False):
   ``sums``: each ``psum(transpose(a))`` runs as ``transpose(psum(a))``.
   ``barriers``: each ``transpose(dot_general(..))`` runs as
   ``transpose(optimization_barrier(dot_general(..)))``."""
+  if not (sums or barriers):
+    return fn
   rules = _Rules(sums, barriers)
 
   def wrapped(*args):
@@ -69,13 +71,26 @@ def rewrite_for_dots(fn, *, sums: bool = True, barriers: bool = False):
 def count_sums_of_transposes(jaxpr) -> int:
   """How many sums over devices in ``jaxpr`` (sub-programs included) take
   a transpose's output: what :func:`rewrite_for_dots` removes (``sums``)."""
+  return _count_fed(jaxpr, _SUMS, "transpose")
+
+
+def count_transposed_dots(jaxpr) -> int:
+  """How many transposes in ``jaxpr`` (sub-programs included) take a
+  ``dot_general``'s output directly: what :func:`rewrite_for_dots` keeps
+  apart (``barriers``)."""
+  return _count_fed(jaxpr, {"transpose"}, "dot_general")
+
+
+def _count_fed(jaxpr, consumers, producer_name: str) -> int:
+  """Equations named in ``consumers`` whose first operand is a
+  ``producer_name`` equation's output, in ``jaxpr`` and its sub-programs."""
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
   n = 0
   for e in jaxpr.eqns:
-    if e.primitive.name in _SUMS and len(e.invars) == 1:
+    if e.primitive.name in consumers and e.invars:
       src = producer.get(e.invars[0])
-      n += src is not None and src.primitive.name == "transpose"
-    n += sum(count_sums_of_transposes(s)
+      n += src is not None and src.primitive.name == producer_name
+    n += sum(_count_fed(s, consumers, producer_name)
              for s in jax.extend.core.jaxprs_in_params(e.params))
   return n
 
@@ -162,21 +177,6 @@ class _Rules:
     if isinstance(value, jax.extend.core.Jaxpr):
       return self.rewrite(value)
     return None
-
-
-def count_transposed_dots(jaxpr) -> int:
-  """How many transposes in ``jaxpr`` (sub-programs included) take a
-  ``dot_general``'s output directly: what :func:`rewrite_for_dots` keeps
-  apart (``barriers``)."""
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  n = 0
-  for e in jaxpr.eqns:
-    if e.primitive.name == "transpose":
-      src = producer.get(e.invars[0])
-      n += src is not None and src.primitive.name == "dot_general"
-    n += sum(count_transposed_dots(s)
-             for s in jax.extend.core.jaxprs_in_params(e.params))
-  return n
 
 
 def _untransposed(aval, perm):

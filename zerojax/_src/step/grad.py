@@ -358,12 +358,12 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
       loss, new_ms, aux = run_loss(prog, leaves, diff, hooked, gspecs,
                                    mode, mb, key, ms, reason)
       return loss * seed, (loss, new_ms, aux)
-    # stage 0 sums each weight gradient before autodiff's transpose, as
-    # GSPMD does; on XLA CPU stages 1-3 keep the transpose out of the dot,
+    # stage 0 (one micro-batch: the sums are in the backward) sums each
+    # weight gradient before autodiff's transpose, as GSPMD does; on XLA CPU stages 1-3 keep the transpose out of the dot,
     # which then stays a YNNPACK fusion (jaxpr/transposes.py; measured on
     # CPU only: GPU and TPU dots take transposed operands as they are)
     grad_fn = _transposes.rewrite_for_dots(
-        jax.value_and_grad(f, has_aux=True), sums=tx.stage == 0,
+        jax.value_and_grad(f, has_aux=True), sums=tx.stage == 0 and k == 1,
         barriers=tx.stage >= 1 and _on_cpu(tx.mesh))
     (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
     g = [None if x is None else x.astype(r.reduce_dtype)
