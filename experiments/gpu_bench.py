@@ -123,31 +123,49 @@ def run_one(size: str, config: str, steps: int) -> dict:
   }
 
 
+def _run_child(size: str, config: str, args) -> dict:
+  """One configuration in a fresh process (its own device peak)."""
+  try:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", size, config,
+         "--steps", str(args.steps)],
+        capture_output=True, text=True, env=dict(os.environ),
+        timeout=args.timeout)
+  except subprocess.TimeoutExpired:
+    return {"size": size, "config": config,
+            "error": f"timed out after {args.timeout} s"}
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
+  if lines:
+    return json.loads(lines[-1][7:])
+  return {"size": size, "config": config,
+          "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--sizes", default="1b,2.7b")
   p.add_argument("--configs", default=",".join(CONFIGS))
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--out", default="runs/gpu_bench")
+  p.add_argument("--timeout", type=int, default=300,
+                 help="seconds per configuration (a timed-out one records "
+                      "an error)")
   p.add_argument("--one", nargs=2, metavar=("SIZE", "CONFIG"),
                  help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.one:
     print("RECORD " + json.dumps(run_one(*args.one, args.steps)), flush=True)
     return
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
   records = []
   for size in args.sizes.split(","):
     for config in args.configs.split(","):
-      proc = subprocess.run(
-          [sys.executable, __file__, "--one", size, config,
-           "--steps", str(args.steps)],
-          capture_output=True, text=True, env=dict(os.environ))
-      lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
-      rec = (json.loads(lines[-1][7:]) if lines else
-             {"size": size, "config": config, "error":
-              (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
+      rec = _run_child(size, config, args)
       print(json.dumps(rec), flush=True)
       records.append(rec)
+      # written after every configuration, so a run cut short keeps its rows
+      (out / "gpu_bench.json").write_text(json.dumps(records, indent=2))
   plain = {r["size"]: r for r in records if r["config"] == "plain"
            and "error" not in r}
   for r in records:
@@ -156,8 +174,6 @@ def main():
       r["step_vs_plain"] = r["step_s"] / base["step_s"]
       if r.get("peak_bytes_in_use") and base.get("peak_bytes_in_use"):
         r["peak_vs_plain"] = r["peak_bytes_in_use"] / base["peak_bytes_in_use"]
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
   (out / "gpu_bench.json").write_text(json.dumps(records, indent=2))
   print(f"wrote {out / 'gpu_bench.json'}")
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks, each piece time-boxed against one deadline so that a lease
+# of a few minutes returns every row that finished.
+#
+#   experiments/gpu_checks.sh bench SECONDS OUT  # gpu_bench 1b + 2.7b, then 3.5b stage 3 (+offload)
+#   experiments/gpu_checks.sh rest SECONDS OUT   # the main job, no flags; longest_context, coarse
+#
+# Logs and JSON land in OUT (flat: the device tool brings back two levels).
+set -u
+part=$1; budget=$2; out=$3
+mkdir -p "$out"
+deadline=$((SECONDS + budget))
+left() { echo $((deadline - SECONDS)); }
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+
+{ nvidia-smi -L; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } \
+  >"$out/${part}_env.txt" 2>&1
+
+case $part in
+  bench)
+    timeout "$(left)" python3 experiments/gpu_bench.py --sizes 1b,2.7b \
+      --steps 5 --timeout 150 --out "$out/b1" 2>&1 | tee "$out/gpu_bench.log"
+    cp "$out/b1/gpu_bench.json" "$out/gpu_bench.json" 2>/dev/null
+    if [ "$(left)" -gt 60 ]; then
+      timeout "$(left)" python3 experiments/gpu_bench.py --sizes 3.5b \
+        --configs 3+offload,3 --steps 3 --timeout 150 --out "$out/b2" 2>&1 \
+        | tee "$out/gpu_bench_3.5b.log"
+      cp "$out/b2/gpu_bench.json" "$out/gpu_bench_3.5b.json" 2>/dev/null
+    fi
+    ;;
+  rest)
+    timeout "$(( $(left) < 240 ? $(left) : 240 ))" python3 -m zerojax.train \
+      --out "$out/train" 2>&1 | tee "$out/train.log"
+    cp "$out/train/"* "$out/" 2>/dev/null
+    if [ "$(left)" -gt 60 ]; then
+      timeout "$(left)" python3 experiments/longest_context.py \
+        --policies dots,offload --start 32768 --granularity 32768 \
+        --timeout 120 --out "$out/lc" 2>&1 | tee "$out/longest_context.log"
+      cp "$out/lc/longest_context.json" "$out/" 2>/dev/null
+    fi
+    ;;
+esac
+rm -rf "$out/b1" "$out/b2" "$out/lc" "$out/train"
