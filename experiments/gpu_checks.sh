@@ -5,7 +5,8 @@
 #   experiments/gpu_checks.sh bench SECONDS OUT  # gpu_bench 1b + 2.7b, then 3.5b stage 3 (+offload)
 #   experiments/gpu_checks.sh rest SECONDS OUT   # the main job, no flags; longest_context, coarse
 #
-# Logs and JSON land in OUT (flat: the device tool brings back two levels).
+# Logs and JSON land in OUT, flat (the device tool brings back at most 8
+# files, two folders down).
 set -u
 part=$1; budget=$2; out=$3
 mkdir -p "$out"
@@ -13,8 +14,7 @@ deadline=$((SECONDS + budget))
 left() { echo $((deadline - SECONDS)); }
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 
-{ nvidia-smi -L; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } \
-  >"$out/${part}_env.txt" 2>&1
+nvidia-smi -L; python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 
 case $part in
   bench)
@@ -31,7 +31,7 @@ case $part in
   rest)
     timeout "$(( $(left) < 240 ? $(left) : 240 ))" python3 -m zerojax.train \
       --out "$out/train" 2>&1 | tee "$out/train.log"
-    cp "$out/train/"* "$out/" 2>/dev/null
+    cp "$out/train/summary.json" "$out/train/metrics.jsonl" "$out/" 2>/dev/null
     if [ "$(left)" -gt 60 ]; then
       timeout "$(left)" python3 experiments/longest_context.py \
         --policies dots,offload --start 32768 --granularity 32768 \

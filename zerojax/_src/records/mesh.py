@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DEFAULT_AXIS = "data"
 REPLICA_AXIS = "replica"
@@ -183,13 +183,22 @@ def explicit_names(mesh) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=32)
-def compute_mesh(mesh: Mesh) -> Mesh:
+def compute_mesh(mesh: Mesh) -> Mesh | AbstractMesh:
   """``mesh`` with every axis ``Auto``: the mesh zerojax's constraints and
-  ``shard_map`` regions name (``mesh`` itself when it is all ``Auto``)."""
+  ``shard_map`` regions name (``mesh`` itself when it is all ``Auto``).
+
+  For a mesh with ``Explicit`` axes this is the *abstract* mesh that
+  :func:`auto_region` makes current, not a second concrete ``Mesh``: ``jit``
+  requires every concrete sharding in a program to share one mesh once the
+  program holds a primitive that needs its devices while lowering (cuDNN's
+  fused attention, ``jax.pure_callback``), and the step's arguments carry the
+  caller's ``Explicit`` mesh. Shardings on an abstract mesh take the
+  program's devices.
+  """
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
-  return Mesh(mesh.devices, mesh.axis_names,
-              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+  return mesh.abstract_mesh.update_axis_types(
+      {a: AxisType.Auto for a in mesh.axis_names})
 
 
 def named(mesh, spec: P, ndim: int) -> NamedSharding:

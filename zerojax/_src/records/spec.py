@@ -114,13 +114,24 @@ class Placement:
   def fetch(self, x, layout):
     """A master / optimizer leaf -> device memory (under ``jit``; a no-op
     without offload). XLA computes only on device-memory operands."""
-    return (jax.device_put(x, self.compute_sharding(layout)) if self.offload
-            else x)
+    return self._move(x, layout, jax.memory.Space.Device) if self.offload else x
 
   def stash(self, x, layout):
     """A master / optimizer leaf -> where the state keeps it."""
-    return (jax.device_put(x, self.compute_sharding(layout, host=True))
-            if self.offload else x)
+    return self._move(x, layout, jax.memory.Space.Host) if self.offload else x
+
+  def _move(self, x, layout, space):
+    """``x`` moved to memory ``space`` in ``layout``'s sharding. On the
+    caller's own (all-``Auto``) mesh one ``device_put`` does both; on the
+    abstract compute mesh of an ``Explicit`` mesh the sharding is a
+    constraint and the move names only the memory space, so the program
+    holds no second mesh (:func:`zerojax._src.records.mesh.compute_mesh`)."""
+    mesh = compute_mesh(self.mesh)
+    if isinstance(mesh, Mesh):
+      return jax.device_put(x, self._sharding(
+          mesh, layout, space == jax.memory.Space.Host))
+    x = jax.lax.with_sharding_constraint(x, self._sharding(mesh, layout, False))
+    return jax.device_put(x, space)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import layers as _layers
 from zerojax._src.jaxpr import transposes as _transposes
+from zerojax._src.jaxpr import varying as _varying
 from zerojax._src.records.mesh import explain_closures
 from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
                                        make_spec, model_axes_of,
@@ -353,11 +354,24 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   # of the gradient made after it.
   seed = scale if tx.stage == 0 and k == 1 else 1.0
 
-  def one(mb, key, ms):              # one micro-batch's loss and gradients
+  def objective(mb, key, ms):        # what one micro-batch differentiates
     def f(diff):
       loss, new_ms, aux = run_loss(prog, leaves, diff, hooked, gspecs,
                                    mode, mb, key, ms, reason)
       return loss * seed, (loss, new_ms, aux)
+    return f
+
+  if any(direct) and _varying.dropped_varying(
+      jax.make_jaxpr(objective(first, micro_key(0), model_state))(
+          diff_in).jaxpr, axes):
+    # the loss types a per-device value as the same on every device (a
+    # callback's result, say): no implicit sum would reach the gradient
+    # through it, so every leaf is reduced explicitly after the backward
+    direct = [False] * len(direct)
+    diff_in = _diff_inputs(spec, leaves, hooked, direct)
+
+  def one(mb, key, ms):              # one micro-batch's loss and gradients
+    f = objective(mb, key, ms)
     # stage 0 (one micro-batch: the sums are in the backward) sums each
     # weight gradient before autodiff's transpose, as GSPMD does; on XLA CPU stages 1-3 keep the transpose out of the dot,
     # which then stays a YNNPACK fusion (jaxpr/transposes.py; measured on

@@ -1,0 +1,82 @@
+"""Where a per-device program types a per-device value as the same on every
+device.
+
+Inside ``jax.shard_map`` JAX types every value with the manual axes it
+varies over. Stage 0 with one micro-batch relies on that type to sum each
+replicated leaf's gradient (:func:`zerojax._src.step.grad.reduced_where_used`):
+where the loss first combines the leaf with a value that varies over the
+batch axes, JAX inserts an implicit ``pvary``, whose transpose is the
+``psum`` of the leaf's cotangent.
+
+A primitive whose result types the caller states -- ``jax.pure_callback``
+and ``io_callback`` (their ``ShapeDtypeStruct`` results), an FFI call, a
+custom kernel's abstract evaluation -- can return a value typed invariant
+that in fact differs per device. Gradient that flows through such a value
+meets no ``pvary`` and is never summed: the step would update with one
+device's share of the gradient. :func:`dropped_varying` finds such
+equations, so that the step reduces those leaves explicitly after the
+backward pass instead (the same numbers as unsharded Optax either way).
+
+The check is conservative. Every first-order equation whose operands vary
+over a batch axis and whose array results do not is reported, unless it
+is one of the collectives that sum or gather over the axis (their results
+are the same on every device by construction). Equations holding
+sub-programs (``jit``, ``scan``, ``cond``, ``while``, ``jax.checkpoint``,
+custom derivatives) are read through their sub-programs. A type this JAX
+release does not expose is reported too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+
+# results the same on every device by construction
+_COLLECTIVES = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "all_gather_invariant",
+    "pbroadcast", "psum_invariant_start", "pbroadcast_start",
+})
+
+UNREADABLE = "(types not readable)"
+
+
+def varying_axes(aval) -> frozenset | None:
+  """The manual axes ``aval`` is typed to vary over; ``None`` when this
+  JAX release does not expose them."""
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  vma = getattr(aval, "vma", None)
+  return None if vma is None else frozenset(vma)
+
+
+def dropped_varying(jaxpr, axes) -> list[str]:
+  """The primitives in ``jaxpr`` (a traced per-device program, sub-programs
+  included) whose operands vary over one of ``axes`` while an array result
+  is typed not to, collectives aside; :data:`UNREADABLE` once if a type
+  cannot be read. Empty: every per-device value is typed as such."""
+  axes = frozenset(axes)
+  found: list[str] = []
+  _walk(jaxpr, axes, found)
+  return found
+
+
+def _walk(jaxpr, axes, found):
+  for e in jaxpr.eqns:
+    subs = list(jax.extend.core.jaxprs_in_params(e.params))
+    if subs:
+      for s in subs:
+        _walk(s, axes, found)
+      continue
+    if e.primitive.name in _COLLECTIVES:
+      continue
+    ins = [varying_axes(v.aval) for v in e.invars if hasattr(v.aval, "shape")]
+    outs = [varying_axes(v.aval) for v in e.outvars
+            if hasattr(v.aval, "shape")]
+    if any(t is None for t in ins + outs):
+      if UNREADABLE not in found:
+        found.append(UNREADABLE)
+      continue
+    wanted = frozenset().union(*ins) & axes
+    if wanted and any(wanted - t for t in outs):
+      found.append(e.primitive.name)
