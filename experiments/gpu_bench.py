@@ -137,8 +137,11 @@ def _run_child(size: str, config: str, args) -> dict:
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
   if lines:
     return json.loads(lines[-1][7:])
+  # the exception's own line, not JAX's note on filtered frames after it
+  errs = [l for l in proc.stderr.splitlines()
+          if l and not l[0].isspace() and "Error" in l.split(":")[0]]
   return {"size": size, "config": config,
-          "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+          "error": (errs or proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
 
 
 def main():
