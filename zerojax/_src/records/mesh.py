@@ -27,6 +27,7 @@ it composes with the caller's own Explicit-sharding code. See
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -182,23 +183,57 @@ def explicit_names(mesh) -> tuple[str, ...]:
                if t == AxisType.Explicit)
 
 
-@functools.lru_cache(maxsize=32)
 def compute_mesh(mesh: Mesh) -> Mesh | AbstractMesh:
   """``mesh`` with every axis ``Auto``: the mesh zerojax's constraints and
   ``shard_map`` regions name (``mesh`` itself when it is all ``Auto``).
 
-  For a mesh with ``Explicit`` axes this is the *abstract* mesh that
-  :func:`auto_region` makes current, not a second concrete ``Mesh``: ``jit``
-  requires every concrete sharding in a program to share one mesh once the
-  program holds a primitive that needs its devices while lowering (cuDNN's
-  fused attention, ``jax.pure_callback``), and the step's arguments carry the
-  caller's ``Explicit`` mesh. Shardings on an abstract mesh take the
-  program's devices.
+  For a mesh with ``Explicit`` axes, inside :func:`auto_region`, this is the
+  *abstract* mesh the region makes current, not a second concrete ``Mesh``:
+  ``jit`` requires every concrete sharding in a program to share one mesh
+  once the program holds a primitive that needs its devices while
+  lowering (cuDNN's fused attention, ``jax.pure_callback``), and the
+  step's arguments carry the caller's ``Explicit`` mesh. Shardings on an
+  abstract mesh take the program's devices.
+
+  The one exception: a region traced with no mesh to take devices from (no
+  ``jax.set_mesh``, no argument typed on the mesh -- the drop-in's
+  ``update`` in a user's ``jit`` on arrays of one device) names the
+  concrete all-``Auto`` mesh, whose shardings give the program its devices.
   """
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
+  if _CONCRETE_VIEW.get():
+    return _concrete_auto(mesh)
+  return _abstract_auto(mesh)
+
+
+# set while a region is traced with no other source of devices (above)
+_CONCRETE_VIEW = contextvars.ContextVar("zerojax_concrete_view",
+                                        default=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_auto(mesh: Mesh) -> AbstractMesh:
   return mesh.abstract_mesh.update_axis_types(
       {a: AxisType.Auto for a in mesh.axis_names})
+
+
+@functools.lru_cache(maxsize=32)
+def _concrete_auto(mesh: Mesh) -> Mesh:
+  return Mesh(mesh.devices, mesh.axis_names,
+              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _typed_on(mesh: Mesh, tree) -> bool:
+  """Whether an array in ``tree`` is typed on ``mesh`` (so the program
+  takes its devices from it)."""
+  want = mesh.abstract_mesh
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array):
+      sharding = getattr(jax.typeof(x), "sharding", None)
+      if sharding is not None and sharding.mesh == want:
+        return True
+  return False
 
 
 def named(mesh, spec: P, ndim: int) -> NamedSharding:
@@ -304,4 +339,15 @@ def auto_region(mesh: Mesh, fn: Callable, out_shardings) -> Callable:
         f"mesh you set.")
   outs = jax.tree.map(lambda s: typed(s) if isinstance(s, NamedSharding)
                       else s, out_shardings)
-  return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=outs)
+  region = jax.sharding.auto_axes(fn, axes=explicit, out_sharding=outs)
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    if not current.empty or _typed_on(mesh, (args, kwargs)):
+      return region(*args, **kwargs)
+    token = _CONCRETE_VIEW.set(True)          # compute_mesh: no devices else
+    try:
+      return region(*args, **kwargs)
+    finally:
+      _CONCRETE_VIEW.reset(token)
+  return call
