@@ -6,6 +6,8 @@ the temp figure misses some buffers inside loop bodies, so the tests only
 compare stages and depths, never assert an absolute peak.
 """
 
+import sys
+
 import numpy as np
 import optax
 import pytest
@@ -201,3 +203,29 @@ def test_stage0_holds_no_more_than_plain_data_parallelism(loss):
   excess = (z.argument_size_in_bytes + z.temp_size_in_bytes) - (
       p.argument_size_in_bytes + p.temp_size_in_bytes)
   assert excess <= layer_grad + 1024, (excess, layer_grad, stacked_grad)
+
+
+def test_init_and_a_steps_first_call_hand_their_compile_heap_back(monkeypatch):
+  """The programs ``init``/``init_from`` compile run once, and a step's
+  program compiles on its first call: after each, the C heap's free pages
+  go back to the OS (glibc's ``malloc_trim``; docs/results.md measures the
+  resident set it saves). Later calls compile nothing and trim nothing."""
+  import jax
+  from zerojax._src.runtime import host_heap
+  calls = []
+  real = host_heap.release_free_heap
+  monkeypatch.setattr(host_heap, "release_free_heap",
+                      lambda: calls.append(real()) or calls[-1])
+  tx = zerojax.zero(optax.adamw(1e-3), stage=1)
+  state = zerojax.init(toy.layered_params(2, D, V), tx)
+  assert len(calls) == 1
+  zerojax.init_from(lambda k: toy.layered_params(2, D, V, key=k), tx,
+                    jax.random.key(0))
+  assert len(calls) == 2
+  step = zerojax.train_step(toy.layered_loss, tx)
+  batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
+  for _ in range(3):
+    state, _ = step(state, batch)
+  assert len(calls) == 3
+  if sys.platform.startswith("linux"):      # glibc: the call exists there
+    assert host_heap._malloc_trim() is not None

@@ -29,6 +29,7 @@ from zerojax._src.records.mesh import auto_region
 from zerojax._src.records.spec import (StateSpec, ZeroState, fresh_copy,
                                        gathered, is_key_dtype, leaf_dtype,
                                        make_spec)
+from zerojax._src.runtime import host_heap
 from zerojax._src.step import offload as _offload
 
 
@@ -279,7 +280,10 @@ def _with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
             f"{where}: model_state leaf {jax.tree_util.keystr(path)} is a "
             f"{type(x).__name__}, not an array.")
   extras = _replicated({"key": key, "model_state": model_state}, state.spec)
-  return state.replace(**extras)
+  state = state.replace(**extras)
+  # the init programs run once: their compile heap goes back to the OS
+  host_heap.release_free_heap()
+  return state
 
 
 def _reject_non_params(params, where: str):

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax._src.records.mesh import explain_closures
 from zerojax._src.records.spec import (StateSpec, ZeroState, leaf_dtype,
                                        tree_difference)
+from zerojax._src.runtime import host_heap
 from zerojax._src.step import grad as _grad
 from zerojax._src.step import update as _update
 from zerojax._src.step.batch import place_batch
@@ -157,6 +158,9 @@ class _CompiledStep:
   gather: str
   accum_steps: int
   _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
+  # whether a call has run (and so compiled): set once, after the first
+  _called: list = dataclasses.field(repr=False, compare=False,
+                                    default_factory=list)
 
   def _prepare(self, state, batch):
     check_state(state, self.tx)
@@ -166,7 +170,13 @@ class _CompiledStep:
     """The jitted call; a deleted state leaf is refused first, by path."""
     reject_deleted(state, where)
     with explain_closures(self.tx.mesh, where):
-      return self._jitted(state, *args)
+      out = self._jitted(state, *args)
+    if not self._called:
+      # the first call compiled the program: its compile heap goes back to
+      # the OS (runtime/host_heap.py) while the step runs
+      self._called.append(True)
+      host_heap.release_free_heap()
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
