@@ -100,6 +100,9 @@ def worker(args) -> dict:
   import zerojax
   from zerojax.app import data
   from zerojax.app import gpt
+  if args.heap_release == "off":
+    from zerojax._src.runtime import host_heap
+    host_heap.release_free_heap = lambda: False
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
 
@@ -468,6 +471,10 @@ def main():
                       "follows the live buffers (glibc's default raises the "
                       "threshold as buffers are freed and keeps them in its "
                       "arenas)")
+  p.add_argument("--heap-release", choices=["on", "off"], default="on",
+                 help="off: zerojax keeps the C heap's free pages after init "
+                      "and a step's first call (runtime/host_heap.py), to "
+                      "measure what handing them back saves")
   p.add_argument("--out", default="runs/bench_stages")
   p.add_argument("--config", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -530,6 +537,7 @@ def main():
       f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU devices"),
       "argv": sys.argv[1:], "repeat": args.repeat,
       "malloc_mmap_threshold": args.malloc_mmap_threshold,
+      "heap_release": args.heap_release,
       # glibc tunables the workers inherited (e.g. MALLOC_TRIM_THRESHOLD_)
       "malloc_env": {k: v for k, v in os.environ.items()
                      if k.startswith("MALLOC_")}}
