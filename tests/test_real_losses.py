@@ -95,18 +95,20 @@ def callback_then_gather(params, b):
   return _fit(zerojax.gather(params), {"x": _host_tanh(b["x"]), "y": b["y"]})
 
 
+@pytest.mark.parametrize("gather", ["auto", "all"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("loss", [callback_never_gathers, callback_then_gather],
                          ids=lambda f: f.__name__)
 def test_a_loss_through_a_host_callback_equals_unsharded_optax(any_mesh, loss,
-                                                               stage):
+                                                               stage, gather):
   """On either axis type (a program with a callback lowers on one mesh
   only), and at stage 0 with gradients that reach a leaf only through the
-  callback's result (no implicit sum is typed there)."""
+  callback's result (no implicit sum is typed there); the default gather
+  and the whole tree."""
   data = _data()
   want, want_losses = toy.optax_run(loss, optax.adam(1e-2), _params(), data)
   tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
-  got, losses, _ = toy.zero_run(loss, tx, _params(), data, gather="all")
+  got, losses, _ = toy.zero_run(loss, tx, _params(), data, gather=gather)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)

@@ -4,9 +4,10 @@ Building a state compiles programs that run once (the layout, the master
 copy, the optimizer's init). XLA's compiler takes its working memory from
 ``malloc``, and glibc keeps what is freed in its arenas: the process holds
 that memory (its resident set) for the rest of the run although nothing
-uses it. On the bench's plain GPT at stage 1 that is 24 MiB of free heap
-after ``zerojax.init`` and, from then on, a peak RSS above the GSPMD
-ZeRO-1 loop's (``docs/results.md``, "Stage 1 against the ZeRO-1 layout").
+uses it. On the bench's plain GPT at stage 1 that left 15-24 MiB more
+free heap after ``zerojax.init`` than the GSPMD ZeRO-1 loop's init leaves,
+and a peak RSS above that loop's from then on (``docs/results.md``, "The
+compile heap handed back"; ``experiments/heap_after_init.py``).
 glibc's ``malloc_trim(0)`` returns it; other C libraries have no such call,
 and there this does nothing.
 """

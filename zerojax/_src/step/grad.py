@@ -373,9 +373,10 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   def one(mb, key, ms):              # one micro-batch's loss and gradients
     f = objective(mb, key, ms)
     # stage 0 (one micro-batch: the sums are in the backward) sums each
-    # weight gradient before autodiff's transpose, as GSPMD does; on XLA CPU stages 1-3 keep the transpose out of the dot,
-    # which then stays a YNNPACK fusion (jaxpr/transposes.py; measured on
-    # CPU only: GPU and TPU dots take transposed operands as they are)
+    # weight gradient before autodiff's transpose, as GSPMD does; on XLA
+    # CPU stages 1-3 keep the transpose out of the dot, which then stays a
+    # YNNPACK fusion (jaxpr/transposes.py; GPU and TPU dots take
+    # transposed operands as they are)
     grad_fn = _transposes.rewrite_for_dots(
         jax.value_and_grad(f, has_aux=True), sums=tx.stage == 0 and k == 1,
         barriers=tx.stage >= 1 and _on_cpu(tx.mesh))
