@@ -14,8 +14,10 @@ batches and 8 fake CPU devices as ``bench_stages.py --model plain``
 ``zerojax.init_from``, the peer's params on one device.
 
 Writes ``<out>`` (JSON): per pair every step time, the medians and
-``ratio`` = the stage's median / the peer's; the JAX version, the machine,
-the zerojax commit.
+``ratio`` = the stage's median / the peer's; XLA's per-device flops and
+bytes accessed of both compiled programs (``bytes_accessed_ratio``: a
+figure of the programs, free of the machine's noise); the JAX version, the
+machine, the zerojax commit.
 """
 
 import argparse
@@ -60,6 +62,9 @@ def worker(args) -> dict:
 
   for which in box:                       # compile and warm up
     run(which, batches[0])
+  programs = {"zerojax": step.lower(box["zerojax"], batches[0]),
+              "peer": peer_step.lower(*box["peer"], batches[0])}
+  cost = {k: _cost(v.compile()) for k, v in programs.items()}
   times = {"zerojax": [], "peer": []}
   for r in range(args.rounds):
     for which in (("zerojax", "peer") if r % 2 == 0 else ("peer", "zerojax")):
@@ -70,7 +75,17 @@ def worker(args) -> dict:
   med = {k: float(np.median(v)) for k, v in times.items()}
   return {"pair": args.pair, "stage": int(stage), "peer": peer,
           "step_times_s": times, "median_s": med,
-          "ratio": med["zerojax"] / med["peer"]}
+          "ratio": med["zerojax"] / med["peer"],
+          "xla_cost_per_device": cost,
+          "bytes_accessed_ratio": cost["zerojax"]["bytes accessed"]
+                                  / cost["peer"]["bytes accessed"]}
+
+
+def _cost(compiled) -> dict:
+  """XLA's count of one device's flops and bytes read and written."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return {k: float(cost[k]) for k in ("flops", "bytes accessed")}
 
 
 def main():
@@ -97,7 +112,8 @@ def main():
     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     r = runs[-1]
     print(f"stage {r['stage']} vs {r['peer']}: {r['median_s']['zerojax']:.3f}"
-          f" s vs {r['median_s']['peer']:.3f} s, ratio {r['ratio']:.3f}",
+          f" s vs {r['median_s']['peer']:.3f} s, ratio {r['ratio']:.3f}; "
+          f"bytes accessed {r['bytes_accessed_ratio']:.3f}x",
           flush=True)
   import jax
   import zerojax

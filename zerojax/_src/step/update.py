@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src.records.mesh import in_caller_types
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax._src.records.mesh import compute_mesh, in_caller_types
 from zerojax._src.records.spec import StateSpec, ZeroState
 from zerojax._src.step import offload as _offload
 from zerojax._src.step import state as _state
@@ -147,7 +149,8 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   spec = state.spec
   g_view, w_src = spec.update_inputs(state, grads, where)
   grad_norm = _global_norm(
-      [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None])
+      [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None],
+      spec.place.mesh)
   keep_master = state.master is not None
   done, new_opt = run_update(
       spec, g_view, w_src, state.opt_state, extra_args,
@@ -162,23 +165,42 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
 NORM_BLOCKS = 16       # most blocks a whole gradient's norm is summed in
 
 
-def _global_norm(grads):
+def _split_over_devices(g, mesh):
+  """``g`` (replicated on every device of ``mesh``) constrained to split
+  over all of them along its first dimension they divide: each device then
+  reads only its slice, and XLA sums the slices' partial sums with a
+  scalar all-reduce. ``None`` when no dimension divides (or one device)."""
+  n = mesh.size
+  dims = [d for d in range(g.ndim) if n > 1 and g.shape[d] % n == 0]
+  if not dims:
+    return None
+  names = tuple(mesh.axis_names)
+  spec = P(*([None] * dims[0] + [names[0] if len(names) == 1 else names]))
+  return jax.lax.with_sharding_constraint(
+      g, NamedSharding(compute_mesh(mesh), spec))
+
+
+def _global_norm(grads, mesh):
   """The gradients' global L2 norm; ``grads``: ``(gradient, whole)`` pairs.
 
-  A whole gradient (replicated over every mesh axis) must not be squared
-  into a temporary of its size: ``sum(g ** 2)`` materialises ``g ** 2``
-  where the backend does not fuse the square into its reduction (XLA CPU
-  at ``tests/conftest.py``'s flags, where it shares the square with the
-  optimizer's second moment). In its sum's dtype (fp32: real, not cast) it
-  is summed at once behind an ``optimization_barrier``: XLA cannot share
-  the barrier's output's square with the optimizer's (common-subexpression
-  elimination), so the square fuses into the reduction, no temporary, one
-  fusion where a loop would compile to a while loop of its own. Otherwise
-  (a bf16 leaf summed in fp32, complex) it is summed in
-  at most :data:`NORM_BLOCKS` blocks of leading rows (a stack's layers), so
-  only one block is cast and squared at a time. A sharded gradient is
-  summed at once: its square is a shard's, and a reshape or blocks over a
-  sharded dimension would add collectives."""
+  A whole gradient (replicated over every mesh axis: stage 0, small
+  leaves) is the same on every device, so each device squares and sums
+  only its slice of it (:func:`_split_over_devices`): 1/N of the reads,
+  where the replicated sum would read the whole gradient on every device.
+  It must not be squared into a temporary of its size either: ``sum(g **
+  2)`` materialises ``g ** 2`` where the backend does not fuse the square
+  into its reduction (XLA CPU at ``tests/conftest.py``'s flags, where it
+  shares the square with the optimizer's second moment). In its sum's
+  dtype (fp32: real, not cast) it is summed at once behind an
+  ``optimization_barrier``: XLA cannot share the barrier's output's square
+  with the optimizer's (common-subexpression elimination), so the square
+  fuses into the reduction, no temporary, one fusion where a loop would
+  compile to a while loop of its own. Otherwise (a bf16 leaf summed in
+  fp32, complex) it is summed in at most :data:`NORM_BLOCKS` blocks of
+  leading rows (a stack's layers), so only one block is cast and squared
+  at a time. A sharded gradient is summed at once: its square is a
+  shard's, and a reshape or blocks over a sharded dimension would add
+  collectives."""
   def dtype(g):           # at least fp32, real
     return jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)
 
@@ -188,7 +210,9 @@ def _global_norm(grads):
   def blocked(g, whole):
     dt = dtype(g)
     if whole and g.dtype == dt:
-      return sq(jax.lax.optimization_barrier(g), dt)
+      g = jax.lax.optimization_barrier(g)
+      split = _split_over_devices(g, mesh)
+      return sq(g if split is None else split, dt)
     g = jnp.abs(g) if jnp.iscomplexobj(g) else g
     rows = g.shape[0] if g.ndim >= 2 else 1
     if not whole or rows == 1:
