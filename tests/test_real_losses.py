@@ -114,6 +114,103 @@ def test_a_loss_through_a_host_callback_equals_unsharded_optax(any_mesh, loss,
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+@jax.custom_vjp
+def _linear(x, w):
+  return x @ w
+
+
+def _linear_fwd(x, w):
+  return x @ w, (x, w)
+
+
+def _linear_bwd(res, ct):                 # a hand-written backward rule
+  x, w = res
+  return ct @ w.T, x.T @ ct
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def _host_matmul(a, b, like):
+  return jax.pure_callback(lambda a, b: np.asarray(a.T @ b, np.float32),
+                           jax.ShapeDtypeStruct(like.shape, like.dtype), a, b,
+                           vmap_method="broadcast_all")
+
+
+@jax.custom_vjp
+def _linear_host_bwd(x, w):
+  return x @ w
+
+
+def _linear_host_bwd_rule(res, ct):       # the weight gradient on the host
+  x, w = res
+  return ct @ w.T, _host_matmul(x, ct, w)
+
+
+@jax.custom_vjp
+def _linear_host_bwd_typed(x, w):
+  return x @ w
+
+
+def _linear_host_bwd_typed_rule(res, ct):  # ... typed as the error says
+  x, w = res
+  dw = jax.lax.pcast(_host_matmul(x, ct, w),
+                     tuple(jax.typeof(ct).manual_axis_type.varying),
+                     to="varying")
+  return ct @ w.T, dw
+
+
+_linear_host_bwd.defvjp(_linear_fwd, _linear_host_bwd_rule)
+_linear_host_bwd_typed.defvjp(_linear_fwd, _linear_host_bwd_typed_rule)
+
+
+def _custom_vjp_loss(linear):
+  def loss(params, b):
+    h = jnp.tanh(linear(b["x"], params["w1"]))
+    return jnp.mean((linear(h, params["w2"]) + params["b"][None] - b["y"]) ** 2)
+  return loss
+
+
+@pytest.mark.parametrize("accum_steps", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("linear", [_linear, _linear_host_bwd_typed],
+                         ids=["custom_vjp", "custom_vjp_host_bwd_typed"])
+def test_a_loss_through_a_custom_vjp_layer_equals_unsharded_optax(
+    any_mesh, linear, stage, accum_steps):
+  """A replicated leaf passed straight into a ``jax.custom_vjp`` (stage 0
+  with one micro-batch): the user's backward rule is not autodiff's
+  transpose, so it is reduced explicitly -- exact, where the direct path
+  would make JAX refuse the rule's per-device gradient."""
+  loss, data = _custom_vjp_loss(linear), _data(2)
+  want, want_losses = toy.optax_run(loss, optax.adam(1e-2), _params(), data)
+  tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
+  got, losses, _ = toy.zero_run(loss, tx, _params(), data,
+                                accum_steps=accum_steps)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_custom_vjp_returning_a_host_gradient_raises_and_keeps_the_state(
+    any_mesh, stage):
+  """A backward rule whose weight gradient comes from a callback returns a
+  per-device value typed the same on every device: never summed, it would
+  update with one device's share. zerojax says so, with the fix, before
+  the state is touched."""
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=any_mesh)
+  state = zerojax.init(_params(), tx)
+  before = jax.tree.map(np.asarray, zerojax.gather_params(state))
+  step = zerojax.train_step(_custom_vjp_loss(_linear_host_bwd), tx)
+  with pytest.raises(ValueError, match=r"zerojax: a jax.custom_vjp .*"
+                     r"jax.lax.pcast\(g, tuple\(jax.typeof\(ct\)"):
+    step(state, _data(1)[0])
+  after = zerojax.gather_params(state)          # not donated, not updated
+  for k in before:
+    np.testing.assert_array_equal(after[k], before[k])
+  assert int(state.step) == 0
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_offloaded_state_with_a_host_callback_on_an_explicit_mesh(mesh, stage):
   data = _data(2)

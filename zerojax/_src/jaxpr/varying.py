@@ -17,19 +17,31 @@ device's share of the gradient. :func:`dropped_varying` finds such
 equations, so that the step reduces those leaves explicitly after the
 backward pass instead (the same numbers as unsharded Optax either way).
 
+A ``jax.custom_vjp`` is the other way a leaf's gradient can miss its sum.
+Its backward rule is the user's, not the transpose of its forward, so no
+implicit ``pvary`` in it is ever transposed: an operand typed the same on
+every device (a replicated leaf passed straight in) must get a cotangent
+typed so too. A rule computing it from its own rows (``x.T @ ct``) makes
+JAX refuse the types; one computing it through a callback returns one
+device's share, typed as the sum. :func:`dropped_varying` reports every
+``custom_vjp`` with an inexact operand that does not vary over all the
+batch axes, and the leaves are then reduced explicitly.
+
 The check is conservative. Every first-order equation whose operands vary
 over a batch axis and whose array results do not is reported, unless it
 is one of the collectives that sum or gather over the axis (their results
 are the same on every device by construction). Equations holding
 sub-programs (``jit``, ``scan``, ``cond``, ``while``, ``jax.checkpoint``,
-custom derivatives) are read through their sub-programs. A type this JAX
-release does not expose is reported too.
+custom derivatives) are read through their sub-programs, after a
+``custom_vjp``'s operands are checked as above. A type this JAX release
+does not expose is reported too.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 
 # results the same on every device by construction
 _COLLECTIVES = frozenset({
@@ -61,8 +73,38 @@ def dropped_varying(jaxpr, axes) -> list[str]:
   return found
 
 
+CUSTOM_VJP = "custom_vjp (an operand typed the same on every device)"
+
+
+def _note(found, what):
+  if what not in found:
+    found.append(what)
+
+
+def _invariant_operand(e, axes) -> bool | None:
+  """Whether an inexact array operand of ``e`` does not vary over all of
+  ``axes`` (``None``: a type not readable)."""
+  for v in e.invars:
+    aval = v.aval
+    if not hasattr(aval, "shape") or not jnp.issubdtype(
+        aval.dtype, jnp.inexact):
+      continue
+    t = varying_axes(aval)
+    if t is None:
+      return None
+    if axes - t:
+      return True
+  return False
+
+
 def _walk(jaxpr, axes, found):
   for e in jaxpr.eqns:
+    if "custom_vjp" in e.primitive.name:
+      invariant = _invariant_operand(e, axes)
+      if invariant is None:
+        _note(found, UNREADABLE)
+      elif invariant:
+        _note(found, CUSTOM_VJP)
     subs = list(jax.extend.core.jaxprs_in_params(e.params))
     if subs:
       for s in subs:
@@ -74,8 +116,7 @@ def _walk(jaxpr, axes, found):
     outs = [varying_axes(v.aval) for v in e.outvars
             if hasattr(v.aval, "shape")]
     if any(t is None for t in ins + outs):
-      if UNREADABLE not in found:
-        found.append(UNREADABLE)
+      _note(found, UNREADABLE)
       continue
     wanted = frozenset().union(*ins) & axes
     if wanted and any(wanted - t for t in outs):

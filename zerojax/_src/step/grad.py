@@ -380,7 +380,11 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
     grad_fn = _transposes.rewrite_for_dots(
         jax.value_and_grad(f, has_aux=True), sums=tx.stage == 0 and k == 1,
         barriers=tx.stage >= 1 and _on_cpu(tx.mesh))
-    (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
+    try:
+      (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
+    except ValueError as err:
+      _restate_custom_vjp_types(err, axes)
+      raise
     g = [None if x is None else x.astype(r.reduce_dtype)
          for x, r in zip(g, spec.leaves)]
     return g, loss, aux, new_ms
@@ -392,6 +396,27 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
                                            model_state, k, axes)
   return (_reduce_grads(spec, grads, hooked, scale / seed, direct),
           *_reduce_outputs(loss, aux, new_ms, axes, scale))
+
+
+def _restate_custom_vjp_types(err: ValueError, axes) -> None:
+  """JAX's refusal of a ``custom_vjp`` backward rule whose output is typed
+  the same on every device for a per-device input, said as what it means
+  in a zerojax step and how to fix it; other errors pass."""
+  msg = str(err)
+  if not ("Custom VJP bwd rule" in msg and "manual axis types" in msg):
+    return
+  raise ValueError(
+      f"zerojax: a jax.custom_vjp in the loss has a backward rule that "
+      f"returns a gradient typed the same on every device for an input "
+      f"that varies per device. In a zerojax step the loss runs once per "
+      f"device (jax.shard_map over the batch axes {tuple(axes)}), and each "
+      f"device's gradient is its own rows' share until zerojax sums it; a "
+      f"value made by jax.pure_callback or an FFI call is typed the same on "
+      f"every device whatever it holds. In the backward rule, type such a "
+      f"value per device like the cotangent it came from: "
+      f"`g = jax.lax.pcast(g, tuple(jax.typeof(ct).manual_axis_type.varying), "
+      f"to='varying')` (a no-op outside a per-device program). JAX said: "
+      f"{msg.splitlines()[0]}") from err
 
 
 def _on_cpu(mesh) -> bool:
