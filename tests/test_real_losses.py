@@ -154,10 +154,11 @@ def _linear_host_bwd_typed(x, w):
 
 def _linear_host_bwd_typed_rule(res, ct):  # ... typed as the error says
   x, w = res
-  dw = jax.lax.pcast(_host_matmul(x, ct, w),
-                     tuple(jax.typeof(ct).manual_axis_type.varying),
-                     to="varying")
-  return ct @ w.T, dw
+  g = _host_matmul(x, ct, w)
+  g = jax.lax.pcast(g, tuple(jax.typeof(w).manual_axis_type.varying
+                             - jax.typeof(g).manual_axis_type.varying),
+                    to="varying")
+  return ct @ w.T, g
 
 
 _linear_host_bwd.defvjp(_linear_fwd, _linear_host_bwd_rule)
@@ -202,13 +203,63 @@ def test_a_custom_vjp_returning_a_host_gradient_raises_and_keeps_the_state(
   state = zerojax.init(_params(), tx)
   before = jax.tree.map(np.asarray, zerojax.gather_params(state))
   step = zerojax.train_step(_custom_vjp_loss(_linear_host_bwd), tx)
-  with pytest.raises(ValueError, match=r"zerojax: a jax.custom_vjp .*"
-                     r"jax.lax.pcast\(g, tuple\(jax.typeof\(ct\)"):
+  with pytest.raises(ValueError, match=r"zerojax: a jax.custom_vjp .*typed "
+                     r"the same on every device for an input that varies.*"
+                     r"jax.lax.pcast\(g, tuple\(jax.typeof\(x\)"):
     step(state, _data(1)[0])
   after = zerojax.gather_params(state)          # not donated, not updated
   for k in before:
     np.testing.assert_array_equal(after[k], before[k])
   assert int(state.step) == 0
+
+
+_SCALE = np.linspace(0.5, 1.5, 3).astype(np.float32)
+
+
+def _scaled_loss(summed):
+  """A custom_vjp taking an array the loss closes over (the same on every
+  device) and returning its gradient, per device or ``summed`` as the
+  error says."""
+  @jax.custom_vjp
+  def scaled(x, w, c):
+    return (x @ w) * c[None]
+
+  def fwd(x, w, c):
+    return scaled(x, w, c), (x, w, c)
+
+  def bwd(res, ct):
+    x, w, c = res
+    g = jnp.sum(ct * (x @ w), axis=0)
+    if summed:
+      g = jax.lax.psum(g, tuple(jax.typeof(g).manual_axis_type.varying
+                                - jax.typeof(c).manual_axis_type.varying))
+    return (ct * c[None]) @ w.T, x.T @ (ct * c[None]), g
+
+  scaled.defvjp(fwd, bwd)
+  scale = jnp.asarray(_SCALE)
+  return lambda params, b: jnp.mean(
+      (scaled(b["x"], params["w1"] @ params["w2"], scale) - b["y"]) ** 2)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_custom_vjp_gradient_for_a_closed_over_array_raises_then_sums(
+    any_mesh, stage):
+  """The other direction: a per-device gradient for an input every device
+  holds the same. JAX refuses it inside the per-device loss; zerojax says
+  which way round and the fix, and the fixed rule is exact."""
+  data = _data(2)
+  tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
+  step = zerojax.train_step(_scaled_loss(summed=False), tx)
+  with pytest.raises(ValueError, match=r"zerojax: a jax.custom_vjp .*"
+                     r"per-device gradient for an input every device holds "
+                     r"the same.*jax.lax.psum\(g, "):
+    step(zerojax.init(_params(), tx), data[0])
+  loss = _scaled_loss(summed=True)
+  want, want_losses = toy.optax_run(loss, optax.adam(1e-2), _params(), data)
+  got, losses, _ = toy.zero_run(loss, tx, _params(), data)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
