@@ -8,6 +8,8 @@ compare stages and depths, never assert an absolute peak.
 
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -211,6 +213,46 @@ def test_stage0_holds_no_more_than_plain_data_parallelism(loss):
   excess = (z.argument_size_in_bytes + z.temp_size_in_bytes) - (
       p.argument_size_in_bytes + p.temp_size_in_bytes)
   assert excess <= layer_grad + 1024, (excess, layer_grad, stacked_grad)
+
+
+@jax.custom_vjp
+def _linear(x, w):
+  return x @ w
+
+
+_linear.defvjp(lambda x, w: (x @ w, (x, w)),
+               lambda res, ct: (ct @ res[1].T, res[0].T @ ct))
+
+
+def _head_through_a_custom_vjp(params, batch):
+  """:func:`toy.plain_layered_loss` with its head through a hand-written
+  ``jax.custom_vjp``."""
+  x = params["embed"][batch["x"]]
+
+  def body(h, layer):
+    return jnp.tanh(h @ layer["w"] + layer["b"][None, :]), None
+
+  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+  logits = _linear(h, params["head"])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch["y"]).mean()
+
+
+def test_stage0_reduces_only_a_custom_vjp_leaf_after_the_backward():
+  """A replicated leaf passed into a ``jax.custom_vjp`` is reduced after
+  the backward (its rule is the user's); the others keep their sums inside
+  the backward. So stage 0 holds at most that leaf's gradient more than
+  the plain loop -- not the whole stacked gradient, as summing every leaf
+  after the backward does."""
+  layers = 8
+  z, p = _memory(layers, 0, loss=_head_through_a_custom_vjp), \
+      _plain_dp_memory(layers)
+  head_grad = D * V * 4
+  stacked_grad = layers * (D * D + D) * 4
+  excess = (z.argument_size_in_bytes + z.temp_size_in_bytes) - (
+      p.argument_size_in_bytes + p.temp_size_in_bytes)
+  assert head_grad + 1024 < stacked_grad / 2
+  assert excess <= head_grad + 1024, (excess, head_grad, stacked_grad)
 
 
 def _bytes_accessed(compiled) -> float:

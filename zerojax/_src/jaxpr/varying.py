@@ -23,18 +23,19 @@ implicit ``pvary`` in it is ever transposed: an operand typed the same on
 every device (a replicated leaf passed straight in) must get a cotangent
 typed so too. A rule computing it from its own rows (``x.T @ ct``) makes
 JAX refuse the types; one computing it through a callback returns one
-device's share, typed as the sum. :func:`dropped_varying` reports every
-``custom_vjp`` with an inexact operand that does not vary over all the
-batch axes, and the leaves are then reduced explicitly.
+device's share, typed as the sum. :func:`custom_vjp_reach` finds the
+inputs that reach an inexact ``custom_vjp`` operand not typed to vary over
+all the batch axes; those leaves are then reduced explicitly.
 
 The check is conservative. Every first-order equation whose operands vary
 over a batch axis and whose array results do not is reported, unless it
 is one of the collectives that sum or gather over the axis (their results
 are the same on every device by construction). Equations holding
 sub-programs (``jit``, ``scan``, ``cond``, ``while``, ``jax.checkpoint``,
-custom derivatives) are read through their sub-programs, after a
-``custom_vjp``'s operands are checked as above. A type this JAX release
-does not expose is reported too.
+custom derivatives) are read through their sub-programs. A type this JAX
+release does not expose is reported too. :func:`custom_vjp_reach` follows
+values through plain calls by position and counts a loop's or branch's
+every operand as reaching what its body reaches.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from __future__ import annotations
 import jax
 import jax.extend
 import jax.numpy as jnp
+
+from zerojax._src.jaxpr import deps as _deps
 
 # results the same on every device by construction
 _COLLECTIVES = frozenset({
@@ -73,17 +76,15 @@ def dropped_varying(jaxpr, axes) -> list[str]:
   return found
 
 
-CUSTOM_VJP = "custom_vjp (an operand typed the same on every device)"
-
-
 def _note(found, what):
   if what not in found:
     found.append(what)
 
 
-def _invariant_operand(e, axes) -> bool | None:
-  """Whether an inexact array operand of ``e`` does not vary over all of
-  ``axes`` (``None``: a type not readable)."""
+def _invariant_operands(e, axes):
+  """The inexact array operands of ``e`` not typed to vary over all of
+  ``axes``; ``None`` when a type cannot be read."""
+  out = []
   for v in e.invars:
     aval = v.aval
     if not hasattr(aval, "shape") or not jnp.issubdtype(
@@ -93,18 +94,61 @@ def _invariant_operand(e, axes) -> bool | None:
     if t is None:
       return None
     if axes - t:
-      return True
-  return False
+      out.append(v)
+  return out
+
+
+def custom_vjp_reach(jaxpr, axes) -> frozenset[int] | None:
+  """The positions of ``jaxpr.invars`` whose values reach an inexact
+  operand of a ``jax.custom_vjp`` (sub-programs included) that is not
+  typed to vary over all of ``axes``: a backward rule must return that
+  operand's cotangent typed as the sum, which autodiff never makes for
+  it. ``None`` when a type cannot be read."""
+  try:
+    return _reach(jaxpr, frozenset(axes),
+                  [frozenset((i,)) for i in range(len(jaxpr.invars))])[1]
+  except _Unreadable:
+    return None
+
+
+class _Unreadable(Exception):
+  pass
+
+
+def _reach(jaxpr, axes, in_deps):
+  """``(the input positions each output of jaxpr carries, the positions
+  reaching a custom_vjp operand typed invariant)``; ``in_deps``: the
+  positions each input of jaxpr carries."""
+  deps = dict(zip(jaxpr.invars, in_deps))
+
+  def of(v):
+    return frozenset() if hasattr(v, "val") else deps.get(v, frozenset())
+
+  hit = frozenset()
+  for e in jaxpr.eqns:
+    ins = [of(v) for v in e.invars]
+    if "custom_vjp" in e.primitive.name:
+      bad = _invariant_operands(e, axes)
+      if bad is None:
+        raise _Unreadable
+      hit = hit.union(*(of(v) for v in bad))
+    body = _deps._call_body(e)
+    if body is not None:
+      outs, h = _reach(body, axes, ins)
+      hit |= h
+    else:
+      every = frozenset().union(*ins)
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        _, h = _reach(sub, axes, [every] * len(sub.invars))
+        hit |= h
+      outs = [every] * len(e.outvars)
+    for o, d in zip(e.outvars, outs):
+      deps[o] = d
+  return [of(v) for v in jaxpr.outvars], hit
 
 
 def _walk(jaxpr, axes, found):
   for e in jaxpr.eqns:
-    if "custom_vjp" in e.primitive.name:
-      invariant = _invariant_operand(e, axes)
-      if invariant is None:
-        _note(found, UNREADABLE)
-      elif invariant:
-        _note(found, CUSTOM_VJP)
     subs = list(jax.extend.core.jaxprs_in_params(e.params))
     if subs:
       for s in subs:

@@ -362,13 +362,10 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
       return loss * seed, (loss, new_ms, aux)
     return f
 
-  if any(direct) and _varying.dropped_varying(
-      jax.make_jaxpr(objective(first, micro_key(0), model_state))(
-          diff_in).jaxpr, axes):
-    # the loss types a per-device value as the same on every device (a
-    # callback's result, say): no implicit sum would reach the gradient
-    # through it, so every leaf is reduced explicitly after the backward
-    direct = [False] * len(direct)
+  if any(direct):
+    direct = _direct_where_typed(
+        jax.make_jaxpr(objective(first, micro_key(0), model_state))(
+            diff_in).jaxpr, axes, direct, diff_in)
     diff_in = _diff_inputs(spec, leaves, hooked, direct)
 
   def one(mb, key, ms):              # one micro-batch's loss and gradients
@@ -397,6 +394,29 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
                                            model_state, k, axes)
   return (_reduce_grads(spec, grads, hooked, scale / seed, direct),
           *_reduce_outputs(loss, aux, new_ms, axes, scale))
+
+
+def _direct_where_typed(jaxpr, axes, direct, diff_in) -> list[bool]:
+  """``direct`` less the leaves whose implicit sum JAX's types cannot make
+  in the traced forward loss ``jaxpr`` (its inputs: ``diff_in``'s arrays).
+
+  Where the loss types a per-device value as the same on every device (a
+  callback's result, say), no implicit sum reaches the gradient through
+  it: every leaf is reduced explicitly after the backward. A leaf reaching
+  a ``jax.custom_vjp`` operand typed the same on every device is, alone:
+  the user's backward rule, not autodiff's transpose, makes its
+  cotangent (:mod:`zerojax._src.jaxpr.varying`)."""
+  if _varying.dropped_varying(jaxpr, axes):
+    return [False] * len(direct)
+  reach = _varying.custom_vjp_reach(jaxpr, axes)
+  if reach is None:
+    return [False] * len(direct)
+  if len(jaxpr.invars) != sum(x is not None for x in diff_in):
+    return [False] * len(direct)
+  position = [None] * len(direct)       # jaxpr input of each leaf
+  for p, i in enumerate(i for i, x in enumerate(diff_in) if x is not None):
+    position[i] = p
+  return [d and position[i] not in reach for i, d in enumerate(direct)]
 
 
 def _restate_custom_vjp_types(err: ValueError, axes) -> None:
