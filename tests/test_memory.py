@@ -238,21 +238,47 @@ def _head_through_a_custom_vjp(params, batch):
       logits.astype(jnp.float32), batch["y"]).mean()
 
 
-def test_stage0_reduces_only_a_custom_vjp_leaf_after_the_backward():
-  """A replicated leaf passed into a ``jax.custom_vjp`` is reduced after
-  the backward (its rule is the user's); the others keep their sums inside
-  the backward. So stage 0 holds at most that leaf's gradient more than
-  the plain loop -- not the whole stacked gradient, as summing every leaf
+@jax.custom_vjp
+def _add_bias(h, b):
+  return h + b[None, :]
+
+
+_add_bias.defvjp(lambda h, b: (h + b[None, :], None),
+                 lambda _, ct: (ct, jnp.sum(ct, axis=0)))
+
+
+def _bias_through_a_custom_vjp_in_the_scan(params, batch):
+  """:func:`toy.plain_layered_loss` with each block's bias added by a
+  hand-written ``jax.custom_vjp`` inside the checkpointed scan."""
+  x = params["embed"][batch["x"]]
+
+  def body(h, layer):
+    return jnp.tanh(_add_bias(h @ layer["w"], layer["b"])), None
+
+  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      (h @ params["head"]).astype(jnp.float32), batch["y"]).mean()
+
+
+@pytest.mark.parametrize("loss, leaf_grad", [
+    (_head_through_a_custom_vjp, D * V * 4),
+    (_bias_through_a_custom_vjp_in_the_scan, 8 * D * 4)],
+    ids=["head", "bias_in_scan"])
+def test_stage0_reduces_only_a_custom_vjp_leaf_after_the_backward(
+    loss, leaf_grad):
+  """A replicated leaf passed into a ``jax.custom_vjp`` (after the head, or
+  per layer inside a checkpointed scan) is reduced after the backward: the
+  rule is the user's. The other leaves keep their sums inside the
+  backward, so stage 0 holds at most that leaf's gradient more than the
+  plain loop -- not the whole stacked gradient, as summing every leaf
   after the backward does."""
   layers = 8
-  z, p = _memory(layers, 0, loss=_head_through_a_custom_vjp), \
-      _plain_dp_memory(layers)
-  head_grad = D * V * 4
+  z, p = _memory(layers, 0, loss=loss), _plain_dp_memory(layers)
   stacked_grad = layers * (D * D + D) * 4
   excess = (z.argument_size_in_bytes + z.temp_size_in_bytes) - (
       p.argument_size_in_bytes + p.temp_size_in_bytes)
-  assert head_grad + 1024 < stacked_grad / 2
-  assert excess <= head_grad + 1024, (excess, head_grad, stacked_grad)
+  assert leaf_grad + 1024 < stacked_grad / 2
+  assert excess <= leaf_grad + 1024, (excess, leaf_grad, stacked_grad)
 
 
 def _bytes_accessed(compiled) -> float:

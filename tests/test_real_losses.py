@@ -192,6 +192,48 @@ def test_a_loss_through_a_custom_vjp_layer_equals_unsharded_optax(
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+@jax.custom_vjp
+def _add_bias(h, b):
+  return h + b[None, :]
+
+
+_add_bias.defvjp(lambda h, b: (h + b[None, :], None),
+                 lambda _, ct: (ct, jnp.sum(ct, axis=0)))
+
+
+def _scan_with_a_custom_vjp_bias(params, b):
+  x = params["embed"][b["x"]]
+
+  def body(h, layer):
+    return jnp.tanh(_add_bias(h @ layer["w"], layer["b"])), None
+
+  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      h @ params["head"], b["y"]).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_custom_vjp_inside_a_layer_scan_equals_unsharded_optax(any_mesh,
+                                                                 stage):
+  """Each layer's bias through a ``jax.custom_vjp`` inside a checkpointed
+  scan: at stage 0 that stacked leaf alone is reduced after the backward,
+  the others inside it."""
+  rng = np.random.default_rng(5)
+  data = [{"x": rng.integers(0, 16, (16,)).astype(np.int32),
+           "y": rng.integers(0, 16, (16,)).astype(np.int32)} for _ in range(2)]
+  params = toy.layered_params(3, 8, 16)
+  want, want_losses = toy.optax_run(_scan_with_a_custom_vjp_bias,
+                                    optax.adam(1e-2), params, data)
+  tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
+  got, losses, _ = toy.zero_run(_scan_with_a_custom_vjp_bias, tx, params, data)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want),
+                          jax.tree.leaves(got)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_custom_vjp_returning_a_host_gradient_raises_and_keeps_the_state(
     any_mesh, stage):

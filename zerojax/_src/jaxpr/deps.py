@@ -51,7 +51,7 @@ def input_dependencies(fn, *flat_args) -> list[frozenset[int]] | None:
 
 
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat",
-                    "checkpoint", "custom_jvp_call", "custom_vjp_call",
+                    "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
                     "custom_vjp_call_jaxpr", "custom_lin"})
 _NONE = frozenset()
 

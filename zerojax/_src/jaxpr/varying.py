@@ -34,8 +34,9 @@ are the same on every device by construction). Equations holding
 sub-programs (``jit``, ``scan``, ``cond``, ``while``, ``jax.checkpoint``,
 custom derivatives) are read through their sub-programs. A type this JAX
 release does not expose is reported too. :func:`custom_vjp_reach` follows
-values through plain calls by position and counts a loop's or branch's
-every operand as reaching what its body reaches.
+values through plain calls and ``scan`` by position (a scan's carry until
+it reaches nothing more) and counts every operand of another loop or a
+branch as reaching what its body reaches.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import deps as _deps
 
 # results the same on every device by construction
@@ -136,6 +138,9 @@ def _reach(jaxpr, axes, in_deps):
     if body is not None:
       outs, h = _reach(body, axes, ins)
       hit |= h
+    elif e.primitive.name == "scan" and _scan_counts(e) is not None:
+      outs, h = _reach_scan(e, axes, ins)
+      hit |= h
     else:
       every = frozenset().union(*ins)
       for sub in jax.extend.core.jaxprs_in_params(e.params):
@@ -145,6 +150,31 @@ def _reach(jaxpr, axes, in_deps):
     for o, d in zip(e.outvars, outs):
       deps[o] = d
   return [of(v) for v in jaxpr.outvars], hit
+
+
+def _scan_counts(e):
+  """``(consts, carry)`` of a scan equation from shapes
+  (:func:`zerojax._src.jaxpr.audit.scan_counts`), ``None`` if they do not
+  line up."""
+  try:
+    return _audit.scan_counts(e, e.params["jaxpr"].jaxpr)
+  except (_audit.AuditUnreadable, KeyError, AttributeError):
+    return None
+
+
+def _reach_scan(e, axes, ins):
+  """:func:`_reach` through a ``scan``: its body's inputs are the consts,
+  the carry and the scanned slices, in the equation's order; the carry
+  takes what the body's carry out reaches until nothing is added."""
+  body = e.params["jaxpr"].jaxpr
+  nc, nk = _scan_counts(e)
+  carry = list(ins[nc:nc + nk])
+  while True:
+    outs, hit = _reach(body, axes, ins[:nc] + carry + ins[nc + nk:])
+    grown = [c | o for c, o in zip(carry, outs[:nk])]
+    if grown == carry:
+      return carry + outs[nk:], hit
+    carry = grown
 
 
 def _walk(jaxpr, axes, found):
