@@ -215,15 +215,6 @@ def test_stage0_holds_no_more_than_plain_data_parallelism(loss):
   assert excess <= layer_grad + 1024, (excess, layer_grad, stacked_grad)
 
 
-@jax.custom_vjp
-def _linear(x, w):
-  return x @ w
-
-
-_linear.defvjp(lambda x, w: (x @ w, (x, w)),
-               lambda res, ct: (ct @ res[1].T, res[0].T @ ct))
-
-
 def _head_through_a_custom_vjp(params, batch):
   """:func:`toy.plain_layered_loss` with its head through a hand-written
   ``jax.custom_vjp``."""
@@ -233,36 +224,14 @@ def _head_through_a_custom_vjp(params, batch):
     return jnp.tanh(h @ layer["w"] + layer["b"][None, :]), None
 
   h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
-  logits = _linear(h, params["head"])
+  logits = toy.custom_vjp_linear(h, params["head"])
   return optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jnp.float32), batch["y"]).mean()
 
 
-@jax.custom_vjp
-def _add_bias(h, b):
-  return h + b[None, :]
-
-
-_add_bias.defvjp(lambda h, b: (h + b[None, :], None),
-                 lambda _, ct: (ct, jnp.sum(ct, axis=0)))
-
-
-def _bias_through_a_custom_vjp_in_the_scan(params, batch):
-  """:func:`toy.plain_layered_loss` with each block's bias added by a
-  hand-written ``jax.custom_vjp`` inside the checkpointed scan."""
-  x = params["embed"][batch["x"]]
-
-  def body(h, layer):
-    return jnp.tanh(_add_bias(h @ layer["w"], layer["b"])), None
-
-  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
-  return optax.softmax_cross_entropy_with_integer_labels(
-      (h @ params["head"]).astype(jnp.float32), batch["y"]).mean()
-
-
 @pytest.mark.parametrize("loss, leaf_grad", [
     (_head_through_a_custom_vjp, D * V * 4),
-    (_bias_through_a_custom_vjp_in_the_scan, 8 * D * 4)],
+    (toy.layered_loss_with_custom_vjp_bias, 8 * D * 4)],
     ids=["head", "bias_in_scan"])
 def test_stage0_reduces_only_a_custom_vjp_leaf_after_the_backward(
     loss, leaf_grad):

@@ -114,21 +114,8 @@ def test_a_loss_through_a_host_callback_equals_unsharded_optax(any_mesh, loss,
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
-@jax.custom_vjp
-def _linear(x, w):
-  return x @ w
-
-
 def _linear_fwd(x, w):
   return x @ w, (x, w)
-
-
-def _linear_bwd(res, ct):                 # a hand-written backward rule
-  x, w = res
-  return ct @ w.T, x.T @ ct
-
-
-_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def _host_matmul(a, b, like):
@@ -174,7 +161,8 @@ def _custom_vjp_loss(linear):
 
 @pytest.mark.parametrize("accum_steps", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("linear", [_linear, _linear_host_bwd_typed],
+@pytest.mark.parametrize("linear", [toy.custom_vjp_linear,
+                                    _linear_host_bwd_typed],
                          ids=["custom_vjp", "custom_vjp_host_bwd_typed"])
 def test_a_loss_through_a_custom_vjp_layer_equals_unsharded_optax(
     any_mesh, linear, stage, accum_steps):
@@ -192,26 +180,6 @@ def test_a_loss_through_a_custom_vjp_layer_equals_unsharded_optax(
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
-@jax.custom_vjp
-def _add_bias(h, b):
-  return h + b[None, :]
-
-
-_add_bias.defvjp(lambda h, b: (h + b[None, :], None),
-                 lambda _, ct: (ct, jnp.sum(ct, axis=0)))
-
-
-def _scan_with_a_custom_vjp_bias(params, b):
-  x = params["embed"][b["x"]]
-
-  def body(h, layer):
-    return jnp.tanh(_add_bias(h @ layer["w"], layer["b"])), None
-
-  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
-  return optax.softmax_cross_entropy_with_integer_labels(
-      h @ params["head"], b["y"]).mean()
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_custom_vjp_inside_a_layer_scan_equals_unsharded_optax(any_mesh,
                                                                  stage):
@@ -222,10 +190,10 @@ def test_a_custom_vjp_inside_a_layer_scan_equals_unsharded_optax(any_mesh,
   data = [{"x": rng.integers(0, 16, (16,)).astype(np.int32),
            "y": rng.integers(0, 16, (16,)).astype(np.int32)} for _ in range(2)]
   params = toy.layered_params(3, 8, 16)
-  want, want_losses = toy.optax_run(_scan_with_a_custom_vjp_bias,
+  want, want_losses = toy.optax_run(toy.layered_loss_with_custom_vjp_bias,
                                     optax.adam(1e-2), params, data)
   tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
-  got, losses, _ = toy.zero_run(_scan_with_a_custom_vjp_bias, tx, params, data)
+  got, losses, _ = toy.zero_run(toy.layered_loss_with_custom_vjp_bias, tx, params, data)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want),
                           jax.tree.leaves(got)):

@@ -155,6 +155,39 @@ def plain_layered_loss(params, batch):
   return layered_loss(params, batch, gather=lambda x: x)
 
 
+@jax.custom_vjp
+def custom_vjp_linear(x, w):
+  """``x @ w`` with a hand-written backward rule."""
+  return x @ w
+
+
+custom_vjp_linear.defvjp(lambda x, w: (x @ w, (x, w)),
+                         lambda res, ct: (ct @ res[1].T, res[0].T @ ct))
+
+
+@jax.custom_vjp
+def custom_vjp_add_bias(h, b):
+  """``h + b`` (a row bias) with a hand-written backward rule."""
+  return h + b[None, :]
+
+
+custom_vjp_add_bias.defvjp(lambda h, b: (h + b[None, :], None),
+                           lambda _, ct: (ct, jnp.sum(ct, axis=0)))
+
+
+def layered_loss_with_custom_vjp_bias(params, batch):
+  """:func:`plain_layered_loss` with each block's bias added by
+  :func:`custom_vjp_add_bias` inside the checkpointed scan."""
+  x = params["embed"][batch["x"]]
+
+  def body(h, layer):
+    return jnp.tanh(custom_vjp_add_bias(h @ layer["w"], layer["b"])), None
+
+  h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      (h @ params["head"]).astype(jnp.float32), batch["y"]).mean()
+
+
 def optax_run(loss, opt, params, data):
   """Plain Optax over ``data``: ``(final params, per-step losses)``."""
   state, losses = opt.init(params), []

@@ -78,11 +78,6 @@ def dropped_varying(jaxpr, axes) -> list[str]:
   return found
 
 
-def _note(found, what):
-  if what not in found:
-    found.append(what)
-
-
 def _invariant_operands(e, axes):
   """The inexact array operands of ``e`` not typed to vary over all of
   ``axes``; ``None`` when a type cannot be read."""
@@ -190,7 +185,8 @@ def _walk(jaxpr, axes, found):
     outs = [varying_axes(v.aval) for v in e.outvars
             if hasattr(v.aval, "shape")]
     if any(t is None for t in ins + outs):
-      _note(found, UNREADABLE)
+      if UNREADABLE not in found:
+        found.append(UNREADABLE)
       continue
     wanted = frozenset().union(*ins) & axes
     if wanted and any(wanted - t for t in outs):

@@ -184,23 +184,20 @@ def _global_norm(grads, mesh):
   """The gradients' global L2 norm; ``grads``: ``(gradient, whole)`` pairs.
 
   A whole gradient (replicated over every mesh axis: stage 0, small
-  leaves) is the same on every device, so each device squares and sums
-  only its slice of it (:func:`_split_over_devices`): 1/N of the reads,
-  where the replicated sum would read the whole gradient on every device.
-  It must not be squared into a temporary of its size either: ``sum(g **
+  leaves) must not be squared into a temporary of its size: ``sum(g **
   2)`` materialises ``g ** 2`` where the backend does not fuse the square
   into its reduction (XLA CPU at ``tests/conftest.py``'s flags, where it
   shares the square with the optimizer's second moment). In its sum's
-  dtype (fp32: real, not cast) it is summed at once behind an
-  ``optimization_barrier``: XLA cannot share the barrier's output's square
-  with the optimizer's (common-subexpression elimination), so the square
-  fuses into the reduction, no temporary, one fusion where a loop would
-  compile to a while loop of its own. Otherwise (a bf16 leaf summed in
-  fp32, complex) it is summed in at most :data:`NORM_BLOCKS` blocks of
-  leading rows (a stack's layers), so only one block is cast and squared
-  at a time. A sharded gradient is summed at once: its square is a
-  shard's, and a reshape or blocks over a sharded dimension would add
-  collectives."""
+  dtype (fp32: real, not cast) it goes behind an ``optimization_barrier``
+  (XLA cannot share the barrier's output's square with the optimizer's:
+  common-subexpression elimination), and each device then squares and
+  sums only its slice of it (:func:`_split_over_devices`): 1/N of the
+  reads of a replicated sum, the square fused into the reduction, no
+  temporary. Otherwise (a bf16 leaf summed in fp32, complex) it is summed
+  on every device in at most :data:`NORM_BLOCKS` blocks of leading rows (a
+  stack's layers), so only one block is cast and squared at a time. A
+  sharded gradient is summed at once: its square is a shard's, and a
+  reshape or blocks over a sharded dimension would add collectives."""
   def dtype(g):           # at least fp32, real
     return jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)
 
