@@ -4,6 +4,7 @@
 #
 #   experiments/gpu_checks.sh bench SECONDS OUT  # gpu_bench 1b + 2.7b, then 3.5b stage 3 (+offload)
 #   experiments/gpu_checks.sh rest SECONDS OUT   # the main job, no flags; longest_context, coarse
+#   experiments/gpu_checks.sh lc SECONDS OUT     # longest_context alone (dots, then offload), coarse
 #
 # Logs and JSON land in OUT, flat (the device tool brings back at most 8
 # files, two folders down).
@@ -38,6 +39,12 @@ case $part in
         --timeout 120 --out "$out/lc" 2>&1 | tee "$out/longest_context.log"
       cp "$out/lc/longest_context.json" "$out/" 2>/dev/null
     fi
+    ;;
+  lc)
+    timeout "$(left)" python3 experiments/longest_context.py \
+      --policies dots,offload --start 32768 --granularity 32768 --steps 1 \
+      --timeout 100 --out "$out/lc" 2>&1 | tee "$out/longest_context.log"
+    cp "$out/lc/longest_context.json" "$out/" 2>/dev/null
     ;;
 esac
 rm -rf "$out/b1" "$out/b2" "$out/lc" "$out/train"

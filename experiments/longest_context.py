@@ -124,13 +124,18 @@ def attempt(args, policy: str, seq_len: int) -> dict:
   return rec
 
 
-def longest(args, policy: str, records: list) -> int | None:
-  """Doubling, then bisection on multiples of ``--granularity``."""
+def longest(args, policy: str, records: list, save) -> int | None:
+  """Doubling, then bisection on multiples of ``--granularity``.
+
+  ``save()`` runs after every attempt, so a run cut short by its lease
+  still leaves each finished attempt in the data file.
+  """
   g = args.granularity
   lo, hi, t = None, None, args.start
   while t <= args.max:
     r = attempt(args, policy, t)
     records.append(r)
+    save()
     if not r["ok"]:
       hi = t
       break
@@ -143,6 +148,7 @@ def longest(args, policy: str, records: list) -> int | None:
       break
     r = attempt(args, policy, mid)
     records.append(r)
+    save()
     lo, hi = (mid, hi) if r["ok"] else (lo, mid)
   return lo
 
@@ -168,14 +174,20 @@ def main():
                                          args.steps)), flush=True)
     return
   records, table = [], {}
-  for policy in args.policies.split(","):
-    table[policy] = longest(args, policy, records)
-  summary = {"longest_context": table, "allocator": args.allocator}
-  print(json.dumps(summary), flush=True)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "longest_context.json").write_text(
-      json.dumps({"summary": summary, "attempts": records}, indent=2))
+  summary = {"longest_context": table, "allocator": args.allocator,
+             "complete": False}
+
+  def save():
+    (out / "longest_context.json").write_text(
+        json.dumps({"summary": summary, "attempts": records}, indent=2))
+
+  for policy in args.policies.split(","):
+    table[policy] = longest(args, policy, records, save)
+  summary["complete"] = True
+  save()
+  print(json.dumps(summary), flush=True)
   print(f"wrote {out / 'longest_context.json'}")
 
 
