@@ -2,6 +2,10 @@
 
     python experiments/interleaved_steps.py                 # the plain GPT
     python experiments/interleaved_steps.py --pairs 0:dp --rounds 8
+    python experiments/interleaved_steps.py --pairs 0:dp,0/nonorm:dp
+
+A pair is ``STAGE[/nonorm]:PEER``: ``/nonorm`` builds the zerojax step with
+``grad_norm=False`` (no gradient-norm metric, as the peers compute none).
 
 ``bench_stages.py`` runs every configuration in a process of its own; on a
 shared 2-core machine its step times move by a few percent from process to
@@ -42,11 +46,14 @@ def worker(args) -> dict:
   import plain_gpt
 
   stage, peer = args.pair.split(":")
+  stage, _, variant = stage.partition("/")
+  if variant not in ("", "nonorm"):
+    raise SystemExit(f"--pairs: {args.pair!r}: use STAGE[/nonorm]:PEER")
   init_fn, loss_fn, batches = plain_gpt.from_flags(args, args.steps)
   mesh = zerojax.make_mesh()
   key = jax.random.key(0)
   tx = zerojax.zero(optax.adamw(1e-3), stage=int(stage), mesh=mesh)
-  step = zerojax.train_step(loss_fn, tx)
+  step = zerojax.train_step(loss_fn, tx, grad_norm=variant != "nonorm")
   state = zerojax.init_from(init_fn, tx, key)
   peer_step, p, o = peers.make_peer(peer, loss_fn, optax.adamw(1e-3),
                                     init_fn(key), mesh)
@@ -74,6 +81,7 @@ def worker(args) -> dict:
         times[which].append(time.perf_counter() - t)
   med = {k: float(np.median(v)) for k, v in times.items()}
   return {"pair": args.pair, "stage": int(stage), "peer": peer,
+          "grad_norm": variant != "nonorm",
           "step_times_s": times, "median_s": med,
           "ratio": med["zerojax"] / med["peer"],
           "xla_cost_per_device": cost,
@@ -111,7 +119,7 @@ def main():
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     r = runs[-1]
-    print(f"stage {r['stage']} vs {r['peer']}: {r['median_s']['zerojax']:.3f}"
+    print(f"{r['pair']}: {r['median_s']['zerojax']:.3f}"
           f" s vs {r['median_s']['peer']:.3f} s, ratio {r['ratio']:.3f}; "
           f"bytes accessed {r['bytes_accessed_ratio']:.3f}x",
           flush=True)

@@ -144,3 +144,30 @@ def test_loss_metric_matches_unsharded(setup, mesh, stage):
   grads = jax.grad(toy.loss_fn, allow_int=True)(params, data[0])
   want_norm = optax.tree.norm(_float_leaves(grads))
   assert abs(float(metrics["grad_norm"]) - float(want_norm)) < 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_built_without_the_norm_reports_none_and_trains_the_same(
+    setup, mesh, stage):
+  """``train_step(..., grad_norm=False)``: the metrics hold the loss only,
+  and the new state is the default step's, bit for bit."""
+  params, data = setup
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh)
+  states, metrics = [], []
+  for grad_norm in (True, False):
+    step = zerojax.train_step(toy.loss_fn, tx, gather="model",
+                              grad_norm=grad_norm)
+    state, m = step(zerojax.init(params, tx), data[0])
+    states.append(zerojax.gather_params(state, master=True))
+    metrics.append(m)
+  assert set(metrics[0]) == {"loss", "grad_norm"}
+  assert set(metrics[1]) == {"loss"}
+  assert float(metrics[0]["loss"]) == float(metrics[1]["loss"])
+  for a, b in zip(_float_leaves(states[0]), _float_leaves(states[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_grad_norm_switch_that_is_not_a_bool_is_refused(mesh):
+  tx = zerojax.zero(optax.sgd(0.1), stage=0, mesh=mesh)
+  with pytest.raises(TypeError, match=r"grad_norm='no' must be True"):
+    zerojax.train_step(toy.loss_fn, tx, grad_norm="no")

@@ -130,7 +130,7 @@ def step_key(state: ZeroState):
 
 
 def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
-          gather_mode):
+          gather_mode, with_grad_norm=True):
   spec = state.spec
   prog = _grad.LossProgram(spec, loss_fn, loss_call(state), accum_steps,
                            gather_mode)
@@ -142,7 +142,9 @@ def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
                                               "zerojax train step")
   if new_ms is not None:
     new_state = new_state.replace(model_state=new_ms)
-  metrics = {"loss": loss, "grad_norm": grad_norm}
+  # Left out, the norm is an unused value in the jitted step: XLA drops it.
+  metrics = {"loss": loss, "grad_norm": grad_norm} if with_grad_norm else {
+      "loss": loss}
   if aux is not None:
     metrics["aux"] = aux
   return new_state, metrics
@@ -184,8 +186,8 @@ class TrainStep(_CompiledStep):
   """A jitted, state-donating train step; call it as ``step(state, batch)``.
 
   ``step(state, batch, **extra_args)`` returns ``(new_state, metrics)`` with
-  ``metrics = {"loss", "grad_norm"}`` (plus ``"aux"`` when the loss returns
-  one: floating leaves averaged over devices and micro-batches, integer
+  ``metrics = {"loss", "grad_norm"}`` (``"grad_norm"`` unless built with
+  ``grad_norm=False``; plus ``"aux"`` when the loss returns one: floating leaves averaged over devices and micro-batches, integer
   leaves -- counts -- summed). ``extra_args`` go to the inner optimizer's
   update (an ``optax.GradientTransformationExtraArgs``), after ``value=``
   (the step's mean loss), which is always passed. Metrics are device
@@ -193,6 +195,7 @@ class TrainStep(_CompiledStep):
   """
 
   donate: bool = True
+  grad_norm: bool = True
 
   def __call__(self, state: ZeroState, batch, **extra_args):
     batch = self._prepare(state, batch)
@@ -244,6 +247,7 @@ def train_step(
     accum_steps: int = 1,
     gather: str = "auto",
     donate: bool = True,
+    grad_norm: bool = True,
 ) -> TrainStep:
   """Builds the jitted train step for ``tx``'s stage.
 
@@ -279,24 +283,34 @@ def train_step(
       gradients inside its backward loop. Either way the result is the
       unsharded one. Other errors in the loss propagate unchanged.
     donate: donate the input state's buffers to the output state.
+    grad_norm: report the global norm of the step's gradient (the
+      optimizer's input, after the reduction) as ``metrics["grad_norm"]``.
+      It reads the whole gradient once more: at stage 0, where every
+      device holds all of it, each sums the squares of a 1/N slice. With
+      ``False`` the step computes no norm, as a plain loop that logs none.
+      An optimizer's own ``optax.clip_by_global_norm`` is unaffected.
 
   Returns:
     A :class:`TrainStep`.
   """
   _grad.check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
+  if not isinstance(grad_norm, bool):
+    raise TypeError(f"zerojax.train_step: grad_norm={grad_norm!r} must be "
+                    f"True (report metrics['grad_norm']) or False.")
 
   def fn(state, batch, arrays, static):
     def body(state, batch, arrays):
       return _step(state, batch, _update.join_extra_args(arrays, static),
                    loss_fn=loss_fn, accum_steps=accum_steps,
-                   gather_mode=gather)
+                   gather_mode=gather, with_grad_norm=grad_norm)
     spec = state.spec
     return spec.region(body, (spec.shardings_like(state), spec.replicated()))(
         state, batch, arrays)
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else (),
                    static_argnums=3)
   return TrainStep(loss_fn=loss_fn, tx=tx, gather=gather,
-                   accum_steps=accum_steps, _jitted=jitted, donate=donate)
+                   accum_steps=accum_steps, _jitted=jitted, donate=donate,
+                   grad_norm=grad_norm)
 
 
 # --------------------------------------------------------------------------
