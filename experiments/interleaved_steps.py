@@ -6,6 +6,9 @@
 
 A pair is ``STAGE[/nonorm]:PEER``: ``/nonorm`` builds the zerojax step with
 ``grad_norm=False`` (no gradient-norm metric, as the peers compute none).
+``control:PEER`` times the peer against a second, separately compiled copy
+of itself in the zerojax slot: how far from 1.0 two identical programs land
+on this machine, the resolution of every other ratio.
 
 ``bench_stages.py`` runs every configuration in a process of its own; on a
 shared 2-core machine its step times move by a few percent from process to
@@ -47,30 +50,41 @@ def worker(args) -> dict:
 
   stage, peer = args.pair.split(":")
   stage, _, variant = stage.partition("/")
-  if variant not in ("", "nonorm"):
-    raise SystemExit(f"--pairs: {args.pair!r}: use STAGE[/nonorm]:PEER")
+  if variant not in ("", "nonorm") or not (stage.isdigit()
+                                           or stage == "control"):
+    raise SystemExit(f"--pairs: {args.pair!r}: use STAGE[/nonorm]:PEER "
+                     f"or control:PEER")
   init_fn, loss_fn, batches = plain_gpt.from_flags(args, args.steps)
   mesh = zerojax.make_mesh()
   key = jax.random.key(0)
-  tx = zerojax.zero(optax.adamw(1e-3), stage=int(stage), mesh=mesh)
-  step = zerojax.train_step(loss_fn, tx, grad_norm=variant != "nonorm")
-  state = zerojax.init_from(init_fn, tx, key)
-  peer_step, p, o = peers.make_peer(peer, loss_fn, optax.adamw(1e-3),
-                                    init_fn(key), mesh)
-  box = {"zerojax": state, "peer": (p, o)}
+
+  def peer_runner():
+    step, p, o = peers.make_peer(peer, loss_fn, optax.adamw(1e-3),
+                                 init_fn(key), mesh)
+
+    def call(state, b):
+      p, o, m = step(*state, b)
+      return (p, o), m
+    return call, (lambda state, b: step.lower(*state, b)), (p, o)
+
+  if stage == "control":
+    # the peer against a second, separately compiled copy of itself: the
+    # ratio two identical programs show here (the harness's noise floor)
+    first = peer_runner()
+  else:
+    tx = zerojax.zero(optax.adamw(1e-3), stage=int(stage), mesh=mesh)
+    step = zerojax.train_step(loss_fn, tx, grad_norm=variant != "nonorm")
+    first = (step, step.lower, zerojax.init_from(init_fn, tx, key))
+  runners = {"zerojax": first, "peer": peer_runner()}
+  box = {k: r[2] for k, r in runners.items()}
 
   def run(which, b):
-    if which == "zerojax":
-      box[which], m = step(box[which], b)
-    else:
-      p, o, m = peer_step(*box[which], b)
-      box[which] = (p, o)
+    box[which], m = runners[which][0](box[which], b)
     jax.block_until_ready(m)
 
   for which in box:                       # compile and warm up
     run(which, batches[0])
-  programs = {"zerojax": step.lower(box["zerojax"], batches[0]),
-              "peer": peer_step.lower(*box["peer"], batches[0])}
+  programs = {k: runners[k][1](box[k], batches[0]) for k in box}
   cost = {k: _cost(v.compile()) for k, v in programs.items()}
   times = {"zerojax": [], "peer": []}
   for r in range(args.rounds):
@@ -80,7 +94,8 @@ def worker(args) -> dict:
         run(which, b)
         times[which].append(time.perf_counter() - t)
   med = {k: float(np.median(v)) for k, v in times.items()}
-  return {"pair": args.pair, "stage": int(stage), "peer": peer,
+  return {"pair": args.pair,
+          "stage": None if stage == "control" else int(stage), "peer": peer,
           "grad_norm": variant != "nonorm",
           "step_times_s": times, "median_s": med,
           "ratio": med["zerojax"] / med["peer"],
