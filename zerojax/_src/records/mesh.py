@@ -292,13 +292,31 @@ def in_caller_types(mesh: Mesh, fn: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def explain_closures(mesh: Mesh, where: str):
-  """JAX cannot close over arrays typed on ``Explicit`` axes inside
-  ``jax.shard_map`` (where zerojax runs the loss per device): that error,
-  raised while tracing (so before any state is donated), is re-raised
-  saying which function and what to do."""
+def explain_per_device_errors(mesh: Mesh, where: str):
+  """JAX's refusals of a loss inside ``jax.shard_map`` (where zerojax runs
+  it per device), re-raised saying which function and what to do: a
+  closed-over array typed on ``Explicit`` axes, and an output shape (a
+  Pallas kernel's ``out_shape``) that does not say how it varies across
+  devices. Both are raised while tracing, so before any state is
+  donated."""
   try:
     yield
+  except ValueError as e:
+    msg = str(e)
+    if not ("manual_axis_type" in msg and "ShapeDtypeStruct" in msg
+            and "must not be" in msg):
+      raise
+    raise ValueError(
+        f"{where}: the loss gives an output shape (a Pallas kernel's "
+        f"out_shape, say) as a jax.ShapeDtypeStruct with no "
+        f"manual_axis_type. zerojax runs the loss once per device "
+        f"(jax.shard_map over the batch axes, JAX's per-device types "
+        f"checked), where JAX must be told how such an output varies "
+        f"across devices. Give it the type of the per-device input it is "
+        f"computed from: jax.ShapeDtypeStruct(shape, dtype, "
+        f"manual_axis_type=jax.typeof(x).manual_axis_type) -- empty outside "
+        f"a per-device program, so the same code runs unsharded. JAX said: "
+        f"{msg.splitlines()[0]}") from e
   except NotImplementedError as e:
     msg = str(e)
     if "Closing over inputs to shard_map" not in msg:

@@ -50,7 +50,7 @@ from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import layers as _layers
 from zerojax._src.jaxpr import transposes as _transposes
 from zerojax._src.jaxpr import varying as _varying
-from zerojax._src.records.mesh import explain_closures
+from zerojax._src.records.mesh import explain_per_device_errors
 from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
                                        make_spec, model_axes_of,
                                        tree_difference)
@@ -889,7 +889,7 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
     models = (None if isinstance(params, ZeroState)
               else model_axes_of(params, tx))
     batch = place_batch(batch, tx, accum_steps)
-    with explain_closures(tx.mesh, "zerojax.value_and_grad"):
+    with explain_per_device_errors(tx.mesh, "zerojax.value_and_grad"):
       return run(params, batch, key, models)
   return fn
 

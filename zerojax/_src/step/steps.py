@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax._src.records.mesh import explain_closures
+from zerojax._src.records.mesh import explain_per_device_errors
 from zerojax._src.records.spec import (StateSpec, ZeroState, leaf_dtype,
                                        tree_difference)
 from zerojax._src.runtime import host_heap
@@ -171,7 +171,7 @@ class _CompiledStep:
   def _run(self, where: str, state, *args):
     """The jitted call; a deleted state leaf is refused first, by path."""
     reject_deleted(state, where)
-    with explain_closures(self.tx.mesh, where):
+    with explain_per_device_errors(self.tx.mesh, where):
       out = self._jitted(state, *args)
     if not self._called:
       # the first call compiled the program: its compile heap goes back to
@@ -209,7 +209,7 @@ class TrainStep(_CompiledStep):
     where its leaves carry their shardings (an Explicit mesh)."""
     _check_abstract(state, "TrainStep.lower")
     batch = self._prepare(state, batch)
-    with explain_closures(self.tx.mesh, "zerojax.train_step"):
+    with explain_per_device_errors(self.tx.mesh, "zerojax.train_step"):
       return self._jitted.lower(state, batch,
                                 *_update.split_extra_args(extra_args))
 
@@ -219,7 +219,7 @@ class TrainStep(_CompiledStep):
     GPU program, host-memory placements included, from a CPU machine)."""
     _check_abstract(state, "TrainStep.trace")
     batch = self._prepare(state, batch)
-    with explain_closures(self.tx.mesh, "zerojax.train_step"):
+    with explain_per_device_errors(self.tx.mesh, "zerojax.train_step"):
       return self._jitted.trace(state, batch,
                                 *_update.split_extra_args(extra_args))
 
@@ -348,7 +348,7 @@ class EvalStep(_CompiledStep):
   def lower(self, state: ZeroState, batch):
     """``jax.jit(...).lower`` of the eval step (e.g. for its memory)."""
     batch = self._prepare(state, batch)
-    with explain_closures(self.tx.mesh, "zerojax.eval_step"):
+    with explain_per_device_errors(self.tx.mesh, "zerojax.eval_step"):
       return self._jitted.lower(state, batch)
 
 
