@@ -272,6 +272,43 @@ def test_a_custom_vjp_gradient_for_a_closed_over_array_raises_then_sums(
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+def _pallas_loss():
+  """A loss whose product runs in a Pallas kernel (JAX's interpreter on
+  CPU) with an ``out_shape`` that leaves ``manual_axis_type`` out."""
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] * w_ref[...]
+
+  def loss(params, b):
+    w = jnp.broadcast_to(params["w1"][:, 0], b["x"].shape)
+    h = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(
+        b["x"].shape, b["x"].dtype), interpret=True)(b["x"], w)
+    return jnp.mean((h @ params["w1"] @ params["w2"] - b["y"]) ** 2)
+  return loss
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_pallas_kernel_with_an_untyped_out_shape_raises_the_fix_and_keeps_the_state(
+    any_mesh, stage):
+  """Inside the per-device loss JAX needs a kernel's ``out_shape`` to say
+  how it varies over devices; zerojax's error names the loss, the reason
+  and the argument to add (checked on a GPU to be exact then:
+  experiments/pallas_in_loss.py), and the state is untouched."""
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=any_mesh)
+  state = zerojax.init(_params(), tx)
+  before = jax.tree.map(np.asarray, zerojax.gather_params(state))
+  step = zerojax.train_step(_pallas_loss(), tx)
+  with pytest.raises(ValueError, match=r"zerojax.train_step: the loss gives "
+                     r"an output shape \(a Pallas kernel's out_shape, say\).*"
+                     r"manual_axis_type=jax.typeof\(x\).manual_axis_type"):
+    step(state, _data(1)[0])
+  after = zerojax.gather_params(state)
+  for k in before:
+    np.testing.assert_array_equal(after[k], before[k])
+  assert int(state.step) == 0
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_offloaded_state_with_a_host_callback_on_an_explicit_mesh(mesh, stage):
   data = _data(2)
