@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 from tests import toy
@@ -307,6 +308,56 @@ def test_a_pallas_kernel_with_an_untyped_out_shape_raises_the_fix_and_keeps_the_
   for k in before:
     np.testing.assert_array_equal(after[k], before[k])
   assert int(state.step) == 0
+
+
+def _constrained_loss(constrain):
+  """``_fit`` with its hidden activation passed through ``constrain``."""
+  def loss(q, b):
+    h = constrain(jnp.tanh(b["x"] @ q["w1"]))
+    return jnp.mean((h @ q["w2"] + q["b"][None] - b["y"]) ** 2)
+  return loss
+
+
+_BATCH_AXIS_CONSTRAINTS = {
+    "with_sharding_constraint": (
+        lambda h: jax.lax.with_sharding_constraint(h, P("data", None)),
+        r"constrains a value's sharding over a batch axis \(jax.lax."
+        r"with_sharding_constraint with P\('data', None\)\).*Put None in "
+        r"its place"),
+    "reshard": (
+        lambda h: jax.sharding.reshard(h, P("data", None)),
+        r"calls jax.sharding.reshard with P\('data', None\).*Use "
+        r"jax.lax.with_sharding_constraint with None in place of the batch "
+        r"axes"),
+}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("call", sorted(_BATCH_AXIS_CONSTRAINTS))
+def test_a_sharding_constraint_over_the_batch_axis_raises_the_fix_and_keeps_the_state(
+    any_mesh, call, stage):
+  """A loss written for GSPMD may constrain its activations over the batch
+  axis; inside zerojax's per-device loss that axis is manual. The error
+  names the call, the spec and the fix before the state is touched, and
+  the fixed constraint gives the unsharded numbers."""
+  constrain, says = _BATCH_AXIS_CONSTRAINTS[call]
+  tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
+  state = zerojax.init(_params(), tx)
+  before = jax.tree.map(np.asarray, zerojax.gather_params(state))
+  step = zerojax.train_step(_constrained_loss(constrain), tx)
+  with pytest.raises(ValueError, match=r"zerojax.train_step: the loss " + says):
+    step(state, _data(1)[0])
+  after = zerojax.gather_params(state)
+  for k in before:
+    np.testing.assert_array_equal(after[k], before[k])
+  fixed = _constrained_loss(
+      lambda h: jax.lax.with_sharding_constraint(h, P(None, None)))
+  data = _data(2)
+  want, want_losses = toy.optax_run(_fit, optax.adam(1e-2), _params(), data)
+  got, losses, _ = toy.zero_run(fixed, tx, _params(), data)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -291,18 +292,49 @@ def in_caller_types(mesh: Mesh, fn: Callable) -> Callable:
   return call
 
 
+def _restate_a_constraint(msg: str, where: str) -> str | None:
+  """What to say for JAX's refusal of a sharding constraint or reshard in
+  the loss, where zerojax's batch axes are manual and the mesh's other
+  axes Auto; ``None`` for any other error."""
+  spec = re.search(r"P\([^)]*\)", msg)
+  spec = "" if spec is None else f" {spec.group(0)}"
+  per_device = (f"zerojax runs the loss once per device (jax.shard_map over "
+                f"the batch axes, each device's value already its own rows), "
+                f"and the mesh's other axes are Auto there (GSPMD places "
+                f"them)")
+  if ("passed to with_sharding_constraint can only refer to Auto axes" in msg
+      and "Manual" in msg):
+    return (f"{where}: the loss constrains a value's sharding over a batch "
+            f"axis (jax.lax.with_sharding_constraint with{spec}). "
+            f"{per_device}, so a spec cannot name a batch axis. Put None in "
+            f"its place (other mesh axes may stay), or drop the constraint: "
+            f"the numbers are the same.")
+  if ("passed to reshard cannot contain axis names" in msg
+      and ("AxisType.Manual" in msg or "AxisType.Auto" in msg)):
+    return (f"{where}: the loss calls jax.sharding.reshard with{spec}. "
+            f"{per_device}, so reshard can name no axis there. Use "
+            f"jax.lax.with_sharding_constraint with None in place of the "
+            f"batch axes (other mesh axes may stay), or drop it: the numbers "
+            f"are the same.")
+  return None
+
+
 @contextlib.contextmanager
 def explain_per_device_errors(mesh: Mesh, where: str):
   """JAX's refusals of a loss inside ``jax.shard_map`` (where zerojax runs
   it per device), re-raised saying which function and what to do: a
-  closed-over array typed on ``Explicit`` axes, and an output shape (a
-  Pallas kernel's ``out_shape``) that does not say how it varies across
-  devices. Both are raised while tracing, so before any state is
-  donated."""
+  closed-over array typed on ``Explicit`` axes, a sharding constraint
+  naming a batch axis or a reshard (:func:`_restate_a_constraint`), and an
+  output shape (a Pallas kernel's ``out_shape``) that does not say how it
+  varies across devices. All are raised while tracing, so before any state
+  is donated."""
   try:
     yield
   except ValueError as e:
     msg = str(e)
+    said = _restate_a_constraint(msg, where)
+    if said is not None:
+      raise ValueError(f"{said} JAX said: {msg.splitlines()[0]}") from e
     if not ("manual_axis_type" in msg and "ShapeDtypeStruct" in msg
             and "must not be" in msg):
       raise
