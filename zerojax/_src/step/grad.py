@@ -392,8 +392,51 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
   else:
     grads, loss, aux, new_ms = _accumulate(one, micro, first, micro_key,
                                            model_state, k, axes)
+  _refuse_per_row_aux(aux, lambda mb: objective(mb, micro_key(0),
+                                                model_state), first, diff_in,
+                      tx.batch_shards * k)
   return (_reduce_grads(spec, grads, hooked, scale / seed, direct),
           *_reduce_outputs(loss, aux, new_ms, axes, scale))
+
+
+def _refuse_per_row_aux(aux, objective_on, mb, diff_in, parts: int):
+  """Raises for an aux leaf whose shape follows the batch's rows.
+
+  Aux is combined over devices and micro-batches as a batch mean (floats)
+  or a sum (integers): the unsharded value for a mean or a count, not for a
+  per-example array, which would come back as the elementwise mean of
+  different rows. Such a leaf is told apart by its shape alone: the loss is
+  traced again (abstractly, nothing computed) on the micro-batch ``mb``
+  with every batch leaf's rows doubled, and a leaf whose shape changes
+  follows the rows. A loss that cannot take other batch sizes is left as
+  it is (nothing to tell)."""
+  flat = jax.tree_util.tree_flatten_with_path(aux)[0]
+  if not any(np.ndim(a) for _, a in flat):
+    return
+  doubled = jax.tree.map(
+      lambda x: jnp.concatenate([x, x]) if np.ndim(x) else x, mb)
+  try:
+    probe = jax.eval_shape(lambda d: objective_on(doubled)(d)[1][2], diff_in)
+  except Exception:            # a fixed batch size in the loss: no verdict
+    return
+  probed = jax.tree.leaves(probe)
+  if len(probed) != len(flat):
+    return
+  for (path, a), b in zip(flat, probed):
+    if np.shape(a) != tuple(b.shape):
+      grew = [d for d, (m, n) in enumerate(zip(np.shape(a), b.shape))
+              if m != n]
+      rows = np.shape(a)[grew[0]] if grew else "?"
+      raise ValueError(
+          f"zerojax: the loss's aux{jax.tree_util.keystr(path)} has shape "
+          f"{tuple(np.shape(a))} on each device, and its dimension "
+          f"{grew[0] if grew else '?'} follows the batch's rows ({rows} per "
+          f"device and micro-batch). zerojax combines aux over the {parts} "
+          f"devices and micro-batches as a batch mean (floats) or a sum "
+          f"(integers), which for a per-row array is not the unsharded "
+          f"value (that has {rows} x {parts} rows). Reduce it over the batch "
+          f"inside the loss (a mean, or a count), or compute per-example "
+          f"values outside the step from zerojax.gather_params(state).")
 
 
 def _direct_where_typed(jaxpr, axes, direct, diff_in) -> list[bool]:
@@ -816,7 +859,8 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
       its rows, or ``(loss, aux)`` with ``has_aux=True``.
     tx: a :class:`zerojax.ZeroTransformation`.
     has_aux: as in ``jax.value_and_grad``. Floating aux leaves are averaged
-      over devices and micro-batches, integer ones (counts) summed.
+      over devices and micro-batches, integer ones (counts) summed; a leaf
+      whose shape follows the batch's rows (per-example) is refused.
     accum_steps: micro-batches per call (accumulated inside).
     gather: as in :func:`zerojax.train_step`.
 
