@@ -189,9 +189,10 @@ class TrainStep(_CompiledStep):
   ``metrics = {"loss", "grad_norm"}`` (``"grad_norm"`` unless built with
   ``grad_norm=False``; plus ``"aux"`` when the loss returns one: floating
   leaves averaged over devices and micro-batches, integer leaves -- counts
-  -- summed; a leaf whose shape follows the batch's rows is refused). ``extra_args`` go to the inner optimizer's
-  update (an ``optax.GradientTransformationExtraArgs``), after ``value=``
-  (the step's mean loss), which is always passed. Metrics are device
+  -- summed; a leaf whose shape follows the batch's rows is refused).
+  ``extra_args`` go to the inner optimizer's update (an
+  ``optax.GradientTransformationExtraArgs``), after ``value=`` (the step's
+  mean loss), which is always passed. Metrics are device
   arrays: read them a step late to keep the host from stalling the device.
   """
 
