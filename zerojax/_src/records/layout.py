@@ -109,6 +109,20 @@ class LeafLayout:
       entries.pop()
     return P(*entries)
 
+  def typed_spec(self, axis_name: str, explicit) -> P:
+    """The logical view's spec as a sharding type on a mesh whose
+    ``explicit`` axes are Explicit: those of its axes only, and the data
+    axis only where it divides the logical dimension (a type cannot split
+    a dimension unevenly, so a padded leaf is typed whole over the data
+    axis)."""
+    entries = []
+    for d in range(len(self.shape)):
+      axes = ((axis_name,) if d == self.dim and not self.pad else ()
+              ) + self.model_axes(d)
+      axes = tuple(a for a in axes if a in explicit)
+      entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
+
   def manual_spec(self, axis_name: str) -> P:
     """The spec over the data axis only: a ``shard_map`` in/out spec (the
     model axes are left automatic there)."""

@@ -268,8 +268,7 @@ def in_caller_types(mesh: Mesh, fn: Callable) -> Callable:
   array arguments replicated: so arrays it closes over, typed on the
   caller's Explicit mesh, meet arguments of the same mesh (as unsharded
   Optax would call it)."""
-  explicit = explicit_names(mesh)
-  if not explicit or not callable(fn):
+  if not explicit_names(mesh) or not callable(fn):
     return fn
 
   @functools.wraps(fn)
@@ -277,19 +276,51 @@ def in_caller_types(mesh: Mesh, fn: Callable) -> Callable:
     current = jax.sharding.get_abstract_mesh()
     if current.empty or current != compute_mesh(mesh).abstract_mesh:
       return fn(*args, **kwargs)                 # not inside a region
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-
-    def body(*xs):
-      ls = list(leaves)
-      for i, x in zip(arrays, xs):
-        ls[i] = x
-      a, k = jax.tree.unflatten(tree, ls)
-      return fn(*a, **k)
-    return jax.sharding.explicit_axes(
-        body, axes=explicit, in_sharding=tuple(P() for _ in arrays))(
-            *[leaves[i] for i in arrays])
+    return call_in_caller_types(mesh, fn, args, kwargs)
   return call
+
+
+def call_in_caller_types(mesh: Mesh, fn: Callable, args: tuple,
+                         kwargs: dict | None = None, specs=None):
+  """``fn(*args, **kwargs)`` from inside :func:`auto_region`, run back on
+  the caller's axis types (``jax.sharding.explicit_axes`` over the mesh's
+  Explicit axes), so that arrays ``fn`` closes over, typed on the caller's
+  mesh, meet arguments typed on the same mesh.
+
+  ``specs``: one ``PartitionSpec`` (or ``None``: replicated) per leaf of
+  ``(args, kwargs)`` in flatten order; the array leaves are typed so, and
+  leaves that are not arrays pass as they are. Give the specs the arrays
+  are already laid out by and no data moves. The outputs come back ``Auto``
+  (placed where ``fn`` left them)."""
+  explicit = explicit_names(mesh)
+  leaves, tree = jax.tree.flatten((args, kwargs or {}))
+  arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+  specs = [None] * len(leaves) if specs is None else list(specs)
+  if len(specs) != len(leaves):
+    raise ValueError(f"zerojax internal: {len(specs)} specs for "
+                     f"{len(leaves)} leaves")
+
+  def body(*xs):
+    ls = list(leaves)
+    for i, x in zip(arrays, xs):
+      ls[i] = x
+    a, k = jax.tree.unflatten(tree, ls)
+    return fn(*a, **k)
+  in_sharding = tuple(P() if specs[i] is None else specs[i] for i in arrays)
+  return jax.sharding.explicit_axes(body, axes=explicit,
+                                    in_sharding=in_sharding)(
+      *[leaves[i] for i in arrays])
+
+
+def closes_over_caller_types(error: Exception) -> bool:
+  """Whether ``error`` is JAX's refusal of a value typed on a mesh with
+  Explicit axes inside :func:`auto_region` (all Auto there): what a
+  function raises when it closes over such a value (a traced
+  hyperparameter an optimizer was built with inside the caller's ``jit``)
+  and combines it with the region's arrays."""
+  msg = str(error).lower()
+  return (isinstance(error, ValueError) and "context mesh" in msg
+          and "should match" in msg and "explicit" in msg)
 
 
 def _restate_a_constraint(msg: str, where: str) -> str | None:

@@ -38,7 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax._src.records import layout as _layout
 from zerojax._src.records import model_axes as _model_axes
 from zerojax._src.records.config import HOST_MEMORY, ZeroConfig
-from zerojax._src.records.mesh import auto_region, compute_mesh, named
+from zerojax._src.records.mesh import (auto_region, call_in_caller_types,
+                                      closes_over_caller_types, compute_mesh,
+                                      explicit_names, named)
 
 
 
@@ -387,11 +389,57 @@ class StateSpec:
   def inner_update(self, g_tree, opt_state, w_tree, extra_args):
     """The inner optimizer's ``update`` on optimizer-view trees; extra
     arguments reach it only when it takes them
-    (``optax.GradientTransformationExtraArgs``)."""
+    (``optax.GradientTransformationExtraArgs``).
+
+    Inside the Auto region of a mesh with Explicit axes, an optimizer that
+    closes over values typed on the caller's mesh (built inside the
+    caller's ``jit`` from traced hyperparameters: ``optax.inject_hyperparams``
+    around the drop-in, a schedule of traced values) cannot combine them
+    with the region's arrays; JAX refuses while tracing. Its update then
+    runs on the caller's axis types, each leaf typed as it is laid out
+    (:meth:`_caller_specs`): the same operations on the same values."""
+    try:
+      return self._inner_update(g_tree, opt_state, w_tree, extra_args)
+    except ValueError as e:
+      if not closes_over_caller_types(e):
+        raise
+    args = (g_tree, opt_state, w_tree, extra_args)
+    try:
+      return call_in_caller_types(self.tx.mesh, self._inner_update, args,
+                                  specs=self._caller_specs(*args))
+    except ValueError as e:
+      if not closes_over_caller_types(e):
+        raise
+      raise ValueError(
+          f"zerojax: the inner optimizer closes over an array typed on "
+          f"another mesh than this ZeroTransformation's ({self.tx.mesh}), "
+          f"so its update cannot run on either. Build the optimizer's "
+          f"hyperparameters under jax.set_mesh of the transformation's "
+          f"mesh (or pass mesh= the mesh they are typed on). JAX said: "
+          f"{str(e).splitlines()[0]}") from e
+
+  def _inner_update(self, g_tree, opt_state, w_tree, extra_args):
     inner = self.tx.inner
     if isinstance(inner, optax.GradientTransformationExtraArgs):
       return inner.update(g_tree, opt_state, w_tree, **extra_args)
     return inner.update(g_tree, opt_state, w_tree)
+
+  def _caller_specs(self, g_tree, opt_state, w_tree, extra_args):
+    """Per leaf of ``(g_tree, opt_state, w_tree, extra_args)``, its spec as
+    a type on the caller's mesh (:meth:`LeafLayout.typed_spec`):
+    gradients and weights by their params' shard layout, the optimizer's
+    leaves by theirs, extra arguments replicated. An uneven (padded) leaf
+    is typed whole over the data axis, so it is gathered for the update."""
+    explicit = set(explicit_names(self.tx.mesh))
+    axis = self.tx.axis_name
+    trained = [r.shard.typed_spec(axis, explicit) for r in self.leaves
+               if r.trainable]
+    opt = [o.layout.typed_spec(axis, explicit) for o in self.opt_leaves]
+    n_g, n_o = len(jax.tree.leaves(g_tree)), len(jax.tree.leaves(opt_state))
+    if n_g != len(trained) or n_o != len(opt):    # not this spec's trees
+      trained, opt = [None] * n_g, [None] * n_o
+    return (trained + opt + trained
+            + [None] * len(jax.tree.leaves(extra_args)))
 
   def after_update(self, state: ZeroState, masters, params, opt_leaves):
     """``state`` one step on: its new master leaves (per param, None where
