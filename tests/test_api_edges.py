@@ -152,7 +152,8 @@ def test_init_from_builds_leaf_groups_of_an_eighth_of_the_bytes(mesh):
   for a, b in zip(groups, groups[1:]):         # neighbours would not fit one
     assert sum(sizes[i] for i in a + b) > budget
   # built group by group (XLA drops the others' work), the state is the one
-  # a single program computing every leaf gives, bit for bit
+  # a single program computing every leaf gives, bit for bit: an init draws
+  # and scales each element alone (no sum whose order a program could pick)
   key = jax.random.key(0)
   grouped = zerojax.init_from(init_fn, tx, key)
   whole = zerojax.init(jax.jit(init_fn)(key), tx)

@@ -169,8 +169,10 @@ SPECS = {"embed": P(None, "model"),
 def test_pod_meshes_zeropp_and_offload_equal_the_auto_mesh(setup, axes, types,
                                                            extra):
   """The same run on Auto axes and on the Explicit (or mixed) mesh gives
-  the same params bit for bit: every technique computes on the same
-  all-Auto view, so only the types of the results differ."""
+  the same params: every technique computes on the same all-Auto view, so
+  only the types of the results differ; they are two programs, so up to
+  the order of their sums (a gradient adds the batch's 32 rows, over the
+  3 steps)."""
   params, data = setup
   kw = {}
   if extra.get("zeropp"):
@@ -194,8 +196,7 @@ def test_pod_meshes_zeropp_and_offload_equal_the_auto_mesh(setup, axes, types,
     if extra.get("offload"):            # the state stays in host memory
       assert {x.sharding.memory_kind for x in jax.tree.leaves(
           state.opt_state)} == {"pinned_host"}
-  for a, b in zip(jax.tree.leaves(got["auto"]), jax.tree.leaves(got["typed"])):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  toy.assert_same_up_to_summation_order(got["typed"], got["auto"], terms=32 * 3)
 
 
 @pytest.mark.parametrize("src, dst", [("auto", "explicit"), ("explicit", "auto")])

@@ -109,6 +109,8 @@ def test_same_seed_same_run(mesh, make_key):
 
 
 def test_resumed_dropout_run_is_bitwise_the_straight_run(mesh, tmp_path):
+  """Bitwise: both runs call the same compiled step on the same values
+  (the restored state is the saved one, bit for bit)."""
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
   step = zerojax.train_step(dropout_loss, tx)
   state = zerojax.init(_params(), tx, key=jax.random.key(3))

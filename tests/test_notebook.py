@@ -49,4 +49,6 @@ def test_bring_your_model_notebook_runs(tmp_path):
   assert full[0] > block[0] > offloaded[0] and offloaded[1] > 0, kept
   offload_diff = float(re.search(r"remat=True and offload=True: (\S+)",
                                  outputs)[1])
-  assert offload_diff == 0.0, outputs
+  # two programs of the same maths: equal up to the order of their sums
+  # (the same bound as the drop-in against the plain loop above)
+  assert offload_diff < 1e-5, outputs

@@ -150,7 +150,8 @@ def test_loss_metric_matches_unsharded(setup, mesh, stage):
 def test_a_step_built_without_the_norm_reports_none_and_trains_the_same(
     setup, mesh, stage):
   """``train_step(..., grad_norm=False)``: the metrics hold the loss only,
-  and the new state is the default step's, bit for bit."""
+  and the new state is the default step's (another program: up to the
+  order of its sums, a gradient adding the batch's 32 rows)."""
   params, data = setup
   tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh)
   states, metrics = [], []
@@ -162,9 +163,9 @@ def test_a_step_built_without_the_norm_reports_none_and_trains_the_same(
     metrics.append(m)
   assert set(metrics[0]) == {"loss", "grad_norm"}
   assert set(metrics[1]) == {"loss"}
-  assert float(metrics[0]["loss"]) == float(metrics[1]["loss"])
-  for a, b in zip(_float_leaves(states[0]), _float_leaves(states[1])):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  toy.assert_same_up_to_summation_order(
+      (metrics[1]["loss"], _float_leaves(states[1])),
+      (metrics[0]["loss"], _float_leaves(states[0])), terms=32)
 
 
 def test_a_grad_norm_switch_that_is_not_a_bool_is_refused(mesh):

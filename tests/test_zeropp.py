@@ -238,13 +238,15 @@ def test_collectives_move_int8_weights_and_int4_gradients():
 
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("policy", [None, BF16], ids=["fp32", "bf16+master"])
-def test_hpz_alone_is_bitwise_equal_to_stage3(k, policy):
-  """The secondary copy holds the same values: same gathers, same sums."""
+def test_hpz_alone_equals_stage3(k, policy):
+  """The secondary copy holds the same values, so the run is plain stage
+  3's; hpZ's gathers make it another program, equal up to the order of its
+  sums (a gradient adds the batch's 32 rows, over 2 steps)."""
   plain, ref, _ = _train(None, policy, steps=2)
   hpz, got, _ = _train(zerojax.ZeroPP(hpz_size=k), policy, steps=2)
-  assert got == ref
-  for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(hpz)):
-    assert np.array_equal(np.asarray(x), np.asarray(y))
+  toy.assert_same_up_to_summation_order(np.float32(got), np.float32(ref),
+                                        terms=32 * 2)
+  toy.assert_same_up_to_summation_order(hpz, plain, terms=32 * 2)
 
 
 def _node_span(c, k):
@@ -331,7 +333,7 @@ def test_six_devices_in_nodes_of_three_any_leaf_shape():
   """A device count that is not a power of two (ZeRO++ users hit "must be
   a multiple of 8" on 24 GPUs): 6 devices, nodes of 3, the toy model's
   uneven leaves, the default block size; close to plain stage 3 on the
-  same 6 devices, and hpZ alone exactly equal."""
+  same 6 devices, and hpZ alone equal up to the order of its sums."""
   mesh = zerojax.make_mesh(devices=jax.devices()[:6])
 
   def run(zeropp):
@@ -348,8 +350,9 @@ def test_six_devices_in_nodes_of_three_any_leaf_shape():
   assert all(np.isfinite(got)) and got != ref
   np.testing.assert_allclose(got, ref, rtol=3e-3)
   same, same_p = run(zerojax.ZeroPP(hpz_size=3))
-  assert same == ref
-  assert all(np.array_equal(a, b) for a, b in zip(same_p, ref_p))
+  toy.assert_same_up_to_summation_order(np.float32(same), np.float32(ref),
+                                        terms=30 * 2)
+  toy.assert_same_up_to_summation_order(same_p, ref_p, terms=30 * 2)
 
 
 def test_quantized_collectives_on_a_hybrid_mesh_stay_close():

@@ -126,6 +126,38 @@ def rel_err(got, want):
   return max(errs)
 
 
+def assert_same_up_to_summation_order(got, want, *, terms: int, ulps: int = 4):
+  """``got`` and ``want`` come from two *different* compiled programs of the
+  same maths (a rewrite on vs off, a streamed update vs the whole one,
+  another axis type or gather form): XLA may add floating-point terms in
+  another order there (its fusions, a dot with a transposed operand or a
+  transpose and a dot, the CPU's kernels, which differ between
+  processors), which moves a float32 result by about one rounding per term.
+  So each leaf must agree to ``ulps * terms`` float32 roundings of its
+  largest magnitude, plus one rounding of its own dtype when that is
+  narrower (a bf16 copy of a float32 value that moved may round the other
+  way): ``|got - want| <= (ulps * terms * eps32 + eps_leaf) * max|want|``,
+  with ``terms`` the most terms any one result sums over the run (the test
+  derives it from its sizes). A wrong value (a lost term, another leaf's
+  state) is off by far more. Bitwise equality is for one program run
+  twice, or where the design fixes the order; such tests say why."""
+  got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got_l) == len(want_l), (len(got_l), len(want_l))
+  for i, (a, b) in enumerate(zip(got_l, want_l)):
+    assert np.shape(a) == np.shape(b), (i, np.shape(a), np.shape(b))
+    assert a.dtype == b.dtype, (i, a.dtype, b.dtype)
+    if not jnp.issubdtype(b.dtype, jnp.inexact):
+      np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
+      continue
+    eps32 = float(jnp.finfo(jnp.float32).eps)
+    eps = float(jnp.finfo(b.dtype).eps)
+    bound = ulps * terms * eps32 + (eps if eps > eps32 else 0.0)
+    a, b = np.asarray(a, np.complex128), np.asarray(b, np.complex128)
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    np.testing.assert_allclose(a, b, rtol=0, atol=bound * scale,
+                               err_msg=f"leaf {i}")
+
+
 def layered_params(layers, width, vocab, key=None):
   """Divisible shapes: an embedding, ``layers`` stacked blocks, a head."""
   k = jax.random.split(jax.random.key(0) if key is None else key, 3)
