@@ -77,24 +77,111 @@ def _loss_with(aux_of):
   return loss
 
 
+def _per_example(out, b):
+  """Per-example aux of two layouts (rows first; rows second, as counts)
+  beside a batch mean."""
+  return {"per_example": jnp.mean((out - b["y"]) ** 2, axis=1),
+          "positive_by_row": (out > 0).T.astype(jnp.int32),
+          "mean": jnp.mean(out)}
+
+
+def _rows_on_each_device(x, dim):
+  return {s.data.shape[dim] for s in x.addressable_shards}
+
+
 @pytest.mark.parametrize("accum_steps", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_per_example_aux_is_every_row_in_batch_order(any_mesh, stage,
+                                                       accum_steps):
+  """A per-example aux leaf (rows first, or rows second) comes back as the
+  unsharded loss's: all 64 rows in batch order (micro-batches in order on
+  each device, devices in the batch's order), sharded by rows; a batch
+  mean beside it stays the mean."""
+  params, batch = _regression()
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=any_mesh)
+  step = zerojax.train_step(_loss_with(_per_example), tx,
+                            accum_steps=accum_steps)
+  _, metrics = step(zerojax.init(params, tx), batch)
+  _, want = _loss_with(_per_example)(params, batch)
+  got = metrics["aux"]
+  assert got["per_example"].shape == (64,)
+  assert got["positive_by_row"].shape == (8, 64)
+  # row-wise values computed per device: the same sums, another program
+  np.testing.assert_allclose(got["per_example"], want["per_example"],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got["positive_by_row"],
+                                want["positive_by_row"])
+  np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-5, atol=1e-6)
+  assert _rows_on_each_device(got["per_example"], 0) == {8}
+  assert _rows_on_each_device(got["positive_by_row"], 1) == {8}
+
+
+def test_a_per_example_aux_on_a_hybrid_mesh_is_in_batch_order():
+  """replica x data: the batch splits over both axes (replica-major), and
+  the rows come back in that order."""
+  mesh = zerojax.make_mesh("replica=2,data=4")
+  params, batch = _regression()
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh, replica_axis="replica")
+  _, metrics = zerojax.train_step(_loss_with(_per_example), tx,
+                                  accum_steps=2)(zerojax.init(params, tx),
+                                                 batch)
+  _, want = _loss_with(_per_example)(params, batch)
+  np.testing.assert_allclose(metrics["aux"]["per_example"],
+                             want["per_example"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(metrics["aux"]["positive_by_row"],
+                                want["positive_by_row"])
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_per_example_aux_raises_before_the_state_is_touched(
-    mesh, stage, accum_steps):
-  """A per-example aux array would come back as the elementwise mean of
-  different devices' rows, not the unsharded (rows,) array: refused, by
-  leaf, with the fix, and the state is kept."""
+def test_value_and_grad_returns_the_per_example_aux(any_mesh, stage):
+  params, batch = _regression()
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=any_mesh)
+  state = zerojax.init(params, tx)
+  (loss, aux), _ = zerojax.value_and_grad(_loss_with(_per_example), tx,
+                                          has_aux=True)(state, batch)
+  want_loss, want = _loss_with(_per_example)(params, batch)
+  np.testing.assert_allclose(aux["per_example"], want["per_example"],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_eval_step_returns_the_per_example_aux(any_mesh, stage):
+  """``eval_step(..., has_aux=True)``: the mean loss and the aux as the
+  unsharded loss gives them; without ``has_aux`` the loss alone."""
+  params, batch = _regression()
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=any_mesh)
+  state = zerojax.init(params, tx)
+  loss_fn = _loss_with(_per_example)
+  loss, aux = zerojax.eval_step(loss_fn, tx, has_aux=True)(state, batch)
+  want_loss, want = loss_fn(params, batch)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  np.testing.assert_allclose(aux["per_example"], want["per_example"],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(aux["positive_by_row"],
+                                want["positive_by_row"])
+  np.testing.assert_allclose(aux["mean"], want["mean"], rtol=1e-5, atol=1e-6)
+  assert _rows_on_each_device(aux["per_example"], 0) == {8}
+  plain = zerojax.eval_step(loss_fn, tx)(state, batch)
+  assert np.shape(plain) == ()
+  np.testing.assert_allclose(plain, want_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_aux_that_grows_with_the_rows_otherwise_is_refused_and_the_state_kept(
+    mesh, stage):
+  """An aux of rows x rows (a pairwise matrix) follows the batch, but not
+  as one dimension of rows: there is no unsharded value to assemble from
+  the devices' pieces, so the step refuses it by leaf before the state is
+  touched."""
   params, batch = _regression()
   tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
   state = zerojax.init(params, tx)
   step = zerojax.train_step(
-      _loss_with(lambda out, b: {"per_example": jnp.mean(out ** 2, axis=1)}),
-      tx, accum_steps=accum_steps)
-  rows = 64 // (mesh.size * accum_steps)
+      _loss_with(lambda out, b: {"pairs": out @ out.T}), tx)
   with pytest.raises(ValueError, match=(
-      rf"zerojax: the loss's aux\['per_example'\] has shape \({rows},\) on "
-      rf"each device, and its dimension 0 follows the batch's rows.*Reduce "
-      rf"it over the batch inside the loss")):
+      r"zerojax: the loss's aux\['pairs'\] has shape \(8, 8\) on each "
+      r"device, and \(16, 16\) when the device's rows double")):
     step(state, batch)
   np.testing.assert_array_equal(zerojax.gather_params(state)["w"],
                                 params["w"])

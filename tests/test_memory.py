@@ -56,6 +56,19 @@ def test_a_step_lowered_from_the_abstract_state_is_the_real_states(
       step.lower(abstract, batch)
     return
   real = zerojax.init_from(init, tx, jax.random.key(0))
+  # an abstract batch too, with or without a sharding of its own: typed as
+  # the step places a real one, so the lowered program is the same text
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        batch)
+  elsewhere = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+          any_mesh, jax.sharding.PartitionSpec())), batch)
+  want = step.lower(real, batch).as_text()
+  for b in (shapes, elsewhere):
+    assert step.lower(abstract, b).as_text() == want
+  evaluate = zerojax.eval_step(toy.layered_loss, tx)
+  assert (evaluate.lower(abstract, shapes).as_text()
+          == evaluate.lower(real, batch).as_text())
   a, r = (step.lower(s, batch).compile() for s in (abstract, real))
   for field in ("argument_size_in_bytes", "output_size_in_bytes",
                 "temp_size_in_bytes"):

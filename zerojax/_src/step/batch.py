@@ -21,7 +21,9 @@ from zerojax._src.records.spec import fresh_copy
 
 
 def place_batch(batch, tx: optax.GradientTransformationExtraArgs, accum_steps: int):
-  """Checks the batch splits over devices x micro-batches; shards it."""
+  """Checks the batch splits over devices x micro-batches; shards it. A
+  ``jax.ShapeDtypeStruct`` leaf (an abstract batch, for ``lower``) comes
+  back with the batch's sharding, whatever sharding it carried."""
   n = tx.batch_shards
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
@@ -51,6 +53,10 @@ def place_batch(batch, tx: optax.GradientTransformationExtraArgs, accum_steps: i
 
   def put(x):
     sharding = batch_sharding(tx, np.ndim(x))
+    if isinstance(x, jax.ShapeDtypeStruct):
+      # an abstract batch (lowering for a target whose devices this process
+      # cannot place data on): typed as the real batch would be placed
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.Array) and _same_split(x.sharding, sharding, x.ndim):
       return x
     if isinstance(x, jax.Array) and not x.is_fully_addressable:

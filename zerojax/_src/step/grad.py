@@ -54,6 +54,7 @@ from zerojax._src.records.mesh import explain_per_device_errors
 from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
                                        make_spec, model_axes_of,
                                        tree_difference)
+from zerojax._src.step import aux as _aux
 from zerojax._src.step.batch import place_batch
 from zerojax._src.step.state import reject_deleted
 
@@ -316,11 +317,16 @@ def warn_placement(spec: StateSpec, placed, reason: str, what: str):
         f"keep them per layer; gather='all' silences this.", stacklevel=3)
 
 
-def local_grads(prog: LossProgram, leaves, batch, key, model_state):
-  """Per-device body: ``(grads, loss, aux, new_model_state)``, reduced.
+def local_grads(prog: LossProgram, leaves, batch, key, model_state,
+                found: _aux.RowDims | None = None):
+  """Per-device body: ``(grads, loss, aux_reduced, aux_rows,
+  new_model_state)``, reduced.
 
   ``grads[i]``: the shard (storage layout) of a sharded leaf at stages 1-3,
-  the all-reduced full gradient otherwise, ``None`` for frozen leaves.
+  the all-reduced full gradient otherwise, ``None`` for frozen leaves. The
+  aux comes as :func:`zerojax._src.step.aux.split`'s two trees (batch means
+  and counts reduced; this device's per-example rows, stacked), and
+  ``found`` learns which leaves are per-example.
   """
   spec, tx = prog.spec, prog.spec.tx
   axes = tx.batch_axes               # every axis the batch splits over
@@ -387,56 +393,19 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state):
          for x, r in zip(g, spec.leaves)]
     return g, loss, aux, new_ms
 
+  dims_of = lambda aux: _aux.row_dims(
+      aux, lambda mb: objective(mb, micro_key(0), model_state)(diff_in)[1][2],
+      first)
   if k == 1:
     grads, loss, aux, new_ms = one(micro, micro_key(0), model_state)
+    dims = dims_of(aux)
   else:
-    grads, loss, aux, new_ms = _accumulate(one, micro, first, micro_key,
-                                           model_state, k, axes)
-  _refuse_per_row_aux(aux, lambda mb: objective(mb, micro_key(0),
-                                                model_state), first, diff_in,
-                      tx.batch_shards * k)
+    grads, loss, aux, new_ms, dims = _accumulate(
+        one, micro, first, micro_key, model_state, k, axes, dims_of)
+  if found is not None:
+    found.set(dims)
   return (_reduce_grads(spec, grads, hooked, scale / seed, direct),
-          *_reduce_outputs(loss, aux, new_ms, axes, scale))
-
-
-def _refuse_per_row_aux(aux, objective_on, mb, diff_in, parts: int):
-  """Raises for an aux leaf whose shape follows the batch's rows.
-
-  Aux is combined over devices and micro-batches as a batch mean (floats)
-  or a sum (integers): the unsharded value for a mean or a count, not for a
-  per-example array, which would come back as the elementwise mean of
-  different rows. Such a leaf is told apart by its shape alone: the loss is
-  traced again (abstractly, nothing computed) on the micro-batch ``mb``
-  with every batch leaf's rows doubled, and a leaf whose shape changes
-  follows the rows. A loss that cannot take other batch sizes is left as
-  it is (nothing to tell)."""
-  flat = jax.tree_util.tree_flatten_with_path(aux)[0]
-  if not any(np.ndim(a) for _, a in flat):
-    return
-  doubled = jax.tree.map(
-      lambda x: jnp.concatenate([x, x]) if np.ndim(x) else x, mb)
-  try:
-    probe = jax.eval_shape(lambda d: objective_on(doubled)(d)[1][2], diff_in)
-  except Exception:            # a fixed batch size in the loss: no verdict
-    return
-  probed = jax.tree.leaves(probe)
-  if len(probed) != len(flat):
-    return
-  for (path, a), b in zip(flat, probed):
-    if np.shape(a) != tuple(b.shape):
-      grew = [d for d, (m, n) in enumerate(zip(np.shape(a), b.shape))
-              if m != n]
-      rows = np.shape(a)[grew[0]] if grew else "?"
-      raise ValueError(
-          f"zerojax: the loss's aux{jax.tree_util.keystr(path)} has shape "
-          f"{tuple(np.shape(a))} on each device, and its dimension "
-          f"{grew[0] if grew else '?'} follows the batch's rows ({rows} per "
-          f"device and micro-batch). zerojax combines aux over the {parts} "
-          f"devices and micro-batches as a batch mean (floats) or a sum "
-          f"(integers), which for a per-row array is not the unsharded "
-          f"value (that has {rows} x {parts} rows). Reduce it over the batch "
-          f"inside the loss (a mean, or a count), or compute per-example "
-          f"values outside the step from zerojax.gather_params(state).")
+          *reduce_outputs(loss, aux, new_ms, axes, scale, dims))
 
 
 def _direct_where_typed(jaxpr, axes, direct, diff_in) -> list[bool]:
@@ -707,26 +676,32 @@ def _gathered_by_the_loss(prog: LossProgram, leaves, mb, key,
   return [h and i not in misuse for i, h in enumerate(cand)], "model"
 
 
-def _accumulate(one, micro, first, micro_key, model_state, k: int, axes):
-  """``one`` over ``k`` micro-batches in a ``lax.scan``, gradients, loss
-  and aux summed, model state carried."""
+def _accumulate(one, micro, first, micro_key, model_state, k: int, axes,
+                dims_of):
+  """``one`` over ``k`` micro-batches in a ``lax.scan``: gradients, loss
+  and aux summed, model state carried, per-example aux leaves (found by
+  ``dims_of`` from the aux's shapes) joined in the device's row order.
+  Returns ``(grads, loss, aux, new_model_state, row dims)``."""
   g_shape, l_shape, a_shape, _ = jax.eval_shape(
       lambda mb: one(mb, micro_key(0), model_state), first)
+  dims = dims_of(a_shape)
+  s_shape = jax.eval_shape(lambda a: _aux.split(a, dims)[0], a_shape)
   zeros = jax.tree.map(
       lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"),
-      (g_shape, l_shape, a_shape))
+      (g_shape, l_shape, s_shape))
 
   def body(carry, xs):
     acc, ms = carry
     mb, i = xs
     g, loss, aux, ms = one(mb, micro_key(i), ms)
-    return (jax.tree.map(jnp.add, acc, (g, loss, aux)), ms), None
+    summed, rows = _aux.split(aux, dims)
+    return (jax.tree.map(jnp.add, acc, (g, loss, summed)), ms), rows
   ms0 = (None if model_state is None else
          jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"),
                       model_state))
-  ((grads, loss, aux), new_ms), _ = jax.lax.scan(
+  ((grads, loss, summed), new_ms), rows = jax.lax.scan(
       body, (zeros, ms0), (micro, jnp.arange(k)))
-  return grads, loss, aux, new_ms
+  return grads, loss, _aux.merge(summed, rows, dims), new_ms, dims
 
 
 def _reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
@@ -780,16 +755,21 @@ def _reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
   return out
 
 
-def _reduce_outputs(loss, aux, new_ms, axes, scale: float):
+def reduce_outputs(loss, aux, new_ms, axes, scale: float, dims):
   """The loss and float aux as means over devices and micro-batches,
-  integer aux (counts) summed, the model state synchronised."""
+  integer aux (counts) summed, per-example aux stacked for the devices'
+  rows (:mod:`zerojax._src.step.aux`), the model state synchronised.
+  Returns ``(loss, aux_reduced, aux_rows, new_model_state)``."""
   loss = jax.lax.psum(loss, axes) * scale
-  aux = jax.tree.map(lambda a: _psum(a, axes) * scale
-                     if jnp.issubdtype(a.dtype, jnp.inexact)
-                     else _psum(a, axes), aux)
+  reduced, rows = _aux.split(aux, dims)
+  leaves, tree = jax.tree.flatten(reduced)
+  reduced = jax.tree.unflatten(tree, [
+      a if d is not None else
+      _psum(a, axes) * scale if jnp.issubdtype(a.dtype, jnp.inexact)
+      else _psum(a, axes) for a, d in zip(leaves, dims or (None,) * len(leaves))])
   if new_ms is not None:
     new_ms = jax.tree.map(lambda x: sync_model_state(x, axes), new_ms)
-  return loss, aux, new_ms
+  return loss, reduced, _aux.per_device(rows, dims), new_ms
 
 
 def _psum(x, axes):
@@ -834,13 +814,21 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params, batch, key,
 
 
 def sharded_grads(prog: LossProgram, params, batch, key, model_state):
-  """Runs :func:`local_grads` per device; grads as global arrays."""
+  """Runs :func:`local_grads` per device; grads as global arrays.
+
+  Returns ``(grads, loss, (aux_reduced, aux_rows, row_dims), new_model_state)``:
+  the aux in :mod:`zerojax._src.step.aux`'s two trees, for
+  :func:`zerojax._src.step.aux.merge` once out of the Auto region."""
   tx = prog.spec.tx
   grad_specs = [None if not r.trainable else
                 (r.shard.manual_spec(tx.axis_name) if tx.stage >= 1 else P())
                 for r in prog.spec.leaves]
-  return over_batch_axes(prog, local_grads, (grad_specs, P(), P(), P()),
-                         params, batch, key, model_state)
+  found = _aux.RowDims()
+  grads, loss, reduced, rows, new_ms = over_batch_axes(
+      prog, functools.partial(local_grads, found=found),
+      (grad_specs, P(), P(), _aux.rows_spec(tx.batch_axes), P()),
+      params, batch, key, model_state)
+  return grads, loss, (reduced, rows, found), new_ms
 
 
 def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
@@ -858,9 +846,12 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
     loss_fn: ``loss_fn(params, batch[, key=])`` returning the mean loss over
       its rows, or ``(loss, aux)`` with ``has_aux=True``.
     tx: a :class:`zerojax.ZeroTransformation`.
-    has_aux: as in ``jax.value_and_grad``. Floating aux leaves are averaged
-      over devices and micro-batches, integer ones (counts) summed; a leaf
-      whose shape follows the batch's rows (per-example) is refused.
+    has_aux: as in ``jax.value_and_grad``. The aux is the loss's on the
+      whole batch: a leaf whose shape follows the batch's rows
+      (per-example) comes back with all rows in batch order, sharded by
+      rows; other floating leaves are averaged over devices and
+      micro-batches (batch means), integer ones (counts) summed
+      (:mod:`zerojax._src.step.aux`).
     accum_steps: micro-batches per call (accumulated inside).
     gather: as in :func:`zerojax.train_step`.
 
@@ -894,18 +885,23 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
     call = LossCall(has_key=key is not None, has_model_state=False,
                     has_aux=has_aux)
 
+    found = []
+
     def body(model, batch, key, ms):
       if not isinstance(params, ZeroState):
         model = spec.unflatten_params([
             r.place.constrain(x, r.param)
             for x, r in zip(jax.tree.leaves(model), spec.leaves)])
-      grads, loss, aux, _ = sharded_grads(
+      grads, loss, (reduced, rows, dims), _ = sharded_grads(
           LossProgram(spec, loss_fn, call, accum_steps, gather), model,
           batch, key, ms)
-      return [g for g in grads if g is not None], loss, aux
+      found.append(dims)
+      return [g for g in grads if g is not None], loss, reduced, rows
     outs = ([spec.sharding(r.shard) for r in spec.leaves if r.trainable],
-            spec.replicated(), spec.replicated())
-    grads, loss, aux = spec.region(body, outs)(model, batch, key, ms)
+            spec.replicated(), spec.replicated(),
+            _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes))
+    grads, loss, reduced, rows = spec.region(body, outs)(model, batch, key, ms)
+    aux = _aux.merge(reduced, rows, found[0].dims)
     grads = iter(grads)
     grads = [next(grads) if r.trainable else None for r in spec.leaves]
     grads = spec.unflatten_params([

@@ -35,6 +35,7 @@ from zerojax._src.records.mesh import explain_per_device_errors
 from zerojax._src.records.spec import (StateSpec, ZeroState, leaf_dtype,
                                        tree_difference)
 from zerojax._src.runtime import host_heap
+from zerojax._src.step import aux as _aux
 from zerojax._src.step import grad as _grad
 from zerojax._src.step import update as _update
 from zerojax._src.step.batch import place_batch
@@ -136,6 +137,7 @@ def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
                            gather_mode)
   grads, loss, aux, new_ms = _grad.sharded_grads(
       prog, state.params, batch, step_key(state), state.model_state)
+  reduced, rows, found = aux
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     extra_args = {"value": loss, **extra_args}
   new_state, grad_norm = _update.update_state(state, grads, extra_args,
@@ -145,9 +147,7 @@ def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
   # Left out, the norm is an unused value in the jitted step: XLA drops it.
   metrics = {"loss": loss, "grad_norm": grad_norm} if with_grad_norm else {
       "loss": loss}
-  if aux is not None:
-    metrics["aux"] = aux
-  return new_state, metrics
+  return new_state, metrics, (reduced, rows), found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +187,11 @@ class TrainStep(_CompiledStep):
 
   ``step(state, batch, **extra_args)`` returns ``(new_state, metrics)`` with
   ``metrics = {"loss", "grad_norm"}`` (``"grad_norm"`` unless built with
-  ``grad_norm=False``; plus ``"aux"`` when the loss returns one: floating
-  leaves averaged over devices and micro-batches, integer leaves -- counts
-  -- summed; a leaf whose shape follows the batch's rows is refused).
+  ``grad_norm=False``; plus ``"aux"`` when the loss returns one, as the
+  loss gives it on the whole batch: a per-example leaf, whose shape follows
+  the batch's rows, with every row in batch order, sharded by rows; other
+  floating leaves averaged over devices and micro-batches, integer leaves
+  -- counts -- summed; :mod:`zerojax._src.step.aux`).
   ``extra_args`` go to the inner optimizer's update (an
   ``optax.GradientTransformationExtraArgs``), after ``value=`` (the step's
   mean loss), which is always passed. Metrics are device
@@ -208,7 +210,7 @@ class TrainStep(_CompiledStep):
     """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO.
     ``state`` may be abstract (``jax.eval_shape`` of ``zerojax.init_from``)
     where its leaves carry their shardings (an Explicit mesh)."""
-    _check_abstract(state, "TrainStep.lower")
+    state = _abstract_ready(state, "TrainStep.lower")
     batch = self._prepare(state, batch)
     with explain_per_device_errors(self.tx.mesh, "zerojax.train_step"):
       return self._jitted.lower(state, batch,
@@ -218,18 +220,32 @@ class TrainStep(_CompiledStep):
     """``jax.jit(...).trace`` of the step: its jaxpr, or a lowering for
     another platform (``.lower(lowering_platforms=("cuda",))`` shows the
     GPU program, host-memory placements included, from a CPU machine)."""
-    _check_abstract(state, "TrainStep.trace")
+    state = _abstract_ready(state, "TrainStep.trace")
     batch = self._prepare(state, batch)
     with explain_per_device_errors(self.tx.mesh, "zerojax.train_step"):
       return self._jitted.trace(state, batch,
                                 *_update.split_extra_args(extra_args))
 
 
+def _abstract_ready(state, where: str):
+  """``state`` as lowered: an abstract scalar with no sharding (the step
+  counter, which ``jax.eval_shape`` leaves untyped on some JAX versions)
+  gets the replicated sharding the real state's has, so the program is
+  the real state's. Any other abstract leaf with no sharding would be
+  lowered as laid out by XLA's choice, not the stage's: a different
+  program, so it is refused. (``jax.eval_shape`` keeps shardings only where
+  they are part of the arrays' types: on Explicit axes.)"""
+  _check_abstract(state, where)
+  if not isinstance(state, ZeroState):
+    return state
+  replicated = state.spec.replicated()
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+      if (isinstance(x, jax.ShapeDtypeStruct) and not x.shape
+          and getattr(x, "sharding", None) is None) else x, state)
+
+
 def _check_abstract(state, where: str):
-  """An abstract state leaf with no sharding would be lowered as laid out
-  by XLA's choice, not the stage's: a different program, so refuse it.
-  (``jax.eval_shape`` keeps shardings only where they are part of the
-  arrays' types: on Explicit axes.)"""
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     if (isinstance(x, jax.ShapeDtypeStruct) and x.shape
         and getattr(x, "sharding", None) is None):
@@ -301,13 +317,24 @@ def train_step(
                     f"True (report metrics['grad_norm']) or False.")
 
   def fn(state, batch, arrays, static):
+    found = []
+
     def body(state, batch, arrays):
-      return _step(state, batch, _update.join_extra_args(arrays, static),
-                   loss_fn=loss_fn, accum_steps=accum_steps,
-                   gather_mode=gather, with_grad_norm=grad_norm)
+      new, metrics, aux, dims = _step(
+          state, batch, _update.join_extra_args(arrays, static),
+          loss_fn=loss_fn, accum_steps=accum_steps, gather_mode=gather,
+          with_grad_norm=grad_norm)
+      found.append(dims)
+      return new, metrics, aux
     spec = state.spec
-    return spec.region(body, (spec.shardings_like(state), spec.replicated()))(
+    new, metrics, (reduced, rows) = spec.region(body, (
+        spec.shardings_like(state), spec.replicated(),
+        (spec.replicated(), _aux.rows_sharding(spec.tx.mesh,
+                                               spec.tx.batch_axes))))(
         state, batch, arrays)
+    if reduced is not None:
+      metrics["aux"] = _aux.merge(reduced, rows, found[0].dims)
+    return new, metrics
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else (),
                    static_argnums=3)
   return TrainStep(loss_fn=loss_fn, tx=tx, gather=gather,
@@ -318,8 +345,11 @@ def train_step(
 # --------------------------------------------------------------------------
 # evaluation: forward only, the model's own per-layer gathers
 # --------------------------------------------------------------------------
-def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state):
-  """Per-device forward pass: the loss, averaged over the batch axes."""
+def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state,
+                found: _aux.RowDims | None = None):
+  """Per-device forward pass: the loss, averaged over the batch axes; with
+  ``found`` (``has_aux``), ``(loss, aux_reduced, aux_rows)`` as in
+  training (:mod:`zerojax._src.step.aux`)."""
   spec = prog.spec
   tx = spec.tx
   hooked = [spec.stage == 3 and r.param.sharded for r in spec.leaves]
@@ -332,29 +362,40 @@ def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state):
     key = jax.random.fold_in(key, jax.lax.axis_index(tx.batch_axes))
   mode, reason = _grad.gather_mode(prog, leaves, sinks, hooked, gspecs,
                                    batch, key, model_state, "eval step")
-  loss, _, _ = _grad.run_loss(prog, leaves, sinks, hooked, gspecs, mode,
-                              batch, key, model_state, reason, "eval step")
-  return jax.lax.pmean(loss, tx.batch_axes)
+  def run(batch):
+    return _grad.run_loss(prog, leaves, sinks, hooked, gspecs, mode, batch,
+                          key, model_state, reason, "eval step")
+  loss, _, aux = run(batch)
+  if found is None:
+    return jax.lax.pmean(loss, tx.batch_axes)
+  dims = _aux.row_dims(aux, lambda mb: run(mb)[2], batch)
+  found.set(dims)
+  loss, reduced, rows, _ = _grad.reduce_outputs(
+      loss, aux, None, tx.batch_axes, 1.0 / tx.batch_shards, dims)
+  return loss, reduced, rows
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalStep(_CompiledStep):
-  """A jitted ``eval(state, batch) -> mean loss``; nothing is donated
-  (one batch per call: ``accum_steps`` is 1)."""
+  """A jitted ``eval(state, batch) -> mean loss`` (``(mean loss, aux)``
+  when built with ``has_aux=True``); nothing is donated (one batch per
+  call: ``accum_steps`` is 1)."""
 
   def __call__(self, state: ZeroState, batch):
     batch = self._prepare(state, batch)
     return self._run("zerojax.eval_step", state, batch)
 
   def lower(self, state: ZeroState, batch):
-    """``jax.jit(...).lower`` of the eval step (e.g. for its memory)."""
+    """``jax.jit(...).lower`` of the eval step (e.g. for its memory);
+    ``state`` and ``batch`` may be abstract, as for :meth:`TrainStep.lower`."""
+    state = _abstract_ready(state, "EvalStep.lower")
     batch = self._prepare(state, batch)
     with explain_per_device_errors(self.tx.mesh, "zerojax.eval_step"):
       return self._jitted.lower(state, batch)
 
 
 def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
-              gather: str = "auto") -> EvalStep:
+              gather: str = "auto", has_aux: bool = False) -> EvalStep:
   """A jitted ``eval(state, batch) -> mean loss`` that shards the batch.
 
   No gradients, no update, nothing donated. At stage 3 the loss sees the
@@ -366,17 +407,44 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
   With a key in the state, the loss gets ``key=`` (fixed across calls:
   ``fold_in(key, step)``, then the device); with model state,
   ``model_state=`` and its returned update is discarded.
+
+  With ``has_aux=True`` the loss returns ``(loss, aux)`` (with model state
+  ``(loss, new_model_state, aux)``) and the step ``(mean loss, aux)``, the
+  aux combined as :func:`train_step`'s: per-example leaves with every row
+  in batch order (sharded by rows), batch means averaged, counts summed.
+  Otherwise an aux the loss returns is dropped.
   """
   _grad.check_options(loss_fn, gather, 1, "zerojax.eval_step")
+  if not isinstance(has_aux, bool):
+    raise TypeError(f"zerojax.eval_step: has_aux={has_aux!r} must be True "
+                    f"(return (mean loss, aux)) or False.")
 
   def run(state, batch):
-    return state.spec.region(_run, state.spec.replicated())(state, batch)
+    spec = state.spec
+    if not has_aux:
+      return spec.region(_run, spec.replicated())(state, batch)
+    found = []
 
-  def _run(state, batch):
+    def body(state, batch):
+      found.append(_aux.RowDims())
+      return _run(state, batch, found[0])
+    loss, reduced, rows = spec.region(body, (
+        spec.replicated(), spec.replicated(),
+        _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes)))(state, batch)
+    return loss, _aux.merge(reduced, rows, found[0].dims)
+
+  def _run(state, batch, found=None):
     call = LossCall(has_key=state.key is not None,
-                    has_model_state=state.model_state is not None, has_aux=None)
+                    has_model_state=state.model_state is not None,
+                    has_aux=True if has_aux and state.model_state is None
+                    else None)
     prog = _grad.LossProgram(state.spec, loss_fn, call, gather=gather)
-    return _grad.over_batch_axes(prog, _eval_local, P(), state.params, batch,
-                                 step_key(state), state.model_state)
+    if found is None:
+      return _grad.over_batch_axes(prog, _eval_local, P(), state.params,
+                                   batch, step_key(state), state.model_state)
+    return _grad.over_batch_axes(
+        prog, functools.partial(_eval_local, found=found),
+        (P(), P(), _aux.rows_spec(prog.spec.tx.batch_axes)), state.params,
+        batch, step_key(state), state.model_state)
   return EvalStep(loss_fn=loss_fn, tx=tx, gather=gather, accum_steps=1,
                   _jitted=jax.jit(run))
