@@ -1,6 +1,7 @@
 """Test set-up: 8 fake CPU devices, set before JAX initialises its backend."""
 
 import atexit
+import platform
 import os
 import shutil
 import tempfile
@@ -108,6 +109,30 @@ def any_mesh(request):
       "auto": jax.sharding.AxisType.Auto}[request.param])
 
 
+def _machine() -> str:
+  """The processor the suite runs on: XLA CPU's kernels (and so the order
+  of some float sums) depend on it."""
+  model, flags = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+          model = value.strip()
+        elif key.strip() == "flags":
+          flags = set(value.split())
+          break
+  except OSError:
+    pass
+  isa = [f for f in ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+         if f in flags]
+  return (f"{model}, {os.cpu_count()} cores"
+          + (f", {' '.join(isa)}" if isa else ""))
+
+
 def pytest_report_header(config):
-  return ["zerojax: persistent compilation cache " + _CACHE,
+  import jaxlib
+  return ["zerojax: machine " + _machine(),
+          f"zerojax: jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+          "zerojax: persistent compilation cache " + _CACHE,
           "zerojax: XLA_FLAGS " + os.environ["XLA_FLAGS"].strip()]
