@@ -8,6 +8,7 @@
     python -m tests.mp_worker hsdp    STAGE OUT JSON   # replica=2 across processes
     python -m tests.mp_worker zeropp  3 OUT JSON       # ZeRO++, node = process
     python -m tests.mp_worker qgz     3 OUT JSON       # qgZ alone, node = process
+    python -m tests.mp_worker aux     STAGE PREFIX     # per-example aux rows
 """
 
 import os
@@ -83,6 +84,22 @@ def main(mode, *rest):
     if distributed.is_main():
       with open(rest[2], "w") as f:
         json.dump(table, f)
+  elif mode == "aux":
+    import jax.numpy as jnp
+
+    def loss_rows(p, b):
+      loss = toy.loss_fn(p, b)
+      return loss, {"x_rows": b["x"].astype(jnp.float32) * (1 + 0 * loss),
+                    "rows": jnp.asarray(b["x"].shape[0])}
+    state = zerojax.init(params, tx)
+    state, m = zerojax.train_step(loss_rows, tx)(state, batches[0])
+    _, e = zerojax.eval_step(loss_rows, tx, has_aux=True)(state, batches[1])
+    # each process writes the rows its devices hold, keyed by first row
+    for name, aux in (("train", m["aux"]), ("eval", e)):
+      np.savez(f"{rest[1]}_{name}_{jax.process_index()}.npz",
+               rows=np.asarray(aux["rows"].addressable_data(0)),
+               **{str(s.index[0].start or 0): np.asarray(s.data)
+                  for s in aux["x_rows"].addressable_shards})
   elif mode == "train":
     state = zerojax.init(params, tx)
     for b in batches:

@@ -46,7 +46,10 @@ def test_accumulation_matches_unsharded_optax(mesh):
   assert toy.rel_err(floats(got), floats(want)) < 1e-6
 
 
-def test_aux_floats_are_averaged_and_counts_summed(mesh):
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_aux_floats_are_averaged_and_counts_summed(mesh, accum_steps):
+  """A count the loss builds from a shape is a constant (a literal, not a
+  traced value, under JAX's autodiff): summed like any count."""
   params = toy.init_params(jax.random.key(1))
   batch = toy.batches(1, size=64)[0]
 
@@ -55,7 +58,8 @@ def test_aux_floats_are_averaged_and_counts_summed(mesh):
     return loss, {"twice": 2 * loss, "rows": jnp.asarray(b["x"].shape[0])}
 
   tx = zerojax.zero(optax.sgd(0.0), stage=1, mesh=mesh)
-  step = zerojax.train_step(loss_with_aux, tx, gather="model", accum_steps=2)
+  step = zerojax.train_step(loss_with_aux, tx, gather="model",
+                            accum_steps=accum_steps)
   _, metrics = step(zerojax.init(params, tx), batch)
   np.testing.assert_allclose(metrics["aux"]["twice"], 2 * metrics["loss"],
                              rtol=1e-6)

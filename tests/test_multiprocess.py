@@ -60,6 +60,23 @@ def test_two_processes_equal_one(tmp_path, stage):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_per_example_aux_across_two_processes_is_every_row_in_order(
+    tmp_path, stage):
+  """Each process holds its devices' rows of a per-example aux (train and
+  eval steps); together they are the global batch's rows in order."""
+  assert _launch(tmp_path, "aux", stage, tmp_path / "aux") == 0
+  want = [toy.batches(5, seed=11)[i]["x"].astype(np.float32) for i in (0, 1)]
+  for name, rows in zip(("train", "eval"), want):
+    got = np.full(rows.shape, np.nan, np.float32)
+    for pid in (0, 1):
+      z = np.load(tmp_path / f"aux_{name}_{pid}.npz")
+      assert int(z["rows"]) == 32                # a count: summed
+      for start in (k for k in z.files if k != "rows"):
+        got[int(start):int(start) + len(z[start])] = z[start]
+    np.testing.assert_array_equal(got, rows)
+
+
 def test_checkpoint_from_two_processes_restores_in_one_and_back(tmp_path):
   assert _launch(tmp_path, "save", 3, tmp_path / "two") == 0
   state, want = _single(3, 3)

@@ -110,7 +110,7 @@ def over_model_shards(fn, x, model, dim=None):
   another (measured with jax 0.10.2 on the GPT at 4 x 2: "Invalid binary
   instruction opcode copy"; fine once the operand is manual everywhere).
   """
-  entries = _entries(model, x.ndim)
+  entries = _entries(model, np.ndim(x))   # a literal (a constant aux) has no .ndim
   mesh = jax.sharding.get_abstract_mesh()
   axes = {a for a, t, n in zip(mesh.axis_names, mesh.axis_types,
                                mesh.axis_sizes)
