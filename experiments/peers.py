@@ -31,6 +31,20 @@ def _fsdp_spec(x, n, axis="data"):
 
 def make_peer(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
   """Returns ``(step, params, opt_state)`` laid out for the ``kind`` peer."""
+  jitted, param_sh, opt_sh, _ = peer_program(kind, loss_fn, optimizer, params,
+                                             mesh, compute_dtype)
+  # arrays already laid out so are used as they are (no copy; the step
+  # donates them), others are resharded
+  params = jax.device_put(params, param_sh)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+  return jitted, params, opt_state
+
+
+def peer_program(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
+  """``(jitted step, params shardings, optimizer-state shardings, batch
+  sharding)`` of the ``kind`` peer, from params' shapes alone: lower it
+  with abstract values (``jax.ShapeDtypeStruct``) for a target whose
+  devices this process cannot place data on."""
   mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(
       jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
   n = mesh.shape["data"]
@@ -40,10 +54,6 @@ def make_peer(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
   opt_shapes = jax.eval_shape(optimizer.init, params)
   opt_sh = jax.tree.map(lambda x: NamedSharding(
       mesh, P() if kind == "dp" else _fsdp_spec(x, n)), opt_shapes)
-  # arrays already laid out so are used as they are (no copy; the step
-  # donates them), others are resharded
-  params = jax.device_put(params, param_sh)
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
   batch_sh = NamedSharding(mesh, P("data"))
 
   def step(params, opt_state, batch):
@@ -57,4 +67,4 @@ def make_peer(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
 
   jitted = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
                    out_shardings=(param_sh, opt_sh, None), donate_argnums=(0, 1))
-  return jitted, params, opt_state
+  return jitted, param_sh, opt_sh, batch_sh

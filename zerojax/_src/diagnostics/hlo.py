@@ -19,8 +19,8 @@ import re
 
 import numpy as np
 
-_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-          "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+         "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
           "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
           "f64": 8, "c64": 8, "c128": 16}
@@ -130,8 +130,9 @@ def _group_size(rest: str, default: int) -> int:
   return default
 
 
-def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-  """All collectives of an optimized HLO module, with per-step counts."""
+def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """``({computation name: its instruction lines}, entry name)`` of an HLO
+  module's text."""
   comps: dict[str, list[str]] = {}
   entry = None
   current = None
@@ -150,6 +151,12 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         comps[current].append(line)
   if entry is None:
     raise ValueError("zerojax._src.diagnostics.hlo: no ENTRY computation in the HLO text.")
+  return comps, entry
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+  """All collectives of an optimized HLO module, with per-step counts."""
+  comps, entry = split_computations(hlo_text)
 
   mult: dict[str, int] = collections.defaultdict(int)
 
@@ -181,7 +188,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         continue
       result, op, rest = m.group(2), m.group(3), m.group(4)
       kind = op[:-5] if op.endswith("-done") else op
-      if kind not in _KINDS:
+      if kind not in KINDS:
         continue
       shapes = [(dt, tuple(int(d) for d in dims.split(",") if d))
                 for dt, dims in _SHAPE_RE.findall(result)]

@@ -1,0 +1,145 @@
+"""zerojax's stages beside the GSPMD peers, compiled for a TPU topology.
+
+The TPU compiler (libtpu: ``pip install -e '.[tpu]'``) compiles for a
+named topology from this CPU machine; nothing is allocated (abstract state
+and batch, ``zerojax.aot``). Per configuration, in a fresh process each:
+the compiler's per-device memory plan (peak = arguments + outputs + temp -
+aliases), collectives per step by kind and mesh axis (full-buffer bytes,
+loop trip counts applied), how each collective is issued in the scheduled
+program (synchronous, or asynchronous with the matmuls it overlaps; a loop
+body's collective counted once: ``zerojax._src.diagnostics.schedule``),
+and the compile time. The model is ``plain_gpt.py`` (a GPT written
+without zerojax: zerojax walks its scan per layer), AdamW, fp32 params and
+state for every configuration. The peers (``peers.py``): ``fsdp`` (params
+and state sharded over ``data``, plain ``jit``) and ``zero1`` (state
+sharded), as MaxText and Flax users write them.
+
+    python experiments/tpu_compile.py --topology v5e:2x2 \\
+        --width 512 --depth 4 --vocab 8192 --seq-len 256 --batch-per-chip 2
+
+writes ``docs/data/tpu_compile_<topology>_<model>_jax<v>_libtpu<v>.json``
+(``--out`` for another folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+CONFIGS = ("1", "2", "3", "fsdp", "zero1")
+
+
+def worker(args) -> dict:
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import zerojax
+  from zerojax import aot, cost
+  sys.path.insert(0, str(HERE))
+  import peers
+  import plain_gpt
+
+  mesh = aot.topology_mesh(args.topology)
+  n = mesh.size
+  init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
+                              width=args.width, depth=args.depth,
+                              seq_len=args.seq_len)
+  loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
+  rows = args.batch_per_chip * n
+  batch = aot.abstract_batch({"x": ((rows, args.seq_len), jnp.int32),
+                              "y": ((rows, args.seq_len), jnp.int32)})
+  opt = optax.adamw(1e-4)
+  shapes = jax.eval_shape(init_fn, jax.random.key(0))
+  n_params = sum(x.size for x in jax.tree.leaves(shapes))
+  out = {"config": args.config, "n_params": int(n_params)}
+  t0 = time.perf_counter()
+  if args.config in ("fsdp", "zero1", "dp"):
+    jitted, p_sh, o_sh, b_sh = peers.peer_program(args.config, loss_fn, opt,
+                                                  shapes, mesh)
+    put = lambda tree, sh: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        tree, sh)
+    lowered = jitted.lower(put(shapes, p_sh),
+                           put(jax.eval_shape(opt.init, shapes), o_sh),
+                           jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                               x.shape, x.dtype, sharding=b_sh), batch))
+  else:
+    stage = int(args.config)
+    tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+    state = jax.eval_shape(lambda k: zerojax.init_from(init_fn, tx, k),
+                           jax.random.key(0))
+    lowered = zerojax.train_step(loss_fn, tx).lower(state, batch)
+    plan = cost.plan_stage(shapes, stage, n_devices=n)
+    out["planner"] = {"state": plan.total, "params": plan.params,
+                      "master": plan.master, "optimizer": plan.optimizer,
+                      "grads": plan.grads, "collectives": plan.collectives}
+  out["lower_s"] = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  out["compile_s"] = time.perf_counter() - t0
+  out.update(aot.compiled_report(compiled, mesh))
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--topology", default="v5e:2x2")
+  p.add_argument("--configs", default=",".join(CONFIGS))
+  p.add_argument("--width", type=int, default=512)
+  p.add_argument("--depth", type=int, default=4)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--vocab", type=int, default=8192)
+  p.add_argument("--seq-len", type=int, default=256)
+  p.add_argument("--batch-per-chip", type=int, default=2)
+  p.add_argument("--out", default=str(HERE.parent / "docs" / "data"))
+  p.add_argument("--config", help=argparse.SUPPRESS)      # worker mode
+  args = p.parse_args()
+  if args.config:
+    print(json.dumps(worker(args)))
+    return
+  import importlib.metadata as md
+  versions = {k: md.version(k) for k in ("jax", "jaxlib", "libtpu")}
+  runs = []
+  for config in args.configs.split(","):
+    argv = [sys.executable, __file__, f"--config={config}",
+            f"--topology={args.topology}", f"--width={args.width}",
+            f"--depth={args.depth}", f"--heads={args.heads}",
+            f"--vocab={args.vocab}", f"--seq-len={args.seq_len}",
+            f"--batch-per-chip={args.batch_per_chip}"]
+    proc = subprocess.run(argv, capture_output=True, text=True,
+                          env={**__import__("os").environ,
+                               "JAX_PLATFORMS": "cpu"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode or not lines:
+      run = {"config": config, "error": proc.stderr.strip().splitlines()[-1:]}
+    else:
+      run = json.loads(lines[-1])
+    runs.append(run)
+    mem = run.get("memory", {})
+    print(f"{args.topology} {config:>6}: peak {mem.get('peak', 0) / 2**20:8.1f} "
+          f"MiB  {run.get('issued', run.get('error'))}", flush=True)
+  model = (f"plain_w{args.width}_d{args.depth}_v{args.vocab}_t{args.seq_len}"
+           f"_b{args.batch_per_chip}")
+  result = {"topology": args.topology, "model": model,
+            "sizes": {k: getattr(args, k) for k in (
+                "width", "depth", "heads", "vocab", "seq_len",
+                "batch_per_chip")},
+            "versions": versions, "runs": runs}
+  name = (f"tpu_compile_{args.topology.replace(':', '-')}_{model}_"
+          f"jax{versions['jax']}_libtpu{versions['libtpu']}.json")
+  path = pathlib.Path(args.out) / name
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(result, indent=1) + "\n")
+  print(path)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,128 @@
+"""Compiling for a target this process does not hold (zerojax.aot), on CPU.
+
+The TPU compiler is not part of the test environment; the compiles for
+TPU topologies live in ``experiments/tpu_compile.py``. Here: the errors a
+user meets without it, the report of a compiled step, and the schedule
+reader on the program forms each backend writes.
+"""
+
+import importlib.util
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax import aot
+from zerojax._src.diagnostics import schedule
+from tests import toy
+
+D, V, B = 32, 64, 64
+
+
+def test_a_topology_without_the_tpu_compiler_or_unknown_names_the_fix():
+  if importlib.util.find_spec("libtpu") is None:
+    with pytest.raises(ValueError, match=r"pip install 'zerojax\[tpu\]'"):
+      aot.topology_mesh("v5e:2x2")
+  else:
+    with pytest.raises(ValueError, match=r"does not know TPU topology 'v9z:1x1'.*'v5p:2x2x2'"):
+      aot.topology_mesh("v9z:1x1")
+
+
+def test_compiled_report_reads_the_compiled_step(mesh):
+  """Peak = arguments + outputs + temp - aliases; collectives per kind as
+  ``zerojax.collectives`` counts them; on XLA CPU every collective is
+  issued synchronously."""
+  tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh)
+  state = jax.eval_shape(lambda k: zerojax.init_from(
+      lambda k: toy.layered_params(4, D, V, key=k), tx, k), jax.random.key(0))
+  batch = aot.abstract_batch({"x": ((B,), np.int32),
+                                      "y": ((B,), np.int32)})
+  compiled = zerojax.train_step(toy.layered_loss, tx).lower(
+      state, batch).compile()
+  rep = aot.compiled_report(compiled, mesh)
+  m = compiled.memory_analysis()
+  assert rep["memory"]["peak"] == (
+      m.argument_size_in_bytes + m.output_size_in_bytes
+      + m.temp_size_in_bytes - m.alias_size_in_bytes) > 0
+  found = zerojax.collectives(compiled.as_text(), 8)
+  assert rep["collectives"]["reduce-scatter"]["count"] == sum(
+      c.count for c in found if c.kind == "reduce-scatter") > 0
+  assert rep["collectives"]["all-gather"]["bytes"] == sum(
+      c.total_bytes for c in found if c.kind == "all-gather")
+  assert sum(rep["bytes_by_axis"].values()) == sum(c.total_bytes for c in found)
+  assert rep["bytes_by_axis"]["reduce-scatter@data"] == rep["collectives"][
+      "reduce-scatter"]["bytes"]
+  issued = rep["issued"]
+  assert all(row["async"] == 0 and row["sync"] > 0 for row in issued.values())
+  assert issued["all-gather"]["sync"] == sum(
+      1 for c in found if c.kind == "all-gather")
+
+
+# The TPU compiler's chain (start, continuation fused with a matmul, done)
+# and XLA's generic start/done pair, in the shapes the compilers write.
+_TPU = """
+HloModule m
+
+%start_comp (p: bf16[64,256]) -> (bf16[64,256], bf16[256,256]) {
+  %p = bf16[64,256]{1,0} parameter(0)
+  %all-gather.1 = bf16[256,256]{1,0} all-gather(%p), channel_id=1, replica_groups=mesh['data'=4] {'data'}, dimensions={0}, frontend_attributes={chain_id="0"}
+  ROOT %custom-call.1 = (bf16[64,256]{1,0}, bf16[256,256]{1,0}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.7 (q: bf16[64,256], r: bf16[256,256], x: bf16[8,256]) -> (bf16[8,256], bf16[256,256]) {
+  %x = bf16[8,256]{1,0} parameter(2)
+  %r = bf16[256,256]{1,0} parameter(1)
+  %convolution.3 = bf16[8,256]{1,0} convolution(%x, %r), dim_labels=bf_io->bf
+  %q = bf16[64,256]{1,0} parameter(0)
+  %all-gather.2 = bf16[256,256]{1,0} all-gather(%q), channel_id=1, replica_groups=mesh['data'=4] {'data'}, dimensions={0}, frontend_attributes={chain_id="0"}
+  ROOT %tuple.1 = (bf16[8,256]{1,0}, bf16[256,256]{1,0}) tuple(%convolution.3, %all-gather.2)
+}
+
+%done_comp (s: bf16[256,256]) -> bf16[256,256] {
+  %s = bf16[256,256]{1,0} parameter(0)
+  %all-gather.3 = bf16[256,256]{1,0} all-gather(%s), channel_id=1, replica_groups=mesh['data'=4] {'data'}, dimensions={0}, frontend_attributes={chain_id="0"}
+  ROOT %custom-call.2 = bf16[256,256]{1,0} custom-call(%all-gather.3), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (a: bf16[64,256], x: bf16[8,256], g: f32[256,256]) -> bf16[256,256] {
+  %a = bf16[64,256]{1,0} parameter(0)
+  %x = bf16[8,256]{1,0} parameter(1)
+  %g = f32[256,256]{1,0} parameter(2)
+  %async-collective-start = (bf16[64,256]{1,0}, bf16[256,256]{1,0}) fusion(%a), kind=kCustom, calls=%start_comp
+  %get-tuple-element.1 = bf16[64,256]{1,0} get-tuple-element(%async-collective-start), index=0
+  %get-tuple-element.2 = bf16[256,256]{1,0} get-tuple-element(%async-collective-start), index=1
+  %fusion.7 = (bf16[8,256]{1,0}, bf16[256,256]{1,0}) fusion(%get-tuple-element.1, %get-tuple-element.2, %x), kind=kOutput, calls=%async_collective_fusion.7
+  %get-tuple-element.3 = bf16[256,256]{1,0} get-tuple-element(%fusion.7), index=1
+  %reduce-scatter.1 = f32[64,256]{1,0} reduce-scatter(%g), channel_id=2, replica_groups=mesh['data'=4] {'data'}, dimensions={0}, to_apply=%add
+  ROOT %async-collective-done = bf16[256,256]{1,0} fusion(%get-tuple-element.3), kind=kCustom, calls=%done_comp
+}
+"""
+
+_GPU = """
+HloModule m
+
+ENTRY %main (a: f32[64,256], w: f32[8,8]) -> f32[256,256] {
+  %a = f32[64,256]{1,0} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  %all-gather-start = (f32[64,256]{1,0}, f32[256,256]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %dot.1 = f32[8,8]{1,0} dot(%w, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot.2 = f32[8,8]{1,0} dot(%dot.1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %all-gather-done = f32[256,256]{1,0} all-gather-done(%all-gather-start)
+}
+"""
+
+
+def test_the_schedule_reader_counts_a_tpu_chain_once_with_its_matmul():
+  got = schedule.issued(_TPU)
+  assert sorted((c.kind, c.mode, c.overlapped_matmuls) for c in got) == [
+      ("all-gather", "async", 1), ("reduce-scatter", "sync", 0)]
+  assert schedule.summary(_TPU) == {
+      "all-gather": {"sync": 0, "async": 1, "overlapped": 1},
+      "reduce-scatter": {"sync": 1, "async": 0, "overlapped": 0}}
+
+
+def test_the_schedule_reader_reads_a_start_done_pair():
+  assert [(c.kind, c.mode, c.overlapped_matmuls)
+          for c in schedule.issued(_GPU)] == [("all-gather", "async", 2)]

@@ -1,0 +1,100 @@
+"""A step compiled for a machine this process does not hold, and read.
+
+JAX compiles for a named TPU topology ahead of time with the TPU compiler
+(libtpu, the ``tpu`` extra) on any machine: :func:`topology_mesh` gives a
+mesh over that topology's devices, a state built abstractly on it
+(``jax.eval_shape`` of :func:`zerojax.init_from`) and an abstract batch
+(``jax.ShapeDtypeStruct``) lower through ``TrainStep.lower`` to the program
+the pod would run, and :func:`compiled_report` reads the compiler's own
+plan of it: per-device memory, collectives and how each is scheduled.
+Nothing is allocated: the state is shapes only.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from zerojax._src.diagnostics import hlo as _hlo
+from zerojax._src.diagnostics import schedule as _schedule
+from zerojax._src.records.mesh import make_mesh
+
+TPU_EXTRA = "pip install 'zerojax[tpu]'"
+
+
+def topology_devices(topology: str) -> list:
+  """The devices of TPU topology ``topology`` (``"v5e:2x2"``,
+  ``"v5p:4x4x4"``, ``"v6e:16x16"``: generation, then chips per dimension),
+  for compiling only. Raises a ``ValueError`` naming the fix when the TPU
+  compiler is not installed or the name is unknown."""
+  from jax.experimental import topologies
+  try:
+    return list(topologies.get_topology_desc(
+        platform="tpu", topology_name=topology).devices)
+  except RuntimeError as e:
+    if "lockfile" in str(e):
+      raise ValueError(
+          f"zerojax: libtpu is in use by another process on this machine "
+          f"(it holds /tmp/libtpu_lockfile), so TPU topology {topology!r} "
+          f"cannot be loaded here now. Compile for TPU topologies one process "
+          f"at a time (or set ALLOW_MULTIPLE_LIBTPU_LOAD=1 in each). JAX "
+          f"said: {str(e).splitlines()[0]}") from e
+    if "not installed" in str(e) or "TPU support" in str(e):
+      raise ValueError(
+          f"zerojax: compiling for TPU topology {topology!r} needs the TPU "
+          f"compiler (libtpu), which is not installed: {TPU_EXTRA}. No TPU "
+          f"is needed to compile for one.") from e
+    raise _unknown(topology, e) from e
+  except Exception as e:  # noqa: BLE001 -- libtpu's own error types
+    raise _unknown(topology, e) from e
+
+
+def _unknown(topology: str, e: Exception) -> ValueError:
+  return ValueError(
+      f"zerojax: libtpu does not know TPU topology {topology!r} "
+      f"({str(e).splitlines()[0]}). Name a generation and the chips per "
+      f"dimension: 'v5e:2x2', 'v5e:4x8', 'v5p:2x2x2', 'v5p:4x4x4', "
+      f"'v6e:2x2', 'v6e:16x16' (v5p is 3-D).")
+
+
+def topology_mesh(topology: str, axes=None, **mesh_kwargs):
+  """A mesh over TPU topology ``topology``'s devices, as
+  :func:`zerojax.make_mesh` builds one (``axes`` such as
+  ``"replica=2,data=32"``; default one ``data`` axis over every chip;
+  Explicit axes unless ``axis_types=`` says otherwise). Its devices belong
+  to no process here: lower abstract values on it, never place data."""
+  return make_mesh(axes, devices=topology_devices(topology), **mesh_kwargs)
+
+
+def compiled_report(compiled, mesh) -> dict:
+  """What the compiler planned for one device of ``mesh``.
+
+  ``compiled``: a ``jax.stages.Compiled`` (``step.lower(...).compile()``).
+  Returns ``{"memory": {argument, output, temp, alias, peak bytes},
+  "collectives": {kind: {"count", "bytes"}}, "bytes_by_axis":
+  {"kind@axes": bytes}, "issued": {kind: {"sync", "async", "overlapped"}}}``:
+  peak = arguments + outputs + temp - aliases (the compiler's own plan);
+  collectives counted per step (loop trip counts applied), each by its full
+  buffer (:mod:`zerojax._src.diagnostics.hlo`); ``issued`` from the
+  scheduled program (:mod:`zerojax._src.diagnostics.schedule`), a loop
+  body's collective once."""
+  m = compiled.memory_analysis()
+  memory = {name: int(getattr(m, f"{name}_size_in_bytes"))
+            for name in ("argument", "output", "temp", "alias")}
+  memory["peak"] = (memory["argument"] + memory["output"] + memory["temp"]
+                    - memory["alias"])
+  text = compiled.as_text()
+  kinds: dict = {}
+  for c in _hlo.collectives(text, mesh.size):
+    row = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
+    row["count"] += c.count
+    row["bytes"] += c.total_bytes
+  by_axis = {f"{kind}@{axes}": n for (kind, axes), n in   # axes: "a+b"
+             sorted(_hlo.bytes_by_axis(text, mesh).items())}
+  return {"memory": memory, "collectives": kinds, "bytes_by_axis": by_axis,
+          "issued": _schedule.summary(text)}
+
+
+def abstract_batch(shapes: dict) -> dict:
+  """``{name: (shape, dtype)}`` -> a batch of ``jax.ShapeDtypeStruct`` (a
+  step's ``lower`` types it as it places a real batch)."""
+  return {k: jax.ShapeDtypeStruct(tuple(s), d) for k, (s, d) in shapes.items()}

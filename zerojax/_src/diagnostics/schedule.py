@@ -1,0 +1,152 @@
+"""Where a compiled program's collectives run: alone, or beside compute.
+
+Reads a backend's *scheduled* program (``compiled.as_text()``: every
+computation lists its instructions in the order they run) and says, for
+each collective instruction, how it is issued:
+
+* ``"sync"``: an instruction of its own in a scheduled computation; the
+  device waits for it (XLA CPU's collectives are all so).
+* ``"async"``: split into a start and a done with other instructions
+  scheduled between them. Two spellings: ``all-gather-start`` /
+  ``all-gather-done`` (GPU, and XLA's generic form), and the TPU
+  compiler's chains: a ``fusion`` whose computation ends in the custom call
+  ``AsyncCollectiveStart``, then ``async_collective_fusion`` computations
+  that hold the same collective again beside compute (the layer's matmul, a
+  ``convolution``: the continuation form), then a ``fusion`` ending in
+  ``AsyncCollectiveDone``; every piece carries the chain's
+  ``frontend_attributes={chain_id=...}``, so a chain is one collective.
+
+The overlapped compute of an asynchronous collective is what is scheduled
+between its start and its done (the continuations included), counted in
+matmuls (``convolution`` or ``dot`` instructions, in fusions too), the
+work that hides a collective. Loops are not unrolled: each
+instruction is read once where it stands (a ``while`` body's per-layer
+collective once), with the computation it sits in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from zerojax._src.diagnostics.hlo import KINDS, split_computations
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_OPERANDS = re.compile(r"%([\w.\-]+)")
+_MATMUL = re.compile(r"\s(?:convolution|dot)\(")
+_CHAIN = re.compile(r'chain_id="(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Issued:
+  """How one collective instruction is issued in the schedule."""
+
+  kind: str            # all-gather, reduce-scatter, all-reduce, ...
+  mode: str            # "sync" or "async"
+  computation: str     # the scheduled computation it runs in
+  overlapped_matmuls: int   # matmuls that run while it moves
+
+
+def _matmuls(comps, name, seen=None) -> int:
+  """Matmul instructions in computation ``name`` and the fusions it calls."""
+  seen = set() if seen is None else seen
+  if name in seen or name not in comps:
+    return 0
+  seen.add(name)
+  n = 0
+  for line in comps[name]:
+    if _MATMUL.search(line):
+      n += 1
+    for callee in _CALLS.findall(line):
+      n += _matmuls(comps, callee, seen)
+  return n
+
+
+def _line_matmuls(comps, line) -> int:
+  callee = _CALLS.search(line)
+  return (1 if _MATMUL.search(line) else 0) + (
+      _matmuls(comps, callee.group(1)) if callee else 0)
+
+
+def _collectives_in(comps, name):
+  """``(kind, chain id or None)`` of each collective in a fused computation."""
+  out = []
+  for line in comps.get(name, ()):
+    m = _INSTR.match(line)
+    if m and m.group(2) in KINDS:
+      chain = _CHAIN.search(line)
+      out.append((m.group(2), chain.group(1) if chain else None))
+  return out
+
+
+def issued(hlo_text: str) -> list[Issued]:
+  """Every collective of a scheduled program with how it is issued (see
+  the module docstring). A TPU collective split into a start, continuation
+  fusions and a done (one ``chain_id``) is one collective."""
+  comps, _ = split_computations(hlo_text)
+  fused = {c for lines in comps.values() for line in lines
+           if " fusion(" in line for c in _CALLS.findall(line)}
+  out = []
+  for comp, lines in comps.items():
+    if comp in fused:
+      continue                      # read where its fusion is scheduled
+    instrs = [(m.group(1), m.group(2), line) for line in lines
+              for m in [_INSTR.match(line)] if m]
+    position = {name: i for i, (name, _, _) in enumerate(instrs)}
+    chains: dict = {}
+    for i, (name, op, line) in enumerate(instrs):
+      if op == "fusion":
+        callee = _CALLS.search(line)
+        found = _collectives_in(comps, callee.group(1)) if callee else []
+      elif op in KINDS:
+        chain = _CHAIN.search(line)
+        found = [(op, chain.group(1) if chain else None)]
+      elif op.endswith("-start") and op[:-6] in KINDS:
+        done = _first_done(instrs, position, name)
+        out.append(Issued(op[:-6], "async", comp, 0 if done is None else sum(
+            _line_matmuls(comps, l) for _, _, l in instrs[i + 1:done])))
+        continue
+      else:
+        continue
+      for kind, chain in found:
+        if chain is None:
+          out.append(Issued(kind, "sync", comp, 0))
+        else:
+          chains.setdefault(chain, (kind, []))[1].append(i)
+    for kind, at in chains.values():
+      first, last = min(at), max(at)
+      between = sum(_line_matmuls(comps, l) for _, _, l in instrs[first + 1:last])
+      out.append(Issued(kind, "async" if last > first else "sync", comp,
+                        between))
+  return out
+
+
+def _first_done(instrs, position, name):
+  """Index of the first ``*-done`` after ``name`` that reads it (through
+  ``get-tuple-element``s), or ``None``."""
+  users = {name}
+  for j in range(position[name] + 1, len(instrs)):
+    other, op, line = instrs[j]
+    rhs = line.split("=", 1)[1].split(", metadata=")[0]
+    if not users & set(_OPERANDS.findall(rhs)):
+      continue
+    if op.endswith("-done"):
+      return j
+    if op == "get-tuple-element":
+      users.add(other)
+  return None
+
+
+def summary(hlo_text: str) -> dict:
+  """Per collective kind: how many are issued synchronously and how many
+  asynchronously, and how many of those overlap at least one matmul.
+  ``{kind: {"sync": n, "async": n, "overlapped": n}}``; a collective in a
+  loop body counts once."""
+  out: dict = {}
+  for c in issued(hlo_text):
+    row = out.setdefault(c.kind, {"sync": 0, "async": 0, "overlapped": 0})
+    row[c.mode] += 1
+    if c.mode == "async" and c.overlapped_matmuls:
+      row["overlapped"] += 1
+  return out
