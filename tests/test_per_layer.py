@@ -132,6 +132,40 @@ def test_a_plain_scan_reduce_scatters_each_layer_inside_the_backward_loop(
   assert gathers == (2 * layers if stage == 3 else 0), gathers
 
 
+def _remat_cse(jaxpr) -> list:
+  """``prevent_cse`` of every ``jax.checkpoint`` in a traced program, sub-
+  programs included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("remat2", "checkpoint"):
+      out.append(eqn.params["prevent_cse"])
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          out += _remat_cse(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          out += _remat_cse(sub)
+  return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_walked_scan_body_drops_its_checkpoints_cse_barrier(stage):
+  """A plain scan body under ``jax.checkpoint`` (``prevent_cse=True``, the
+  default: an optimization barrier on the checkpoint's inputs, which the
+  walk makes the gathered weights) is run with ``prevent_cse=False``
+  inside the walked scan, so the barrier no longer holds every all-gather
+  back from the block's compute (on TPU: the compiler can then issue them
+  asynchronously; docs/design.md). The traced step keeps no checkpoint
+  with the barrier (the numbers: the parity tests above)."""
+  assert True in _remat_cse(jax.make_jaxpr(checkpointed_scan)(
+      _params(), _data(1)[0]).jaxpr)             # the loss as written has it
+  tx = zerojax.zero(optax.adam(1e-3), stage=stage)
+  state = zerojax.init(_params(), tx)
+  step = zerojax.train_step(checkpointed_scan, tx)
+  cse = _remat_cse(step.trace(state, _data(1)[0]).jaxpr.jaxpr)
+  assert cse and True not in cse, cse
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_plain_scan_holds_what_the_gathering_model_holds(stage):
   """Compiled temp bytes per device: the plain loss (no zerojax call) within

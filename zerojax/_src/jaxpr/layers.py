@@ -214,7 +214,8 @@ class _Walker:
     xs = [(self.params[layered[j]].sink, self.params[layered[j]].src)
           if j in layered else ins[j] for j in range(start, len(ins))]
     specs = {j: self.params[i].spec for j, i in layered.items()}
-    closed = jax.extend.core.ClosedJaxpr(body, list(bconsts))
+    closed = jax.extend.core.ClosedJaxpr(_without_cse_barriers(body),
+                                         list(bconsts))
 
     def step(carry, xs_t):
       # one gather call for the layer's leaves: at stages 1-2 their
@@ -233,6 +234,31 @@ class _Walker:
                              unroll=unroll)
     self.placement.per_layer.update(layered.values())
     return list(carry) + list(ys)
+
+
+def _without_cse_barriers(body):
+  """``body`` (a scan's) with its own ``jax.checkpoint``s built with
+  ``prevent_cse=False``.
+
+  ``prevent_cse=True`` (``jax.checkpoint``'s default) puts an
+  optimization barrier on the checkpoint's inputs in the backward pass.
+  Here those inputs are the layer's *gathered* weights, so the barrier
+  makes every all-gather finish before the block's recomputation starts:
+  the TPU compiler then issues them synchronously (measured with libtpu
+  0.0.50.1 on a plain GPT at stage 3, ``v5e:2x2``: 0 of 16 all-gathers
+  asynchronous with the barrier, 6 overlapping matmuls without, as many
+  as the GSPMD peer's). Inside a scan, and under this walk's own
+  ``jax.checkpoint(prevent_cse=False)``, the barrier is not needed (JAX's
+  ``jax.checkpoint`` documentation: CSE is already prevented in a scan);
+  the policy and the numbers are unchanged."""
+  eqns = [e.replace(params=dict(e.params, prevent_cse=False))
+          if e.primitive.name in _REMAT and e.params.get("prevent_cse")
+          else e for e in body.eqns]
+  return body.replace(eqns=eqns)
+
+
+# jax.checkpoint's primitive, by its name in the supported JAX versions
+_REMAT = frozenset({"remat2", "checkpoint"})
 
 
 def _subprograms(params) -> list:
