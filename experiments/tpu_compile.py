@@ -4,7 +4,8 @@ The TPU compiler (libtpu: ``pip install -e '.[tpu]'``) compiles for a
 named topology from this CPU machine; nothing is allocated (abstract state
 and batch, ``zerojax.aot``). Per configuration, in a fresh process each:
 the compiler's per-device memory plan (peak = arguments + outputs + temp -
-aliases), collectives per step by kind and mesh axis (full-buffer bytes,
+aliases) beside zerojax's planner (the state plus the saved activations,
+``working_set``), collectives per step by kind and mesh axis (full-buffer bytes,
 loop trip counts applied), how each collective is issued in the scheduled
 program (synchronous, or asynchronous with the matmuls it overlaps; a loop
 body's collective counted once: ``zerojax._src.diagnostics.schedule``),
@@ -77,10 +78,17 @@ def worker(args) -> dict:
     state = jax.eval_shape(lambda k: zerojax.init_from(init_fn, tx, k),
                            jax.random.key(0))
     lowered = zerojax.train_step(loss_fn, tx).lower(state, batch)
-    plan = cost.plan_stage(shapes, stage, n_devices=n)
+    one_device = {k: jax.ShapeDtypeStruct((args.batch_per_chip,
+                                            args.seq_len), jnp.int32)
+                  for k in ("x", "y")}
+    acts = cost.saved_activations(loss_fn, shapes, one_device,
+                                  mesh={"data": n})
+    plan = cost.plan_stage(shapes, stage, n_devices=n, activations=acts)
     out["planner"] = {"state": plan.total, "params": plan.params,
                       "master": plan.master, "optimizer": plan.optimizer,
-                      "grads": plan.grads, "collectives": plan.collectives}
+                      "grads": plan.grads, "activations": plan.activations,
+                      "working_set": plan.working_set,
+                      "collectives": plan.collectives}
   out["lower_s"] = time.perf_counter() - t0
   t0 = time.perf_counter()
   compiled = lowered.compile()
