@@ -813,22 +813,23 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params, batch, key,
           jax.tree.leaves(params), batch, key, model_state)
 
 
-def sharded_grads(prog: LossProgram, params, batch, key, model_state):
+def sharded_grads(prog: LossProgram, params, batch, key, model_state,
+                  found: _aux.RowDims | None = None):
   """Runs :func:`local_grads` per device; grads as global arrays.
 
-  Returns ``(grads, loss, (aux_reduced, aux_rows, row_dims), new_model_state)``:
-  the aux in :mod:`zerojax._src.step.aux`'s two trees, for
-  :func:`zerojax._src.step.aux.merge` once out of the Auto region."""
+  Returns ``(grads, loss, (aux_reduced, aux_rows), new_model_state)``: the
+  aux in :mod:`zerojax._src.step.aux`'s two trees, for
+  :func:`zerojax._src.step.aux.merge` with ``found`` (filled while
+  tracing) once out of the Auto region."""
   tx = prog.spec.tx
   grad_specs = [None if not r.trainable else
                 (r.shard.manual_spec(tx.axis_name) if tx.stage >= 1 else P())
                 for r in prog.spec.leaves]
-  found = _aux.RowDims()
   grads, loss, reduced, rows, new_ms = over_batch_axes(
       prog, functools.partial(local_grads, found=found),
       (grad_specs, P(), P(), _aux.rows_spec(tx.batch_axes), P()),
       params, batch, key, model_state)
-  return grads, loss, (reduced, rows, found), new_ms
+  return grads, loss, (reduced, rows), new_ms
 
 
 def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
@@ -885,23 +886,22 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
     call = LossCall(has_key=key is not None, has_model_state=False,
                     has_aux=has_aux)
 
-    found = []
+    found = _aux.RowDims()
 
     def body(model, batch, key, ms):
       if not isinstance(params, ZeroState):
         model = spec.unflatten_params([
             r.place.constrain(x, r.param)
             for x, r in zip(jax.tree.leaves(model), spec.leaves)])
-      grads, loss, (reduced, rows, dims), _ = sharded_grads(
+      grads, loss, (reduced, rows), _ = sharded_grads(
           LossProgram(spec, loss_fn, call, accum_steps, gather), model,
-          batch, key, ms)
-      found.append(dims)
+          batch, key, ms, found)
       return [g for g in grads if g is not None], loss, reduced, rows
     outs = ([spec.sharding(r.shard) for r in spec.leaves if r.trainable],
             spec.replicated(), spec.replicated(),
             _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes))
     grads, loss, reduced, rows = spec.region(body, outs)(model, batch, key, ms)
-    aux = _aux.merge(reduced, rows, found[0].dims)
+    aux = _aux.merge(reduced, rows, found.dims)
     grads = iter(grads)
     grads = [next(grads) if r.trainable else None for r in spec.leaves]
     grads = spec.unflatten_params([

@@ -131,13 +131,14 @@ def step_key(state: ZeroState):
 
 
 def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
-          gather_mode, with_grad_norm=True):
+          gather_mode, with_grad_norm=True, found=None):
+  """``(new state, metrics, (aux_reduced, aux_rows))``; ``found`` learns
+  which aux leaves are per-example (:mod:`zerojax._src.step.aux`)."""
   spec = state.spec
   prog = _grad.LossProgram(spec, loss_fn, loss_call(state), accum_steps,
                            gather_mode)
   grads, loss, aux, new_ms = _grad.sharded_grads(
-      prog, state.params, batch, step_key(state), state.model_state)
-  reduced, rows, found = aux
+      prog, state.params, batch, step_key(state), state.model_state, found)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     extra_args = {"value": loss, **extra_args}
   new_state, grad_norm = _update.update_state(state, grads, extra_args,
@@ -147,7 +148,7 @@ def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
   # Left out, the norm is an unused value in the jitted step: XLA drops it.
   metrics = {"loss": loss, "grad_norm": grad_norm} if with_grad_norm else {
       "loss": loss}
-  return new_state, metrics, (reduced, rows), found
+  return new_state, metrics, aux
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,15 +318,12 @@ def train_step(
                     f"True (report metrics['grad_norm']) or False.")
 
   def fn(state, batch, arrays, static):
-    found = []
+    found = _aux.RowDims()
 
     def body(state, batch, arrays):
-      new, metrics, aux, dims = _step(
-          state, batch, _update.join_extra_args(arrays, static),
-          loss_fn=loss_fn, accum_steps=accum_steps, gather_mode=gather,
-          with_grad_norm=grad_norm)
-      found.append(dims)
-      return new, metrics, aux
+      return _step(state, batch, _update.join_extra_args(arrays, static),
+                   loss_fn=loss_fn, accum_steps=accum_steps,
+                   gather_mode=gather, with_grad_norm=grad_norm, found=found)
     spec = state.spec
     new, metrics, (reduced, rows) = spec.region(body, (
         spec.shardings_like(state), spec.replicated(),
@@ -333,7 +331,7 @@ def train_step(
                                                spec.tx.batch_axes))))(
         state, batch, arrays)
     if reduced is not None:
-      metrics["aux"] = _aux.merge(reduced, rows, found[0].dims)
+      metrics["aux"] = _aux.merge(reduced, rows, found.dims)
     return new, metrics
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else (),
                    static_argnums=3)
@@ -423,15 +421,13 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
     spec = state.spec
     if not has_aux:
       return spec.region(_run, spec.replicated())(state, batch)
-    found = []
-
-    def body(state, batch):
-      found.append(_aux.RowDims())
-      return _run(state, batch, found[0])
-    loss, reduced, rows = spec.region(body, (
-        spec.replicated(), spec.replicated(),
-        _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes)))(state, batch)
-    return loss, _aux.merge(reduced, rows, found[0].dims)
+    found = _aux.RowDims()
+    loss, reduced, rows = spec.region(
+        lambda state, batch: _run(state, batch, found), (
+            spec.replicated(), spec.replicated(),
+            _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes)))(state,
+                                                                   batch)
+    return loss, _aux.merge(reduced, rows, found.dims)
 
   def _run(state, batch, found=None):
     call = LossCall(has_key=state.key is not None,
