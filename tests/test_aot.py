@@ -115,6 +115,11 @@ ENTRY %main (a: f32[64,256], w: f32[8,8]) -> f32[256,256] {
 
 
 def test_the_schedule_reader_counts_a_tpu_chain_once_with_its_matmul():
+  """The chain's three pieces each hold the all-gather: one collective, in
+  the schedule and in the byte count."""
+  found = zerojax.collectives(_TPU, 4)
+  assert sorted(c.kind for c in found) == ["all-gather", "reduce-scatter"]
+  assert [c.bytes for c in found if c.kind == "all-gather"] == [256 * 256 * 2]
   got = schedule.issued(_TPU)
   assert sorted((c.kind, c.mode, c.overlapped_matmuls) for c in got) == [
       ("all-gather", "async", 1), ("reduce-scatter", "sync", 0)]

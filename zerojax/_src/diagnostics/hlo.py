@@ -31,6 +31,7 @@ _SHAPE_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _CALLEE_RE = re.compile(
     r"\b(body|condition|to_apply|calls|branch_computations)="
     r"(\{[^}]*\}|%?[\w.\-]+)")
+_CHAIN_RE = re.compile(r'chain_id="(\d+)"')
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
@@ -181,6 +182,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
   visit(entry, 1)
 
   out = []
+  chains = set()
   for name, factor in mult.items():
     for line in comps[name]:
       m = _INSTR_RE.match(line)
@@ -190,6 +192,14 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       kind = op[:-5] if op.endswith("-done") else op
       if kind not in KINDS:
         continue
+      # the TPU compiler writes one asynchronous collective as a chain of
+      # pieces (start, continuations beside matmuls, done) that each hold
+      # it again, sharing a chain id: counted once
+      chain = _CHAIN_RE.search(rest)
+      if chain:
+        if chain.group(1) in chains:
+          continue
+        chains.add(chain.group(1))
       shapes = [(dt, tuple(int(d) for d in dims.split(",") if d))
                 for dt, dims in _SHAPE_RE.findall(result)]
       if not shapes:
