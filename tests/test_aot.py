@@ -131,3 +131,55 @@ def test_the_schedule_reader_counts_a_tpu_chain_once_with_its_matmul():
 def test_the_schedule_reader_reads_a_start_done_pair():
   assert [(c.kind, c.mode, c.overlapped_matmuls)
           for c in schedule.issued(_GPU)] == [("all-gather", "async", 2)]
+
+
+# The TPU compiler's loop (no known_trip_count: the condition compares the
+# counter, tuple element 0, started from a copied constant, with a bound)
+# holding an all-gather it wrote as an all-reduce of a zero-padded buffer.
+_TPU_LOOP = """
+HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%cond (p: (s32[], f32[64,256])) -> pred[] {
+  %bound = s32[]{:T(128)} constant(7)
+  %p = (s32[]{:T(128)}, f32[64,256]{1,0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %bound), direction=LT
+}
+
+%body (p: (s32[], f32[64,256])) -> (s32[], f32[64,256]) {
+  %p = (s32[]{:T(128)}, f32[64,256]{1,0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
+  %x = f32[64,256]{1,0} get-tuple-element(%p), index=1
+  %ag = f32[256,256]{1,0} all-gather(%x), channel_id=1, replica_groups=mesh['data'=4] {'data'}, dimensions={0}, metadata={op_name="jit(f)/while/body/all_gather"}
+  %ar = f32[256]{0} all-reduce(%x), channel_id=2, replica_groups=mesh['data'=4] {'data'}, to_apply=%add, metadata={op_name="jit(f)/while/body/all_gather"}
+  ROOT %t = (s32[]{:T(128)}, f32[64,256]{1,0}) tuple(%next, %x)
+}
+
+ENTRY %main (a: f32[64,256]) -> (s32[], f32[64,256]) {
+  %a = f32[64,256]{1,0} parameter(0)
+  %zero = s32[]{:T(128)} constant(2)
+  %start = s32[]{:T(128)} copy(%zero)
+  %init = (s32[]{:T(128)}, f32[64,256]{1,0}) tuple(%start, %a)
+  ROOT %w = (s32[]{:T(128)}, f32[64,256]{1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_tpu_loop_without_a_known_trip_count_is_counted_from_its_condition():
+  """The loop runs from its counter's start (2) to the bound (7): 5 times;
+  the all-reduce the op_name says stands for an all-gather is marked so."""
+  found = {c.kind: c for c in zerojax.collectives(_TPU_LOOP, 4)}
+  assert found["all-gather"].count == 5 == found["all-reduce"].count
+  assert found["all-gather"].total_bytes == 5 * 256 * 256 * 4
+  assert found["all-reduce"].written_for == "all-gather"
+  assert found["all-gather"].written_for == ""
+  le = _TPU_LOOP.replace("direction=LT", "direction=LE")
+  assert zerojax.collectives(le, 4)[0].count == 6

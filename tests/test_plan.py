@@ -201,3 +201,49 @@ def test_planner_cli_gives_saved_activations_by_policy_and_pa(capsys):
   # dots: + qkv 3D/2, projection D, fc1 4D/2 per token
   assert acts["dots"]["device"] == full * (1 + 1.5 + 1 + 2)
   assert acts["dots + Pa"]["device"] == full * (0.5 + 1.5 + 0.5 + 2)
+
+
+def test_compile_stage_reports_the_compiled_step_beside_the_plan(mesh):
+  """``zerojax.app.compiled`` (what ``--compile`` runs per stage) on the
+  CPU mesh: the reference GPT's step lowered from abstract state and batch,
+  its compiled peak beside the planner's model state + working set, and the
+  collectives the stage implies (stage 3: per-layer all-gathers and
+  reduce-scatters over ``data``)."""
+  import numpy as np
+
+  from zerojax.app import compiled
+  config = gpt.GPTConfig(vocab=64, seq_len=16, width=32, depth=2, heads=2)
+  n = mesh.size
+  plans = [plan.plan_stage(plan.abstract_gpt(config), s, n) for s in range(4)]
+  predicted = compiled.predicted_peak(plans[3], config, 2, n_devices=n)
+  assert predicted == plans[3].device + plan.working_set(
+      config.resolved("tpu"), 3, 2, n_devices=n)
+  row = compiled.compile_stage(config, 3, mesh, 2, predicted)
+  m = row["memory"]
+  assert m["peak"] == m["argument"] + m["output"] + m["temp"] - m["alias"] > 0
+  assert row["peak_vs_predicted"] == m["peak"] / predicted
+  # the sharded state is the arguments' bulk: bf16 params + fp32 master and
+  # two moments, 14 bytes per param over n devices (padding aside)
+  n_params = gpt.num_params(config)
+  assert 14 * n_params / n <= m["argument"] < 14 * n_params / n * 1.5
+  assert row["collectives"]["all-gather"]["count"] >= config.depth
+  assert row["collectives"]["reduce-scatter"]["count"] >= config.depth
+  assert set(row["bytes_by_axis"]) >= {"all-gather@data",
+                                       "reduce-scatter@data"}
+  assert "| 3 |" in compiled.table([row])
+  assert np.isfinite(row["compile_s"])
+
+
+def test_cli_compile_needs_a_topology_and_names_the_tpu_extra():
+  run = lambda *a: subprocess.run([sys.executable, "-m", "zerojax.plan",
+                                   "--params", "1e8", *a],
+                                  capture_output=True, text=True)
+  bad = run("--devices", "8", "--compile")
+  assert bad.returncode == 2 and "--compile needs --topology" in bad.stderr
+  import importlib.util
+  if importlib.util.find_spec("libtpu") is None:
+    bad = run("--topology", "v5e:2x2", "--batch", "1", "--compile")
+    assert bad.returncode == 2 and "pip install 'zerojax[tpu]'" in bad.stderr
+  else:
+    bad = run("--topology", "v5e:2x2", "--devices", "4")
+    assert bad.returncode == 2 and "drop --devices" in bad.stderr

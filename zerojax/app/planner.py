@@ -5,6 +5,7 @@
     python -m zerojax.plan --width 4096 --depth 32 --vocab 50257 --devices 256
     python -m zerojax.plan --params 70e9 --mesh replica=4,data=256 --slices 4
     python -m zerojax.plan --params 70e9 --mesh data=64,model=8 --hardware h100
+    python -m zerojax.plan --topology v5p:4x4x4 --params 8e9 --batch 1 --compile
 
 For a GPT-shaped model (from a parameter count, or an explicit config) on N
 data-parallel devices, prints for each ZeRO stage the per-device bytes of
@@ -35,6 +36,14 @@ slow bytes / slow bandwidth (no overlap with compute). ``--collectives
 ring`` instead prices one flat ring per group, whose slow hops each carry
 ``(a-1)/a B``: what a collective that is not decomposed by slice costs. Tensor-parallel activation
 traffic over ``model`` depends on the batch and is not counted.
+
+With ``--topology`` (a TPU topology such as ``v5p:4x4x4``) the devices are
+that topology's chips; ``--compile`` then also compiles the GPT's train
+step at each of ``--stages`` for it with the TPU compiler (the ``tpu``
+extra; no TPU needed, nothing allocated) and prints, per chip, the
+compiled peak beside the planner's prediction (model state plus
+:func:`working_set`), the collectives and how the compiler issued them
+(:mod:`zerojax.app.compiled`).
 """
 
 from __future__ import annotations
@@ -229,6 +238,7 @@ def main(argv=None):
   acts = _activations(p, args, config, mesh)
   if args.zeropp and (len(mesh) > 1 or slices < 2):
     p.error("--zeropp: give --devices N and --slices S >= 2 (nodes)")
+  compiled = _compile(p, args, config, mesh, plans) if args.compile else []
   if args.json:
     print(json.dumps({"config": dataclasses.asdict(config),
                       "saved_activations": acts,
@@ -236,10 +246,45 @@ def main(argv=None):
                                      device=x.device, host=x.host)
                                 for x in plans],
                       "largest_fitting": fitting,
+                      "compiled": compiled,
                       "argv": argv if argv is not None else sys.argv[1:],
                       "jax_version": jax.__version__}, indent=2))
     return
   _print_report(args, config, mesh, slices, plans, acts, fitting)
+  if compiled:
+    from zerojax.app import compiled as _compiled
+    print(f"\ncompiled for {args.topology} by the TPU compiler, per chip "
+          f"({args.batch} sequence(s) of {config.seq_len} per data device; "
+          f"planner = model state + working set; async n/m: n of the m "
+          f"collectives of a kind issued asynchronously, (k) overlapping a "
+          f"matmul)")
+    print(_compiled.table(compiled))
+
+
+def _compile(p, args, config, mesh: dict, plans) -> list[dict]:
+  """Compile the GPT's step at each of ``--stages`` for ``--topology``."""
+  try:
+    stages = sorted({int(s) for s in args.stages.split(",")})
+  except ValueError:
+    p.error(f"--stages {args.stages}: give stage numbers, e.g. 1,2,3")
+  if not set(stages) <= {0, 1, 2, 3}:
+    p.error(f"--stages {args.stages}: stages are 0-3")
+  if mesh.get("model", 1) > 1:
+    p.error("--compile: a data (and replica) mesh only; the model axis's "
+            "tensor-parallel step is not compiled here")
+  from zerojax import aot
+  from zerojax.app import compiled as _compiled
+  device_mesh = aot.topology_mesh(args.topology, ",".join(
+      f"{k}={v}" for k, v in mesh.items()))
+  out = []
+  for s in stages:
+    predicted = _compiled.predicted_peak(plans[s], config, args.batch,
+                                         n_devices=args.devices)
+    out.append(_compiled.compile_stage(config, s, device_mesh, args.batch,
+                                       predicted))
+    print(f"compiled stage {s} for {args.topology} in "
+          f"{out[-1]['compile_s']:.0f} s", file=sys.stderr, flush=True)
+  return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -287,6 +332,16 @@ def _parser() -> argparse.ArgumentParser:
                  help="also the saved activations per device (ZeRO-R) for "
                       "this many sequences per data-parallel device, by "
                       "remat policy, with and without Pa on a model axis")
+  p.add_argument("--topology", default=None,
+                 help="a TPU topology (e.g. v5p:4x4x4, v6e:16x16): its chips "
+                      "are the devices (a data axis over all, or --mesh)")
+  p.add_argument("--compile", action="store_true",
+                 help="with --topology and --batch: also compile the GPT's "
+                      "train step for it with the TPU compiler (pip install "
+                      "'zerojax[tpu]'; no TPU needed) and report each "
+                      "stage's compiled peak, collectives and overlap")
+  p.add_argument("--stages", default="3",
+                 help="with --compile: the stages to compile, e.g. 1,2,3")
   p.add_argument("--json", action="store_true", help="print JSON instead")
   return p
 
@@ -297,6 +352,19 @@ def _mesh(p, args) -> tuple[dict, int]:
     p.error("give either --params or --width and --depth")
   if args.width is not None and args.depth is None:
     p.error("--width needs --depth")
+  if args.compile and not (args.topology and args.batch):
+    p.error("--compile needs --topology (the TPU to compile for) and --batch "
+            "(sequences per data-parallel device)")
+  if args.topology is not None:
+    if args.devices is not None:
+      p.error("--topology gives the devices; drop --devices")
+    from zerojax import aot
+    try:
+      args.topology_devices = len(aot.topology_devices(args.topology))
+    except ValueError as e:
+      p.error(f"--topology: {e}")
+    if args.mesh is None:
+      args.devices = args.topology_devices
   if (args.devices is None) == (args.mesh is None):
     p.error("give either --devices or --mesh")
   if args.mesh is not None:
@@ -310,6 +378,9 @@ def _mesh(p, args) -> tuple[dict, int]:
     if args.devices < 1:
       p.error(f"--devices={args.devices} must be >= 1")
     mesh = {"data": args.devices}
+  if args.topology and math.prod(mesh.values()) != args.topology_devices:
+    p.error(f"--mesh {args.mesh} has {math.prod(mesh.values())} devices; "
+            f"topology {args.topology} has {args.topology_devices} chips")
   args.devices = mesh["data"]
   slices = args.slices or mesh.get("replica", 1)
   if math.prod(mesh.values()) % slices:

@@ -71,10 +71,15 @@ def compiled_report(compiled, mesh) -> dict:
   ``compiled``: a ``jax.stages.Compiled`` (``step.lower(...).compile()``).
   Returns ``{"memory": {argument, output, temp, alias, peak bytes},
   "collectives": {kind: {"count", "bytes"}}, "bytes_by_axis":
-  {"kind@axes": bytes}, "issued": {kind: {"sync", "async", "overlapped"}}}``:
+  {"kind@axes": bytes}, "written_as": {"asked as written": {"count",
+  "bytes"}}, "issued": {kind: {"sync", "async", "overlapped"}}}``:
   peak = arguments + outputs + temp - aliases (the compiler's own plan);
   collectives counted per step (loop trip counts applied), each by its full
-  buffer (:mod:`zerojax._src.diagnostics.hlo`); ``issued`` from the
+  buffer (:mod:`zerojax._src.diagnostics.hlo`); ``written_as`` the
+  collectives the compiler wrote as another kind, read from their op_name
+  (the TPU compiler writes some all-gathers as all-reduces of a
+  zero-padded buffer; a rewritten collective it merged with others loses
+  its op_name and is not counted there); ``issued`` from the
   scheduled program (:mod:`zerojax._src.diagnostics.schedule`), a loop
   body's collective once."""
   m = compiled.memory_analysis()
@@ -84,14 +89,20 @@ def compiled_report(compiled, mesh) -> dict:
                     - memory["alias"])
   text = compiled.as_text()
   kinds: dict = {}
+  written_as: dict = {}
   for c in _hlo.collectives(text, mesh.size):
     row = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
     row["count"] += c.count
     row["bytes"] += c.total_bytes
+    if c.written_for:
+      row = written_as.setdefault(f"{c.written_for} as {c.kind}",
+                                  {"count": 0, "bytes": 0})
+      row["count"] += c.count
+      row["bytes"] += c.total_bytes
   by_axis = {f"{kind}@{axes}": n for (kind, axes), n in   # axes: "a+b"
              sorted(_hlo.bytes_by_axis(text, mesh).items())}
   return {"memory": memory, "collectives": kinds, "bytes_by_axis": by_axis,
-          "issued": _schedule.summary(text)}
+          "written_as": written_as, "issued": _schedule.summary(text)}
 
 
 def abstract_batch(shapes: dict) -> dict:

@@ -32,6 +32,9 @@ _CALLEE_RE = re.compile(
     r"\b(body|condition|to_apply|calls|branch_computations)="
     r"(\{[^}]*\}|%?[\w.\-]+)")
 _CHAIN_RE = re.compile(r'chain_id="(\d+)"')
+_OP_NAME_RE = re.compile(r'op_name="[^"]*?(all_gather|reduce_scatter|psum_scatter)"')
+_ASKED = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+          "psum_scatter": "reduce-scatter"}
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
@@ -48,6 +51,10 @@ class Collective:
   count: int           # executions per step (loop trip counts applied)
   computation: str     # HLO computation it sits in
   groups: tuple = ()   # device ids of each replica group (partition ids)
+  written_for: str = ""   # the collective the program asked for, where the
+                          # compiler wrote it as another (an all-reduce of a
+                          # zero-padded buffer for an all-gather): from the
+                          # instruction's op_name; "" when the same or unknown
 
   @property
   def total_bytes(self) -> int:
@@ -155,6 +162,68 @@ def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   return comps, entry
 
 
+def _defs(lines) -> dict:
+  """``{name: (op, operand text)}`` of one computation's instructions."""
+  out = {}
+  for line in lines:
+    m = _INSTR_RE.match(line)
+    if m:
+      out[m.group(1)] = (m.group(3), m.group(4))
+  return out
+
+
+def _constant(defs: dict, name: str, hops: int = 8):
+  """The integer constant ``name`` is (through copies and bitcasts)."""
+  for _ in range(hops):
+    op, rest = defs.get(name, (None, ""))
+    if op == "constant":
+      value = re.match(r"\s*(-?\d+)\)", rest)
+      return int(value.group(1)) if value else None
+    if op not in ("copy", "bitcast", "convert"):
+      return None
+    name = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+  return None
+
+
+def _trip_count(rest: str, comps: dict, caller: str) -> int:
+  """Iterations of the ``while`` whose operand text is ``rest``: the
+  compiler's ``known_trip_count`` where it wrote one (XLA CPU and GPU);
+  else read from the loop (the TPU compiler writes none): the condition
+  compares a tuple element, the counter, with a constant bound (``LT`` or
+  ``LE``), and the counter starts at the constant the caller puts in that
+  element (0 when it cannot be read). 1 when the loop is not of that form."""
+  t = _TRIP_RE.search(rest)
+  if t:
+    return int(t.group(1))
+  cond = re.search(r"\bcondition=%?([\w.\-]+)", rest)
+  arg = re.match(r"\s*%?([\w.\-]+)\)", rest)
+  if not cond or cond.group(1) not in comps:
+    return 1
+  defs = _defs(comps[cond.group(1)])
+  root = next((line for line in comps[cond.group(1)]
+               if line.lstrip().startswith("ROOT")), "")
+  m = _INSTR_RE.match(root)
+  direction = re.search(r"direction=(LT|LE)\b", root)
+  if not m or m.group(3) != "compare" or not direction:
+    return 1
+  a, b = re.findall(r"%([\w.\-]+)", m.group(4).split("),")[0])[:2]
+  bound, counter = _constant(defs, b), a
+  if bound is None:
+    return 1
+  index = re.search(r"index=(\d+)", defs.get(counter, ("", ""))[1])
+  start = 0
+  if arg and index:
+    caller_defs = _defs(comps[caller])
+    op, operands = caller_defs.get(arg.group(1), (None, ""))
+    if op == "tuple":
+      names = re.findall(r"%([\w.\-]+)", operands)
+      i = int(index.group(1))
+      if i < len(names):
+        start = _constant(caller_defs, names[i]) or 0
+  n = bound - start + (direction.group(1) == "LE")
+  return max(n, 1)
+
+
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
   """All collectives of an optimized HLO module, with per-step counts."""
   comps, entry = split_computations(hlo_text)
@@ -172,8 +241,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       op, rest = m.group(3), m.group(4)
       trip = 1
       if op == "while":
-        t = _TRIP_RE.search(rest)
-        trip = int(t.group(1)) if t else 1
+        trip = _trip_count(rest, comps, name)
       for key, callee in _CALLEE_RE.findall(rest):
         names = re.findall(r"%?([\w.\-]+)", callee.strip("{}"))
         for c in names:
@@ -213,8 +281,11 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       dt0, s0 = shapes[0]
       if kind == "reduce-scatter" and s0:
         s0 = (s0[0] * group,) + s0[1:]  # the dimension is unknown; size is right
+      asked = _OP_NAME_RE.search(rest)
+      asked = _ASKED[asked.group(1)] if asked else ""
       out.append(Collective(kind, dt0, s0, group, nelems, nbytes, factor,
-                              name, groups))
+                            name, groups,
+                            asked if asked and asked != kind else ""))
   return out
 
 
