@@ -19,7 +19,11 @@ sharded), as MaxText and Flax users write them.
         --width 512 --depth 4 --vocab 8192 --seq-len 256 --batch-per-chip 2
 
 writes ``docs/data/tpu_compile_<topology>_<model>_jax<v>_libtpu<v>.json``
-(``--out`` for another folder).
+(``--out`` for another folder). Across slices (``--num-slices 2 --mesh
+replica=2,data=4``: the replica axis over the data-center network) the
+configurations are zerojax's stages and ``3pp`` (stage 3 with ZeRO++'s
+hierarchical qgZ int8 and hpZ, nodes = one slice's chips); each run
+records the bytes per mesh axis beside the planner's.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = ("1", "2", "3", "fsdp", "zero1")
+ZEROPP = "3pp"          # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 
 
 def worker(args) -> dict:
@@ -48,8 +53,10 @@ def worker(args) -> dict:
   import peers
   import plain_gpt
 
-  mesh = aot.topology_mesh(args.topology)
+  mesh = aot.topology_mesh(args.topology, args.mesh,
+                           num_slices=args.num_slices)
   n = mesh.size
+  axes = dict(mesh.shape)
   init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
                               width=args.width, depth=args.depth,
                               seq_len=args.seq_len)
@@ -73,8 +80,12 @@ def worker(args) -> dict:
                            jax.tree.map(lambda x: jax.ShapeDtypeStruct(
                                x.shape, x.dtype, sharding=b_sh), batch))
   else:
-    stage = int(args.config)
-    tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+    stage = int(args.config[0])
+    zeropp = None
+    if args.config == ZEROPP:       # nodes: one slice's chips of the data axis
+      node = axes["data"] // (args.num_slices // axes.get("replica", 1))
+      zeropp = zerojax.ZeroPP(grad_bits=8, hpz_size=node, node_size=node)
+    tx = zerojax.zero(opt, stage=stage, mesh=mesh, zeropp=zeropp)
     state = jax.eval_shape(lambda k: zerojax.init_from(init_fn, tx, k),
                            jax.random.key(0))
     lowered = zerojax.train_step(loss_fn, tx).lower(state, batch)
@@ -83,7 +94,15 @@ def worker(args) -> dict:
                   for k in ("x", "y")}
     acts = cost.saved_activations(loss_fn, shapes, one_device,
                                   mesh={"data": n})
-    plan = cost.plan_stage(shapes, stage, n_devices=n, activations=acts)
+    # the programs above keep fp32 params and gradients (no policy)
+    plan = cost.plan_stage(shapes, stage, mesh=axes, activations=acts,
+                           policy=zerojax.Policy())
+    slices = args.num_slices
+    out["planner_comm"] = cost.comm_time(plan, slices)
+    if zeropp is not None:
+      out["planner_zeropp"] = cost.zeropp_comm(
+          int(n_params), axes["data"], slices, grad_bits=8,
+          hpz=True, param_bytes=4)
     out["planner"] = {"state": plan.total, "params": plan.params,
                       "master": plan.master, "optimizer": plan.optimizer,
                       "grads": plan.grads, "activations": plan.activations,
@@ -100,6 +119,9 @@ def worker(args) -> dict:
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--topology", default="v5e:2x2")
+  p.add_argument("--num-slices", type=int, default=1)
+  p.add_argument("--mesh", default=None,
+                 help="mesh axes, e.g. replica=2,data=4 (default: data)")
   p.add_argument("--configs", default=",".join(CONFIGS))
   p.add_argument("--width", type=int, default=512)
   p.add_argument("--depth", type=int, default=4)
@@ -119,6 +141,8 @@ def main():
   for config in args.configs.split(","):
     argv = [sys.executable, __file__, f"--config={config}",
             f"--topology={args.topology}", f"--width={args.width}",
+            f"--num-slices={args.num_slices}",
+            *([f"--mesh={args.mesh}"] if args.mesh else []),
             f"--depth={args.depth}", f"--heads={args.heads}",
             f"--vocab={args.vocab}", f"--seq-len={args.seq_len}",
             f"--batch-per-chip={args.batch_per_chip}"]
@@ -136,12 +160,16 @@ def main():
           f"MiB  {run.get('issued', run.get('error'))}", flush=True)
   model = (f"plain_w{args.width}_d{args.depth}_v{args.vocab}_t{args.seq_len}"
            f"_b{args.batch_per_chip}")
-  result = {"topology": args.topology, "model": model,
+  topology = args.topology + (f"x{args.num_slices}slices"
+                               if args.num_slices > 1 else "")
+  if args.mesh:
+    model += "_" + args.mesh.replace("=", "").replace(",", "_")
+  result = {"topology": topology, "mesh": args.mesh, "model": model,
             "sizes": {k: getattr(args, k) for k in (
                 "width", "depth", "heads", "vocab", "seq_len",
                 "batch_per_chip")},
             "versions": versions, "runs": runs}
-  name = (f"tpu_compile_{args.topology.replace(':', '-')}_{model}_"
+  name = (f"tpu_compile_{topology.replace(':', '-')}_{model}_"
           f"jax{versions['jax']}_libtpu{versions['libtpu']}.json")
   path = pathlib.Path(args.out) / name
   path.parent.mkdir(parents=True, exist_ok=True)

@@ -183,3 +183,32 @@ def test_a_tpu_loop_without_a_known_trip_count_is_counted_from_its_condition():
   assert found["all-gather"].written_for == ""
   le = _TPU_LOOP.replace("direction=LT", "direction=LE")
   assert zerojax.collectives(le, 4)[0].count == 6
+
+
+# A multi-slice TPU program: the compiler writes the program for one slice
+# and moves data between slices with host-transfer sends that name the
+# collective the megascale runtime runs.
+_TPU_SLICES = """
+HloModule m
+
+ENTRY %main (g: f32[64,8,128]) -> f32[64,8,128] {
+  %g = f32[64,8,128]{2,1,0:T(8,128)} parameter(0)
+  %after-all.1 = token[] after-all()
+  %send.1 = (f32[64,8,128]{2,1,0:T(8,128)}, u32[]{:S(2)}, token[]) send(%g, %after-all.1), channel_id=4, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="psum_invariant.83_0",_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %send-done.1 = token[] send-done(%send.1), channel_id=4, is_host_transfer=true
+  %recv.1 = (f32[64,8,128]{2,1,0:T(8,128)}, u32[]{:S(2)}, token[]) recv(%after-all.1), channel_id=5, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+  %recv-done.1 = (f32[64,8,128]{2,1,0:T(8,128)}, token[]) recv-done(%recv.1), channel_id=5, is_host_transfer=true
+  ROOT %r = f32[64,8,128]{2,1,0:T(8,128)} get-tuple-element(%recv-done.1), index=0
+}
+"""
+
+
+def test_a_transfer_between_slices_is_counted_once_as_its_collective():
+  """The send names the collective (an all-reduce of the 256 KiB buffer);
+  its done and the matching receive are not counted again."""
+  found = zerojax.collectives(_TPU_SLICES, 4)
+  assert [(c.kind, c.across_slices, c.bytes, c.count) for c in found] == [
+      ("all-reduce", True, 64 * 8 * 128 * 4, 1)]
+  from zerojax._src.diagnostics import aot as _aot
+  assert _aot._dcn_wire(found[0], 2) == 64 * 8 * 128 * 4     # 2 x 1/2
+  assert _aot._dcn_wire(found[0], 4) == 1.5 * 64 * 8 * 128 * 4

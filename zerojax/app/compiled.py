@@ -33,7 +33,9 @@ def compile_stage(config: gpt.GPTConfig, stage: int, mesh,
   """Compile the reference GPT's train step at ``stage`` on ``mesh`` (a
   :func:`zerojax.aot.topology_mesh`) for ``batch_per_device`` sequences
   per data-parallel device; returns :func:`zerojax.aot.compiled_report`'s
-  dict plus ``lower_s``, ``compile_s`` and, given ``predicted`` (the
+  dict plus ``lower_s``, ``compile_s``, ``host_peak_rss`` (this
+  process's peak resident bytes: what compiling took here) and, given
+  ``predicted`` (the
   planner's bytes per device), ``predicted`` and ``peak_vs_predicted``."""
   config = config.resolved("tpu")
   policy = zerojax.Policy(param_dtype=jnp.bfloat16)
@@ -51,12 +53,24 @@ def compile_stage(config: gpt.GPTConfig, stage: int, mesh,
   compiled = lowered.compile()
   out = {"stage": stage, "topology": str(mesh.devices.flat[0].device_kind),
          "chips": mesh.size, "libtpu": _version("libtpu"),
-         "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+         "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
+         "host_peak_rss": _peak_rss()}
   out.update(aot.compiled_report(compiled, mesh))
   if predicted is not None:
     out["predicted"] = float(predicted)
     out["peak_vs_predicted"] = out["memory"]["peak"] / predicted
   return out
+
+
+def _peak_rss() -> int | None:
+  """This process's peak resident memory in bytes so far (Linux, macOS)."""
+  try:
+    import resource
+  except ImportError:           # Windows
+    return None
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  import sys
+  return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def _version(package: str) -> str | None:

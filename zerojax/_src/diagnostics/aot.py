@@ -21,15 +21,20 @@ from zerojax._src.records.mesh import make_mesh
 TPU_EXTRA = "pip install 'zerojax[tpu]'"
 
 
-def topology_devices(topology: str) -> list:
+def topology_devices(topology: str, num_slices: int = 1) -> list:
   """The devices of TPU topology ``topology`` (``"v5e:2x2"``,
   ``"v5p:4x4x4"``, ``"v6e:16x16"``: generation, then chips per dimension),
-  for compiling only. Raises a ``ValueError`` naming the fix when the TPU
-  compiler is not installed or the name is unknown."""
+  for compiling only; ``num_slices`` such slices joined by the data-center
+  network (each device's ``slice_index`` says which). Raises a
+  ``ValueError`` naming the fix when the TPU compiler is not installed or
+  the name is unknown."""
   from jax.experimental import topologies
+  if num_slices < 1:
+    raise ValueError(f"zerojax: num_slices={num_slices} must be >= 1")
+  kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
   try:
     return list(topologies.get_topology_desc(
-        platform="tpu", topology_name=topology).devices)
+        platform="tpu", topology_name=topology, **kwargs).devices)
   except RuntimeError as e:
     if "lockfile" in str(e):
       raise ValueError(
@@ -56,13 +61,16 @@ def _unknown(topology: str, e: Exception) -> ValueError:
       f"'v6e:2x2', 'v6e:16x16' (v5p is 3-D).")
 
 
-def topology_mesh(topology: str, axes=None, **mesh_kwargs):
-  """A mesh over TPU topology ``topology``'s devices, as
-  :func:`zerojax.make_mesh` builds one (``axes`` such as
-  ``"replica=2,data=32"``; default one ``data`` axis over every chip;
-  Explicit axes unless ``axis_types=`` says otherwise). Its devices belong
-  to no process here: lower abstract values on it, never place data."""
-  return make_mesh(axes, devices=topology_devices(topology), **mesh_kwargs)
+def topology_mesh(topology: str, axes=None, *, num_slices: int = 1,
+                  **mesh_kwargs):
+  """A mesh over TPU topology ``topology``'s devices (``num_slices`` of
+  them), as :func:`zerojax.make_mesh` builds one (``axes`` such as
+  ``"replica=2,data=32"``, the outer axes across slices; default one
+  ``data`` axis over every chip; Explicit axes unless ``axis_types=`` says
+  otherwise). Its devices belong to no process here: lower abstract values
+  on it, never place data."""
+  return make_mesh(axes, devices=topology_devices(topology, num_slices),
+                   **mesh_kwargs)
 
 
 def compiled_report(compiled, mesh) -> dict:
@@ -79,7 +87,12 @@ def compiled_report(compiled, mesh) -> dict:
   collectives the compiler wrote as another kind, read from their op_name
   (the TPU compiler writes some all-gathers as all-reduces of a
   zero-padded buffer; a rewritten collective it merged with others loses
-  its op_name and is not counted there); ``issued`` from the
+  its op_name and is not counted there); ``across_slices`` the
+  collectives between slices (a multi-slice topology: the compiler writes
+  the program for one slice and moves these over the data-center network
+  as megascale transfers; ``bytes``: the buffers each chip hands over,
+  ``wire``: what it sends between slices, :func:`_dcn_wire`);
+  ``issued`` from the
   scheduled program (:mod:`zerojax._src.diagnostics.schedule`), a loop
   body's collective once."""
   m = compiled.memory_analysis()
@@ -90,7 +103,16 @@ def compiled_report(compiled, mesh) -> dict:
   text = compiled.as_text()
   kinds: dict = {}
   written_as: dict = {}
+  slice_of = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
+  across: dict = {}
   for c in _hlo.collectives(text, mesh.size):
+    groups = c.groups or (tuple(range(mesh.size)),)
+    if c.across_slices or (len(set(slice_of)) > 1 and any(
+        len({slice_of[i] for i in g}) > 1 for g in groups)):
+      row = across.setdefault(c.kind, {"count": 0, "bytes": 0, "wire": 0.0})
+      row["count"] += c.count
+      row["bytes"] += c.total_bytes
+      row["wire"] += _dcn_wire(c, len(set(slice_of)))
     row = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
     row["count"] += c.count
     row["bytes"] += c.total_bytes
@@ -102,7 +124,21 @@ def compiled_report(compiled, mesh) -> dict:
   by_axis = {f"{kind}@{axes}": n for (kind, axes), n in   # axes: "a+b"
              sorted(_hlo.bytes_by_axis(text, mesh).items())}
   return {"memory": memory, "collectives": kinds, "bytes_by_axis": by_axis,
-          "written_as": written_as, "issued": _schedule.summary(text)}
+          "written_as": written_as, "across_slices": across,
+          "issued": _schedule.summary(text)}
+
+
+def _dcn_wire(c, slices: int) -> float:
+  """Bytes one chip sends to other slices for a transfer of ``c`` between
+  ``slices`` slices: the operand each chip hands to the megascale runtime
+  is its own piece for an all-gather (sent to each other slice), the group's
+  whole buffer for a reduce-scatter or an all-to-all (all but its own
+  slice's share leaves), and for an all-reduce both of those phases.
+  (The planner's ``slow_bytes`` is the same count, :func:`zerojax.cost.comm_time`.)"""
+  share = (slices - 1) / slices
+  factor = {"all-gather": slices - 1, "reduce-scatter": share,
+            "all-to-all": share, "all-reduce": 2 * share}.get(c.kind, 1.0)
+  return c.total_bytes * factor
 
 
 def abstract_batch(shapes: dict) -> dict:

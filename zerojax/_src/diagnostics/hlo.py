@@ -32,6 +32,10 @@ _CALLEE_RE = re.compile(
     r"\b(body|condition|to_apply|calls|branch_computations)="
     r"(\{[^}]*\}|%?[\w.\-]+)")
 _CHAIN_RE = re.compile(r'chain_id="(\d+)"')
+# a multi-slice TPU program moves data between slices with host-transfer
+# sends the megascale runtime turns into the collective named here; the
+# sent buffer is the collective's operand
+_DCN_RE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 _OP_NAME_RE = re.compile(r'op_name="[^"]*?(all_gather|reduce_scatter|psum_scatter)"')
 _ASKED = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
           "psum_scatter": "reduce-scatter"}
@@ -55,6 +59,10 @@ class Collective:
                           # compiler wrote it as another (an all-reduce of a
                           # zero-padded buffer for an all-gather): from the
                           # instruction's op_name; "" when the same or unknown
+  across_slices: bool = False   # over the data-center network between TPU
+                                # slices (a multi-slice program's megascale
+                                # transfer), group_size = 0: not in the
+                                # program's partitions
 
   @property
   def total_bytes(self) -> int:
@@ -258,6 +266,16 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         continue
       result, op, rest = m.group(2), m.group(3), m.group(4)
       kind = op[:-5] if op.endswith("-done") else op
+      dcn = _DCN_RE.search(rest) if op == "send" else None
+      if dcn:
+        shapes = [(dt, tuple(int(d) for d in dims.split(",") if d))
+                  for dt, dims in _SHAPE_RE.findall(result)[:1]]
+        nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes)
+        out.append(Collective(
+            dcn.group(1).lower().replace("_", "-"), shapes[0][0],
+            shapes[0][1], 0, math.prod(shapes[0][1]), nbytes, factor, name,
+            across_slices=True))
+        continue
       if kind not in KINDS:
         continue
       # the TPU compiler writes one asynchronous collective as a chain of
@@ -313,10 +331,13 @@ def crosses_processes(c: Collective, mesh) -> bool:
 def bytes_by_axis(hlo_text: str, mesh) -> dict[tuple[str, str], int]:
   """Bytes per step by ``(collective kind, spanned axes)``, the axes joined
   with ``+`` (e.g. ``("all-reduce", "replica")``); full-buffer convention
-  over each group."""
+  over each group. A multi-slice TPU program's transfers between slices
+  are ``(kind, "slices")``: the compiler splits the program per slice and
+  moves these over the data-center network, outside its partitions."""
   totals: dict[tuple[str, str], int] = collections.defaultdict(int)
   for c in collectives(hlo_text, mesh.devices.size):
-    totals[(c.kind, "+".join(axes_of(c, mesh)) or "-")] += c.total_bytes
+    axes = "slices" if c.across_slices else "+".join(axes_of(c, mesh)) or "-"
+    totals[(c.kind, axes)] += c.total_bytes
   return dict(totals)
 
 

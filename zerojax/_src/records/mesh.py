@@ -108,6 +108,8 @@ def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
       axis goes *across* them and every other axis *within* one (JAX's
       ``create_hybrid_device_mesh``), so state-sized collectives stay on the
       fast links and only the replica all-reduce crosses the slow ones.
+      Without a replica axis, devices of several TPU slices are laid out
+      slice by slice along the outermost axis (a data axis spanning them).
     axis_name: name of the data-parallel axis of the 1-D mesh.
     devices: devices to use, in order; defaults to ``jax.devices()`` (global,
       so a multi-process run gets one mesh spanning all hosts).
@@ -130,16 +132,20 @@ def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
   names, shape = tuple(sizes), tuple(sizes.values())
   types = _axis_types(axis_types, names)
   n_gran, by_slice = _granules(devices)
-  if n_gran > 1 and REPLICA_AXIS in sizes and sizes[REPLICA_AXIS] > 1:
-    r = sizes[REPLICA_AXIS]
+  replica = REPLICA_AXIS in sizes and sizes[REPLICA_AXIS] > 1
+  if n_gran > 1 and (replica or by_slice):
+    # across slices: the replica axis, else the outermost axis (a data
+    # axis spanning slices); jax.make_mesh refuses multi-slice devices
+    across = REPLICA_AXIS if replica else names[0]
+    r = sizes[across]
     if r % n_gran:
       raise ValueError(
           f"zerojax.make_mesh: the devices span {n_gran} "
-          f"{'slices' if by_slice else 'processes'}; a replica axis of {r} "
-          f"cannot go across them. Make the replica size a multiple of "
+          f"{'slices' if by_slice else 'processes'}; a {across} axis of {r} "
+          f"cannot go across them. Make the {across} size a multiple of "
           f"{n_gran}.")
     from jax.experimental import mesh_utils
-    dcn = tuple(n_gran if n == REPLICA_AXIS else 1 for n in names)
+    dcn = tuple(n_gran if n == across else 1 for n in names)
     ici = tuple(s // d for s, d in zip(shape, dcn))
     arr = mesh_utils.create_hybrid_device_mesh(
         ici, dcn, devices, process_is_granule=not by_slice)

@@ -1,0 +1,110 @@
+"""The reference GPT's step compiled by the TPU compiler (libtpu) for a
+topology this machine does not hold, read back through ``zerojax.aot``.
+
+Needs the ``tpu`` extra; marked ``tpu_compiler`` and run on its own, one
+process at a time (libtpu holds a lock file): CI's newest-JAX leg installs
+the extra after the suite and runs ``pytest -m tpu_compiler``.
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from zerojax import aot, plan
+from zerojax.app import compiled, gpt
+
+pytestmark = pytest.mark.tpu_compiler
+
+CONFIG = gpt.GPTConfig(vocab=512, seq_len=128, width=256, depth=4, heads=2)
+TOPOLOGY, BATCH = "v5e:2x2", 2
+
+
+@pytest.fixture(scope="module")
+def tpu_mesh():
+  return aot.topology_mesh(TOPOLOGY)
+
+
+@pytest.fixture(scope="module")
+def stage3(tpu_mesh):
+  n = tpu_mesh.size
+  p = plan.plan_stage(plan.abstract_gpt(CONFIG), 3, n)
+  return p, compiled.compile_stage(
+      CONFIG, 3, tpu_mesh, BATCH,
+      compiled.predicted_peak(p, CONFIG, BATCH, n_devices=n))
+
+
+def test_the_compiled_stage_3_holds_the_planned_state(tpu_mesh, stage3):
+  """The arguments are the sharded state as the planner lays it out (bf16
+  params, fp32 master and moments over 4 chips, padding included; the
+  gradient shard is the step's own) plus the batch and the step counter,
+  within the TPU's tiling of small buffers; the peak is the compiler's own
+  sum."""
+  p, row = stage3
+  m = row["memory"]
+  batch_bytes = 2 * BATCH * CONFIG.seq_len * 4          # x and y, per chip
+  extra = m["argument"] - (p.params + p.master + p.optimizer) - batch_bytes
+  # the TPU lays each buffer out in tiles (8 x 128 elements for the minor
+  # dimensions), so small leaves (biases, norms, the counter) take a few KB
+  # more than their elements
+  state = p.params + p.master + p.optimizer
+  assert 0 <= extra <= 0.01 * state, (m, state)
+  assert m["peak"] == m["argument"] + m["output"] + m["temp"] - m["alias"]
+  assert row["topology"].startswith("TPU v5") and row["chips"] == 4
+
+
+def test_the_compiled_stage_3_gathers_and_reduces_per_layer(stage3):
+  """Per step: every layer gathered in the forward and again in the
+  backward pass, its gradient reduce-scattered in the backward loop (the
+  loop's iterations read from its condition: the TPU compiler writes no
+  trip count), and some of the gathers issued asynchronously beside a
+  matmul (the prefetch ZeRO-3 relies on)."""
+  _, row = stage3
+  c = row["collectives"]
+  gathers = c["all-gather"]["count"] + row["written_as"].get(
+      "all-gather as all-reduce", {}).get("count", 0)
+  assert gathers >= 2 * CONFIG.depth
+  assert c["reduce-scatter"]["count"] >= CONFIG.depth
+  issued = row["issued"]["all-gather"]
+  assert issued["async"] >= 1 and issued["overlapped"] >= 1
+  # the layers' gathered bytes: bf16 blocks, forward and backward
+  layer = gpt._block_params(CONFIG.width, CONFIG.mlp_ratio) * 2
+  assert c["all-gather"]["bytes"] >= 2 * CONFIG.depth * layer * 0.99
+
+
+def test_meshes_over_two_slices_put_the_slices_on_the_outer_axis():
+  """A replica axis goes across the slices; without one, the outermost
+  axis does (slice by slice), so every other axis stays inside a slice."""
+  slice_of = lambda mesh: [[d.slice_index for d in row] for row in
+                           mesh.devices.reshape(2, -1)]
+  for axes in ("replica=2,data=4", "data=8", "data=4,model=2"):
+    mesh = aot.topology_mesh(TOPOLOGY, axes, num_slices=2)
+    assert mesh.size == 8
+    assert slice_of(mesh) == [[0] * 4, [1] * 4], axes
+  with pytest.raises(ValueError, match="num_slices=0"):
+    aot.topology_devices(TOPOLOGY, num_slices=0)
+
+
+def test_hsdp_across_two_slices_moves_only_the_gradient_shard_between_them():
+  """Stage 3 on replica=2 (across 2 slices) x data=4: the one transfer
+  between slices is the all-reduce of the reduce-scattered gradient, its
+  bytes the planner's (``all-reduce over replica``)."""
+  import jax
+  import optax
+
+  import zerojax
+  mesh = aot.topology_mesh(TOPOLOGY, "replica=2,data=4", num_slices=2)
+  config = CONFIG.resolved("tpu")
+  policy = zerojax.Policy(param_dtype=jnp.bfloat16)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh, policy=policy)
+  state = jax.eval_shape(lambda k: zerojax.init_from(
+      lambda key: gpt.init(config, key), tx, k), jax.random.key(0))
+  batch = aot.abstract_batch({k: ((16, config.seq_len), jnp.int32)
+                              for k in ("x", "y")})
+  step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
+  report = aot.compiled_report(step.lower(state, batch).compile(), mesh)
+  across = report["across_slices"]
+  p = plan.plan_stage(plan.abstract_gpt(CONFIG), 3,
+                      mesh={"replica": 2, "data": 4})
+  want = p.collectives["all-reduce over replica"]
+  assert across["all-reduce"]["bytes"] == pytest.approx(want, rel=0.01)
+  assert sum(r["bytes"] for k, r in across.items()
+             if k != "all-reduce") < 0.01 * want
