@@ -10,8 +10,9 @@ loop trip counts applied), how each collective is issued in the scheduled
 program (synchronous, or asynchronous with the matmuls it overlaps; a loop
 body's collective counted once: ``zerojax._src.diagnostics.schedule``),
 and the compile time. The model is ``plain_gpt.py`` (a GPT written
-without zerojax: zerojax walks its scan per layer), AdamW, fp32 params and
-state for every configuration. The peers (``peers.py``): ``fsdp`` (params
+without zerojax: zerojax walks its scan per layer) or, with ``--model
+gpt``, zerojax's reference GPT (``zerojax.app.gpt``: it gathers per layer
+itself); AdamW, fp32 params and state for every configuration. The peers (``peers.py``): ``fsdp`` (params
 and state sharded over ``data``, plain ``jit``) and ``zero1`` (state
 sharded), as MaxText and Flax users write them.
 
@@ -36,8 +37,9 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-CONFIGS = ("1", "2", "3", "fsdp", "zero1")
+CONFIGS = ("1", "2", "3", "fsdp", "zero1", "3off")
 ZEROPP = "3pp"          # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
+# "<stage>off": the stage with offload=True (master and moments on the host)
 
 
 def worker(args) -> dict:
@@ -57,10 +59,18 @@ def worker(args) -> dict:
                            num_slices=args.num_slices)
   n = mesh.size
   axes = dict(mesh.shape)
-  init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
-                              width=args.width, depth=args.depth,
-                              seq_len=args.seq_len)
-  loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
+  if args.model == "gpt":           # zerojax's reference GPT (gathers per layer)
+    from zerojax.app import gpt
+    config = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len,
+                           width=args.width, depth=args.depth,
+                           heads=args.heads).resolved("tpu")
+    init_fn = functools.partial(gpt.init, config)
+    loss_fn = functools.partial(gpt.loss, config=config)
+  else:
+    init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
+                                width=args.width, depth=args.depth,
+                                seq_len=args.seq_len)
+    loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
   rows = args.batch_per_chip * n
   batch = aot.abstract_batch({"x": ((rows, args.seq_len), jnp.int32),
                               "y": ((rows, args.seq_len), jnp.int32)})
@@ -85,7 +95,8 @@ def worker(args) -> dict:
     if args.config == ZEROPP:       # nodes: one slice's chips of the data axis
       node = axes["data"] // (args.num_slices // axes.get("replica", 1))
       zeropp = zerojax.ZeroPP(grad_bits=8, hpz_size=node, node_size=node)
-    tx = zerojax.zero(opt, stage=stage, mesh=mesh, zeropp=zeropp)
+    tx = zerojax.zero(opt, stage=stage, mesh=mesh, zeropp=zeropp,
+                      offload=args.config.endswith("off"))
     state = jax.eval_shape(lambda k: zerojax.init_from(init_fn, tx, k),
                            jax.random.key(0))
     lowered = zerojax.train_step(loss_fn, tx).lower(state, batch)
@@ -120,6 +131,9 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--topology", default="v5e:2x2")
   p.add_argument("--num-slices", type=int, default=1)
+  p.add_argument("--model", choices=("plain", "gpt"), default="plain",
+                 help="plain_gpt.py (written without zerojax) or zerojax's "
+                      "reference GPT (zerojax.app.gpt)")
   p.add_argument("--mesh", default=None,
                  help="mesh axes, e.g. replica=2,data=4 (default: data)")
   p.add_argument("--configs", default=",".join(CONFIGS))
@@ -141,7 +155,7 @@ def main():
   for config in args.configs.split(","):
     argv = [sys.executable, __file__, f"--config={config}",
             f"--topology={args.topology}", f"--width={args.width}",
-            f"--num-slices={args.num_slices}",
+            f"--num-slices={args.num_slices}", f"--model={args.model}",
             *([f"--mesh={args.mesh}"] if args.mesh else []),
             f"--depth={args.depth}", f"--heads={args.heads}",
             f"--vocab={args.vocab}", f"--seq-len={args.seq_len}",
@@ -158,13 +172,15 @@ def main():
     mem = run.get("memory", {})
     print(f"{args.topology} {config:>6}: peak {mem.get('peak', 0) / 2**20:8.1f} "
           f"MiB  {run.get('issued', run.get('error'))}", flush=True)
-  model = (f"plain_w{args.width}_d{args.depth}_v{args.vocab}_t{args.seq_len}"
+  model = (f"{args.model}_w{args.width}_d{args.depth}_v{args.vocab}_t{args.seq_len}"
            f"_b{args.batch_per_chip}")
   topology = args.topology + (f"x{args.num_slices}slices"
                                if args.num_slices > 1 else "")
   if args.mesh:
     model += "_" + args.mesh.replace("=", "").replace(",", "_")
   result = {"topology": topology, "mesh": args.mesh, "model": model,
+            "model_source": ("zerojax.app.gpt" if args.model == "gpt"
+                             else "experiments/plain_gpt.py"),
             "sizes": {k: getattr(args, k) for k in (
                 "width", "depth", "heads", "vocab", "seq_len",
                 "batch_per_chip")},

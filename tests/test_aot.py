@@ -212,3 +212,32 @@ def test_a_transfer_between_slices_is_counted_once_as_its_collective():
   from zerojax._src.diagnostics import aot as _aot
   assert _aot._dcn_wire(found[0], 2) == 64 * 8 * 128 * 4     # 2 x 1/2
   assert _aot._dcn_wire(found[0], 4) == 1.5 * 64 * 8 * 128 * 4
+
+
+# Offloaded state as the TPU compiler moves it: an asynchronous copy from
+# host memory (S(5)) beside a matmul, and one back after it.
+_TPU_OFFLOAD = """
+HloModule m
+
+ENTRY %main (h: f32[64,256], w: f32[8,8]) -> f32[64,256] {
+  %h = f32[64,256]{1,0:T(8,128)S(5)} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  %copy-start = (f32[64,256]{1,0:T(8,128)}, f32[64,256]{1,0:T(8,128)S(5)}, u32[]{:S(2)}) copy-start(%h)
+  %dot.1 = f32[8,8]{1,0} dot(%w, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %copy-done = f32[64,256]{1,0:T(8,128)} copy-done(%copy-start)
+  %add = f32[64,256]{1,0:T(8,128)} add(%copy-done, %copy-done)
+  %copy-start.1 = (f32[64,256]{1,0:T(8,128)S(5)}, f32[64,256]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%add)
+  ROOT %copy-done.1 = f32[64,256]{1,0:T(8,128)S(5)} copy-done(%copy-start.1)
+}
+"""
+
+
+def test_host_transfers_are_read_with_their_direction_and_overlap():
+  from zerojax._src.diagnostics import hlo
+  assert hlo.host_transfers(_TPU_OFFLOAD) == {
+      "host-to-device": {"count": 1, "bytes": 64 * 256 * 4},
+      "device-to-host": {"count": 1, "bytes": 64 * 256 * 4}}
+  assert schedule.summary(_TPU_OFFLOAD) == {
+      "host-to-device": {"sync": 0, "async": 1, "overlapped": 1},
+      "device-to-host": {"sync": 0, "async": 1, "overlapped": 0}}
+  assert zerojax.collectives(_TPU_OFFLOAD, 4) == []

@@ -34,17 +34,21 @@ def _memory(*args, **kwargs):
   return _compiled(*args, **kwargs).memory_analysis()
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage,offload", [(1, False), (3, False), (3, True)])
 def test_a_step_lowered_from_the_abstract_state_is_the_real_states(
-    stage, any_mesh):
+    stage, offload, any_mesh):
   """``jax.eval_shape`` of ``zerojax.init_from`` gives the state's shapes
   and shardings with nothing allocated; the step lowered from it compiles
   to the program the real state gives (the same memory and collectives):
-  how a step's memory is read before anything is built. On Auto axes
-  ``jax.eval_shape`` drops the shardings (they are not in the types), and
-  lowering from that state is refused, naming the leaf."""
+  how a step's memory is read before anything is built. With offload the
+  abstract leaves lose their host memory kind (``jax.eval_shape`` keeps the
+  partition only): the step gives the master and optimizer state theirs
+  back. On Auto axes ``jax.eval_shape`` drops the shardings (they are not
+  in the types), and lowering from that state is refused, naming the
+  leaf."""
   import jax
-  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=any_mesh)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=any_mesh,
+                    offload=offload)
   init = lambda k: toy.layered_params(4, D, V, key=k)
   abstract = jax.eval_shape(
       lambda k: zerojax.init_from(init, tx, k), jax.random.key(0))

@@ -92,7 +92,9 @@ def compiled_report(compiled, mesh) -> dict:
   the program for one slice and moves these over the data-center network
   as megascale transfers; ``bytes``: the buffers each chip hands over,
   ``wire``: what it sends between slices, :func:`_dcn_wire`);
-  ``issued`` from the
+  ``host_transfers`` the copies between host and device memory per step
+  (:func:`zerojax._src.diagnostics.hlo.host_transfers`; ``memory`` then
+  also has the host bytes); ``issued`` from the
   scheduled program (:mod:`zerojax._src.diagnostics.schedule`), a loop
   body's collective once."""
   m = compiled.memory_analysis()
@@ -100,6 +102,10 @@ def compiled_report(compiled, mesh) -> dict:
             for name in ("argument", "output", "temp", "alias")}
   memory["peak"] = (memory["argument"] + memory["output"] + memory["temp"]
                     - memory["alias"])
+  for name in ("argument", "output", "temp"):       # host memory (offload)
+    host = getattr(m, f"host_{name}_size_in_bytes", 0)
+    if host:
+      memory[f"host_{name}"] = int(host)
   text = compiled.as_text()
   kinds: dict = {}
   written_as: dict = {}
@@ -125,6 +131,7 @@ def compiled_report(compiled, mesh) -> dict:
              sorted(_hlo.bytes_by_axis(text, mesh).items())}
   return {"memory": memory, "collectives": kinds, "bytes_by_axis": by_axis,
           "written_as": written_as, "across_slices": across,
+          "host_transfers": _hlo.host_transfers(text),
           "issued": _schedule.summary(text)}
 
 

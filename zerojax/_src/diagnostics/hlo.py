@@ -232,10 +232,9 @@ def _trip_count(rest: str, comps: dict, caller: str) -> int:
   return max(n, 1)
 
 
-def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-  """All collectives of an optimized HLO module, with per-step counts."""
-  comps, entry = split_computations(hlo_text)
-
+def _multipliers(comps: dict, entry: str) -> dict[str, int]:
+  """How many times each computation runs per step (loop trip counts
+  applied, nested loops multiplied)."""
   mult: dict[str, int] = collections.defaultdict(int)
 
   def visit(name: str, factor: int, depth=0):
@@ -256,7 +255,52 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
           visit(c, factor * (trip if key in ("body", "condition") else 1),
                 depth + 1)
   visit(entry, 1)
+  return mult
 
+
+_HOST_SPACE = re.compile(r"S\(5\)")
+
+
+def host_transfers(hlo_text: str) -> dict[str, dict]:
+  """Copies between device and host memory per step (offloaded state,
+  activations): ``{"host-to-device" | "device-to-host": {"count",
+  "bytes"}}``, loop trip counts applied. A transfer is a ``copy-start``
+  (asynchronous) or ``copy`` whose source or destination layout is in
+  host memory (``S(5)``); ``copy-start``'s result is (destination, source,
+  context)."""
+  comps, entry = split_computations(hlo_text)
+  out: dict = {}
+  for name, factor in _multipliers(comps, entry).items():
+    for line in comps[name]:
+      m = _INSTR_RE.match(line)
+      if not m or m.group(3) not in ("copy-start", "copy"):
+        continue
+      shapes = re.findall(r"\b[a-z]+\d*\[[\d,]*\]\{[^}]*\}", m.group(2))
+      if m.group(3) == "copy-start" and len(shapes) >= 2:
+        dst, src = shapes[0], shapes[1]
+      elif m.group(3) == "copy" and shapes:
+        dst, src = shapes[0], ""       # the operand's layout is not inline
+        if not _HOST_SPACE.search(dst):
+          continue
+      else:
+        continue
+      to_host, from_host = bool(_HOST_SPACE.search(dst)), bool(
+          _HOST_SPACE.search(src))
+      if to_host == from_host:
+        continue
+      dt, dims = _SHAPE_RE.search(dst).groups()
+      nbytes = math.prod(int(d) for d in dims.split(",") if d) * _dtype_bytes(dt)
+      row = out.setdefault("device-to-host" if to_host else "host-to-device",
+                           {"count": 0, "bytes": 0})
+      row["count"] += factor
+      row["bytes"] += nbytes * factor
+  return out
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+  """All collectives of an optimized HLO module, with per-step counts."""
+  comps, entry = split_computations(hlo_text)
+  mult = _multipliers(comps, entry)
   out = []
   chains = set()
   for name, factor in mult.items():

@@ -16,6 +16,10 @@ each collective instruction, how it is issued:
   ``AsyncCollectiveDone``; every piece carries the chain's
   ``frontend_attributes={chain_id=...}``, so a chain is one collective.
 
+Copies between host memory (``S(5)`` in a layout: offloaded state or
+activations) and the device's are read the same way, as the kinds
+``host-to-device`` and ``device-to-host`` (``copy-start`` / ``copy-done``).
+
 The overlapped compute of an asynchronous collective is what is scheduled
 between its start and its done (the continuations included), counted in
 matmuls (``convolution`` or ``dot`` instructions, in fusions too), the
@@ -102,9 +106,10 @@ def issued(hlo_text: str) -> list[Issued]:
       elif op in KINDS:
         chain = _CHAIN.search(line)
         found = [(op, chain.group(1) if chain else None)]
-      elif op.endswith("-start") and op[:-6] in KINDS:
+      elif op.endswith("-start") and (op[:-6] in KINDS or _host_copy(line)):
         done = _first_done(instrs, position, name)
-        out.append(Issued(op[:-6], "async", comp, 0 if done is None else sum(
+        out.append(Issued(_host_copy(line) or op[:-6], "async", comp,
+                          0 if done is None else sum(
             _line_matmuls(comps, l) for _, _, l in instrs[i + 1:done])))
         continue
       else:
@@ -120,6 +125,24 @@ def issued(hlo_text: str) -> list[Issued]:
       out.append(Issued(kind, "async" if last > first else "sync", comp,
                         between))
   return out
+
+
+_LAYOUTS = re.compile(r"\b[a-z]+\d*\[[\d,]*\]\{[^}]*\}")
+
+
+def _host_copy(line: str) -> str | None:
+  """``"host-to-device"`` or ``"device-to-host"`` for a ``copy-start``
+  between host memory (``S(5)``) and the device's (its result is
+  (destination, source, context)), else ``None``."""
+  if " copy-start(" not in line:
+    return None
+  shapes = _LAYOUTS.findall(line.split(" copy-start(")[0])
+  if len(shapes) < 2:
+    return None
+  to_host, from_host = ("S(5)" in shapes[0]), ("S(5)" in shapes[1])
+  if to_host == from_host:
+    return None
+  return "device-to-host" if to_host else "host-to-device"
 
 
 def _first_done(instrs, position, name):

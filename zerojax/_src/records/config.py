@@ -11,6 +11,7 @@ import dataclasses
 import numbers
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, Mesh
@@ -222,8 +223,12 @@ def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str):
 
 
 def _check_host_memory(mesh: Mesh):
-  """Offload needs a ``pinned_host`` memory on every device of the mesh."""
-  for d in mesh.devices.flat:
+  """Offload needs a ``pinned_host`` memory on every device of the mesh.
+  Checked on this process's devices: another process's list no memories
+  here (a multi-host job, or a TPU topology compiled for ahead of time)."""
+  devices = list(mesh.devices.flat)
+  own = [d for d in devices if d.process_index == jax.process_index()]
+  for d in own or devices:
     try:
       kinds = {m.kind for m in d.addressable_memories()}
     except Exception:     # a backend without memory kinds

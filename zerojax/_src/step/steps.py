@@ -29,8 +29,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.records.config import HOST_MEMORY
 from zerojax._src.records.mesh import explain_per_device_errors
 from zerojax._src.records.spec import (StateSpec, ZeroState, leaf_dtype,
                                        tree_difference)
@@ -240,10 +242,28 @@ def _abstract_ready(state, where: str):
   if not isinstance(state, ZeroState):
     return state
   replicated = state.spec.replicated()
-  return jax.tree.map(
+  state = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
       if (isinstance(x, jax.ShapeDtypeStruct) and not x.shape
           and getattr(x, "sharding", None) is None) else x, state)
+  place = state.spec.place
+  if not place.offload:
+    return state
+  # offloaded: the master copy and the optimizer state live in host memory
+  # and the rest in device memory, kinds jax.eval_shape does not keep in the
+  # leaves' shardings (lowered without them, the program would read the
+  # offloaded leaves from device memory)
+  def kind(memory):
+    return lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(
+            place.mesh, x.sharding.spec, memory_kind=memory)) if (
+        isinstance(x, jax.ShapeDtypeStruct)
+        and isinstance(x.sharding, NamedSharding)
+        and x.sharding.memory_kind is None) else x
+  state = state.replace(master=jax.tree.map(kind(HOST_MEMORY), state.master),
+                        opt_state=jax.tree.map(kind(HOST_MEMORY),
+                                               state.opt_state))
+  return jax.tree.map(kind("device"), state)
 
 
 def _check_abstract(state, where: str):
