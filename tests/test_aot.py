@@ -54,6 +54,10 @@ def test_compiled_report_reads_the_compiled_step(mesh):
   assert sum(rep["bytes_by_axis"].values()) == sum(c.total_bytes for c in found)
   assert rep["bytes_by_axis"]["reduce-scatter@data"] == rep["collectives"][
       "reduce-scatter"]["bytes"]
+  # what a chip sends: 7/8 of each gathered or scattered buffer over 8
+  for kind in ("all-gather", "reduce-scatter"):
+    assert rep["collectives"][kind]["wire"] == pytest.approx(
+        7 / 8 * rep["collectives"][kind]["bytes"])
   issued = rep["issued"]
   assert all(row["async"] == 0 and row["sync"] > 0 for row in issued.values())
   assert issued["all-gather"]["sync"] == sum(

@@ -82,13 +82,30 @@ def _version(package: str) -> str | None:
 
 
 def predicted_peak(plan, config: gpt.GPTConfig, batch_per_device: int,
-                   n_devices: int, model: int = 1) -> float:
-  """The planner's per-device peak: the model state on the device
-  (``plan.device``) plus :func:`zerojax.plan.working_set`."""
+                   n_devices: int, model: int = 1, plan_stage2=None) -> float:
+  """The planner's per-device peak of the compiled step: the model state on
+  the device (``plan.device``), :func:`zerojax.plan.working_set`, and the
+  one in-layer buffer set that dominates at scale, the backward pass of
+  attention when it materialises its scores (``"einsum"``): the
+  probabilities, their gradient and the scores' gradient, three fp32
+  ``(B, H, T, T)`` buffers live together in the softmax's backward.
+
+  At stage 1 the reference GPT's gradient is reduce-scattered layer by
+  layer in the backward pass, as at stage 2 (with one micro-batch zerojax
+  compiles both stages to one program), so ``plan_stage2`` (the stage-2
+  plan), when given, prices stage 1."""
   from zerojax.app import planner
+  config = config.resolved("tpu")
+  stage = plan.stage
+  if stage == 1 and plan_stage2 is not None:
+    plan, stage = plan_stage2, 2
+  attention = 0.0
+  if config.attention == "einsum":
+    attention = (3 * batch_per_device * (config.heads // model)
+                 * config.seq_len ** 2 * 4)
   return plan.device + planner.working_set(
-      config.resolved("tpu"), plan.stage, batch_per_device,
-      model=model, n_devices=n_devices)
+      config, stage, batch_per_device, model=model,
+      n_devices=n_devices) + attention
 
 
 def table(rows: list[dict]) -> str:

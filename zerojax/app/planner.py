@@ -41,9 +41,9 @@ With ``--topology`` (a TPU topology such as ``v5p:4x4x4``) the devices are
 that topology's chips; ``--compile`` then also compiles the GPT's train
 step at each of ``--stages`` for it with the TPU compiler (the ``tpu``
 extra; no TPU needed, nothing allocated) and prints, per chip, the
-compiled peak beside the planner's prediction (model state plus
-:func:`working_set`), the collectives and how the compiler issued them
-(:mod:`zerojax.app.compiled`).
+compiled peak beside the planner's prediction (model state, :func:`working_set`
+and attention's backward buffers: :func:`zerojax.app.compiled.predicted_peak`),
+the collectives and how the compiler issued them (:mod:`zerojax.app.compiled`).
 """
 
 from __future__ import annotations
@@ -279,7 +279,8 @@ def _compile(p, args, config, mesh: dict, plans) -> list[dict]:
   out = []
   for s in stages:
     predicted = _compiled.predicted_peak(plans[s], config, args.batch,
-                                         n_devices=args.devices)
+                                         n_devices=args.devices,
+                                         plan_stage2=plans[2])
     out.append(_compiled.compile_stage(config, s, device_mesh, args.batch,
                                        predicted))
     print(f"compiled stage {s} for {args.topology} in "

@@ -78,12 +78,13 @@ def compiled_report(compiled, mesh) -> dict:
 
   ``compiled``: a ``jax.stages.Compiled`` (``step.lower(...).compile()``).
   Returns ``{"memory": {argument, output, temp, alias, peak bytes},
-  "collectives": {kind: {"count", "bytes"}}, "bytes_by_axis":
+  "collectives": {kind: {"count", "bytes", "wire"}}, "bytes_by_axis":
   {"kind@axes": bytes}, "written_as": {"asked as written": {"count",
   "bytes"}}, "issued": {kind: {"sync", "async", "overlapped"}}}``:
   peak = arguments + outputs + temp - aliases (the compiler's own plan);
   collectives counted per step (loop trip counts applied), each by its full
-  buffer (:mod:`zerojax._src.diagnostics.hlo`); ``written_as`` the
+  buffer (:mod:`zerojax._src.diagnostics.hlo`) and by the bytes a chip
+  sends for it (``wire``: :func:`_ring_wire`); ``written_as`` the
   collectives the compiler wrote as another kind, read from their op_name
   (the TPU compiler writes some all-gathers as all-reduces of a
   zero-padded buffer; a rewritten collective it merged with others loses
@@ -119,9 +120,10 @@ def compiled_report(compiled, mesh) -> dict:
       row["count"] += c.count
       row["bytes"] += c.total_bytes
       row["wire"] += _dcn_wire(c, len(set(slice_of)))
-    row = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
+    row = kinds.setdefault(c.kind, {"count": 0, "bytes": 0, "wire": 0.0})
     row["count"] += c.count
     row["bytes"] += c.total_bytes
+    row["wire"] += _ring_wire(c)
     if c.written_for:
       row = written_as.setdefault(f"{c.written_for} as {c.kind}",
                                   {"count": 0, "bytes": 0})
@@ -133,6 +135,20 @@ def compiled_report(compiled, mesh) -> dict:
           "written_as": written_as, "across_slices": across,
           "host_transfers": _hlo.host_transfers(text),
           "issued": _schedule.summary(text)}
+
+
+def _ring_wire(c) -> float:
+  """Bytes one chip sends for collective ``c`` per step, as a ring of its
+  group (``g`` chips) moves a full buffer ``B``: ``(g-1)/g B`` for an
+  all-gather, a reduce-scatter or an all-to-all, twice that for an
+  all-reduce, ``B`` for a collective-permute. A transfer between slices
+  is priced by :func:`_dcn_wire` in ``across_slices`` instead (0 here)."""
+  if c.across_slices:
+    return 0.0
+  g = max(c.group_size, 1)
+  share = (g - 1) / g
+  return c.total_bytes * {"all-reduce": 2 * share,
+                          "collective-permute": 1.0}.get(c.kind, share)
 
 
 def _dcn_wire(c, slices: int) -> float:
