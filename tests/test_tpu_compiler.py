@@ -7,6 +7,7 @@ the extra after the suite and runs ``pytest -m tpu_compiler``.
 """
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from zerojax import aot, plan
@@ -108,3 +109,32 @@ def test_hsdp_across_two_slices_moves_only_the_gradient_shard_between_them():
   assert across["all-reduce"]["bytes"] == pytest.approx(want, rel=0.01)
   assert sum(r["bytes"] for k, r in across.items()
              if k != "all-reduce") < 0.01 * want
+
+
+def test_a_70b_step_on_256_chips_lowers_without_allocating():
+  """Stage 3 of a 70B reference GPT on a v5p pod of 256 chips: the state
+  is shapes only (``jax.eval_shape``), the step lowers from it and an
+  abstract batch, and no array comes to exist in this process."""
+  import jax
+  import optax
+
+  import zerojax
+  mesh = aot.topology_mesh("v5p:8x8x4")
+  assert mesh.size == 256
+  config = gpt.config_for_params(70e9).resolved("tpu")
+  tx = zerojax.zero(optax.adamw(3e-4), stage=3, mesh=mesh,
+                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  before = len(jax.live_arrays())
+  state = jax.eval_shape(lambda k: zerojax.init_from(
+      lambda key: gpt.init(config, key), tx, k), jax.random.key(0))
+  assert gpt.num_params(config) > 69e9
+  batch = aot.abstract_batch({k: ((256, config.seq_len), jnp.int32)
+                              for k in ("x", "y")})
+  step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
+  text = step.lower(state, batch).as_text()
+  assert len(jax.live_arrays()) == before
+  # the stacked layers arrive as one chip's shard: 1/256 of each
+  qkv = state.params["blocks"]["qkv_LxDx3D"]
+  per_chip = qkv.sharding.shard_shape(qkv.shape)
+  assert qkv.size // 256 <= np.prod(per_chip) < qkv.size // 255
+  assert "all_gather" in text or "all-gather" in text
