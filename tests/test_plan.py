@@ -211,18 +211,18 @@ def test_compile_stage_reports_the_compiled_step_beside_the_plan(mesh):
   reduce-scatters over ``data``)."""
   import numpy as np
 
-  from zerojax.app import compiled
+  from zerojax.app import compiled, planner
   config = gpt.GPTConfig(vocab=64, seq_len=16, width=32, depth=2, heads=2)
   n = mesh.size
   plans = [plan.plan_stage(plan.abstract_gpt(config), s, n) for s in range(4)]
-  predicted = compiled.predicted_peak(plans[3], config, 2, n_devices=n)
+  predicted = planner.predicted_peak(plans[3], config, 2, n_devices=n)
   attention = 3 * 2 * config.heads * config.seq_len ** 2 * 4   # P, dP, dS
   assert predicted == plans[3].device + plan.working_set(
       config.resolved("tpu"), 3, 2, n_devices=n) + attention
   # stage 1 compiles to stage 2's program: priced as stage 2
-  assert compiled.predicted_peak(
+  assert planner.predicted_peak(
       plans[1], config, 2, n_devices=n, plan_stage2=plans[2]) == (
-      compiled.predicted_peak(plans[2], config, 2, n_devices=n))
+      planner.predicted_peak(plans[2], config, 2, n_devices=n))
   row = compiled.compile_stage(config, 3, mesh, 2, predicted)
   m = row["memory"]
   assert m["peak"] == m["argument"] + m["output"] + m["temp"] - m["alias"] > 0

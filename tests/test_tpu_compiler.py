@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from zerojax import aot, plan
-from zerojax.app import compiled, gpt
+from zerojax.app import compiled, gpt, planner
 
 pytestmark = pytest.mark.tpu_compiler
 
@@ -30,7 +30,7 @@ def stage3(tpu_mesh):
   p = plan.plan_stage(plan.abstract_gpt(CONFIG), 3, n)
   return p, compiled.compile_stage(
       CONFIG, 3, tpu_mesh, BATCH,
-      compiled.predicted_peak(p, CONFIG, BATCH, n_devices=n))
+      planner.predicted_peak(p, CONFIG, BATCH, n_devices=n))
 
 
 def test_the_compiled_stage_3_holds_the_planned_state(tpu_mesh, stage3):

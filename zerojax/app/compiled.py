@@ -6,12 +6,13 @@ For each stage asked for, the main job's step (the reference GPT of
 :mod:`zerojax.app.gpt`, AdamW, bf16 params with an fp32 master copy, as
 the planner prices it) is lowered on abstract state and batch over the
 topology's chips and compiled by the TPU compiler (libtpu: ``pip install
-'zerojax[tpu]'``). Nothing is allocated: a 70B step on 256 chips lowers
-on a laptop. Reported per chip from the compiled program
+'zerojax[tpu]'``). Nothing is allocated: the state and the batch are
+shapes only. Reported per chip from the compiled program
 (:func:`zerojax.aot.compiled_report`): the peak (arguments + outputs +
-temp - aliases), the planner's prediction of it (model state plus
-:func:`zerojax.plan.working_set`), collectives by kind and mesh axis with
-bytes, and how each is issued (asynchronous, overlapping a matmul).
+temp - aliases), the planner's prediction of it when given one
+(:func:`zerojax.app.planner.predicted_peak`), collectives by kind and mesh
+axis with bytes, and how each is issued (asynchronous, overlapping a
+matmul).
 """
 
 from __future__ import annotations
@@ -79,33 +80,6 @@ def _version(package: str) -> str | None:
     return importlib.metadata.version(package)
   except importlib.metadata.PackageNotFoundError:
     return None
-
-
-def predicted_peak(plan, config: gpt.GPTConfig, batch_per_device: int,
-                   n_devices: int, model: int = 1, plan_stage2=None) -> float:
-  """The planner's per-device peak of the compiled step: the model state on
-  the device (``plan.device``), :func:`zerojax.plan.working_set`, and the
-  one in-layer buffer set that dominates at scale, the backward pass of
-  attention when it materialises its scores (``"einsum"``): the
-  probabilities, their gradient and the scores' gradient, three fp32
-  ``(B, H, T, T)`` buffers live together in the softmax's backward.
-
-  At stage 1 the reference GPT's gradient is reduce-scattered layer by
-  layer in the backward pass, as at stage 2 (with one micro-batch zerojax
-  compiles both stages to one program), so ``plan_stage2`` (the stage-2
-  plan), when given, prices stage 1."""
-  from zerojax.app import planner
-  config = config.resolved("tpu")
-  stage = plan.stage
-  if stage == 1 and plan_stage2 is not None:
-    plan, stage = plan_stage2, 2
-  attention = 0.0
-  if config.attention == "einsum":
-    attention = (3 * batch_per_device * (config.heads // model)
-                 * config.seq_len ** 2 * 4)
-  return plan.device + planner.working_set(
-      config, stage, batch_per_device, model=model,
-      n_devices=n_devices) + attention
 
 
 def table(rows: list[dict]) -> str:

@@ -42,7 +42,7 @@ that topology's chips; ``--compile`` then also compiles the GPT's train
 step at each of ``--stages`` for it with the TPU compiler (the ``tpu``
 extra; no TPU needed, nothing allocated) and prints, per chip, the
 compiled peak beside the planner's prediction (model state, :func:`working_set`
-and attention's backward buffers: :func:`zerojax.app.compiled.predicted_peak`),
+and attention's backward buffers: :func:`predicted_peak`),
 the collectives and how the compiler issued them (:mod:`zerojax.app.compiled`).
 """
 
@@ -164,6 +164,32 @@ def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
   return float(gathered + reduced + saved + 2 * tokens * config.vocab * 4)
 
 
+def predicted_peak(plan, config: gpt.GPTConfig, batch_per_device: int,
+                   n_devices: int, model: int = 1, plan_stage2=None) -> float:
+  """The planner's per-device peak of the compiled step: the model state on
+  the device (``plan.device``), :func:`zerojax.plan.working_set`, and the
+  one in-layer buffer set that dominates at scale, the backward pass of
+  attention when it materialises its scores (``"einsum"``): the
+  probabilities, their gradient and the scores' gradient, three fp32
+  ``(B, H, T, T)`` buffers live together in the softmax's backward.
+
+  At stage 1 the reference GPT's gradient is reduce-scattered layer by
+  layer in the backward pass, as at stage 2 (with one micro-batch zerojax
+  compiles both stages to one program), so ``plan_stage2`` (the stage-2
+  plan), when given, prices stage 1."""
+  config = config.resolved("tpu")
+  stage = plan.stage
+  if stage == 1 and plan_stage2 is not None:
+    plan, stage = plan_stage2, 2
+  attention = 0.0
+  if config.attention == "einsum":
+    attention = (3 * batch_per_device * (config.heads // model)
+                 * config.seq_len ** 2 * 4)
+  return plan.device + working_set(
+      config, stage, batch_per_device, model=model,
+      n_devices=n_devices) + attention
+
+
 def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
                     seq_len: int = 2048,
                     offload: bool = False) -> gpt.GPTConfig | None:
@@ -278,9 +304,8 @@ def _compile(p, args, config, mesh: dict, plans) -> list[dict]:
       f"{k}={v}" for k, v in mesh.items()))
   out = []
   for s in stages:
-    predicted = _compiled.predicted_peak(plans[s], config, args.batch,
-                                         n_devices=args.devices,
-                                         plan_stage2=plans[2])
+    predicted = predicted_peak(plans[s], config, args.batch,
+                               n_devices=args.devices, plan_stage2=plans[2])
     out.append(_compiled.compile_stage(config, s, device_mesh, args.batch,
                                        predicted))
     print(f"compiled stage {s} for {args.topology} in "
