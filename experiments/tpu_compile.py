@@ -165,7 +165,9 @@ def main():
                                "JAX_PLATFORMS": "cpu"})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode or not lines:
-      run = {"config": config, "error": proc.stderr.strip().splitlines()[-1:]}
+      errors = [l for l in proc.stderr.splitlines() if "Error" in l]
+      run = {"config": config,                  # e.g. the compiler's OOM
+             "error": errors[-1:] or proc.stderr.strip().splitlines()[-1:]}
     else:
       run = json.loads(lines[-1])
     runs.append(run)
