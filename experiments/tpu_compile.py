@@ -144,6 +144,9 @@ def main():
   p.add_argument("--seq-len", type=int, default=256)
   p.add_argument("--batch-per-chip", type=int, default=2)
   p.add_argument("--out", default=str(HERE.parent / "docs" / "data"))
+  p.add_argument("--tag", default="",
+                 help="appended to the file name (e.g. the LIBTPU_INIT_ARGS "
+                      "set tried; the flags are recorded in the JSON)")
   p.add_argument("--config", help=argparse.SUPPRESS)      # worker mode
   args = p.parse_args()
   if args.config:
@@ -180,7 +183,11 @@ def main():
                                if args.num_slices > 1 else "")
   if args.mesh:
     model += "_" + args.mesh.replace("=", "").replace(",", "_")
+  if args.tag:
+    model += "_" + args.tag
   result = {"topology": topology, "mesh": args.mesh, "model": model,
+            "libtpu_init_args": __import__("os").environ.get(
+                "LIBTPU_INIT_ARGS", ""),
             "model_source": ("zerojax.app.gpt" if args.model == "gpt"
                              else "experiments/plain_gpt.py"),
             "sizes": {k: getattr(args, k) for k in (
