@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-import toy
+from tests import toy
 import zerojax
 from zerojax import plan
 from zerojax.app import gpt

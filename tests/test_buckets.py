@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*neither floating nor complex")
 
-import toy
+from tests import toy
 import zerojax
 import zerojax.hardware
 

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 
-import mixers
+from tests import mixers
 import zerojax
 import zerojax.cost
 
