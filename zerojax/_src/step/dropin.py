@@ -45,7 +45,6 @@ from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.mesh import explicit_names, named
 from zerojax._src.records.spec import (StateSpec, WeightSource, gathered,
                                       make_spec)
-from zerojax._src.step import offload as _offload
 from zerojax._src.step import update as _update
 from zerojax._src.step.state import reject_deleted, warn_untrained
 
