@@ -80,6 +80,11 @@ def test_meshes_over_two_slices_put_the_slices_on_the_outer_axis():
     mesh = aot.topology_mesh(TOPOLOGY, axes, num_slices=2)
     assert mesh.size == 8
     assert slice_of(mesh) == [[0] * 4, [1] * 4], axes
+  # the data axis goes across even when it is not the outermost
+  mesh = aot.topology_mesh(TOPOLOGY, "model=2,data=4", num_slices=2)
+  assert all(len({d.slice_index for d in col}) == 1
+             for col in mesh.devices.T), "model axis crosses slices"
+  assert all(len({d.slice_index for d in row}) == 2 for row in mesh.devices)
   with pytest.raises(ValueError, match="num_slices=0"):
     aot.topology_devices(TOPOLOGY, num_slices=0)
 

@@ -265,9 +265,10 @@ def host_transfers(hlo_text: str) -> dict[str, dict]:
   """Copies between device and host memory per step (offloaded state,
   activations): ``{"host-to-device" | "device-to-host": {"count",
   "bytes"}}``, loop trip counts applied. A transfer is a ``copy-start``
-  (asynchronous) or ``copy`` whose source or destination layout is in
-  host memory (``S(5)``); ``copy-start``'s result is (destination, source,
-  context)."""
+  (asynchronous) whose source or destination layout is in host memory
+  (``S(5)``; its result is (destination, source, context)), or a
+  synchronous ``copy`` into host memory (a ``copy``'s operand layout is not
+  written beside it, so a synchronous load from the host is not seen)."""
   comps, entry = split_computations(hlo_text)
   out: dict = {}
   for name, factor in _multipliers(comps, entry).items():

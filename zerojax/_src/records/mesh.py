@@ -109,7 +109,8 @@ def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
       ``create_hybrid_device_mesh``), so state-sized collectives stay on the
       fast links and only the replica all-reduce crosses the slow ones.
       Without a replica axis, devices of several TPU slices are laid out
-      slice by slice along the outermost axis (a data axis spanning them).
+      slice by slice along the data axis (or the outermost axis when there
+      is none), every other axis within a slice.
     axis_name: name of the data-parallel axis of the 1-D mesh.
     devices: devices to use, in order; defaults to ``jax.devices()`` (global,
       so a multi-process run gets one mesh spanning all hosts).
@@ -134,9 +135,11 @@ def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
   n_gran, by_slice = _granules(devices)
   replica = REPLICA_AXIS in sizes and sizes[REPLICA_AXIS] > 1
   if n_gran > 1 and (replica or by_slice):
-    # across slices: the replica axis, else the outermost axis (a data
-    # axis spanning slices); jax.make_mesh refuses multi-slice devices
-    across = REPLICA_AXIS if replica else names[0]
+    # across slices: the replica axis, else the data axis (the outermost
+    # axis when there is none); jax.make_mesh refuses multi-slice devices
+    across = (REPLICA_AXIS if replica else
+              axis_name if axis_name in sizes else
+              DEFAULT_AXIS if DEFAULT_AXIS in sizes else names[0])
     r = sizes[across]
     if r % n_gran:
       raise ValueError(
