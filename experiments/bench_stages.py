@@ -100,9 +100,10 @@ def worker(args) -> dict:
   import zerojax
   from zerojax.app import data
   from zerojax.app import gpt
-  if args.heap_release == "off":
-    from zerojax._src.runtime import host_heap
-    host_heap.release_free_heap = lambda: False
+  # zerojax's path hands the compile heap back after init and after the
+  # step's first call (zerojax.launch.release_free_heap), unless switched off
+  release = (zerojax.launch.release_free_heap if args.heap_release != "off"
+             else lambda: False)
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
 
@@ -186,6 +187,7 @@ def worker(args) -> dict:
       # still bound to the name ``params`` for the rest of the run
       state = zerojax.init(params, tx, copy=args.init == "params-copy")
     jax.block_until_ready(state)
+    release()
     mark("state")
     step = zerojax.train_step(loss_fn, tx, gather=gather_mode)
     # compiled as the peers' steps are; zerojax.report (state bytes,
@@ -225,13 +227,14 @@ def worker(args) -> dict:
       name = f"GSPMD peer: {args.config}"
     state = (p, o)
     jax.block_until_ready(state)
+    release()
     mark("state")
     t0 = time.perf_counter()
     compiled = jitted.lower(p, o, put(batch_at(0))).compile()
     compile_s = time.perf_counter() - t0
     mark("compiled")
     coll_bytes, coll_elems = {}, {}
-    colls = zerojax.collectives(compiled.as_text(), n)
+    colls = zerojax.diagnostics.collectives(compiled.as_text(), n)
     launches = [c.count for c in colls]
     for c in colls:
       coll_bytes[c.kind] = coll_bytes.get(c.kind, 0) + c.total_bytes
@@ -261,6 +264,8 @@ def worker(args) -> dict:
 
   state, metrics = run_step(state, batch_at(0))        # warm-up
   jax.block_until_ready(metrics)
+  if args.config.rstrip("b").isdigit():           # a zerojax stage
+    release()
   mark("first step")
   times = []
   usage0 = resource.getrusage(resource.RUSAGE_SELF)

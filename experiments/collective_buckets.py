@@ -7,7 +7,7 @@ For the reference GPT (width 128, 8 fake CPU devices, fp32) at each stage and
 depth, compiles the train step with ``bucket_bytes=None`` (whole-leaf
 collectives) and with the default and a small configured bucket, and prints
 the largest collective operand (full-buffer bytes of one execution, read from
-the compiled HLO with ``zerojax.collectives``), the total bytes per step
+the compiled HLO with ``zerojax.diagnostics.collectives``), the total bytes per step
 (unchanged by bucketing), and whether the bucketed run's params after two
 steps equal the unbucketed run's (largest absolute difference). JSON lines on stdout; the table on
 stderr.
@@ -44,7 +44,7 @@ def measure(stage, depth, width, bucket, steps):
   batch = lambda i: data.batch_at(tokens, seed=0, step=i, batch=16,
                                   seq_len=64)
   hlo = step.lower(state, batch(0)).compile().as_text()
-  colls = [c for c in zerojax.collectives(hlo, 8) if c.group_size > 1]
+  colls = [c for c in zerojax.diagnostics.collectives(hlo, 8) if c.group_size > 1]
   big = max(colls, key=lambda c: c.bytes)
   for i in range(steps):
     state, _ = step(state, batch(i))
@@ -69,7 +69,7 @@ def main():
   for stage in map(int, args.stages.split(",")):
     for depth in map(int, args.depths.split(",")):
       base = None
-      for bucket in (None, zerojax.DEFAULT_BUCKET_BYTES, args.bucket):
+      for bucket in (None, zerojax.ZeroConfig.bucket_bytes, args.bucket):
         row, params = measure(stage, depth, args.width, bucket, args.steps)
         if base is None:
           base = params

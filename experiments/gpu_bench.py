@@ -114,7 +114,7 @@ def run_one(size: str, config: str, steps: int) -> dict:
       "init_peak_bytes": after_init.get("peak_bytes_in_use"),
       "state_bytes_in_use": after_init.get("bytes_in_use"),
       "host_bytes": (None if config == "plain" else
-                     zerojax.memory_bytes(state).get("pinned_host", 0)),
+                     zerojax.diagnostics.memory_bytes(state).get("pinned_host", 0)),
       "planned_bytes": None if planned is None else int(
           planned.argument_size_in_bytes + planned.output_size_in_bytes
           + planned.temp_size_in_bytes - planned.alias_size_in_bytes),

@@ -14,7 +14,7 @@ from ``--start`` until a step fails (out of memory), then bisects to
 Per attempt: whether two steps ran, the median step time, the device peak,
 the compiled program's planned device bytes (``memory_analysis()``:
 arguments + outputs + temp - aliases) and host temp bytes, the planner's
-saved activations (:func:`zerojax.plan.saved_activations`) and
+saved activations (:func:`zerojax.plan.gpt_activations`) and
 ``peak / planned`` -- ZeRO-R's MD: how far the allocator's peak sits above
 what XLA's static buffer assignment planned. ``--allocator`` runs the
 children with another allocator setting (``XLA_PYTHON_CLIENT_ALLOCATOR`` /
@@ -66,7 +66,7 @@ def run_one(size: str, policy: str, seq_len: int, steps: int) -> dict:
          "device_kind": device.device_kind, "platform": device.platform,
          "jax_version": jax.__version__, "attention": model.attention,
          "n_params": gpt.num_params(model),
-         "planner_saved": plan.saved_activations(model, 1)}
+         "planner_saved": plan.gpt_activations(model, 1)}
   rng = np.random.default_rng(0)
   batches = [{"x": rng.integers(0, 256, (1, seq_len)).astype(np.int32),
               "y": rng.integers(0, 256, (1, seq_len)).astype(np.int32)}

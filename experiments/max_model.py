@@ -17,7 +17,7 @@ For each configuration (stage 0-3 and stage 3 with host offload, in fp32 and
 in bf16 params + fp32 master: both 16 bytes per parameter with Adam) the
 search starts at the planner's prediction for the same machine -- 8 devices
 sharing ``--cap-gib`` of RAM, ``cap / 8`` each: the model state
-(:func:`zerojax.plan.plan_stage`) plus the step's working set
+(:func:`zerojax.plan.plan_gpt`) plus the step's working set
 (:func:`zerojax.plan.working_set`) -- and bisects on depth. ``--report
 a.json b.json`` merges runs into one table and chart.
 
@@ -129,7 +129,7 @@ def floor(config: str, precision: str, depth: int, runtime: int, args) -> float:
   cfg = gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
                       heads=max(1, args.width // 128), seq_len=args.seq_len)
   stage = int(config[0])
-  per_device = (plan.plan_stage(plan.abstract_gpt(cfg), stage, 8,
+  per_device = (plan.plan_gpt(plan.abstract_gpt(cfg), stage, 8,
                                 policy=policy).total
                 + plan.working_set(cfg, stage, args.batch // 8, policy,
                                    n_devices=8))
@@ -151,7 +151,7 @@ def predicted_depth(config: str, precision: str, args,
     cfg = gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
                         heads=max(1, args.width // 128), seq_len=args.seq_len)
     # on CPU host memory is the same RAM: offload's host bytes count too
-    need = plan.plan_stage(plan.abstract_gpt(cfg), stage, 8,
+    need = plan.plan_gpt(plan.abstract_gpt(cfg), stage, 8,
                            policy=policy).total
     if working:
       need += plan.working_set(cfg, stage, args.batch // 8, policy,

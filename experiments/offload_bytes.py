@@ -4,8 +4,8 @@
 
 bf16 params + fp32 master, AdamW, 8 fake CPU devices. For stages 1-3, with
 and without ``zero(..., offload=True)``: persistent bytes per device by
-memory kind (``zerojax.memory_bytes``), the compiled step's argument bytes
-in host memory space (``zerojax.entry_bytes_by_memory``), and whether the
+memory kind (``zerojax.diagnostics.memory_bytes``), the compiled step's argument bytes
+in host memory space (``zerojax.diagnostics.entry_bytes_by_memory``), and whether the
 state after 3 steps is bitwise the one without offload. Then, at stage 3
 with offload, ``zerojax.report(...).offload`` for AdamW, clipped AdamW and
 ``optax.MultiSteps``: how the update is streamed and the bytes it moves
@@ -54,11 +54,11 @@ def placement(stage: int, model, batches) -> dict:
     step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
                               gather="model")
     hlo = step.lower(state, batches[0]).compile().as_text()
-    entry = zerojax.entry_bytes_by_memory(hlo)["arguments"]
+    entry = zerojax.diagnostics.entry_bytes_by_memory(hlo)["arguments"]
     for b in batches:
       state, metrics = step(state, b)
     out["offload" if offload else "on_device"] = {
-        "memory_bytes": zerojax.memory_bytes(state),
+        "memory_bytes": zerojax.diagnostics.memory_bytes(state),
         "step_argument_bytes_by_memory": entry,
         "loss": float(metrics["loss"])}
     finals[offload] = [np.asarray(x) for x in jax.tree.leaves(

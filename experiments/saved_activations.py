@@ -6,7 +6,7 @@ For the GPT of ``tests/test_activations.py`` (width 64, 32 tokens, 16
 sequences over the batch axes, stage 3, SGD) on 8 fake CPU devices, per
 mesh, Pa (``seq_shard``), remat policy and compute dtype:
 
-* ``planner_per_layer``: ``zerojax.plan.saved_activations``'s bytes per
+* ``planner_per_layer``: ``zerojax.plan.gpt_activations``'s bytes per
   layer per device;
 * ``compiled_per_layer``: the compiled step's temp bytes per added layer
   (least-squares slope over depths 2-8: with "dots" XLA's temp is not
@@ -84,7 +84,7 @@ def measure(mesh_spec, seq_shard, remat, compute_dtype) -> dict:
   cfg = gpt.GPTConfig(vocab=V, seq_len=T, width=D, depth=2, heads=4,
                       remat=remat, seq_shard=seq_shard,
                       compute_dtype=compute_dtype)
-  planned = plan.saved_activations(cfg, B // (8 // model), model=model)
+  planned = plan.gpt_activations(cfg, B // (8 // model), model=model)
   compiled = float(np.polyfit(DEPTHS, temps, 1)[0]) - grads
   return {"mesh": mesh_spec, "pa": seq_shard, "remat": remat,
           "compute_dtype": compute_dtype or "float32", "depths": DEPTHS,

@@ -175,7 +175,7 @@ def main():
     step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
                               gather="model")
     compiled = step.lower(state, batches[0]).compile()
-    colls = zerojax.collectives(compiled.as_text(), 8)
+    colls = zerojax.diagnostics.collectives(compiled.as_text(), 8)
     by_dtype, inside, across, recv, grad_across = {}, 0, 0, 0, 0
     for c in colls:
       key = f"{c.kind} {c.dtype}"

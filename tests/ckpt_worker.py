@@ -9,9 +9,9 @@ import os
 import signal
 import sys
 
-from zerojax.launch import xla_flags  # noqa: E402
+from zerojax.xla_flags import cpu_device_flags  # noqa: E402
 
-os.environ["XLA_FLAGS"] = xla_flags(8)
+os.environ["XLA_FLAGS"] = cpu_device_flags(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,7 +1,7 @@
 """Two models that are not the reference GPT, written as their users write
 them: an MLP-Mixer block stack (token mixing across the sequence T, then
 channel mixing across the width D) in Flax NNX (blocks built with
-``nnx.vmap``, run in ``zerojax.nnx.scan``) and in Flax Linen
+``nnx.vmap``, run in ``zerojax.nnx.scan_layers``) and in Flax Linen
 (``zerojax.linen.scan_layers``); and a plain-JAX block function in a
 ``lax.scan`` (a ``jax.jit`` function inside, a tensor tagged with
 ``checkpoint_name``).
@@ -63,7 +63,7 @@ class NNXMixer(nnx.Module):
 
   def __call__(self, x_BxTxIN):
     x_BxTxD = zerojax.nnx.gathered(self.inp)(x_BxTxIN)
-    x_BxTxD = zerojax.nnx.scan(self.blocks, x_BxTxD, remat=self.remat)
+    x_BxTxD = zerojax.nnx.scan_layers(self.blocks, x_BxTxD, remat=self.remat)
     return zerojax.nnx.gathered(self.out)(x_BxTxD.mean(1))
 
 

@@ -56,11 +56,11 @@ def main(mode, *rest):
     hlo = zerojax.train_step(toy.loss_fn, t).lower(
         zerojax.init(params, t), batches[0]).compile().as_text()
     return [{"kind": c.kind, "dtype": c.dtype, "count": c.count,
-             "axes": list(zerojax.collective_axes(c, t.mesh)),
+             "axes": list(zerojax.diagnostics.collective_axes(c, t.mesh)),
              "groups": [list(g) for g in c.groups],
              "elements": c.total_elements, "bytes": c.total_bytes}
-            for c in zerojax.collectives(hlo, 8)
-            if zerojax.crosses_processes(c, t.mesh)]
+            for c in zerojax.diagnostics.collectives(hlo, 8)
+            if zerojax.diagnostics.crosses_processes(c, t.mesh)]
 
   if mode in ("zeropp", "qgz", "hsdp"):
     import json

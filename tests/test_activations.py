@@ -191,7 +191,7 @@ def _compiled_saved_per_layer(mesh_spec, remat, seq_shard, compute_dtype):
     ("data=4,model=2", "dots", "model")])
 def test_planner_saved_activations_match_the_compiled_step(
     mesh_spec, remat, seq_shard):
-  """``zerojax.plan.saved_activations`` per layer within 10% of what the
+  """``zerojax.plan.gpt_activations`` per layer within 10% of what the
   compiled step stacks per layer, by policy, model-axis size and Pa
   (measured, least-squares slope over depths 2-8: exact, except Pa with
   dots on JAX 0.12: the compiled step 2.2% below the planner). fp32 compute: JAX
@@ -202,7 +202,7 @@ def test_planner_saved_activations_match_the_compiled_step(
                       remat=remat, seq_shard=seq_shard,
                       compute_dtype=compute_dtype)
   model = 2 if "model" in mesh_spec else 1
-  planned = plan.saved_activations(cfg, B // (8 // model), model=model)
+  planned = plan.gpt_activations(cfg, B // (8 // model), model=model)
   compiled = _compiled_saved_per_layer(mesh_spec, remat, seq_shard,
                                        compute_dtype)
   assert abs(planned["per_layer"] - compiled) <= 0.10 * compiled, (
@@ -219,7 +219,7 @@ def test_report_saved_activations_agree_with_the_planner(remat, compute_dtype):
   cfg, state, step = _step_for("data=8", 4, remat,
                                compute_dtype=compute_dtype)
   act = zerojax.report(step, state, _batch()).activations
-  planned = plan.saved_activations(cfg, B // 8)
+  planned = plan.gpt_activations(cfg, B // 8)
   assert abs(act["scan"] - planned["device"] - planned["host"]) <= (
       0.01 * act["scan"]), (act, planned)
   assert (act["host"] > 0) == (remat == "offload"), act

@@ -32,7 +32,7 @@ def test_a_topology_without_the_tpu_compiler_or_unknown_names_the_fix():
 
 def test_compiled_report_reads_the_compiled_step(mesh):
   """Peak = arguments + outputs + temp - aliases; collectives per kind as
-  ``zerojax.collectives`` counts them; on XLA CPU every collective is
+  ``zerojax.diagnostics.collectives`` counts them; on XLA CPU every collective is
   issued synchronously."""
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh)
   state = jax.eval_shape(lambda k: zerojax.init_from(
@@ -46,7 +46,7 @@ def test_compiled_report_reads_the_compiled_step(mesh):
   assert rep["memory"]["peak"] == (
       m.argument_size_in_bytes + m.output_size_in_bytes
       + m.temp_size_in_bytes - m.alias_size_in_bytes) > 0
-  found = zerojax.collectives(compiled.as_text(), 8)
+  found = zerojax.diagnostics.collectives(compiled.as_text(), 8)
   assert rep["collectives"]["reduce-scatter"]["count"] == sum(
       c.count for c in found if c.kind == "reduce-scatter") > 0
   assert rep["collectives"]["all-gather"]["bytes"] == sum(
@@ -121,7 +121,7 @@ ENTRY %main (a: f32[64,256], w: f32[8,8]) -> f32[256,256] {
 def test_the_schedule_reader_counts_a_tpu_chain_once_with_its_matmul():
   """The chain's three pieces each hold the all-gather: one collective, in
   the schedule and in the byte count."""
-  found = zerojax.collectives(_TPU, 4)
+  found = zerojax.diagnostics.collectives(_TPU, 4)
   assert sorted(c.kind for c in found) == ["all-gather", "reduce-scatter"]
   assert [c.bytes for c in found if c.kind == "all-gather"] == [256 * 256 * 2]
   got = schedule.issued(_TPU)
@@ -180,13 +180,13 @@ ENTRY %main (a: f32[64,256]) -> (s32[], f32[64,256]) {
 def test_a_tpu_loop_without_a_known_trip_count_is_counted_from_its_condition():
   """The loop runs from its counter's start (2) to the bound (7): 5 times;
   the all-reduce the op_name says stands for an all-gather is marked so."""
-  found = {c.kind: c for c in zerojax.collectives(_TPU_LOOP, 4)}
+  found = {c.kind: c for c in zerojax.diagnostics.collectives(_TPU_LOOP, 4)}
   assert found["all-gather"].count == 5 == found["all-reduce"].count
   assert found["all-gather"].total_bytes == 5 * 256 * 256 * 4
   assert found["all-reduce"].written_for == "all-gather"
   assert found["all-gather"].written_for == ""
   le = _TPU_LOOP.replace("direction=LT", "direction=LE")
-  assert zerojax.collectives(le, 4)[0].count == 6
+  assert zerojax.diagnostics.collectives(le, 4)[0].count == 6
 
 
 # A multi-slice TPU program: the compiler writes the program for one slice
@@ -210,7 +210,7 @@ ENTRY %main (g: f32[64,8,128]) -> f32[64,8,128] {
 def test_a_transfer_between_slices_is_counted_once_as_its_collective():
   """The send names the collective (an all-reduce of the 256 KiB buffer);
   its done and the matching receive are not counted again."""
-  found = zerojax.collectives(_TPU_SLICES, 4)
+  found = zerojax.diagnostics.collectives(_TPU_SLICES, 4)
   assert [(c.kind, c.across_slices, c.bytes, c.count) for c in found] == [
       ("all-reduce", True, 64 * 8 * 128 * 4, 1)]
   from zerojax._src.diagnostics import aot as _aot
@@ -244,4 +244,4 @@ def test_host_transfers_are_read_with_their_direction_and_overlap():
   assert schedule.summary(_TPU_OFFLOAD) == {
       "host-to-device": {"sync": 0, "async": 1, "overlapped": 1},
       "device-to-host": {"sync": 0, "async": 1, "overlapped": 0}}
-  assert zerojax.collectives(_TPU_OFFLOAD, 4) == []
+  assert zerojax.diagnostics.collectives(_TPU_OFFLOAD, 4) == []

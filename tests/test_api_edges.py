@@ -29,7 +29,7 @@ def _eval_memory(layers, gather):
 def test_eval_gathers_per_layer_at_stage3():
   lean = _eval_memory(16, "model")
   whole = _eval_memory(16, "all")
-  colls = zerojax.collectives(lean.as_text(), 8)
+  colls = zerojax.diagnostics.collectives(lean.as_text(), 8)
   # the layer weights are all-gathered inside the loop, once per layer
   loop = [c for c in colls if c.kind == "all-gather" and c.count == 16]
   assert sum(c.total_elements for c in loop) == 16 * (D * D + D)
@@ -141,7 +141,7 @@ def test_init_from_builds_leaf_groups_of_an_eighth_of_the_bytes(mesh):
                                                     (16 * (i + 1), 64))
                          for i in range(10)}
   tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
-  spec = zerojax.make_spec(jax.eval_shape(init_fn, jax.random.key(0)), tx)
+  spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, jax.random.key(0)), tx)
   groups = _state.init_groups(spec)
   assert [i for g in groups for i in g] == list(range(10))       # all, in order
   sizes = [r.size * 4 for r in spec.leaves]
@@ -182,7 +182,7 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
     _state.jax.jit = real_jit
   # the init programs (not the step counter's, jitted on first use)
   assert len([f for f in programs if "init_programs" in f.__qualname__]) == 1
-  spec = zerojax.make_spec(jax.eval_shape(init_fn, key), tx0)
+  spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, key), tx0)
   assert len(_state.build_plan(spec)[0]) > 1   # what grouping would have run
   plan = _state.build_plan
   try:                                # the same init, one program per group
@@ -287,7 +287,8 @@ def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
       ("value_and_grad", lambda: grad_fn(stale, batch)),
       ("gather_params", lambda: zerojax.gather_params(stale)),
       ("gather_opt_state", lambda: zerojax.gather_opt_state(stale)),
-      ("layout_table", lambda: zerojax.layout_table(stale)),
+      ("diagnostics.layout_table",
+       lambda: zerojax.diagnostics.layout_table(stale)),
       ("report", lambda: zerojax.report(step, stale, batch)),
       ("checkpoint.export_params",
        lambda: zerojax.checkpoint.export_params(stale))):
@@ -313,7 +314,7 @@ def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
   zerojax.apply_gradients(fresh, grads)
   zerojax.gather_params(fresh)
   zerojax.gather_opt_state(fresh)
-  assert "params['embed']" in zerojax.layout_table(fresh)
+  assert "params['embed']" in zerojax.diagnostics.layout_table(fresh)
 
 
 @pytest.mark.parametrize("where", ["one device", "the mesh, replicated"])

@@ -141,7 +141,7 @@ def test_ungathered_read_inside_structured_body_is_caught(mesh, kind):
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
   state = zerojax.init(_params(), tx)
   step = zerojax.train_step(_misuse(kind), tx, gather="model")
-  with pytest.raises(zerojax.UngatheredParamError, match=r"params\['w'\]"):
+  with pytest.raises(zerojax.errors.UngatheredParamError, match=r"params\['w'\]"):
     step(state, _data(1)[0])
   assert int(state.step) == 0
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*neither floating nor complex")
 
 from tests import toy
 import zerojax
-import zerojax.hardware
+import zerojax.xla_flags
 
 BUCKET = 450
 
@@ -30,7 +30,7 @@ def _run(stage, bucket, layers, mesh_spec="data=8", steps=2, **kw):
   step = zerojax.train_step(toy.loss_fn, tx)
   batches = toy.batches(max(steps, 1))
   hlo = step.lower(state, batches[0]).compile().as_text()
-  colls = [c for c in zerojax.collectives(hlo, 8) if c.group_size > 1]
+  colls = [c for c in zerojax.diagnostics.collectives(hlo, 8) if c.group_size > 1]
   for b in batches[:steps]:
     state, _ = step(state, b)
   params = [np.asarray(x) for x in jax.tree.leaves(
@@ -59,7 +59,7 @@ def test_bucketed_collectives_stay_below_the_bucket_at_any_depth(
   and the params equal it after 2 steps. (XLA's CPU combiner may merge the
   pieces outside the loops -- leftover rows, leaves under a bucket -- into
   one buffer; on GPU its threshold flags bound that, see
-  ``zerojax.hardware.combine_threshold_flags``.)"""
+  ``zerojax.xla_flags.combine_threshold_flags``.)"""
   looped_shapes, largest, largest_whole = {}, {}, {}
   for layers in (5, 10):
     whole, want = _run(stage, None, layers, mesh_spec)
@@ -87,7 +87,7 @@ def test_default_bucket_leaves_small_models_whole():
   """The default bucket (32 MiB) is far above the toy's leaves: the compiled
   collectives are those of bucket_bytes=None, one per leaf."""
   whole, _ = _run(1, None, 5, steps=0)
-  default, _ = _run(1, zerojax.DEFAULT_BUCKET_BYTES, 5, steps=0)
+  default, _ = _run(1, zerojax.ZeroConfig.bucket_bytes, 5, steps=0)
   key = lambda cs: sorted((c.kind, c.shape, c.count) for c in cs)
   assert key(whole) == key(default)
 
@@ -98,7 +98,7 @@ def test_bucketed_with_a_model_axis_and_offload():
   whole, want = _run(2, None, 5, "data=4,model=2", offload=True)
   colls, got = _run(2, BUCKET, 5, "data=4,model=2", offload=True)
   data_colls = [c for c in colls
-                if zerojax.collective_axes(c, zerojax.make_mesh(
+                if zerojax.diagnostics.collective_axes(c, zerojax.make_mesh(
                     "data=4,model=2")) == ("data",)]
   looped = [c for c in data_colls if c.count > 1 and c.bytes > 64]
   assert looped and all(c.bytes <= BUCKET for c in looped)
@@ -118,7 +118,7 @@ def test_combine_threshold_flags_are_flags_xla_knows():
   backend)."""
   import subprocess
   import sys
-  flags = zerojax.hardware.combine_threshold_flags(8 * 2**20)
+  flags = zerojax.xla_flags.combine_threshold_flags(8 * 2**20)
   assert flags.count("8388608") == 3
   env = dict(__import__("os").environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   out = subprocess.run(
@@ -130,7 +130,7 @@ def test_combine_threshold_flags_are_flags_xla_knows():
                        env=bogus, capture_output=True, text=True, timeout=120)
   assert out.returncode != 0      # the check above could fail
   with pytest.raises(ValueError, match="positive int"):
-    zerojax.hardware.combine_threshold_flags(0)
+    zerojax.xla_flags.combine_threshold_flags(0)
 
 
 def _gpt_temp(stage, bucket):

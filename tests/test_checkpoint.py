@@ -194,7 +194,7 @@ def test_export_gathers_one_leaf_at_a_time(monkeypatch):
   del params
   baseline = sum(x.nbytes for x in jax.live_arrays())
   extra = []
-  from zerojax._src.io import checkpoint as impl    # where export_params looks
+  from zerojax._src.ckpt import checkpoint as impl    # where export_params looks
   real = impl.gather_leaf
 
   def watched(*a, **kw):
@@ -228,7 +228,7 @@ def test_a_checkpoint_written_before_the_records_redesign_restores(tmp_path):
   with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
     meta = ckpt.metadata()
     same = zerojax.zero(optax.adamw(1e-2), stage=2, policy=bf16)
-    fresh = checkpoint.describe(zerojax.make_spec(params, same))
+    fresh = checkpoint.describe(zerojax.layout.make_spec(params, same))
     assert {k: meta[k] for k in fresh} == fresh        # the on-disk format
     for stage in (1, 3):
       tx = zerojax.zero(optax.adamw(1e-2), stage=stage, policy=bf16)

@@ -35,7 +35,7 @@ def compiled(stage, policy=None, accum_steps=1, params=None, loss=wide_loss,
   state = zerojax.init(wide_params() if params is None else params, tx)
   lowered = zerojax.train_step(loss, tx, gather=gather,
                                accum_steps=accum_steps).lower(state, batch)
-  return lowered, zerojax.collectives(lowered.compile().as_text(), 8)
+  return lowered, zerojax.diagnostics.collectives(lowered.compile().as_text(), 8)
 
 
 def elements(colls, kind):
@@ -110,7 +110,7 @@ def test_a_layers_leaves_move_one_by_one_under_zeropp():
   tx = zerojax.zero(optax.adamw(1e-3), stage=2,
                     zeropp=zerojax.ZeroPP(grad_bits=8))
   state = zerojax.init(wide_params(), tx)
-  colls = zerojax.collectives(zerojax.train_step(wide_loss, tx, gather="model")
+  colls = zerojax.diagnostics.collectives(zerojax.train_step(wide_loss, tx, gather="model")
                               .lower(state, BATCH).compile().as_text(), 8)
   assert len([c for c in colls if c.kind == "all-to-all" and c.count == L
               and c.dtype == "s8"]) == 2

@@ -231,6 +231,6 @@ def test_sharded_gradients_stay_sharded_in_tx_update(mesh):
   _, grads = zerojax.value_and_grad(loss, tx)(params, batch)
   assert all("data" in str(g.sharding.spec) for g in jax.tree.leaves(grads))
   hlo = jax.jit(tx.update).lower(grads, opt_state, params).compile().as_text()
-  gathered = sum(c.total_elements for c in zerojax.collectives(hlo, 8)
+  gathered = sum(c.total_elements for c in zerojax.diagnostics.collectives(hlo, 8)
                  if c.kind == "all-gather")
   assert gathered == 8 * 16 + 16

@@ -138,7 +138,7 @@ def test_param_used_without_gather(setup):
     return jnp.mean(p["embed"][b["x"]])
 
   step = zerojax.train_step(loss_without_gather, tx, gather="model")
-  with pytest.raises(zerojax.UngatheredParamError, match=r"params\['embed'\] "
+  with pytest.raises(zerojax.errors.UngatheredParamError, match=r"params\['embed'\] "
                      r"\(shape \(13, 7\)\) was used without being gathered"):
     step(state, toy.batches(1)[0])
   # auto: warn with the cost and the fix, then gather the whole tree

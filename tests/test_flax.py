@@ -78,7 +78,7 @@ class NNXModel(nnx.Module):
 
   def __call__(self, x):
     x = zerojax.nnx.gathered(self.inp)(x)
-    x = zerojax.nnx.scan(self.blocks, x)
+    x = zerojax.nnx.scan_layers(self.blocks, x)
     return zerojax.nnx.gathered(self.out)(x)
 
 
@@ -123,7 +123,7 @@ def test_flax_stage3_gathers_inside_the_layer_loop(mesh, kind):
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
   state = zerojax.init(params, tx)
   step = zerojax.train_step(loss, tx, gather="model")
-  colls = zerojax.collectives(step.lower(state, BATCH).compile().as_text(), 8)
+  colls = zerojax.diagnostics.collectives(step.lower(state, BATCH).compile().as_text(), 8)
   layer = WIDTH * WIDTH + WIDTH
   loop = lambda kind_: sum(c.total_elements for c in colls
                            if c.kind == kind_ and c.count == DEPTH)
@@ -189,7 +189,7 @@ def test_nnx_gathered_and_scan_keep_batch_statistics(mesh):
   def make(rngs):
     return Block(rngs)
   stacked = make(nnx.Rngs(0))
-  zerojax.nnx.scan(stacked, jnp.full((2, 4), 3.0))
+  zerojax.nnx.scan_layers(stacked, jnp.full((2, 4), 3.0))
   # layer 0 saw the input (mean 3), later layers its normalised output
   np.testing.assert_allclose(stacked.bn.mean[...][0], 0.03, rtol=1e-5)
   assert float(jnp.abs(stacked.bn.mean[...][1:]).max()) < 1e-3

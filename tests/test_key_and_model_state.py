@@ -179,11 +179,11 @@ def test_model_state_of_the_wrong_shape_is_a_clear_error(mesh):
     loss, new = bn_loss(params, batch, model_state=model_state)
     return loss, dict(new, mean=new["mean"][:3])
 
-  with pytest.raises(zerojax.LossOutputError,
+  with pytest.raises(zerojax.errors.LossOutputError,
                      match=r"model_state\['mean'\] went from float32\[8\] to "
                            r"float32\[3\]"):
     zerojax.train_step(bad, tx)(state, _batch())
-  with pytest.raises(zerojax.LossOutputError, match="new_model_state"):
+  with pytest.raises(zerojax.errors.LossOutputError, match="new_model_state"):
     zerojax.train_step(lambda p, b, model_state: bn_loss(p, b, model_state=model_state)[0],
                        tx)(state, _batch())
 

@@ -55,7 +55,7 @@ def test_every_leaf_is_where_the_stage_puts_it(mesh, stage, policy):
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh, policy=pol)
   state = zerojax.init(params, tx)
   assert (state.master is not None) == (policy == "bf16")
-  rows = zerojax.layout_rows(state)
+  rows = zerojax.diagnostics.layout_rows(state)
   for row in rows:
     x_sharded = row["sharded"]
     big = len(row["shape"]) > 0 and row["dtype"] != "int32"
@@ -101,7 +101,7 @@ def test_min_shard_size_keeps_small_leaves_replicated(mesh):
   state = zerojax.init(params, tx)
   assert _split_as(state.params["big"], mesh, None, "data")
   assert _split_as(state.params["small"], mesh)
-  table = zerojax.layout_table(state)
+  table = zerojax.diagnostics.layout_table(state)
   assert "8 < min_shard_size=100" in table
 
 
@@ -116,8 +116,8 @@ def test_measured_bytes_match_the_zero_formulas(mesh):
     tx = zerojax.zero(optax.adam(1e-3), stage=stage, mesh=mesh,
                       policy=zerojax.Policy(param_dtype=jnp.bfloat16))
     state = zerojax.init(params, tx)
-    measured = zerojax.state_bytes(state)
-    theory = zerojax.theory_bytes(state)
+    measured = zerojax.diagnostics.state_bytes(state)
+    theory = zerojax.diagnostics.theory_bytes(state)
     for cat in ("params", "master", "opt_state.mu", "opt_state.nu"):
       assert measured[cat] == theory[cat], (stage, cat)
     # persistent state (no gradients): ZeRO's formula without the 2 psi
@@ -130,7 +130,7 @@ def test_layout_table_lists_params_and_each_optimizer_field(mesh):
   params = toy.init_params(jax.random.key(0))
   tx = zerojax.zero(optax.adamw(1e-3), stage=1, mesh=mesh,
                     policy=zerojax.Policy(param_dtype=jnp.bfloat16))
-  table = zerojax.layout_table(zerojax.init(params, tx))
+  table = zerojax.diagnostics.layout_table(zerojax.init(params, tx))
   for needle in ("params['embed']", "master['embed']", ".mu['embed']",
                  ".nu['layers']['w']", "padded 7->8", "replicated (scalar)",
                  "bytes/device"):
@@ -155,6 +155,6 @@ def test_init_sends_each_device_only_its_shard(mesh):
   params = {"w": np.ones((64, 1024), np.float32)}
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
   from zerojax._src.step import state as _state# the init module, under test
-  spec = zerojax.make_spec(params, tx)
+  spec = zerojax.layout.make_spec(params, tx)
   placed = _state.place_leaf(params["w"], spec.leaves[0].shard, spec)
   assert {s.data.shape for s in placed.addressable_shards} == {(64, 128)}

@@ -6,7 +6,6 @@ the temp figure misses some buffers inside loop bodies, so the tests only
 compare stages and depths, never assert an absolute peak.
 """
 
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +77,8 @@ def test_a_step_lowered_from_the_abstract_state_is_the_real_states(
                 "temp_size_in_bytes"):
     assert (getattr(a.memory_analysis(), field)
             == getattr(r.memory_analysis(), field)), field
-  assert (zerojax.collectives(a.as_text(), 8)
-          == zerojax.collectives(r.as_text(), 8))
+  assert (zerojax.diagnostics.collectives(a.as_text(), 8)
+          == zerojax.diagnostics.collectives(r.as_text(), 8))
 
 
 @pytest.mark.parametrize("stage,policy", [
@@ -317,29 +316,3 @@ def test_stage0_without_the_norm_moves_no_array_more_than_plain_data_parallelism
   held = ((m.argument_size_in_bytes + m.temp_size_in_bytes)
           - (pm.argument_size_in_bytes + pm.temp_size_in_bytes))
   assert held < smallest, (held, smallest)
-
-
-def test_init_and_a_steps_first_call_hand_their_compile_heap_back(monkeypatch):
-  """The programs ``init``/``init_from`` compile run once, and a step's
-  program compiles on its first call: after each, the C heap's free pages
-  go back to the OS (glibc's ``malloc_trim``; docs/results.md measures the
-  resident set it saves). Later calls compile nothing and trim nothing."""
-  import jax
-  from zerojax._src.runtime import host_heap
-  calls = []
-  real = host_heap.release_free_heap
-  monkeypatch.setattr(host_heap, "release_free_heap",
-                      lambda: calls.append(real()) or calls[-1])
-  tx = zerojax.zero(optax.adamw(1e-3), stage=1)
-  state = zerojax.init(toy.layered_params(2, D, V), tx)
-  assert len(calls) == 1
-  zerojax.init_from(lambda k: toy.layered_params(2, D, V, key=k), tx,
-                    jax.random.key(0))
-  assert len(calls) == 2
-  step = zerojax.train_step(toy.layered_loss, tx)
-  batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
-  for _ in range(3):
-    state, _ = step(state, batch)
-  assert len(calls) == 3
-  if sys.platform.startswith("linux"):      # glibc: the call exists there
-    assert host_heap._malloc_trim() is not None

@@ -172,10 +172,10 @@ def _by_axis(mesh_axes, stage, accum_steps=1):
   batch = {"x": np.zeros((16 * accum_steps,), np.int32),
            "y": np.zeros((16 * accum_steps,), np.int32)}
   hlo = step.lower(state, batch).compile().as_text()
-  big = [c for c in zerojax.collectives(hlo, 8) if c.elements >= 64]
+  big = [c for c in zerojax.diagnostics.collectives(hlo, 8) if c.elements >= 64]
   table = {}
   for c in big:
-    key = (c.kind, "+".join(zerojax.collective_axes(c, mesh)))
+    key = (c.kind, "+".join(zerojax.diagnostics.collective_axes(c, mesh)))
     table[key] = table.get(key, 0) + c.total_bytes
   return table, big, mesh
 
@@ -188,7 +188,7 @@ def test_hsdp_replica_all_reduce_is_the_shard_once_per_step(accum_steps):
   assert table[("reduce-scatter", "data")] == flat[("reduce-scatter", "data")]
   assert table[("all-gather", "data")] == flat[("all-gather", "data")]
   # the only parameter-sized traffic over the replica axis: Ψ/N_data, once
-  over_replica = [c for c in big if "replica" in zerojax.collective_axes(c, mesh)]
+  over_replica = [c for c in big if "replica" in zerojax.diagnostics.collective_axes(c, mesh)]
   assert {c.kind for c in over_replica} == {"all-reduce"}
   assert sum(c.total_elements for c in over_replica) == PSI // 4
   assert all(c.count == 1 for c in over_replica)
@@ -212,13 +212,13 @@ def test_tp_data_axis_moves_the_1d_bytes_over_the_model_size():
   weights = {(V, D), (D, D), (D, V)}
   weights |= {(a // k, b) for a, b in weights for k in (2, 4)} | {
       (a, b // k) for a, b in weights for k in (2, 4)}
-  over_model = [c for c in big if zerojax.collective_axes(c, mesh) == ("model",)]
+  over_model = [c for c in big if zerojax.diagnostics.collective_axes(c, mesh) == ("model",)]
   assert over_model and not [c.shape for c in over_model if c.shape in weights]
 
 
 def test_replica_data_model_all_reduce_is_psi_over_data_times_model():
   table, big, mesh = _by_axis("replica=2,data=2,model=2", 3)
-  over_replica = [c for c in big if "replica" in zerojax.collective_axes(c, mesh)]
+  over_replica = [c for c in big if "replica" in zerojax.diagnostics.collective_axes(c, mesh)]
   assert {c.kind for c in over_replica} == {"all-reduce"}
   # Ψ/(N_data N_model) for the tensor-parallel leaves; the bias, replicated
   # over model, Ψ_b/N_data
@@ -417,10 +417,10 @@ def test_layout_table_and_report_show_each_axis():
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh,
                     model_specs=LAYERED_SPECS, stacked=STACKED)
   state = zerojax.init(toy.layered_params(L, D, V), tx)
-  table = zerojax.layout_table(state)
+  table = zerojax.diagnostics.layout_table(state)
   assert "replicated over 'replica'" in table
   assert "dim 1 over 'data'; model: dim 2 over 'model'" in table
-  rows = {r["path"]: r for r in zerojax.layout_rows(state)}
+  rows = {r["path"]: r for r in zerojax.diagnostics.layout_rows(state)}
   assert rows["params['layers']['w']"]["placement"] == "P(None, 'data', 'model')"
   # bytes per device: 1/(N_data x M) of a tensor-parallel leaf
   assert rows["params['layers']['w']"]["bytes_per_device"] == L * D * D * 4 // 4

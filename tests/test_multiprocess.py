@@ -17,7 +17,7 @@ import pytest
 
 import zerojax
 from zerojax import checkpoint, launch
-from zerojax.launch import xla_flags
+from zerojax.xla_flags import cpu_device_flags
 from tests import toy
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ def test_wrong_process_count_and_unreachable_coordinator(tmp_path):
   assert "coordinator (process 0) is reachable" in proc.stderr
   # a wrong process count: 2 processes started, 3 announced; JAX aborts
   # them after the join timeout, with zerojax's hint printed first
-  env = dict(os.environ, XLA_FLAGS=xla_flags(4))
+  env = dict(os.environ, XLA_FLAGS=cpu_device_flags(4))
   coord = f"127.0.0.1:{launch.free_port()}"
   procs = [subprocess.Popen([sys.executable, "-m", "tests.mp_worker", "init",
                              coord, "3", str(i), "5"], cwd=ROOT, env=env,
@@ -170,7 +170,7 @@ def _start_two(cmd, logs):
   for i in range(2):
     env = dict(os.environ, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
                ZEROJAX_NUM_PROCESSES="2", ZEROJAX_PROCESS_ID=str(i),
-               XLA_FLAGS=xla_flags(4),
+               XLA_FLAGS=cpu_device_flags(4),
                JAX_PLATFORMS="cpu")
     procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT,
                                   stdout=open(logs / f"p{i}.log", "w"),

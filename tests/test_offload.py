@@ -68,14 +68,14 @@ def test_master_and_opt_state_live_in_host_memory_between_steps(stage):
   assert _kinds(state.params) == {"device"}
   assert _kinds(state.step) == {"device"}
   # the byte split by memory kind is the master + optimizer state
-  by_kind = zerojax.memory_bytes(state)
-  rows = zerojax.layout_rows(state)
+  by_kind = zerojax.diagnostics.memory_bytes(state)
+  rows = zerojax.diagnostics.layout_rows(state)
   host = sum(r["bytes_per_device"] for r in rows
              if r["section"] in ("master", "opt_state"))
   assert by_kind["pinned_host"] == host > 0
   assert by_kind["device"] == sum(r["bytes_per_device"] for r in rows
                                   if r["section"] == "params")
-  assert "in pinned_host memory" in zerojax.layout_table(state)
+  assert "in pinned_host memory" in zerojax.diagnostics.layout_table(state)
 
 
 def test_fresh_state_is_offloaded_on_both_init_paths():
@@ -98,15 +98,15 @@ def test_compiled_step_reads_and_writes_state_in_host_memory_space():
   state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
   step = zerojax.train_step(toy.loss_fn, tx)
   hlo = step.lower(state, toy.batches(1)[0]).compile().as_text()
-  spaces = zerojax.entry_bytes_by_memory(hlo)
-  host = zerojax.memory_bytes(state)["pinned_host"]
+  spaces = zerojax.diagnostics.entry_bytes_by_memory(hlo)
+  host = zerojax.diagnostics.memory_bytes(state)["pinned_host"]
   assert spaces["arguments"]["pinned_host"] == host
   assert spaces["outputs"]["pinned_host"] == host
   plain = zerojax.zero(optax.adamw(1e-2), stage=3, policy=BF16)
   pstate = zerojax.init(toy.init_params(jax.random.key(0)), plain)
   phlo = zerojax.train_step(toy.loss_fn, plain).lower(
       pstate, toy.batches(1)[0]).compile().as_text()
-  assert "pinned_host" not in zerojax.entry_bytes_by_memory(phlo)["arguments"]
+  assert "pinned_host" not in zerojax.diagnostics.entry_bytes_by_memory(phlo)["arguments"]
 
 
 def test_gathers_eval_and_split_step_work_offloaded():
@@ -250,7 +250,7 @@ def test_update_streams_in_chunks_with_clipping_lamb_and_adafactor(name):
   # the step reads each offloaded buffer down at most once (a leaf the
   # update never reads, e.g. Adafactor's placeholder rows, is not moved)
   # and writes every one back once
-  master = sum(r["bytes_per_device"] for r in zerojax.layout_rows(state)
+  master = sum(r["bytes_per_device"] for r in zerojax.diagnostics.layout_rows(state)
                if r["section"] == "master")
   assert master < off["host_to_device_bytes"] <= off["theory_streamed_bytes"]
   assert off["device_to_host_bytes"] == off["theory_streamed_bytes"]
@@ -271,12 +271,12 @@ def test_init_builds_the_offloaded_state_a_group_at_a_time_in_host_memory():
                          for i in range(10)}
   tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=True, policy=BF16)
   key = jax.random.key(0)
-  spec = zerojax.make_spec(jax.eval_shape(init_fn, key), tx)
+  spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, key), tx)
   groups, owned = _state.build_plan(spec)
   assert len(groups) > 1
   assert sorted(j for o in owned for j in o) == list(range(len(spec.opt_leaves)))
   state = zerojax.init_from(init_fn, tx, key)
-  total = zerojax.memory_bytes(state)
+  total = zerojax.diagnostics.memory_bytes(state)
   outs = []
   for group, own in zip(groups, owned):
     stored = [jax.ShapeDtypeStruct(spec.leaves[i].shard.storage_shape,
@@ -286,7 +286,7 @@ def test_init_builds_the_offloaded_state_a_group_at_a_time_in_host_memory():
     hlo = _state._build_jit(spec, tuple(group), tuple(own),
                             (False,) * len(group)).lower(
         stored).compile().as_text()
-    outs.append(zerojax.entry_bytes_by_memory(hlo)["outputs"])
+    outs.append(zerojax.diagnostics.entry_bytes_by_memory(hlo)["outputs"])
   # every program writes the master copy and optimizer state of its group
   # to host memory and only the group's params to the device; together
   # they are the state, and none holds more than an eighth of it plus a leaf

@@ -38,7 +38,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax.launch import xla_flags
+from zerojax.xla_flags import cpu_device_flags
 
 MODULES = ("optax._src.alias_test", "optax.contrib._common_test")
 # the convergence tests (``test_optimization<N>``, ``test_optimizers<N>``):
@@ -68,7 +68,7 @@ def run_suite(stage, tmp_path, select=SELECT, workers=0, modules=MODULES,
   report = tmp_path / f"stage{stage}.jsonl"
   env = dict(os.environ, ZEROJAX_CONFORMANCE_REPORT=str(report),
              ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE="0",
-             XLA_FLAGS=xla_flags(8), **env_extra)
+             XLA_FLAGS=cpu_device_flags(8), **env_extra)
   # run from an outer xdist worker, the inner pytest must not think it is one
   env = {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST")}
   if stage is not None:

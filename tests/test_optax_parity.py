@@ -110,7 +110,7 @@ def test_complex_params_checkpoint_and_plan(mesh, tmp_path):
   np.testing.assert_array_equal(zerojax.gather_params(back)["w"], params["w"])
   # 8 bytes per complex64 element in the byte counts: (2, 12) is stored
   # (2, 16) over 8 devices: params, and two moments (plus Adam's count)
-  got = zerojax.state_bytes(state)
+  got = zerojax.diagnostics.state_bytes(state)
   assert got["params"] == pytest.approx(2 * 16 * 8 / 8)
   assert sum(v for k, v in got.items() if k.startswith("opt")) == pytest.approx(
       2 * 2 * 16 * 8 / 8 + 4, abs=4)

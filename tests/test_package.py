@@ -2,7 +2,7 @@
 
 The import contract itself is ``lint-imports`` (run by CI); here: no circle
 in the module graph (type-only imports included), the library loads
-without the application, old spellings keep working, configurations are
+without the application, every public name has one meaning, configurations are
 checked however they are built, and the cost model's readings agree with
 each other and with the arrays ``init`` allocates.
 """
@@ -33,10 +33,10 @@ def test_module_graph_has_no_circle_type_only_imports_included():
 def test_the_library_loads_without_the_application_or_its_dependencies():
   code = ("import sys, zerojax, zerojax.cost, zerojax.checkpoint, zerojax.nnx,"
           " zerojax.linen, zerojax.distributed, zerojax.launch, "
-          "zerojax.hardware\n"
+          "zerojax.xla_flags\n"
           "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
           "('tqdm', 'matplotlib') or m.startswith('zerojax.app') or m in "
-          "('zerojax.train', 'zerojax.plan', 'zerojax.models'))\n"
+          "('zerojax.train', 'zerojax.plan'))\n"
           "print(bad)")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, check=True, env={"JAX_PLATFORMS": "cpu",
@@ -68,17 +68,52 @@ def test_a_plain_jax_training_script_does_not_load_flax():
   assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
-def test_old_spellings_of_moved_names_still_work():
-  from zerojax.app import gpt
-  from zerojax.models import gpt as old_gpt
-  import zerojax.hardware
-  import zerojax.plan
-  import zerojax.train
-  assert old_gpt is gpt
-  assert zerojax.plan.saved_activations is not None
-  assert zerojax.plan.comm_time is cost.comm_time
-  assert zerojax.train.main.__module__ == "zerojax.app.train"
-  assert zerojax.hardware.combine_threshold_flags(2**20).count("=1048576") == 3
+PUBLIC = ("zerojax", "zerojax.aot", "zerojax.checkpoint", "zerojax.cost",
+          "zerojax.diagnostics", "zerojax.distributed", "zerojax.errors",
+          "zerojax.launch", "zerojax.layout", "zerojax.linen", "zerojax.nnx",
+          "zerojax.xla_flags", "zerojax.plan", "zerojax.train")
+# the Flax pair: one name per concept, one implementation per Flax API
+FLAX_PAIR = {"zerojax.linen", "zerojax.nnx"}
+
+
+def _public():
+  import importlib
+  return {m: importlib.import_module(m) for m in PUBLIC}
+
+
+def test_the_root_namespace_holds_what_a_training_script_calls():
+  assert len(zerojax.__all__) <= 25, sorted(zerojax.__all__)
+  assert len(set(zerojax.__all__)) == len(zerojax.__all__)
+  for name in ("zero", "init", "train_step", "gather", "remat", "make_mesh",
+               "report", "ZeroState"):
+    assert name in zerojax.__all__
+
+
+def test_every_public_name_has_one_meaning_and_is_not_renamed_at_import():
+  """A name listed in two namespaces' ``__all__`` is one object (the Flax
+  pair excepted: the same concept for Linen and for NNX); a function or
+  class is exported under its own name; every listed name exists."""
+  seen, problems = {}, []
+  for mod_name, mod in _public().items():
+    for name in mod.__all__:
+      obj = getattr(mod, name)
+      own = getattr(obj, "__name__", name)
+      if callable(obj) and own != name:
+        problems.append(f"{mod_name}.{name} is {own}")
+      for other, other_obj in seen.get(name, []):
+        if other_obj is not obj and {other, mod_name} != FLAX_PAIR:
+          problems.append(f"{name}: {other} and {mod_name} differ")
+      seen.setdefault(name, []).append((mod_name, obj))
+  assert problems == []
+  linen, nnx = zerojax.linen, zerojax.nnx
+  assert sorted(linen.__all__) == sorted(nnx.__all__)
+
+
+def test_no_public_namespace_shares_a_name_with_the_standard_library():
+  names = {m.rsplit(".", 1)[-1] for m in PUBLIC} | {
+      p.stem for p in __import__("pathlib").Path(
+          zerojax.__file__).parent.glob("_src/*/*.py")}
+  assert not names & set(sys.stdlib_module_names) - {"__init__"}
 
 
 # --- following the state through one update ---------------------------------
@@ -123,8 +158,13 @@ def _data_path(fn, *args):
 
 
 def _module_visits(order):
+  """The modules the path steps through, in order. A call into the records
+  (``records/``: a leaf's layout, a tree's structure) reads data; it is
+  not a step of the path, and records call nothing back."""
   visits = []
   for module, _ in order:
+    if module.startswith("zerojax._src.records."):
+      continue
     if not visits or visits[-1] != module:
       visits.append(module)
   return visits
@@ -149,7 +189,8 @@ def test_following_the_state_through_one_update_is_short(mesh, stage):
   """Reading ``update_state`` call by call, following the state's data:
   the modules visited in the order their functions are first called (at
   most 12), the moves back up the contract's layers (to a higher folder:
-  at most 3) and, finer, to a module that imports the one just left."""
+  at most 3) and, finer, to a module that imports the one just left; the
+  records are only read on the way, by their own accessors."""
   from zerojax._src.step import update as _update
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh)
   state = zerojax.init(_stack(), tx)
@@ -166,6 +207,8 @@ def test_following_the_state_through_one_update_is_short(mesh, stage):
   module_ups = [(a, b) for a, b in zip(visits, visits[1:])
                 if graph.chain_exists(importer=b, imported=a)]
   assert order[0] == ("zerojax._src.step.update", "update_state")
+  records = [(m, n) for m, n in order if m.startswith("zerojax._src.records.")]
+  assert all("." in n for _, n in records), records     # methods: accessors
   assert len(visits) <= 12, visits
   assert len(layer_ups) <= 3, layer_ups
   assert len(module_ups) <= 4, module_ups
@@ -231,8 +274,8 @@ def test_model_spec_error_names_the_dimension_not_the_vocabulary(mesh):
   P = jax.sharding.PartitionSpec
   tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=m,
                     model_specs={"w": P(None, "model")})
-  with pytest.raises(zerojax.ModelSpecError) as e:
-    zerojax.make_spec({"w": jax.ShapeDtypeStruct((8, 5), jnp.float32)}, tx)
+  with pytest.raises(zerojax.errors.ModelSpecError) as e:
+    zerojax.layout.make_spec({"w": jax.ShapeDtypeStruct((8, 5), jnp.float32)}, tx)
   assert "e.g. 6" in str(e.value) and "vocabulary" not in str(e.value)
 
 
@@ -249,8 +292,8 @@ def test_planner_report_theory_and_allocated_arrays_agree(mesh, stage):
   plan = cost.plan_stage(jax.eval_shape(lambda: params), stage,
                          n_devices=8, optimizer=optax.adam(1e-3),
                          policy=policy)
-  measured = zerojax.state_bytes(state)              # from the arrays
-  theory = zerojax.theory_bytes(state)
+  measured = zerojax.diagnostics.state_bytes(state)              # from the arrays
+  theory = zerojax.diagnostics.theory_bytes(state)
   opt = sum(v for k, v in measured.items() if k.startswith("opt_state."))
   assert plan.params == measured["params"] == theory["params"]
   assert plan.master == measured["master"] == theory["master"]
@@ -274,9 +317,9 @@ def test_zeropp_comm_equals_the_per_leaf_sum_on_one_node(mesh):
   n_params = sum(x.size for x in jax.tree.leaves(params))
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh,
                     zeropp=zerojax.ZeroPP(weight_bits=8))
-  spec = zerojax.make_spec(jax.eval_shape(lambda: params), tx)
+  spec = zerojax.layout.make_spec(jax.eval_shape(lambda: params), tx)
   from zerojax._src.diagnostics import cost as cost_model
-  laid_out = cost_model.collectives(spec, ideal=False)
+  laid_out = cost_model.stage_collectives(spec, ideal=False)
   n = 8
   wire = sum(b for _, b in laid_out.values()) * (n - 1) / n
   formula = cost.zeropp_comm(n_params, n, 1, weight_bits=8, param_bytes=4)
@@ -289,17 +332,38 @@ def test_zeropp_comm_equals_the_per_leaf_sum_on_one_node(mesh):
 def test_laid_out_reading_counts_padding_the_ideal_one_does_not(mesh):
   params = {"w": jnp.ones((13, 7))}        # 13 rows over 8 devices: pad 16
   tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
-  spec = zerojax.make_spec(jax.eval_shape(lambda: params), tx)
+  spec = zerojax.layout.make_spec(jax.eval_shape(lambda: params), tx)
   from zerojax._src.diagnostics import cost as cost_model
-  ideal = cost_model.state_bytes(spec, ideal=True)
-  laid = cost_model.state_bytes(spec, ideal=False)
+  ideal = cost_model.stage_state_bytes(spec, ideal=True)
+  laid = cost_model.stage_state_bytes(spec, ideal=False)
   assert ideal["params"] == 13 * 7 * 4 / 8
   layout = spec.leaves[0].param            # 7 padded to 8: (13, 1) a device
   assert layout.pad and laid["params"] == math.prod(layout.shard_shape(8)) * 4
   assert laid["params"] > ideal["params"]
   state = zerojax.init(params, tx)
-  assert zerojax.state_bytes(state)["params"] == laid["params"]
+  assert zerojax.diagnostics.state_bytes(state)["params"] == laid["params"]
   assert np.isclose(cost.plan_stage(jax.eval_shape(lambda: params), 3, 8,
                                     optimizer=optax.adam(1e-3),
                                     policy=zerojax.Policy()).params,
                     laid["params"])
+
+
+def test_init_and_steps_leave_the_process_heap_alone_unless_asked(
+    monkeypatch):
+  """``malloc_trim`` acts on the whole process: ``init``, ``init_from`` and
+  a step's first call never run it; ``zerojax.launch.release_free_heap``
+  does, when the script asks."""
+  from zerojax._src.runtime import host_heap
+  calls = []
+  monkeypatch.setattr(host_heap, "_malloc_trim",
+                      lambda: lambda n: calls.append(n) or 1)
+  tx = zerojax.zero(optax.adamw(1e-3), stage=1)
+  state = zerojax.init(_stack(), tx)
+  zerojax.init_from(lambda k: _stack(), tx, jax.random.key(0))
+  step = zerojax.train_step(lambda p, b: jnp.mean(p["blocks"]["w"]) * b.sum(),
+                            tx)
+  for _ in range(2):
+    state, _ = step(state, jnp.ones((8,)))
+  assert calls == []
+  assert zerojax.launch.release_free_heap() is True
+  assert calls == [0]

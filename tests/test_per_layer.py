@@ -120,7 +120,7 @@ def test_a_plain_scan_reduce_scatters_each_layer_inside_the_backward_loop(
   layers, width = 8, 64
   hlo = _compiled(toy.plain_layered_loss, stage, layers=layers,
                   width=width).as_text()
-  colls = zerojax.collectives(hlo, 8)
+  colls = zerojax.diagnostics.collectives(hlo, 8)
   layer_w = width * width
   rs = [c for c in colls if c.kind == "reduce-scatter"
         and c.elements >= layer_w and c.count == layers]
@@ -242,7 +242,7 @@ def _check_stage3_per_layer(loss, opt, params, data, mesh):
   assert not notes, notes
   state = zerojax.init(params, tx)
   hlo = zerojax.train_step(loss, tx).lower(state, data[0]).compile().as_text()
-  per_layer = [(c.kind, c.count) for c in zerojax.collectives(hlo, 8)
+  per_layer = [(c.kind, c.count) for c in zerojax.diagnostics.collectives(hlo, 8)
                if c.elements == D * D]
   assert sorted(per_layer) == [("all-gather", L), ("all-gather", L),
                                ("reduce-scatter", L)], per_layer

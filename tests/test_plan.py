@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from zerojax import plan
+from zerojax import cost, plan
 from zerojax.app import gpt
 
 
@@ -14,14 +14,14 @@ def test_paper_example_7_5b_on_64_devices():
   """ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12 (mixed-precision Adam)."""
   config = gpt.config_for_params(7.5e9)
   assert abs(gpt.num_params(config) - 7.5e9) < 1e4
-  totals = [plan.plan_stage(plan.abstract_gpt(config), s, 64).total / 1e9
+  totals = [plan.plan_gpt(plan.abstract_gpt(config), s, 64).total / 1e9
             for s in range(4)]
   assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
 
 
 def test_paper_table1_1t_on_1024_devices():
   config = gpt.config_for_params(1e12)
-  p = plan.plan_stage(plan.abstract_gpt(config), 3, 1024)
+  p = plan.plan_gpt(plan.abstract_gpt(config), 3, 1024)
   assert round(p.total / 1e9, 1) == 15.6
   # communication: stage 3 all-gathers 2Ψ and reduce-scatters Ψ (bf16)
   assert p.collectives["reduce-scatter"] == pytest.approx(2e12, rel=1e-3)
@@ -31,7 +31,7 @@ def test_paper_table1_1t_on_1024_devices():
 def test_padding_is_counted():
   """A width that does not divide N pads, and the plan says so."""
   odd = gpt.GPTConfig(vocab=1000, seq_len=64, width=96, depth=2, heads=2)
-  p = plan.plan_stage(plan.abstract_gpt(odd), 3, 64)
+  p = plan.plan_gpt(plan.abstract_gpt(odd), 3, 64)
   n = gpt.num_params(odd)
   assert p.total > 16 * n / 64
 
@@ -58,8 +58,8 @@ def test_hsdp_70b_on_4_slices_keeps_state_traffic_off_dcn():
   """70B, 4 slices x 256 chips: flat ZeRO-3 over 1024 against HSDP."""
   config = gpt.config_for_params(70e9)
   abstract = plan.abstract_gpt(config)
-  flat = plan.plan_stage(abstract, 3, mesh={"data": 1024})
-  hsdp = plan.plan_stage(abstract, 3, mesh={"replica": 4, "data": 256})
+  flat = plan.plan_gpt(abstract, 3, mesh={"data": 1024})
+  hsdp = plan.plan_gpt(abstract, 3, mesh={"replica": 4, "data": 256})
   psi = gpt.num_params(config)
   # memory: 16Ψ/N with N the data axis
   assert flat.total == pytest.approx(16 * psi / 1024, rel=0.01)
@@ -67,8 +67,8 @@ def test_hsdp_70b_on_4_slices_keeps_state_traffic_off_dcn():
   # the replica all-reduce is the bf16 shard: 2Ψ/256 bytes
   assert hsdp.collectives["all-reduce over replica"] == pytest.approx(
       2 * psi / 256, rel=1e-3)
-  f = plan.comm_time(flat, slices=4)
-  h = plan.comm_time(hsdp, slices=4)
+  f = cost.comm_time(flat, slices=4)
+  h = cost.comm_time(hsdp, slices=4)
   # hierarchical: flat moves 3 x 2Ψ x 3/4 / 256 per chip over DCN, HSDP
   # only the all-reduce, 2 x 2Ψ x 3/4 / 256
   assert f["data"]["slow_bytes"] == pytest.approx(3 * 2 * psi * 0.75 / 256,
@@ -77,7 +77,7 @@ def test_hsdp_70b_on_4_slices_keeps_state_traffic_off_dcn():
   assert h["replica"]["slow_bytes"] == pytest.approx(2 * 2 * psi * 0.75 / 256,
                                                      rel=1e-3)
   # a flat ring across slices: every byte of the ring crosses DCN
-  ring = plan.comm_time(flat, slices=4, algorithm="ring")
+  ring = cost.comm_time(flat, slices=4, algorithm="ring")
   assert ring["data"]["slow_bytes"] == pytest.approx(3 * 2 * psi * 1023 / 1024,
                                                      rel=1e-3)
   assert ring["data"]["seconds"] > 20 * h["replica"]["seconds"]
@@ -86,8 +86,8 @@ def test_hsdp_70b_on_4_slices_keeps_state_traffic_off_dcn():
 def test_tensor_parallel_mesh_divides_state_by_the_model_axis():
   config = gpt.GPTConfig(vocab=512, seq_len=64, width=256, depth=2, heads=4)
   abstract = plan.abstract_gpt(config)
-  dp = plan.plan_stage(abstract, 3, mesh={"data": 8})
-  tp = plan.plan_stage(abstract, 3, mesh={"data": 8, "model": 4})
+  dp = plan.plan_gpt(abstract, 3, mesh={"data": 8})
+  tp = plan.plan_gpt(abstract, 3, mesh={"data": 8, "model": 4})
   # every GPT leaf but the norms, biases of width D and positions is split
   assert tp.total < dp.total / 3
   assert tp.collectives["all-gather"] < dp.collectives["all-gather"] / 3
@@ -111,8 +111,8 @@ def test_offload_moves_master_and_moments_to_host():
   chunks of master + moments; the host 12 Ψ / N (fp32 master + moments)."""
   abstract = plan.abstract_gpt(gpt.config_for_params(7.5e9))
   for s in range(4):
-    on = plan.plan_stage(abstract, s, 64)
-    off = plan.plan_stage(abstract, s, 64, offload=True)
+    on = plan.plan_gpt(abstract, s, 64)
+    off = plan.plan_gpt(abstract, s, 64, offload=True)
     assert off.total == on.total and on.host == 0 and on.device == on.total
     assert off.host == pytest.approx(on.master + on.optimizer)
     assert off.device == pytest.approx(on.params + on.grads
@@ -120,7 +120,7 @@ def test_offload_moves_master_and_moments_to_host():
     assert off.update_transient == pytest.approx(
         min(2 * off.chunk_fraction, 1) * off.host)
     assert off.host_traffic == 2 * off.host
-  s3 = plan.plan_stage(abstract, 3, 64, offload=True)
+  s3 = plan.plan_gpt(abstract, 3, 64, offload=True)
   assert s3.host / 1e9 == pytest.approx(12 * 7.5 / 64, rel=1e-3)
   # the update streams leaf by leaf, and the GPT's largest leaf is its
   # stacked MLP matrix: 4 D^2 of the ~12 D^2 per layer
@@ -162,7 +162,7 @@ def test_zeropp_cross_node_bytes_follow_the_paper_accounting():
   hierarchical collectives, 64 chips as 8 nodes of 8."""
   psi, n, s = 7_000_000_000, 64, 8
   k = n // s
-  slow = lambda **kw: plan.zeropp_comm(psi, n, s, block=256, **kw)["slow_bytes"]
+  slow = lambda **kw: cost.zeropp_comm(psi, n, s, block=256, **kw)["slow_bytes"]
   cross = (s - 1) / s / k                   # share of a buffer per chip
   assert slow() == pytest.approx(3 * 2 * psi * cross)
   assert slow(hpz=True) == pytest.approx((2 + 2) * psi * cross)
@@ -214,7 +214,7 @@ def test_compile_stage_reports_the_compiled_step_beside_the_plan(mesh):
   from zerojax.app import compiled, planner
   config = gpt.GPTConfig(vocab=64, seq_len=16, width=32, depth=2, heads=2)
   n = mesh.size
-  plans = [plan.plan_stage(plan.abstract_gpt(config), s, n) for s in range(4)]
+  plans = [plan.plan_gpt(plan.abstract_gpt(config), s, n) for s in range(4)]
   predicted = planner.predicted_peak(plans[3], config, 2, n_devices=n)
   attention = 3 * 2 * config.heads * config.seq_len ** 2 * 4   # P, dP, dS
   assert predicted == plans[3].device + plan.working_set(

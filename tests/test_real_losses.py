@@ -378,7 +378,7 @@ def test_gather_model_rejects_an_ungathered_use_and_keeps_the_state(mesh, stage)
   state = zerojax.init(_params(), tx)
   before = jax.tree.map(np.asarray, zerojax.gather_params(state))
   step = zerojax.train_step(l2_over_leaves, tx, gather="model")
-  with pytest.raises(zerojax.UngatheredParamError,
+  with pytest.raises(zerojax.errors.UngatheredParamError,
                      match=r"params\['b'\] by .*params\['w1'\] by integer_pow"):
     step(state, _data(1)[0])
   after = zerojax.gather_params(state)          # not donated, not updated
@@ -413,7 +413,7 @@ def test_per_layer_loss_takes_the_lean_path_silently(mesh):
   step = zerojax.train_step(toy.loss_fn, tx)
   with toy.warnings_as_errors():
     hlo = step.lower(state, toy.batches(1)[0]).compile().as_text()
-  loops = [c for c in zerojax.collectives(hlo, 8)
+  loops = [c for c in zerojax.diagnostics.collectives(hlo, 8)
            if c.kind == "all-gather" and c.count == toy.LAYERS]
   assert loops, "per-layer gathers inside the scan"
 

@@ -46,7 +46,7 @@ def test_gspmd_fsdp_peer_all_reduces_the_gradient(mesh):
   of the full gradient on CPU, where zerojax stage 3 reduce-scatters."""
   params = wide_params()
   step, p, o = peers.make_peer("fsdp", wide_loss, optax.adamw(1e-3), params, mesh)
-  colls = zerojax.collectives(step.lower(p, o, BATCH).compile().as_text(), 8)
+  colls = zerojax.diagnostics.collectives(step.lower(p, o, BATCH).compile().as_text(), 8)
   big_ar = sum(c.total_elements for c in colls
                if c.kind == "all-reduce" and c.elements > 64)
   assert big_ar >= 0.5 * PSI

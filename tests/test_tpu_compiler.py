@@ -27,7 +27,7 @@ def tpu_mesh():
 @pytest.fixture(scope="module")
 def stage3(tpu_mesh):
   n = tpu_mesh.size
-  p = plan.plan_stage(plan.abstract_gpt(CONFIG), 3, n)
+  p = plan.plan_gpt(plan.abstract_gpt(CONFIG), 3, n)
   return p, compiled.compile_stage(
       CONFIG, 3, tpu_mesh, BATCH,
       planner.predicted_peak(p, CONFIG, BATCH, n_devices=n))
@@ -108,7 +108,7 @@ def test_hsdp_across_two_slices_moves_only_the_gradient_shard_between_them():
   step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
   report = aot.compiled_report(step.lower(state, batch).compile(), mesh)
   across = report["across_slices"]
-  p = plan.plan_stage(plan.abstract_gpt(CONFIG), 3,
+  p = plan.plan_gpt(plan.abstract_gpt(CONFIG), 3,
                       mesh={"replica": 2, "data": 4})
   want = p.collectives["all-reduce over replica"]
   assert across["all-reduce"]["bytes"] == pytest.approx(want, rel=0.01)

@@ -125,7 +125,7 @@ def test_gpt_gathers_per_layer_under_stage3(mesh):
   batch = data.batch_at(data.corpus_bytes(), seed=0, step=0, batch=8, seq_len=16)
   step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
                             gather="model")
-  colls = zerojax.collectives(step.lower(state, batch).compile().as_text(), 8)
+  colls = zerojax.diagnostics.collectives(step.lower(state, batch).compile().as_text(), 8)
   blocks = sum(np.prod(x.shape) for x in jax.tree.leaves(state.spec.params_avals()["blocks"]))
   per_loop = {}
   for c in colls:
@@ -216,7 +216,7 @@ def test_unrolled_scan_gathers_the_next_layer_in_the_same_iteration(mesh):
   step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
                             gather="model")
   text = step.lower(state, batch).compile().as_text()
-  colls = zerojax.collectives(text, 8)
+  colls = zerojax.diagnostics.collectives(text, 8)
   in_loops = [c for c in colls if c.kind == "all-gather" and c.count > 1]
   assert {c.count for c in in_loops} == {2}             # depth / unroll
   blocks = state.spec.params_avals()["blocks"]

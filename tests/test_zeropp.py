@@ -194,7 +194,7 @@ def test_training_with_zeropp_stays_close_to_unquantized(policy, zeropp):
 
 
 def _weight_gather_elems(step, state, batch, dtype):
-  colls = zerojax.collectives(step.lower(state, batch).compile().as_text(), 8)
+  colls = zerojax.diagnostics.collectives(step.lower(state, batch).compile().as_text(), 8)
   return sum(c.total_elements for c in colls
              if c.kind == "all-gather" and c.dtype == dtype)
 
@@ -212,7 +212,7 @@ def test_collectives_move_int8_weights_and_int4_gradients():
         functools.partial(gpt.init, cfg), tx, k), jax.random.key(0))
     step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
                               gather="model")
-    colls = zerojax.collectives(step.lower(state, batch).compile().as_text(), 8)
+    colls = zerojax.diagnostics.collectives(step.lower(state, batch).compile().as_text(), 8)
     by = {}
     for c in colls:
       by[(c.kind, c.dtype)] = by.get((c.kind, c.dtype), 0) + c.total_elements
@@ -257,7 +257,7 @@ def _node_span(c, k):
 def test_hpz_backward_gathers_stay_inside_the_node():
   k = 4
   state, _, step = _train(zerojax.ZeroPP(hpz_size=k, weight_bits=8), steps=1)
-  colls = zerojax.collectives(
+  colls = zerojax.diagnostics.collectives(
       step.lower(state, toy.batches(1)[0]).compile().as_text(), 8)
   gathers = [c for c in colls if c.kind == "all-gather"]
   inside = [c for c in gathers if _node_span(c, k) == 1]
@@ -420,15 +420,15 @@ def test_zeropp_on_pod_meshes_stays_close_and_quantizes_over_data_only(
   state, got, step, mesh = _mesh_run(mesh_axes, stage, zeropp)
   assert all(np.isfinite(got)) and got != ref
   np.testing.assert_allclose(got, ref, rtol=3e-3)
-  colls = zerojax.collectives(
+  colls = zerojax.diagnostics.collectives(
       step.lower(state, toy.batches(1)[0]).compile().as_text(), 8)
   quantized = [c for c in colls if c.dtype in ("s8", "u8")]
   assert quantized
-  assert all(zerojax.collective_axes(c, mesh) == ("data",) for c in quantized)
+  assert all(zerojax.diagnostics.collective_axes(c, mesh) == ("data",) for c in quantized)
   if zeropp.hpz_size:         # the per-layer data-axis gathers: one node
     k = zeropp.hpz_size         # each (a full data gather has all n)
     inner = [c for c in colls if c.kind == "all-gather" and c.count > 1
-             and zerojax.collective_axes(c, mesh) == ("data",)]
+             and zerojax.diagnostics.collective_axes(c, mesh) == ("data",)]
     assert inner and all(len(g) == k for c in inner for g in c.groups)
     # the report prices a rank-1 leaf sharded on its only dimension whole
     # (it raised ZeroDivisionError here, dividing it into "layers")
@@ -481,8 +481,8 @@ def test_hierarchical_qgz_without_hpz_crosses_nodes_as_node_sums(bits, target):
   state, _, step, _ = _mesh_run(
       "data=8", 3, zerojax.ZeroPP(grad_bits=bits, node_size=k), steps=1)
   b = toy.batches(1)[0]
-  plain = zerojax.collectives(step0.lower(state0, b).compile().as_text(), 8)
-  colls = zerojax.collectives(step.lower(state, b).compile().as_text(), 8)
+  plain = zerojax.diagnostics.collectives(step0.lower(state0, b).compile().as_text(), 8)
+  colls = zerojax.diagnostics.collectives(step.lower(state, b).compile().as_text(), 8)
   rs = sum(c.total_bytes for c in plain if c.kind == "reduce-scatter")
   a2a = [c for c in colls if c.kind == "all-to-all"]
   inside = [c for c in a2a if _node_span(c, k) == 1]

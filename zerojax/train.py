@@ -3,11 +3,11 @@
 
 from zerojax.app.train import TrainConfig as TrainConfig
 from zerojax.app.train import check as check
-from zerojax.app.train import main as main
+from zerojax.app.train import main
 from zerojax.app.train import parse_args as parse_args
 from zerojax.app.train import resolve as resolve
 
-__all__ = ["TrainConfig", "check", "main", "parse_args", "resolve"]
+__all__ = ["TrainConfig", "check", "parse_args", "resolve"]
 
 if __name__ == "__main__":
   main(parse_args())

@@ -10,7 +10,7 @@ the folders below it (``docs/architecture.md``; import-linter checks it):
   output-input dependencies;
 * ``step``: init, the gradient and optimizer halves of a step, offload,
   the drop-in and ``zero()``;
-* ``diagnostics``, ``io``, ``interop``: what a step costs (one cost model,
+* ``diagnostics``, ``ckpt``, ``interop``: what a step costs (one cost model,
   the planner, the report, compiled-HLO reading), checkpoints, Flax glue;
 * ``runtime``: multi-process runs and XLA flags (imports nothing above).
 """

@@ -12,7 +12,7 @@ data-parallel devices, prints for each ZeRO stage the per-device bytes of
 params, master weights, optimizer moments and gradients, and the collective
 bytes per step; then the largest GPT that fits ``--memory-gb`` per device at
 each stage. Everything comes from the layouts zerojax would use -- the same
-:func:`zerojax.make_spec` that ``zerojax.init`` runs, on abstract
+:func:`zerojax.layout.make_spec` that ``zerojax.init`` runs, on abstract
 shapes (``jax.eval_shape``) and an ``AbstractMesh`` of N devices -- so no
 array is allocated and 1024 devices or 1T parameters cost nothing. Padding
 of dimensions that do not divide N is included.
@@ -65,7 +65,7 @@ from zerojax.cost import (GB, HARDWARE, ZEROPP_ROWS, StagePlan, comm_time,
                           zeropp_comm)
 
 
-def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
+def plan_gpt(abstract_params, stage: int, n_devices: int | None = None, *,
                mesh: dict | None = None, model_specs=None, stacked=None,
                **kwargs) -> StagePlan:
   """:func:`zerojax.cost.plan_stage` with the reference GPT's tensor-parallel
@@ -82,7 +82,7 @@ def abstract_gpt(config: gpt.GPTConfig):
   return jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
 
 
-def saved_activations(config: gpt.GPTConfig, batch_per_device: int, *,
+def gpt_activations(config: gpt.GPTConfig, batch_per_device: int, *,
                       model: int = 1, dtype=None,
                       platform: str | None = None) -> dict | None:
   """Per-device bytes the reference GPT's backward pass keeps from its
@@ -135,7 +135,7 @@ def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
   dtype, which the all-gather reads while it overwrites the old params,
   and at stage 1 also the reduce-scatter's output (a gradient shard) while
   the full gradient is still live; at every stage the saved activations on
-  the device (:func:`saved_activations`; fp32 residuals per layer where its
+  the device (:func:`gpt_activations`; fp32 residuals per layer where its
   policy is not modelled) and the logits (fp32, with their gradient); at
   stage 0 a second full gradient, the all-reduce's output (XLA does not
   all-reduce in place: measured, zerojax and a plain-jit DP step alike).
@@ -157,7 +157,7 @@ def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
   reduced = r * psi if stage == 0 else 0
   if stage in (1, 2):
     reduced = (c + (r if stage == 1 else 0)) * psi / n_devices
-  saved = saved_activations(config, batch_per_device, model=model,
+  saved = gpt_activations(config, batch_per_device, model=model,
                             dtype=policy.compute(jnp.float32))
   saved = (tokens * config.width * 4 * config.depth if saved is None
            else saved["device"] or saved["per_layer"])
@@ -167,7 +167,7 @@ def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
 def predicted_peak(plan, config: gpt.GPTConfig, batch_per_device: int,
                    n_devices: int, model: int = 1, plan_stage2=None) -> float:
   """The planner's per-device peak of the compiled step: the model state on
-  the device (``plan.device``), :func:`zerojax.plan.working_set`, and the
+  the device (``plan.device``), :func:`working_set`, and the
   one in-layer buffer set that dominates at scale, the backward pass of
   attention when it materialises its scores (``"einsum"``): the
   probabilities, their gradient and the scores' gradient, three fp32
@@ -195,7 +195,7 @@ def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
                     offload: bool = False) -> gpt.GPTConfig | None:
   """The largest GPT (by the count search) whose model state fits (its
   device-memory part, with ``offload``)."""
-  fits = lambda psi: plan_stage(abstract_gpt(gpt.config_for_params(
+  fits = lambda psi: plan_gpt(abstract_gpt(gpt.config_for_params(
       psi, seq_len=seq_len)), stage, n_devices,
       offload=offload).device <= memory_bytes
   lo, hi = 1e7, 1e7
@@ -250,7 +250,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   mesh, slices = _mesh(p, args)
   config = _config(p, args, mesh)
-  plans = [plan_stage(abstract_gpt(config), s, mesh=mesh,
+  plans = [plan_gpt(abstract_gpt(config), s, mesh=mesh,
                       offload=args.offload) for s in range(4)]
   for x in plans:
     x.comm.update(comm_time(x, slices, args.hardware, args.fast_bw,
@@ -395,7 +395,7 @@ def _mesh(p, args) -> tuple[dict, int]:
     p.error("give either --devices or --mesh")
   if args.mesh is not None:
     try:
-      mesh = zerojax.parse_axes(args.mesh, None)
+      mesh = zerojax.layout.parse_axes(args.mesh, None)
     except ValueError as e:
       p.error(f"--mesh {args.mesh}: {e}")
     if "data" not in mesh:
@@ -453,7 +453,7 @@ def _activations(p, args, config, mesh: dict) -> dict:
     for pa in ((False, True) if m > 1 else (False,)):
       c = dataclasses.replace(config, remat=remat,
                               seq_shard="model" if pa else None)
-      acts[f"{remat}{' + Pa' if pa else ''}"] = saved_activations(
+      acts[f"{remat}{' + Pa' if pa else ''}"] = gpt_activations(
           c, args.batch, model=m, dtype=jnp.bfloat16)
   return acts
 

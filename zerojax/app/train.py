@@ -169,7 +169,7 @@ def check(config: TrainConfig) -> list[str]:
   # with --devices automatic, a mesh that sizes every axis is checked now;
   # one with a -1 size once resolve() knows the device count
   if config.mesh and (config.devices or "-1" not in config.mesh):
-    from zerojax import parse_axes
+    from zerojax.layout import parse_axes
     try:
       axes = parse_axes(config.mesh, config.devices or None)
     except ValueError as e:
@@ -231,7 +231,7 @@ def resolve(config: TrainConfig, devices) -> TrainConfig:
   if not config.batch:
     splits = n
     if config.mesh:
-      from zerojax import parse_axes
+      from zerojax.layout import parse_axes
       axes = parse_axes(config.mesh, n)
       splits = axes.get("data", 1) * axes.get("replica", 1)
     fill["batch"] = (16 * splits if accel else max(32, splits)) * config.accum
@@ -413,6 +413,7 @@ def _initial_state(config: TrainConfig, model, tx, say):
     state = zerojax.init_from(
         init_params, tx, key,
         key=jax.random.fold_in(key, 1) if config.dropout else None)
+    zerojax.launch.release_free_heap()      # the init programs ran once
     return state, 0, ckpt
   state, extra = ckpt.restore(jax.eval_shape(init_params, key), tx)
   if config.dropout and state.key is None:    # saved by a run without
@@ -519,11 +520,14 @@ def _train(config: TrainConfig, state, start: int, train_step, batch_for,
   None)``. Checkpoints asynchronously every ``save_every`` steps; on a
   preemption (SIGTERM on any process) every process saves the same step
   and stops; ``--resume`` continues."""
+  import zerojax
   from zerojax import distributed
   log.bar.update(start)
   preempted = None
   for step in range(start + 1, config.steps + 1):
     state, metrics = train_step(state, batch_for(step))
+    if step == start + 1:                   # the step compiled on this call
+      zerojax.launch.release_free_heap()
     log.bar.update(1)
     extra = {"data_step": step, "seed": config.seed}
     if distributed.preemption_point(step):

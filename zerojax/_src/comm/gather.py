@@ -395,7 +395,8 @@ def reduce_scatter(x, axis_name, dim: int, spec: GatherSpec):
   an all-to-all of quantized blocks summed in fp32 (then cast)."""
   if spec.grad_bits:
     return _zeropp.reduce_scatter(x, axis_name, dim, spec.grad_bits,
-                                  spec.block_size, spec.node, spec.stochastic
+                                  spec.block_size, node=spec.node,
+                                  stochastic=spec.stochastic
                                   ).astype(spec.reduce_dtype)
   return on_major_dim(
       lambda y, d: jax.lax.psum_scatter(y, axis_name, scatter_dimension=d,

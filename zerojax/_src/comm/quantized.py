@@ -165,7 +165,7 @@ def _exchange_sum(x, axis_name, groups, bits: int, block: int,
   return dequantize(q, scale, bits, m).sum(axis=0)
 
 
-def reduce_scatter(x, axis_name, dim: int, bits: int, block: int,
+def reduce_scatter(x, axis_name, dim: int, bits: int, block: int, *,
                    node: int = 0, stochastic: bool = False):
   """qgZ: ``psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)``
   as all-to-alls of quantized chunks, summed in fp32 after

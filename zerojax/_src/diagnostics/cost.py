@@ -2,7 +2,7 @@
 
 The planner (:mod:`zerojax.cost`, ``python -m zerojax.plan``), the theory
 column of :func:`zerojax.report` and the layout table all read these, on
-the same :class:`~zerojax.StateSpec` records, in one of two readings:
+the same :class:`~zerojax.layout.StateSpec` records, in one of two readings:
 
 * **ideal** (``ideal=True``): the ZeRO paper's figures for the stage:
   logical (unpadded) sizes, divided by N where the stage shards a category
@@ -40,7 +40,7 @@ def layout_bytes(layout, n: int, model_sizes: dict, itemsize: int) -> float:
           * itemsize)
 
 
-def state_bytes(spec, *, ideal: bool) -> dict[str, float]:
+def stage_state_bytes(spec, *, ideal: bool) -> dict[str, float]:
   """Per-device bytes of the model state, by category: ``params``,
   ``master`` (with a master-weight policy), ``grads`` (the gradient buffer
   in ``reduce_dtype``, transient within a step: full at stages 0-1, a shard
@@ -73,7 +73,7 @@ def state_bytes(spec, *, ideal: bool) -> dict[str, float]:
   return dict(out)
 
 
-def collectives(spec, accum_steps: int = 1, *,
+def stage_collectives(spec, accum_steps: int = 1, *,
                 ideal: bool) -> dict[str, tuple[int, int]]:
   """The step's collectives: ``{kind: (elements, bytes)}`` per step, with
   ``accum_steps`` micro-batches. Kinds: ``all-reduce``, ``reduce-scatter``,

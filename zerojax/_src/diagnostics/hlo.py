@@ -352,7 +352,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
   return out
 
 
-def axes_of(c: Collective, mesh) -> tuple[str, ...]:
+def collective_axes(c: Collective, mesh) -> tuple[str, ...]:
   """The mesh axes a collective spans: those whose coordinate varies inside
   one of its replica groups (device ``i`` is ``mesh.devices.flat[i]``, the
   order of the program's device assignment)."""
@@ -381,7 +381,7 @@ def bytes_by_axis(hlo_text: str, mesh) -> dict[tuple[str, str], int]:
   moves these over the data-center network, outside its partitions."""
   totals: dict[tuple[str, str], int] = collections.defaultdict(int)
   for c in collectives(hlo_text, mesh.devices.size):
-    axes = "slices" if c.across_slices else "+".join(axes_of(c, mesh)) or "-"
+    axes = "slices" if c.across_slices else "+".join(collective_axes(c, mesh)) or "-"
     totals[(c.kind, axes)] += c.total_bytes
   return dict(totals)
 

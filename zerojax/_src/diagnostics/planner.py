@@ -1,7 +1,7 @@
 """Planning a stage before renting: model-state bytes and collective bytes
 per device from zerojax's own layouts, on abstract shapes.
 
-:func:`plan_stage` runs :func:`zerojax.make_spec` on ``jax.ShapeDtypeStruct``
+:func:`plan_stage` runs :func:`zerojax.layout.make_spec` on ``jax.ShapeDtypeStruct``
 params and an ``AbstractMesh``, so no array is allocated and 1024 devices
 cost nothing; the bytes come from :mod:`zerojax._src.diagnostics.cost`, the
 formulas ``zerojax.report`` and the layout table read too.
@@ -30,7 +30,7 @@ from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
 from zerojax._src.records.zeropp import ZeroPP
 from zerojax._src.step import offload as _offload
-from zerojax._src.step.grad import LossCall
+from zerojax._src.step.loss_call import LossCall
 from zerojax._src.step.transform import zero
 
 GB = 1e9
@@ -136,11 +136,11 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
             model_specs=model_specs if tp else None,
             stacked=stacked if tp else None)
   spec = make_spec(abstract_params, tx)
-  state = cost.state_bytes(spec, ideal=False)
+  state = cost.stage_state_bytes(spec, ideal=False)
   optimizer_bytes = sum(v for k, v in state.items()
                         if k.startswith("opt_state."))
   n_params = sum(leaf.size for leaf in spec.leaves)
-  colls = {k: v[1] for k, v in cost.collectives(spec, ideal=False).items()}
+  colls = {k: v[1] for k, v in cost.stage_collectives(spec, ideal=False).items()}
   chunk = _offload.describe(spec)["largest_chunk_fraction"] if offload else 1.0
   return StagePlan(stage, n_params, tx.num_shards, state["params"],
                    state.get("master", 0.0), optimizer_bytes,

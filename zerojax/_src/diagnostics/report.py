@@ -13,7 +13,7 @@ Three sources, each labelled:
   with a replica axis an all-reduce of Ψ/N is added; with ZeRO++ each leaf
   as zerojax runs it (int8 / packed int4 blocks and their f32 scales,
   all-to-alls for qgZ, hpZ's secondary and in-node gathers, stacked
-  leaves per layer; see :func:`zerojax._src.diagnostics.cost.collectives`). Measured and theory
+  leaves per layer; see :func:`zerojax._src.diagnostics.cost.stage_collectives`). Measured and theory
   compare ZeRO's collectives, those over the data and replica axes; a
   model axis's own (tensor parallelism's) are in the bytes per mesh axis
   (from each collective's replica groups), as are those crossing processes;
@@ -44,7 +44,7 @@ import jax
 
 from zerojax._src.diagnostics import cost
 from zerojax._src.diagnostics import hlo as _hlo
-from zerojax._src.diagnostics import inspect as _inspect
+from zerojax._src.diagnostics import measure as _measure
 from zerojax._src.jaxpr import activations as _activations
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.step import offload as _offload
@@ -54,10 +54,10 @@ from zerojax._src.step.steps import loss_call
 
 def theory_collectives(state: ZeroState, accum_steps: int = 1) -> dict:
   """ZeRO's collective volume per step: ``{kind: (elements, bytes)}``
-  (:func:`zerojax._src.diagnostics.cost.collectives`, ideal reading; with
+  (:func:`zerojax._src.diagnostics.cost.stage_collectives`, ideal reading; with
   ZeRO++ as laid out: its blocks are the point). A replica axis's
   all-reduce counts as ``all-reduce``, as the compiled program names it."""
-  theory = cost.collectives(state.spec, accum_steps, ideal=True)
+  theory = cost.stage_collectives(state.spec, accum_steps, ideal=True)
   merged = collections.defaultdict(lambda: [0, 0])
   for kind, (elems, nbytes) in theory.items():
     kind = "all-reduce" if kind == cost.REPLICA_ALL_REDUCE else kind
@@ -206,7 +206,7 @@ def report(step, state: ZeroState, batch) -> Report:
   by_axis = collections.Counter()
   crossing = 0
   for c in colls:
-    by_axis[f"{c.kind} over {'+'.join(_hlo.axes_of(c, mesh)) or '-'}"] += (
+    by_axis[f"{c.kind} over {'+'.join(_hlo.collective_axes(c, mesh)) or '-'}"] += (
         c.total_bytes)
     if _hlo.crosses_processes(c, mesh):
       crossing += c.total_bytes
@@ -216,7 +216,7 @@ def report(step, state: ZeroState, batch) -> Report:
   for c in colls:
     by_kind_b[c.kind] += c.total_bytes
     by_kind_e[c.kind] += c.total_elements
-    if set(_hlo.axes_of(c, mesh)) <= batch_axes:
+    if set(_hlo.collective_axes(c, mesh)) <= batch_axes:
       zero_b[c.kind] += c.total_bytes
       zero_e[c.kind] += c.total_elements
   theory = theory_collectives(state, step.accum_steps)
@@ -224,8 +224,8 @@ def report(step, state: ZeroState, batch) -> Report:
   return Report(
       stage=spec.stage, n_devices=n,
       n_params=sum(r.size for r in spec.leaves if r.trainable),
-      state_bytes=_inspect.state_bytes(state),
-      theory_state_bytes=_inspect.theory_bytes(state),
+      state_bytes=_measure.state_bytes(state),
+      theory_state_bytes=_measure.theory_bytes(state),
       collectives=[dataclasses.asdict(c) for c in colls],
       collective_bytes=dict(by_kind_b), collective_elements=dict(by_kind_e),
       theory_collective_elements={k: v[0] for k, v in theory.items()},
@@ -275,7 +275,7 @@ def _offload_traffic(state: ZeroState, hlo: str) -> dict:
   (compute-dtype gradients down and params up)."""
   spec = state.spec
   spaces = _hlo.entry_bytes_by_memory(hlo)
-  host = _inspect.memory_bytes(state).get("pinned_host", 0)
+  host = _measure.memory_bytes(state).get("pinned_host", 0)
   compute = sum(r.size * np.dtype(r.compute_dtype).itemsize
                 // r.shard.model_shards(spec.tx.model_axes)
                 for r in spec.leaves if r.trainable) / spec.tx.num_shards

@@ -3,7 +3,7 @@
 NNX's pure split/merge is the hook. zerojax hands the loss the model's
 ``nnx.Param`` state with sharded leaves; :func:`gathered` splits a
 sub-module, gathers its state and merges it back for one call, and
-:func:`scan` runs a stacked block (built with ``nnx.vmap``) in a
+:func:`scan_layers` runs a stacked block (built with ``nnx.vmap``) in a
 ``lax.scan`` whose ``jax.checkpoint``-ed body gathers one layer's weights at
 a time -- under ZeRO-3, gathered in the forward loop and again in the
 backward loop.
@@ -41,7 +41,7 @@ def gathered(module: nnx.Module) -> nnx.Module:
   return nnx.merge(graphdef, gather(params), rest)
 
 
-def scan(stacked: nnx.Module, carry, *,
+def scan_layers(stacked: nnx.Module, carry, *,
          call: Callable = lambda layer, carry: layer(carry),
          remat: bool | Remat = True):
   """Runs ``carry = call(layer_i, carry)`` over the stacked layers.

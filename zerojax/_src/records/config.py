@@ -231,7 +231,7 @@ def _check_host_memory(mesh: Mesh):
   for d in own or devices:
     try:
       kinds = {m.kind for m in d.addressable_memories()}
-    except Exception:     # a backend without memory kinds
+    except Exception:  # noqa: BLE001 -- a backend without memory kinds
       kinds = set()
     if HOST_MEMORY not in kinds:
       raise ValueError(

@@ -157,7 +157,7 @@ def pad_dim(x, dim: int, amount: int):
   return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
 
 
-def plan_leaf(shape, dtype, n: int, min_shard_size: int,
+def plan_leaf(shape, dtype, n: int, min_shard_size: int, *,
               stacked: bool = True, model: tuple = (),
               model_sizes: dict | None = None) -> LeafLayout:
   """The layout of a leaf of ``shape``/``dtype`` over ``n`` devices.

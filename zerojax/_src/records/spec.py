@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax._src.records import layout as _layout
 from zerojax._src.records import model_axes as _model_axes
 from zerojax._src.records.config import HOST_MEMORY, ZeroConfig
-from zerojax._src.records.mesh import (auto_region, call_in_caller_types,
-                                      closes_over_caller_types, compute_mesh,
-                                      explicit_names, named)
+from zerojax._src.records.mesh import (auto_region, compute_mesh,
+                                      named)
 
 
 
@@ -78,13 +77,6 @@ def tree_difference(got, want):
   return None
 
 
-@functools.lru_cache(maxsize=8)
-def fresh_copy(sharding):
-  """A jitted copy into ``sharding``: a buffer of its own (a donated step
-  must never free the caller's array, which ``device_put`` may alias)."""
-  return jax.jit(lambda x: jnp.copy(x), out_shardings=sharding)
-
-
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where a state's arrays live: the mesh, its data axis, and whether the
@@ -98,14 +90,15 @@ class Placement:
     """``layout``'s sharding on the caller's mesh (what the state's arrays
     carry); ``host=True`` for the master copy and the optimizer state,
     which live in host memory when offloaded."""
-    return self._sharding(self.mesh, layout, host)
+    return self.sharding_on(self.mesh, layout, host)
 
   def compute_sharding(self, layout, host: bool = False) -> NamedSharding:
     """The same on the all-``Auto`` compute mesh: what traced code inside
     zerojax's regions constrains to (:func:`zerojax._src.records.mesh.auto_region`)."""
-    return self._sharding(compute_mesh(self.mesh), layout, host)
+    return self.sharding_on(compute_mesh(self.mesh), layout, host)
 
-  def _sharding(self, mesh, layout, host):
+  def sharding_on(self, mesh, layout, host: bool = False) -> NamedSharding:
+    """``layout``'s sharding on ``mesh``."""
     s = _layout.sharding(mesh, layout, self.axis_name)
     return s.with_memory_kind(HOST_MEMORY) if host and self.offload else s
 
@@ -113,43 +106,6 @@ class Placement:
     """``x`` (logical or storage shape) constrained to ``layout``'s sharding."""
     return jax.lax.with_sharding_constraint(x, self.compute_sharding(layout))
 
-  def fetch(self, x, layout):
-    """A master / optimizer leaf -> device memory (under ``jit``; a no-op
-    without offload). XLA computes only on device-memory operands."""
-    return self._move(x, layout, jax.memory.Space.Device) if self.offload else x
-
-  def stash(self, x, layout):
-    """A master / optimizer leaf -> where the state keeps it."""
-    return self._move(x, layout, jax.memory.Space.Host) if self.offload else x
-
-  def _move(self, x, layout, space):
-    """``x`` moved to memory ``space`` in ``layout``'s sharding. On the
-    caller's own (all-``Auto``) mesh one ``device_put`` does both; on the
-    abstract compute mesh of an ``Explicit`` mesh the sharding is a
-    constraint and the move names only the memory space, so the program
-    holds no second mesh (:func:`zerojax._src.records.mesh.compute_mesh`)."""
-    mesh = compute_mesh(self.mesh)
-    if isinstance(mesh, Mesh):
-      return jax.device_put(x, self._sharding(
-          mesh, layout, space == jax.memory.Space.Host))
-    x = jax.lax.with_sharding_constraint(x, self._sharding(mesh, layout, False))
-    return jax.device_put(x, space)
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightSource:
-  """Where an update reads one param's weights from: ``raw`` as stored (in
-  host memory when offloaded), ``load(raw)`` its logical device view. The
-  update loads every source at once; the offloaded update streams them
-  chunk by chunk (:mod:`zerojax._src.step.offload`)."""
-
-  raw: Any
-  load: Callable
-
-  @property
-  def aval(self):
-    raw = jax.ShapeDtypeStruct(np.shape(self.raw), self.raw.dtype)
-    return jax.eval_shape(self.load, raw)
 
 
 def gathered(layout):
@@ -201,70 +157,11 @@ class LeafSpec:
     leaf: the master copy when there is one, else the params."""
     return (master, self.shard) if master is not None else (param, self.param)
 
-  def weights(self, param, master):
-    """The weights the optimizer updates (master if kept, else the params),
-    logical and in device memory."""
-    x, layout = self.kept(param, master)
-    if master is not None:
-      x = self.place.fetch(x, layout)
-    return layout.to_logical(x)
-
-  def weight_source(self, param, master):
-    """``(raw, load)``: the copy the optimizer updates as stored, and the
-    function bringing it to the optimizer's view (logical, sharded like the
-    master copy, in device memory)."""
-    x, _ = self.kept(param, master)
-    if master is None:
-      return x, lambda p: self.place.constrain(self.weights(p, None), self.shard)
-    return x, lambda m: self.place.constrain(self.weights(None, m), self.shard)
-
-  def grad_view(self, g, stage: int, where: str):
-    """One gradient leaf -> its logical view in the master dtype, sharded.
-
-    Accepts the logical shape (e.g. replicated, from ``jax.grad``) or the
-    stage's storage shape (from :func:`zerojax.value_and_grad`)."""
-    shape = tuple(np.shape(g))
-    if shape == tuple(self.aval.shape):
-      logical = g
-    elif self.shard.sharded and shape == self.shard.storage_shape:
-      logical = self.shard.to_logical(g)
-    else:
-      raise ValueError(
-          f"{where}: gradient{self.path} has shape {list(shape)}; the param "
-          f"is {list(self.aval.shape)} (stored as "
-          f"{list(self.shard.storage_shape)} at stage {stage}). Pass "
-          f"gradients shaped like the params, or as returned by "
-          f"zerojax.value_and_grad.")
-    return self.place.constrain(logical.astype(self.master_dtype), self.shard)
-
   @property
   def whole(self) -> bool:
     """Its gradient is replicated over every mesh axis (stage 0, or a leaf
     too small to shard, with no model axis)."""
     return not self.shard.sharded and not any(self.shard.model)
-
-  def update_input(self, g, param, master, stage: int, where: str):
-    """``(gradient view, WeightSource)`` for one update: the gradient as
-    the inner optimizer reads it (:meth:`grad_view`, conjugated when
-    complex: Optax's convention, under which every optimizer descends on
-    ``jax.grad``'s gradient of a complex leaf) and where its weights are
-    read from."""
-    g = self.grad_view(g, stage, where)
-    return (g.conj() if jnp.iscomplexobj(g) else g,
-            WeightSource(*self.weight_source(param, master)))
-
-  def apply_update(self, w, u, keep_master: bool):
-    """``(master copy as stored or None, new params' weights)`` from the
-    optimizer's weights ``w`` and its update ``u``."""
-    new_w = optax.apply_updates(w, u)
-    master = self.master_storage(new_w) if keep_master else None
-    return master, new_w.astype(self.compute_dtype)
-
-  def master_storage(self, w):
-    """Updated logical weights -> the master copy as stored."""
-    return self.place.stash(self.place.constrain(
-        self.shard.to_storage(w.astype(self.master_dtype)), self.shard),
-        self.shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,24 +175,6 @@ class OptLeafSpec:
   aval: Any
   layout: _layout.LeafLayout
   place: Placement
-
-  def logical(self, x):
-    """As stored -> the logical view the inner optimizer reads (sharded,
-    in device memory)."""
-    place, layout = self.place, self.layout
-    return place.constrain(
-        layout.to_logical(place.constrain(place.fetch(x, layout), layout)),
-        layout)
-
-  def storage(self, x):
-    """The inner optimizer's new value -> as stored, in the state's dtype
-    (an optimizer may promote, e.g. a bf16 moment to fp32; typed PRNG keys
-    are left as they are)."""
-    if x.dtype != self.aval.dtype:
-      x = x.astype(self.aval.dtype)
-    return self.place.stash(
-        self.place.constrain(self.layout.to_storage(x), self.layout),
-        self.layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,16 +196,21 @@ class StateSpec:
   opt_leaves: tuple[OptLeafSpec, ...]
 
   @property
+  def config(self) -> ZeroConfig:
+    return self.tx.config
+
+  @property
   def policy(self):
-    return self.tx.policy
+    return self.config.policy
 
   @property
   def stage(self) -> int:
-    return self.tx.stage
+    return self.config.stage
 
   @functools.cached_property
   def place(self) -> Placement:
-    return Placement(self.tx.mesh, self.tx.axis_name, self.tx.offload)
+    c = self.config
+    return Placement(c.mesh, c.axis_name, c.offload)
 
   def sharding(self, layout, host: bool = False) -> NamedSharding:
     return self.place.sharding(layout, host)
@@ -334,10 +218,10 @@ class StateSpec:
   def region(self, fn, out_shardings):
     """``fn`` run with the mesh's axes ``Auto``, outputs typed as
     ``out_shardings`` (:func:`zerojax._src.records.mesh.auto_region`)."""
-    return auto_region(self.tx.mesh, fn, out_shardings)
+    return auto_region(self.config.mesh, fn, out_shardings)
 
   def replicated(self, ndim: int = 0) -> NamedSharding:
-    return named(self.tx.mesh, P(), ndim)
+    return named(self.config.mesh, P(), ndim)
 
   # --- trees ------------------------------------------------------------
   def records(self):
@@ -371,83 +255,6 @@ class StateSpec:
     if master is None:
       return [None] * len(self.leaves)
     return self.from_optimizer_view(master)
-
-  # --- one optimizer update -----------------------------------------------
-  def update_inputs(self, state: ZeroState, grads, where: str):
-    """Per param, ``(gradient views, weight sources)`` of one update of
-    ``state`` with ``grads`` (per-param list, logical or storage shapes;
-    ``None`` at frozen leaves, in both outputs)."""
-    g_view, w_src = [], []
-    for g, p, m, r in zip(grads, jax.tree.leaves(state.params),
-                          self.masters(state.master), self.leaves):
-      g, w = r.update_input(g, p, m, self.stage, where) if r.trainable else (
-          None, None)
-      g_view.append(g)
-      w_src.append(w)
-    return g_view, w_src
-
-  def inner_update(self, g_tree, opt_state, w_tree, extra_args):
-    """The inner optimizer's ``update`` on optimizer-view trees; extra
-    arguments reach it only when it takes them
-    (``optax.GradientTransformationExtraArgs``).
-
-    Inside the Auto region of a mesh with Explicit axes, an optimizer that
-    closes over values typed on the caller's mesh (built inside the
-    caller's ``jit`` from traced hyperparameters: ``optax.inject_hyperparams``
-    around the drop-in, a schedule of traced values) cannot combine them
-    with the region's arrays; JAX refuses while tracing. Its update then
-    runs on the caller's axis types, each leaf typed as it is laid out
-    (:meth:`_caller_specs`): the same operations on the same values."""
-    try:
-      return self._inner_update(g_tree, opt_state, w_tree, extra_args)
-    except ValueError as e:
-      if not closes_over_caller_types(e):
-        raise
-    args = (g_tree, opt_state, w_tree, extra_args)
-    try:
-      return call_in_caller_types(self.tx.mesh, self._inner_update, args,
-                                  specs=self._caller_specs(*args))
-    except ValueError as e:
-      if not closes_over_caller_types(e):
-        raise
-      raise ValueError(
-          f"zerojax: the inner optimizer closes over an array typed on "
-          f"another mesh than this ZeroTransformation's ({self.tx.mesh}), "
-          f"so its update cannot run on either. Build the optimizer's "
-          f"hyperparameters under jax.set_mesh of the transformation's "
-          f"mesh (or pass mesh= the mesh they are typed on). JAX said: "
-          f"{str(e).splitlines()[0]}") from e
-
-  def _inner_update(self, g_tree, opt_state, w_tree, extra_args):
-    inner = self.tx.inner
-    if isinstance(inner, optax.GradientTransformationExtraArgs):
-      return inner.update(g_tree, opt_state, w_tree, **extra_args)
-    return inner.update(g_tree, opt_state, w_tree)
-
-  def _caller_specs(self, g_tree, opt_state, w_tree, extra_args):
-    """Per leaf of ``(g_tree, opt_state, w_tree, extra_args)``, its spec as
-    a type on the caller's mesh (:meth:`LeafLayout.typed_spec`):
-    gradients and weights by their params' shard layout, the optimizer's
-    leaves by theirs, extra arguments replicated. An uneven (padded) leaf
-    is typed whole over the data axis, so it is gathered for the update."""
-    explicit = set(explicit_names(self.tx.mesh))
-    axis = self.tx.axis_name
-    trained = [r.shard.typed_spec(axis, explicit) for r in self.leaves
-               if r.trainable]
-    opt = [o.layout.typed_spec(axis, explicit) for o in self.opt_leaves]
-    n_g, n_o = len(jax.tree.leaves(g_tree)), len(jax.tree.leaves(opt_state))
-    if n_g != len(trained) or n_o != len(opt):    # not this spec's trees
-      trained, opt = [None] * n_g, [None] * n_o
-    return (trained + opt + trained
-            + [None] * len(jax.tree.leaves(extra_args)))
-
-  def after_update(self, state: ZeroState, masters, params, opt_leaves):
-    """``state`` one step on: its new master leaves (per param, None where
-    frozen), params (as stored) and optimizer-state leaves (as stored)."""
-    return state.replace(
-        step=state.step + 1, params=self.unflatten_params(params),
-        master=None if state.master is None else self.optimizer_view(masters),
-        opt_state=jax.tree.unflatten(self.opt_def, opt_leaves))
 
   # --- shardings and shapes ----------------------------------------------
   def shardings(self) -> ZeroState:
@@ -524,7 +331,7 @@ def make_spec(params, tx: optax.GradientTransformationExtraArgs, models=None) ->
   """Plans every leaf's layout from shapes alone (no allocation).
 
   What :func:`zerojax.init` lays out, before anything is allocated: e.g.
-  ``zerojax.make_spec(jax.eval_shape(init_fn, key), tx).leaves`` lists each
+  ``zerojax.layout.make_spec(jax.eval_shape(init_fn, key), tx).leaves`` lists each
   param's stored shape, sharding and dtypes.
 
   Args:
@@ -551,24 +358,25 @@ def make_spec(params, tx: optax.GradientTransformationExtraArgs, models=None) ->
     paths.append(jax.tree_util.keystr(path))
   if models is None:
     models = model_axes_of(params, tx)
-  policy = tx.policy
-  place = Placement(tx.mesh, tx.axis_name, tx.offload)
+  config: ZeroConfig = tx.config
+  policy = config.policy
+  place = Placement(config.mesh, config.axis_name, config.offload)
   leaves = []
   for path, aval, model in zip(paths, avals, models):
     trainable = is_trainable(aval.dtype)
     if trainable:
       policy.check_leaf(path, aval.dtype)
-      if tx.zeropp.active and jnp.issubdtype(aval.dtype, jnp.complexfloating):
+      if config.zeropp.active and jnp.issubdtype(aval.dtype, jnp.complexfloating):
         raise ValueError(
             f"zerojax: param leaf {path} is {aval.dtype}, and ZeRO++ "
-            f"({tx.zeropp}) quantizes real values blockwise; complex leaves "
+            f"({config.zeropp}) quantizes real values blockwise; complex leaves "
             f"are not supported there. Drop zeropp= for a model with complex "
             f"weights.")
-    stacked = _is_stack(tx.stacked, path, aval.shape)
+    stacked = _is_stack(config.stacked, path, aval.shape)
     leaves.append(LeafSpec(
         path, aval, trainable, stacked, tuple(model),
-        param=tx.plan_param(aval.shape, aval.dtype, stacked, model),
-        shard=tx.plan(aval.shape, aval.dtype, stacked, model),
+        param=config.plan_param(aval.shape, aval.dtype, stacked, model),
+        shard=config.plan(aval.shape, aval.dtype, stacked, model),
         compute_dtype=(policy.compute(aval.dtype) if trainable
                        else np.dtype(aval.dtype)),
         master_dtype=policy.master(aval.dtype),
@@ -576,7 +384,7 @@ def make_spec(params, tx: optax.GradientTransformationExtraArgs, models=None) ->
   view = jax.tree.unflatten(params_def, [
       jax.ShapeDtypeStruct(r.aval.shape, r.master_dtype) if r.trainable
       else optax.MaskedNode() for r in leaves])
-  opt_shape = jax.eval_shape(tx.inner.init, view)
+  opt_shape = jax.eval_shape(config.inner.init, view)
   opt_paths_leaves, opt_def = jax.tree_util.tree_flatten_with_path(opt_shape)
   opt_leaves = []
   for p, o in opt_paths_leaves:
@@ -585,7 +393,7 @@ def make_spec(params, tx: optax.GradientTransformationExtraArgs, models=None) ->
     stacked, model = _param_like(leaves, path, aval.shape)
     opt_leaves.append(OptLeafSpec(
         path, _field(p), aval,
-        tx.plan(aval.shape, aval.dtype, stacked, model), place))
+        config.plan(aval.shape, aval.dtype, stacked, model), place))
   return StateSpec(tx, params_def, tuple(leaves), opt_def, tuple(opt_leaves))
 
 

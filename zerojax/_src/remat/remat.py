@@ -142,7 +142,7 @@ class Remat:
 
   ``Remat(...)(fn)`` (or :func:`remat`) wraps ``fn(x, *args) -> out``;
   ``out`` may be ``x``-shaped or a ``(carry, y)`` pair for ``lax.scan``.
-  ``zerojax.nnx.scan`` and ``zerojax.linen.scan_layers`` take one as
+  ``zerojax.nnx.scan_layers`` and ``zerojax.linen.scan_layers`` take one as
   ``remat=``.
   """
 
@@ -447,7 +447,7 @@ def remat(fn: Callable | None = None, *, saves: str | tuple[str, ...] = "input",
 
   ``zerojax.remat(block, partition="model", offload=True)`` returns the
   wrapped ``block``; without ``fn`` it returns the :class:`Remat` (a
-  decorator, and what ``zerojax.nnx.scan`` / ``zerojax.linen.scan_layers``
+  decorator, and what ``zerojax.nnx.scan_layers`` / ``zerojax.linen.scan_layers``
   take as ``remat=``). See :class:`Remat` for the arguments.
 
   Example::

@@ -1,15 +1,14 @@
 """The C heap's free pages handed back to the OS after one-off work.
 
 Building a state compiles programs that run once (the layout, the master
-copy, the optimizer's init). XLA's compiler takes its working memory from
-``malloc``, and glibc keeps what is freed in its arenas: the process holds
-that memory (its resident set) for the rest of the run although nothing
-uses it. On the bench's plain GPT at stage 1 that left 15-24 MiB more
-free heap after ``zerojax.init`` than the GSPMD ZeRO-1 loop's init leaves,
-and a peak RSS above that loop's from then on (``docs/results.md``, "The
-compile heap handed back"; ``experiments/heap_after_init.py``).
-glibc's ``malloc_trim(0)`` returns it; other C libraries have no such call,
-and there this does nothing.
+copy, the optimizer's init), and a step compiles on its first call. XLA's
+compiler takes its working memory from ``malloc``, and glibc keeps what is
+freed in its arenas: the process holds that memory (its resident set) for
+the rest of the run although nothing uses it. glibc's ``malloc_trim(0)``
+returns it; other C libraries have no such call, and there this does
+nothing. It acts on the whole process, so zerojax never calls it on its
+own: a training script calls :func:`zerojax.launch.release_free_heap`
+after ``init`` and after a step's first call.
 """
 
 from __future__ import annotations

@@ -24,19 +24,13 @@ import sys
 import tempfile
 import time
 
+from zerojax._src.runtime.xla_flags import cpu_device_flags
+
 
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
-
-
-def xla_flags(devices: int) -> str:
-  """The caller's ``XLA_FLAGS`` (e.g. combine thresholds, optimisation
-  level) with the fake device count set to ``devices``."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
 
 
 def launch(command, processes: int, devices: int, *, log_dir=None,
@@ -50,7 +44,7 @@ def launch(command, processes: int, devices: int, *, log_dir=None,
   for i in range(processes):
     env = dict(os.environ, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
                ZEROJAX_NUM_PROCESSES=str(processes), ZEROJAX_PROCESS_ID=str(i),
-               XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
+               XLA_FLAGS=cpu_device_flags(devices), JAX_PLATFORMS="cpu")
     if i == 0 and stream:
       out = None
     else:

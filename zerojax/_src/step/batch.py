@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._src.records.mesh import named
-from zerojax._src.records.spec import fresh_copy
+from zerojax._src.step.leaf_ops import fresh_copy
 
 
 

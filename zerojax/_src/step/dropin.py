@@ -43,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.mesh import explicit_names, named
-from zerojax._src.records.spec import (StateSpec, WeightSource, gathered,
+from zerojax._src.step.leaf_ops import WeightSource, grad_view
+from zerojax._src.records.spec import (StateSpec, gathered,
                                       make_spec)
 from zerojax._src.step import update as _update
 from zerojax._src.step.state import reject_deleted, warn_untrained
@@ -216,7 +217,7 @@ def _update_region(spec, static, g_leaves, state, p_leaves, arrays):
     if (tuple(np.shape(g)) == tuple(r.aval.shape)
         and r.aval.shape != r.shard.storage_shape):
       g = r.place.constrain(g, gathered(r.param))
-    g_view.append(r.grad_view(g, spec.stage, where))
+    g_view.append(grad_view(r, g, spec.stage, where))
     w_src.append(WeightSource(p, functools.partial(
         lambda x, r: r.place.constrain(x, r.shard), r=r)))
   updates, new_opt = _update.run_update(

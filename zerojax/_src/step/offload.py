@@ -42,6 +42,7 @@ import numpy as np
 
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.records.spec import StateSpec
+from zerojax._src.step import leaf_ops as _ops
 
 # the state is streamed in chunks of at most 1/CHUNKS of its bytes
 CHUNKS = 16
@@ -127,8 +128,8 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
     w, e = flat[n_g + n_o:2 * n_g + n_o], iter(flat[2 * n_g + n_o:])
     extra = [next(e) if isinstance(x, jax.ShapeDtypeStruct) else x
              for x in e_all]
-    updates, new = spec.inner_update(
-        _view(spec, train, g), jax.tree.unflatten(opt_def, list(o)),
+    updates, new = _ops.inner_update(
+        spec, _view(spec, train, g), jax.tree.unflatten(opt_def, list(o)),
         _view(spec, train, w), jax.tree.unflatten(e_def, extra))
     return jax.tree.leaves(updates), jax.tree.leaves(new)
 
@@ -174,14 +175,14 @@ def _view(spec, train, leaves):
   return spec.optimizer_view(scatter(len(spec.leaves), train, leaves))
 
 
-def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
+def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args, *,
            finish: Callable, opt_def=None):
   """Runs the inner update chunk by chunk (see the module docstring).
 
   Args:
     p: from :func:`plan`.
     g_view: per-param logical gradients on device (None for frozen).
-    w_src: per-param :class:`~zerojax._src.records.spec.WeightSource`
+    w_src: per-param :class:`~zerojax._src.step.leaf_ops.WeightSource`
       (None for frozen).
     opt_raw: the inner state's leaves as stored.
     finish: ``finish(i, w, u)`` -> param ``i``'s results from its weights
@@ -197,7 +198,7 @@ def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
   g_flat = [g_view[i] for i in train]
   results = [None] * len(w_src)
   new_opt = [None] * len(opt_raw)
-  shared = {j: spec.opt_leaves[j].logical(opt_raw[j]) for j in p.shared}
+  shared = {j: _ops.opt_logical(spec.opt_leaves[j], opt_raw[j]) for j in p.shared}
   previous = None
   for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
     raw_w = [w_src[i].raw for i in chunk]
@@ -208,15 +209,15 @@ def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
           ((raw_w, raw_o), previous))
     w = {i: w_src[i].load(x) for i, x in zip(chunk, raw_w)}
     o = dict(shared)
-    o.update({j: spec.opt_leaves[j].logical(x) for j, x in zip(owned, raw_o)})
+    o.update({j: _ops.opt_logical(spec.opt_leaves[j], x) for j, x in zip(owned, raw_o)})
     # the other chunks' leaves: zeros, which no output kept here reads
     # (checked by plan); typed keys have no zeros and are read as they are
     opt_in = [o[j] if j in o else _zeros(spec.opt_leaves[j], opt_raw[j])
               for j in range(len(opt_raw))]
     w_in = [w[i] if i in w else jnp.zeros(a.shape, a.dtype)
             for i, a in ((i, w_src[i].aval) for i in train)]
-    updates, new = spec.inner_update(
-        _view(spec, train, g_flat), jax.tree.unflatten(opt_def, opt_in),
+    updates, new = _ops.inner_update(
+        spec, _view(spec, train, g_flat), jax.tree.unflatten(opt_def, opt_in),
         _view(spec, train, w_in), extra_args)
     u_flat = spec.from_optimizer_view(updates)
     new_leaves = jax.tree.leaves(new)
@@ -225,7 +226,7 @@ def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
       results[i] = finish(i, w[i], u_flat[i])
       outs.append(results[i])
     for j in owned + (p.shared if k == 0 else ()):
-      new_opt[j] = spec.opt_leaves[j].storage(new_leaves[j])
+      new_opt[j] = _ops.opt_storage(spec.opt_leaves[j], new_leaves[j])
       outs.append(new_opt[j])
     previous = outs
   return results, new_opt
@@ -233,7 +234,7 @@ def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args,
 
 def _zeros(o, raw):
   if jax.dtypes.issubdtype(o.aval.dtype, jax.dtypes.extended):
-    return o.logical(raw)
+    return _ops.opt_logical(o, raw)
   return jnp.zeros(o.aval.shape, o.aval.dtype)
 
 

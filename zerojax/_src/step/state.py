@@ -1,11 +1,8 @@
-"""Creating and reading a :class:`~zerojax.ZeroState`: ``init``,
-``init_from`` and the gathers that export it.
-
-Both inits plan the records first (:func:`zerojax._src.records.spec.make_spec`, shapes
-only), then place each leaf straight into its layout: :func:`init` from a
-params tree the caller holds (each device receives only its shard),
-:func:`init_from` by running the initialiser sharded, so no device holds
-the full params. The gathers are the reverse: full, unpadded, replicated.
+"""Creating a :class:`~zerojax.ZeroState` from a params tree the caller
+holds (:func:`init`: each device receives only its shard), and the
+pieces :mod:`zerojax._src.step.init_from` shares: the records are planned
+first (:func:`zerojax._src.records.spec.make_spec`, shapes only), then each
+group of leaves is laid out straight into its layout by one program.
 Non-trainable leaves are said in a warning at init (see :mod:`zerojax._src.records.spec`).
 """
 
@@ -25,11 +22,10 @@ from zerojax._src.comm import buckets as _buckets
 from zerojax._src.comm import gather as _gather
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.records import layout as _layout
-from zerojax._src.records.mesh import auto_region
-from zerojax._src.records.spec import (StateSpec, ZeroState, fresh_copy,
-                                       gathered, is_key_dtype, leaf_dtype,
+from zerojax._src.step.leaf_ops import fresh_copy
+from zerojax._src.records.spec import (StateSpec, ZeroState,
+                                       is_key_dtype, leaf_dtype,
                                        make_spec)
-from zerojax._src.runtime import host_heap
 from zerojax._src.step import offload as _offload
 
 
@@ -48,7 +44,6 @@ def place_leaf(x, layout, spec: StateSpec):
   if jax.process_count() == 1:
     return jax.device_put(host, sharding)
   return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
-
 
 def build_plan(spec: StateSpec, grouped: bool = True):
   """``(groups, owned)``: the param leaves each init program builds (about
@@ -82,7 +77,6 @@ def build_plan(spec: StateSpec, grouped: bool = True):
   for j, p in enumerate(own):
     owned[0 if p is None else where[p]].append(j)
   return groups, owned
-
 
 def stored_params(spec: StateSpec, weights, old=None) -> list:
   """Weights (logical shapes, any float dtype) -> the params as stored.
@@ -141,8 +135,7 @@ def stored_params(spec: StateSpec, weights, old=None) -> list:
     out[i] = f
   return out
 
-
-def _build_group(stored, spec: StateSpec, group, owned):
+def build_group(stored, spec: StateSpec, group, owned):
   """One init program's outputs: the params, master copy (where the
   policy keeps one; else none, so the program allocates no copy the state
   drops) and owned optimizer-state leaves of ``group``, from its leaves in
@@ -169,8 +162,7 @@ def _build_group(stored, spec: StateSpec, group, owned):
   return params, master, [spec.opt_leaves[j].layout.to_storage(opt[j])
                           for j in owned]
 
-
-def _group_shardings(spec: StateSpec, group, owned):
+def group_shardings(spec: StateSpec, group, owned):
   recs = [spec.leaves[i] for i in group]
   keeps_master = spec.policy.has_master
   return ([spec.sharding(r.param) for r in recs],
@@ -178,8 +170,7 @@ def _group_shardings(spec: StateSpec, group, owned):
            if r.trainable and keeps_master],
           [spec.sharding(spec.opt_leaves[j].layout, host=True) for j in owned])
 
-
-def _assemble(spec: StateSpec, parts) -> ZeroState:
+def assemble(spec: StateSpec, parts) -> ZeroState:
   """Per-group outputs -> the state."""
   params = [None] * len(spec.leaves)
   master = [None] * len(spec.leaves)
@@ -197,11 +188,9 @@ def _assemble(spec: StateSpec, parts) -> ZeroState:
       master=spec.optimizer_view(master) if spec.policy.has_master else None,
       opt_state=jax.tree.unflatten(spec.opt_def, opt), spec=spec)
 
-
 @functools.lru_cache(maxsize=8)
 def _zero_step(sharding):
   return jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=sharding)
-
 
 def _replicated(tree, spec: StateSpec):
   """Host or device values, the same on every process -> replicated arrays."""
@@ -217,7 +206,6 @@ def _replicated(tree, spec: StateSpec):
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, rep, lambda i: host[i])
   return jax.tree.map(put, tree)
-
 
 def _root_key(key, where: str):
   """A PRNG key from ``key`` (typed key, raw uint32 key or int seed)."""
@@ -237,7 +225,6 @@ def _root_key(key, where: str):
       f"{where}: key={key!r} is not a PRNG key; pass jax.random.key(seed), "
       f"jax.random.PRNGKey(seed) or an int seed.")
 
-
 def _warn_idle_model_axes(spec: StateSpec, where: str):
   """A model axis no parameter is split over repeats all work along it."""
   used = {a for r in spec.leaves for l in (r.shard, r.param)
@@ -251,7 +238,6 @@ def _warn_idle_model_axes(spec: StateSpec, where: str):
         f"zerojax.linen.model_specs(variables, rules)) (or nnx.model_specs, "
         f"or a tree of PartitionSpec), or drop the axis from the mesh.",
         stacklevel=3)
-
 
 def warn_untrained(spec: StateSpec, where: str):
   """Leaves zerojax carries but does not train are said, not only listed."""
@@ -268,8 +254,7 @@ def warn_untrained(spec: StateSpec, where: str):
       f"model_state (or drop them from the params) to silence this.",
       stacklevel=3)
 
-
-def _with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
+def with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
   warn_untrained(state.spec, where)
   _warn_idle_model_axes(state.spec, where)
   key = _root_key(key, where)
@@ -280,11 +265,7 @@ def _with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
             f"{where}: model_state leaf {jax.tree_util.keystr(path)} is a "
             f"{type(x).__name__}, not an array.")
   extras = _replicated({"key": key, "model_state": model_state}, state.spec)
-  state = state.replace(**extras)
-  # the init programs run once: their compile heap goes back to the OS
-  host_heap.release_free_heap()
-  return state
-
+  return state.replace(**extras)
 
 def _reject_non_params(params, where: str):
   """Module objects and functions are not a params tree: say what to pass."""
@@ -304,7 +285,6 @@ def _reject_non_params(params, where: str):
         f"tree. To build params with a function, sharded as they are "
         f"created, use zerojax.init_from(init_fn, tx, *args); for a module "
         f"object pass its array leaves.")
-
 
 def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
          model_state=None, copy: bool = False) -> ZeroState:
@@ -363,13 +343,11 @@ def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
     p = iter(p)
     p = [held[i] if k else next(p) for i, k in zip(group, keep)]
     parts.append(((group, owned), (p, m, o)))
-  return _with_extras(_assemble(spec, parts), key, model_state, "zerojax.init")
-
+  return with_extras(assemble(spec, parts), key, model_state, "zerojax.init")
 
 def _concrete(x) -> bool:
   """An array with buffers (not a tracer: ``init`` may run under a trace)."""
   return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-
 
 def _held_as_stored(leaves, spec: StateSpec) -> list:
   """Per param leaf, the caller's array as the state's stored param (its
@@ -395,7 +373,6 @@ def _held_as_stored(leaves, spec: StateSpec) -> list:
                 if ok else None)
   return held
 
-
 def deleted_leaf(tree):
   """``(path, array)`` of the first deleted array in ``tree``, or ``None``.
   One pass over the leaves; paths are built only when one is deleted."""
@@ -405,7 +382,6 @@ def deleted_leaf(tree):
     if _concrete(x) and x.is_deleted():
       return jax.tree_util.keystr(path), x
   return None
-
 
 def reject_deleted(tree, where: str, what: str = "state"):
   """Raises a zerojax error naming ``tree``'s first deleted leaf, if any.
@@ -438,100 +414,17 @@ def reject_deleted(tree, where: str, what: str = "state"):
       f"state's params), or build the state with copy=True to keep the "
       f"arrays you pass.")
 
-
 @functools.lru_cache(maxsize=256)
 def _build_jit(spec, group, owned, keep):
   """The init program of one group; its params output leaves out those the
   state holds as the caller passed them (``keep``)."""
-  params, master, opt = _group_shardings(spec, group, owned)
+  params, master, opt = group_shardings(spec, group, owned)
   outs = ([s for s, k in zip(params, keep) if not k], master, opt)
 
   def build(stored):
-    p, m, o = _build_group(stored, spec, group, owned)
+    p, m, o = build_group(stored, spec, group, owned)
     return [x for x, k in zip(p, keep) if not k], m, o
   return jax.jit(spec.region(build, outs), out_shardings=outs)
-
-
-def init_from(init_fn, tx: optax.GradientTransformationExtraArgs, *args, key=None,
-              model_state=None) -> ZeroState:
-  """Builds params with ``init_fn(*args)`` already sharded, then the state.
-
-  Shapes come from ``jax.eval_shape``; then ``jit`` with sharded
-  ``out_shardings`` runs ``init_fn`` and lays out params, master weights and
-  optimizer state, so no device ever holds the full parameters at stage 3
-  (XLA partitions the initialisation), and at stages 1-3 the programs each
-  build about an eighth of the bytes (:func:`init_groups`). Use it for
-  models larger than a device.
-
-  Args:
-    init_fn: a function returning the params pytree, e.g.
-      ``lambda k: model.init(k, x)["params"]``.
-    tx: a :class:`ZeroTransformation`.
-    *args: arguments of ``init_fn`` (e.g. a PRNG key).
-    key, model_state: as for :func:`init`.
-
-  Example:
-    >>> state = zerojax.init_from(lambda k: gpt.init(cfg, k), tx,
-    ...                           jax.random.key(0), key=jax.random.key(1))
-  """
-  if not callable(init_fn):
-    raise TypeError(f"zerojax.init_from: init_fn must be callable, got "
-                    f"{type(init_fn).__name__}; for a params tree use "
-                    f"zerojax.init(params, tx).")
-  spec = make_spec(jax.eval_shape(init_fn, *args), tx)
-  parts = [((group, owned), program(*args))
-           for (group, owned), program in init_programs(spec, init_fn)]
-  return _with_extras(_assemble(spec, parts), key, model_state,
-                      "zerojax.init_from")
-
-
-def init_programs(spec: StateSpec, init_fn) -> list:
-  """``init_from``'s programs: ``((group, owned), jitted)`` per group of
-  param leaves, each ``jitted(*args)`` running ``init_fn`` and laying out
-  that group's params, master copy (if the policy keeps one) and owned
-  optimizer-state leaves (one group for all unless the state is sharded
-  or offloaded)."""
-  # Sharded or offloaded state: one jit per group of leaves. XLA drops the
-  # other leaves' work (their random number generation), so the
-  # initialiser's temporaries and the group's master copy and optimizer
-  # state exist for one group at a time, never for the whole model at once.
-  # Stage 0 replicates everything, so every device ends up holding the whole
-  # state and groups bound nothing: one program (the programs' freed
-  # buffers otherwise stay in the host allocator's arenas and raise a CPU
-  # process's peak RSS; docs/results.md), whose initialiser runs split
-  # over the data axis (_drawn_split) so no device holds a whole draw's
-  # temporaries.
-  grouped = spec.place.offload or spec.stage > 0
-  split = spec.stage == 0 and not spec.place.offload
-  programs = []
-  for group, owned in zip(*build_plan(spec, grouped=grouped)):
-    def build(*a, group=group, owned=owned):
-      leaves = jax.tree.leaves(init_fn(*a))
-      if split:
-        leaves = [_drawn_split(spec, r, x) for r, x in zip(spec.leaves, leaves)]
-      return _build_group([spec.leaves[i].shard.to_storage(leaves[i])
-                           for i in group], spec, group, owned)
-    outs = _group_shardings(spec, group, owned)
-    programs.append(((group, owned), jax.jit(spec.region(build, outs),
-                                             out_shardings=outs)))
-  return programs
-
-
-def _drawn_split(spec: StateSpec, record, x):
-  """A stage-0 param leaf as ``init_fn`` makes it, split over the data
-  axis where a dimension divides evenly: XLA then partitions the
-  initialiser and all-gathers the replicated result, so each device draws
-  ``1/N`` of the leaf (with ``jax_threefry_partitionable``, JAX's default;
-  the values are the same either way), where a replicated initialiser has
-  every device draw every leaf, with every device's temporaries live at
-  once."""
-  layout = _layout.plan_leaf(x.shape, x.dtype, spec.tx.num_shards, 0,
-                             stacked=False, model=record.shard.model,
-                             model_sizes=spec.tx.model_axes)
-  if not layout.sharded or layout.pad:
-    return x
-  return record.place.constrain(x, layout)
-
 
 def init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
   """Consecutive param leaves in groups of at most ``1/parts`` of the
@@ -540,73 +433,3 @@ def init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
   small jits of ``init_fn``, each traced anew."""
   return _offload.byte_groups(
       [r.size * np.dtype(r.aval.dtype).itemsize for r in spec.leaves], parts)
-
-
-def gather_params(state: ZeroState, *, master: bool = False):
-  """The full, unsharded params (replicated on every device).
-
-  Args:
-    state: a :class:`ZeroState`.
-    master: return the master copy (e.g. fp32) where the policy keeps one,
-      instead of the compute-dtype params. Use it for export.
-
-  Returns:
-    A pytree shaped like the params given to :func:`init`.
-  """
-  if not isinstance(state, ZeroState):
-    raise TypeError(f"zerojax.gather_params: expected a ZeroState, got "
-                    f"{type(state).__name__}.")
-  spec = state.spec
-  masters = spec.masters(state.master if master else None)
-  reject_deleted(state, "zerojax.gather_params")
-  return spec.unflatten_params(_gather_weights(
-      jax.tree.leaves(state.params), masters, tuple(spec.leaves)))
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _gather_weights(params, masters, records):
-  """Each leaf's weights (``masters[i]`` where given, else ``params[i]``)
-  full and replicated over the data axis. Keyed on the params' records
-  alone: states of one params layout share the program, whatever their
-  optimizer, and it takes no optimizer state as arguments."""
-  if not records:
-    return []
-
-  def body(params, masters):
-    return [r.place.constrain(r.weights(p, m), gathered(r.param))
-            for p, m, r in zip(params, masters, records)]
-  outs = [r.place.sharding(gathered(r.param)) for r in records]
-  return auto_region(records[0].place.mesh, body, outs)(params, masters)
-
-
-def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
-  """Param leaf ``index`` (``jax.tree.leaves`` order) full and unpadded,
-  replicated; the rest of the state is not touched (export, inspection)."""
-  spec = state.spec
-  m = spec.masters(state.master if master else None)[index]
-  p = None if m is not None else jax.tree.leaves(state.params)[index]
-  reject_deleted([p, m], f"zerojax.gather_leaf({index})", "leaf")
-  return _gather_weights([p], [m], (spec.leaves[index],))[0]
-
-
-def gather_opt_state(state: ZeroState):
-  """The inner optimizer's state, full and unpadded (replicated): what
-  unsharded Optax would hold, e.g. to inspect moments or compare runs."""
-  if not isinstance(state, ZeroState):
-    raise TypeError(f"zerojax.gather_opt_state: expected a ZeroState, got "
-                    f"{type(state).__name__}.")
-  reject_deleted(state, "zerojax.gather_opt_state")
-  return _gather_opt_jit(state.replace(key=None, model_state=None))
-
-
-@jax.jit
-def _gather_opt_jit(state: ZeroState):
-  spec = state.spec
-
-  def body(leaves):
-    return [o.place.constrain(o.layout.to_logical(o.place.fetch(x, o.layout)),
-                              gathered(o.layout))
-            for x, o in zip(leaves, spec.opt_leaves)]
-  outs = [spec.sharding(gathered(o.layout)) for o in spec.opt_leaves]
-  return jax.tree.unflatten(spec.opt_def, spec.region(body, outs)(
-      jax.tree.leaves(state.opt_state)))

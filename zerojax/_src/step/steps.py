@@ -36,13 +36,15 @@ from zerojax._src.records.config import HOST_MEMORY
 from zerojax._src.records.mesh import explain_per_device_errors
 from zerojax._src.records.spec import (StateSpec, ZeroState, leaf_dtype,
                                        tree_difference)
-from zerojax._src.runtime import host_heap
 from zerojax._src.step import aux as _aux
 from zerojax._src.step import grad as _grad
 from zerojax._src.step import update as _update
 from zerojax._src.step.batch import place_batch
 from zerojax._src.step.dropin import ZeroTransformation
-from zerojax._src.step.grad import LossCall
+from zerojax._src.step.gather_mode import gather_mode, gather_spec, run_loss
+from zerojax._src.step.loss_call import (LossArgs, LossCall, LossProgram,
+                                         check_options)
+from zerojax._src.step.reduce import reduce_outputs
 from zerojax._src.step.state import reject_deleted
 
 
@@ -137,7 +139,7 @@ def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
   """``(new state, metrics, (aux_reduced, aux_rows))``; ``found`` learns
   which aux leaves are per-example (:mod:`zerojax._src.step.aux`)."""
   spec = state.spec
-  prog = _grad.LossProgram(spec, loss_fn, loss_call(state), accum_steps,
+  prog = LossProgram(spec, loss_fn, loss_call(state), accum_steps,
                            gather_mode)
   grads, loss, aux, new_ms = _grad.sharded_grads(
       prog, state.params, batch, step_key(state), state.model_state, found)
@@ -163,9 +165,6 @@ class _CompiledStep:
   gather: str
   accum_steps: int
   _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
-  # whether a call has run (and so compiled): set once, after the first
-  _called: list = dataclasses.field(repr=False, compare=False,
-                                    default_factory=list)
 
   def _prepare(self, state, batch):
     check_state(state, self.tx)
@@ -175,13 +174,7 @@ class _CompiledStep:
     """The jitted call; a deleted state leaf is refused first, by path."""
     reject_deleted(state, where)
     with explain_per_device_errors(self.tx.mesh, where):
-      out = self._jitted(state, *args)
-    if not self._called:
-      # the first call compiled the program: its compile heap goes back to
-      # the OS (runtime/host_heap.py) while the step runs
-      self._called.append(True)
-      host_heap.release_free_heap()
-    return out
+      return self._jitted(state, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +325,7 @@ def train_step(
   Returns:
     A :class:`TrainStep`.
   """
-  _grad.check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
+  check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
   if not isinstance(grad_norm, bool):
     raise TypeError(f"zerojax.train_step: grad_norm={grad_norm!r} must be "
                     f"True (report metrics['grad_norm']) or False.")
@@ -363,7 +356,7 @@ def train_step(
 # --------------------------------------------------------------------------
 # evaluation: forward only, the model's own per-layer gathers
 # --------------------------------------------------------------------------
-def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state,
+def _eval_local(prog: LossProgram, leaves, batch, key, model_state,
                 found: _aux.RowDims | None = None):
   """Per-device forward pass: the loss, averaged over the batch axes; with
   ``found`` (``has_aux``), ``(loss, aux_reduced, aux_rows)`` as in
@@ -371,24 +364,24 @@ def _eval_local(prog: _grad.LossProgram, leaves, batch, key, model_state,
   spec = prog.spec
   tx = spec.tx
   hooked = [spec.stage == 3 and r.param.sharded for r in spec.leaves]
-  gspecs = [_grad.gather_spec(spec, r, quantized=False) if h else None
+  gspecs = [gather_spec(spec, r, quantized=False) if h else None
             for r, h in zip(spec.leaves, hooked)]
   # A sink of the shard's shape (never differentiated, so never computed).
   sinks = [jnp.zeros(r.param.shard_shape(tx.num_shards), r.reduce_dtype)
            if h else None for r, h in zip(spec.leaves, hooked)]
   if key is not None:
     key = jax.random.fold_in(key, jax.lax.axis_index(tx.batch_axes))
-  mode, reason = _grad.gather_mode(prog, leaves, sinks, hooked, gspecs,
-                                   batch, key, model_state, "eval step")
+  how = gather_mode(prog, leaves, sinks, gspecs,
+                    LossArgs(batch, key, model_state), "eval step")
   def run(batch):
-    return _grad.run_loss(prog, leaves, sinks, hooked, gspecs, mode, batch,
-                          key, model_state, reason, "eval step")
+    return run_loss(prog, leaves, sinks, gspecs, how,
+                    LossArgs(batch, key, model_state), what="eval step")
   loss, _, aux = run(batch)
   if found is None:
     return jax.lax.pmean(loss, tx.batch_axes)
   dims = _aux.row_dims(aux, lambda mb: run(mb)[2], batch)
   found.set(dims)
-  loss, reduced, rows, _ = _grad.reduce_outputs(
+  loss, reduced, rows, _ = reduce_outputs(
       loss, aux, None, tx.batch_axes, 1.0 / tx.batch_shards, dims)
   return loss, reduced, rows
 
@@ -432,7 +425,7 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
   in batch order (sharded by rows), batch means averaged, counts summed.
   Otherwise an aux the loss returns is dropped.
   """
-  _grad.check_options(loss_fn, gather, 1, "zerojax.eval_step")
+  check_options(loss_fn, gather, 1, "zerojax.eval_step")
   if not isinstance(has_aux, bool):
     raise TypeError(f"zerojax.eval_step: has_aux={has_aux!r} must be True "
                     f"(return (mean loss, aux)) or False.")
@@ -454,13 +447,13 @@ def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
                     has_model_state=state.model_state is not None,
                     has_aux=True if has_aux and state.model_state is None
                     else None)
-    prog = _grad.LossProgram(state.spec, loss_fn, call, gather=gather)
+    prog = LossProgram(state.spec, loss_fn, call, gather=gather)
+    args = LossArgs(batch, step_key(state), state.model_state)
     if found is None:
-      return _grad.over_batch_axes(prog, _eval_local, P(), state.params,
-                                   batch, step_key(state), state.model_state)
+      return _grad.over_batch_axes(prog, _eval_local, P(), state.params, args)
     return _grad.over_batch_axes(
         prog, functools.partial(_eval_local, found=found),
         (P(), P(), _aux.rows_spec(prog.spec.tx.batch_axes)), state.params,
-        batch, step_key(state), state.model_state)
+        args)
   return EvalStep(loss_fn=loss_fn, tx=tx, gather=gather, accum_steps=1,
                   _jitted=jax.jit(run))

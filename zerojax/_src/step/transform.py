@@ -55,7 +55,7 @@ def zero(
     policy: mixed-precision :class:`Policy`; default keeps leaf dtypes.
     min_shard_size: leaves with fewer elements stay replicated (DeepSpeed's
       ``stage3_param_persistence_threshold``); they are listed as such by
-      :func:`zerojax.layout_table`. Default 0: shard every non-scalar
+      :func:`zerojax.diagnostics.layout_table`. Default 0: shard every non-scalar
       floating leaf.
     stacked: which leaves are layer stacks (a ``lax.scan`` slices their
       leading dimension, so it is never the sharded one). ``None`` (default)

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._src.records.mesh import compute_mesh, in_caller_types
 from zerojax._src.records.spec import StateSpec, ZeroState
+from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload as _offload
 from zerojax._src.step import state as _state
 
@@ -38,7 +39,7 @@ def _check_opt(spec: StateSpec, opt_storage):
   return leaves
 
 
-def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
+def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args, *,
                finish, opt_def=None):
   """The inner Optax update, then ``finish(i, w, u)`` per trained param.
 
@@ -49,7 +50,7 @@ def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
 
   Args:
     g_view: per-param logical gradients (None for frozen leaves).
-    w_src: per-param :class:`~zerojax._src.records.spec.WeightSource`
+    w_src: per-param :class:`~zerojax._src.step.leaf_ops.WeightSource`
       (None for frozen).
     opt_storage: the inner state as stored.
     finish: ``finish(i, w, u)`` -> param ``i``'s results from its weights
@@ -72,20 +73,21 @@ def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args,
                      else x, extra_args), opt_def)
     if p is not None:
       return _offload.stream(spec, p, g_view, w_src, leaves, extra_args,
-                             finish, opt_def)
+                             finish=finish, opt_def=opt_def)
   opt_def = spec.opt_def if opt_def is None else opt_def
   opt_logical = jax.tree.unflatten(opt_def, [
-      o.logical(x) for x, o in zip(leaves, spec.opt_leaves)])
+      _ops.opt_logical(o, x) for x, o in zip(leaves, spec.opt_leaves)])
   w_view = [None if s is None else s.load(s.raw) for s in w_src]
   g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
-  updates, new_opt = spec.inner_update(g_tree, opt_logical, w_tree,
+  updates, new_opt = _ops.inner_update(spec, g_tree, opt_logical, w_tree,
                                        extra_args)
   new_leaves = jax.tree.leaves(new_opt)
   if len(new_leaves) != len(spec.opt_leaves):
     raise ValueError(
         "zerojax: the inner optimizer's update returned a state with "
         f"{len(new_leaves)} leaves, its init {len(spec.opt_leaves)}.")
-  new_leaves = [o.storage(x) for x, o in zip(new_leaves, spec.opt_leaves)]
+  new_leaves = [_ops.opt_storage(o, x)
+                for x, o in zip(new_leaves, spec.opt_leaves)]
   updates = spec.from_optimizer_view(updates)
   return [None if s is None else finish(i, w_view[i], updates[i])
           for i, s in enumerate(w_src)], new_leaves
@@ -140,26 +142,26 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   storage or logical; ``None`` for frozen). Returns ``(state, grad_norm)``.
 
   Four calls: the records give the optimizer's inputs
-  (:meth:`StateSpec.update_inputs`; a complex leaf's gradient conjugated,
+  (:func:`~zerojax._src.step.leaf_ops.update_inputs`; a complex leaf's gradient conjugated,
   Optax's convention), whose global norm is the step's metric; the inner
   optimizer runs (:func:`run_update`; streamed when offloaded); the new
   weights are laid out as the params are stored
   (:func:`~zerojax._src.step.state.stored_params`: all-gathered at stages
-  1-2) and go into the state (:meth:`StateSpec.after_update`)."""
+  1-2) and go into the state (:func:`~zerojax._src.step.leaf_ops.after_update`)."""
   spec = state.spec
-  g_view, w_src = spec.update_inputs(state, grads, where)
+  g_view, w_src = _ops.update_inputs(spec, state, grads, where)
   grad_norm = _global_norm(
       [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None],
       spec.place.mesh)
   keep_master = state.master is not None
   done, new_opt = run_update(
       spec, g_view, w_src, state.opt_state, extra_args,
-      lambda i, w, u: spec.leaves[i].apply_update(w, u, keep_master))
+      finish=lambda i, w, u: _ops.apply_update(spec.leaves[i], w, u, keep_master))
   done = [(None, None) if d is None else d for d in done]
   params = _state.stored_params(spec, [w for _, w in done],
                                 jax.tree.leaves(state.params))
-  return spec.after_update(state, [m for m, _ in done], params,
-                           new_opt), grad_norm
+  return _ops.after_update(spec, state, [m for m, _ in done], params,
+                          new_opt), grad_norm
 
 
 NORM_BLOCKS = 16       # most blocks a whole gradient's norm is summed in

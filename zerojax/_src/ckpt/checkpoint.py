@@ -28,7 +28,6 @@ stage 0 on 1, with no offline conversion step.
 
 from __future__ import annotations
 
-
 import pathlib
 
 import jax
@@ -43,7 +42,7 @@ from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import (StateSpec, ZeroState, is_key_dtype,
                                        make_spec)
 from zerojax._src.step.dropin import ZeroTransformation
-from zerojax._src.step.state import gather_leaf, reject_deleted
+from zerojax._src.step.state import reject_deleted
 
 FORMAT = "zerojax-checkpoint-1"
 
@@ -236,7 +235,7 @@ class Checkpointer:
       raise CheckpointError(
           f"zerojax checkpoint {self.directory}/{step}: its layout metadata "
           f"could not be read ({type(e).__name__}: {e}). The step may be "
-          f"corrupted; restore another step (available: {self.all_steps()}).")
+          f"corrupted; restore another step (available: {self.all_steps()}).") from e
     meta = out["meta"]
     if meta.get("format") != FORMAT:
       raise CheckpointError(f"zerojax checkpoint {self.directory}/{step} has "
@@ -480,33 +479,3 @@ def _convert(tree: dict, source: StateSpec, target: StateSpec) -> ZeroState:
       target.opt_leaves)]
   return ZeroState(step=tree["step"], params=new_params, master=new_master,
                    opt_state=jax.tree.unflatten(target.opt_def, opt), spec=target)
-
-
-def export_params(state: ZeroState, path=None):
-  """Consolidated, unsharded full-precision params.
-
-  The fp32 master copy where the policy keeps one, else the params, gathered
-  to every host as NumPy arrays (zerojax's ``zero_to_fp32``). With ``path``,
-  also written in Orbax's standard format, which loads without zerojax::
-
-      params = orbax.checkpoint.StandardCheckpointer().restore(path)
-
-  One leaf at a time: each is gathered, copied to host memory and released
-  before the next, so the devices never hold the whole model unsharded
-  (only the host's NumPy result does).
-
-  Returns:
-    The params pytree (same structure as given to ``zerojax.init``) of NumPy
-    arrays.
-  """
-
-  reject_deleted(state, "zerojax.checkpoint.export_params")
-  full = state.spec.unflatten_params([
-      np.asarray(gather_leaf(state, i, master=True))
-      for i in range(len(state.spec.leaves))])
-  if path is not None:
-    path = pathlib.Path(path).absolute()
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(path, full)
-      ckptr.wait_until_finished()
-  return full

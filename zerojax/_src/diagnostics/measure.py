@@ -29,7 +29,7 @@ def _memory_kind(x) -> str:
 
 def layout_rows(state: ZeroState) -> list[dict]:
   """One row per state leaf: path, shapes, sharding, bytes per device."""
-  reject_deleted(state, "zerojax.layout_rows")
+  reject_deleted(state, "zerojax.diagnostics.layout_rows")
   spec = state.spec
   rows = []
   sections = [("params", [(r.param, "params") for r in spec.leaves]),
@@ -68,7 +68,7 @@ def layout_rows(state: ZeroState) -> list[dict]:
 
 def layout_table(state: ZeroState) -> str:
   """A printable table of :func:`layout_rows`, with totals per category."""
-  reject_deleted(state, "zerojax.layout_table")
+  reject_deleted(state, "zerojax.diagnostics.layout_table")
   rows = layout_rows(state)
   head = ("path", "shape", "dtype", "sharding", "bytes/device")
   body = [(r["path"], "x".join(map(str, r["shape"])) or "()", r["dtype"],
@@ -117,11 +117,11 @@ def state_bytes(state: ZeroState) -> dict[str, int]:
 
 def theory_bytes(state: ZeroState) -> dict[str, float]:
   """ZeRO's per-device bytes for this state's stage, by category
-  (:func:`zerojax._src.diagnostics.cost.state_bytes`, ideal reading).
+  (:func:`zerojax._src.diagnostics.cost.stage_state_bytes`, ideal reading).
 
   Logical (unpadded) bytes, divided by N where the stage shards the
   category: params at stage 3; master and optimizer state at stages 1-3.
   Also ``grads``: the gradient buffer in ``reduce_dtype``, transient within
   a step (full at stages 0-1, 1/N at 2-3).
   """
-  return cost.state_bytes(state.spec, ideal=True)
+  return cost.stage_state_bytes(state.spec, ideal=True)

@@ -1,2 +1,0 @@
-"""``zerojax.models.gpt``: the reference GPT, kept at its earlier spelling;
-it lives in :mod:`zerojax.app.gpt` (the application)."""
