@@ -98,37 +98,51 @@ def worker(args) -> dict:
   import optax
 
   import zerojax
-  from zerojax.app import data
-  from zerojax.app import gpt
+  from zerojax.app import data, gpt
+
   # zerojax's path hands the compile heap back after init and after the
   # step's first call (zerojax.launch.release_free_heap), unless switched off
-  release = (zerojax.launch.release_free_heap if args.heap_release != "off"
-             else lambda: False)
+  release = (
+    zerojax.launch.release_free_heap
+    if args.heap_release != "off"
+    else lambda: False
+  )
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
 
   rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   page = os.sysconf("SC_PAGE_SIZE")
 
-  def mark(name):          # peak and current RSS where each phase ends
-    try:                   # current RSS: Linux only
+  def mark(name):  # peak and current RSS where each phase ends
+    try:  # current RSS: Linux only
       with open("/proc/self/statm") as f:
         current = int(f.read().split()[1]) * page
     except OSError:
       current = None
     milestones[name] = {"peak": rss(), "current": current}
+
   milestones = {}
   jax.devices()
   rss_runtime = rss()
-  model = gpt.GPTConfig(vocab=args.vocab, width=args.width, depth=args.depth,
-                        heads=args.heads, seq_len=args.seq_len)
+  model = gpt.GPTConfig(
+    vocab=args.vocab,
+    width=args.width,
+    depth=args.depth,
+    heads=args.heads,
+    seq_len=args.seq_len,
+  )
   bf16 = args.precision == "bf16"
   optimizer = optax.adamw(1e-3)
-  if args.model == "plain":     # a user's plain-JAX GPT: no zerojax.gather
+  if args.model == "plain":  # a user's plain-JAX GPT: no zerojax.gather
     import plain_gpt
-    init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
-                                width=args.width, depth=args.depth,
-                                seq_len=args.seq_len)
+
+    init_fn = functools.partial(
+      plain_gpt.init,
+      vocab=args.vocab,
+      width=args.width,
+      depth=args.depth,
+      seq_len=args.seq_len,
+    )
     loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
     gather_mode = "auto"
   else:
@@ -141,25 +155,40 @@ def worker(args) -> dict:
     full_loss = loss_fn
 
     def loss_fn(params, batch):
-      params = dict(params, blocks=jax.tree.map(
-          lambda x: x.astype(args.block_dtype), params["blocks"]))
+      params = dict(
+        params,
+        blocks=jax.tree.map(
+          lambda x: x.astype(args.block_dtype), params["blocks"]
+        ),
+      )
       return full_loss(params, batch)
+
   key = jax.random.key(0)
   n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_fn, key)))
   tokens, _ = data.split(data.corpus_bytes())
-  batch_at = lambda i: data.batch_at(tokens, seed=0, step=i, batch=args.batch,
-                                     seq_len=args.seq_len)
-  mesh = zerojax.make_mesh(axis_types={
+  batch_at = lambda i: data.batch_at(
+    tokens, seed=0, step=i, batch=args.batch, seq_len=args.seq_len
+  )
+  mesh = zerojax.make_mesh(
+    axis_types={
       "explicit": jax.sharding.AxisType.Explicit,
-      "auto": jax.sharding.AxisType.Auto}[args.axis_types])
+      "auto": jax.sharding.AxisType.Auto,
+    }[args.axis_types]
+  )
   shard_bytes = lambda tree: {
-      jax.tree_util.keystr(path): int(x.addressable_shards[0].data.nbytes)
-      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    jax.tree_util.keystr(path): int(x.addressable_shards[0].data.nbytes)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
   def born_on_mesh():
     # a script's params: a jitted init under the mesh, replicated on it
-    return jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec()))(key)
+    return jax.jit(
+      init_fn,
+      out_shardings=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()
+      ),
+    )(key)
+
   # the peers' params are born as the zerojax stages' are: on one device
   # for --init from (init_from needs none), on the mesh otherwise
   peer_params = (lambda: init_fn(key)) if args.init == "from" else born_on_mesh
@@ -169,15 +198,21 @@ def worker(args) -> dict:
     params = born_on_mesh()
     peer_params = lambda: params
 
-  if args.config.rstrip("b").isdigit():           # zerojax stage
+  if args.config.rstrip("b").isdigit():  # zerojax stage
     stage = int(args.config.rstrip("b"))
-    policy = zerojax.Policy(param_dtype=jnp.bfloat16) if bf16 else zerojax.Policy()
+    policy = (
+      zerojax.Policy(param_dtype=jnp.bfloat16) if bf16 else zerojax.Policy()
+    )
     # "3b": only the scanned blocks are layer stacks, so the embeddings and
     # the head may be sharded along their leading (major) dimension
-    stacked = ((lambda path, shape: "blocks" in path)
-               if args.config.endswith("b") else None)
-    tx = zerojax.zero(optimizer, stage=stage, mesh=mesh, policy=policy,
-                      stacked=stacked)
+    stacked = (
+      (lambda path, shape: "blocks" in path)
+      if args.config.endswith("b")
+      else None
+    )
+    tx = zerojax.zero(
+      optimizer, stage=stage, mesh=mesh, policy=policy, stacked=stacked
+    )
     if args.init == "from":
       # created sharded under jit: no device ever holds the full model
       state = zerojax.init_from(init_fn, tx, key)
@@ -199,29 +234,39 @@ def worker(args) -> dict:
     mark("compiled")
     run_step = lambda st, b: step(st, b)
     name = f"zerojax stage {stage}" + (" (stacks: blocks)" if stacked else "")
-  else:              # a plain-jit loop: the Optax drop-in or a GSPMD peer
+  else:  # a plain-jit loop: the Optax drop-in or a GSPMD peer
     stage, n = None, 8
     if args.config.startswith("dropin"):
       d_stage = int(args.config[-1])
       if bf16:
-        raise SystemExit("the drop-in keeps no master copy: use --precision fp32")
+        raise SystemExit(
+          "the drop-in keeps no master copy: use --precision fp32"
+        )
       tx = zerojax.zero(optimizer, stage=d_stage, mesh=mesh)
       rep_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-      data_s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-      p = jax.device_put(peer_params(), rep_s)    # a DP loop's params
+      data_s = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("data")
+      )
+      p = jax.device_put(peer_params(), rep_s)  # a DP loop's params
       o = tx.init(p)
 
       @jax.jit
-      def jitted(params, opt_state, batch):               # the user's own loop
+      def jitted(params, opt_state, batch):  # the user's own loop
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
       put = lambda b: jax.device_put(b, data_s)
       like, name = 1, f"Optax drop-in, stage {d_stage}"
     else:
-      jitted, p, o = peers.make_peer(args.config, loss_fn, optimizer,
-                                     peer_params(), mesh,
-                                     compute_dtype=jnp.bfloat16 if bf16 else None)
+      jitted, p, o = peers.make_peer(
+        args.config,
+        loss_fn,
+        optimizer,
+        peer_params(),
+        mesh,
+        compute_dtype=jnp.bfloat16 if bf16 else None,
+      )
       put = lambda b: b
       like = {"fsdp": 3, "dp": 0}.get(args.config, 1)
       name = f"GSPMD peer: {args.config}"
@@ -243,28 +288,40 @@ def worker(args) -> dict:
     def run_step(st, b):
       p, o, m = jitted(st[0], st[1], put(b))
       return (p, o), m
+
     pb, ob = shard_bytes(p), shard_bytes(o)
     measured = {"params": sum(pb.values())}
     for k, v in ob.items():
-      cat = "opt_state." + k.split(".")[-1].split("[")[0] if "." in k else "opt_state"
+      cat = (
+        "opt_state." + k.split(".")[-1].split("[")[0]
+        if "." in k
+        else "opt_state"
+      )
       measured[cat] = measured.get(cat, 0) + v
-    theory_state = {"params": 4 * n_params / (n if like == 3 else 1),
-                    "opt_state.mu": 4 * n_params / (n if like else 1),
-                    "opt_state.nu": 4 * n_params / (n if like else 1)}
-    theory_elems = ({"reduce-scatter": n_params, "all-gather": 2 * n_params}
-                    if like == 3 else
-                    {"reduce-scatter": n_params, "all-gather": n_params}
-                    if like == 1 else {"all-reduce": n_params})
+    theory_state = {
+      "params": 4 * n_params / (n if like == 3 else 1),
+      "opt_state.mu": 4 * n_params / (n if like else 1),
+      "opt_state.nu": 4 * n_params / (n if like else 1),
+    }
+    theory_elems = (
+      {"reduce-scatter": n_params, "all-gather": 2 * n_params}
+      if like == 3
+      else {"reduce-scatter": n_params, "all-gather": n_params}
+      if like == 1
+      else {"all-reduce": n_params}
+    )
     mem = compiled.memory_analysis()
     argument = mem.argument_size_in_bytes
-    xla_memory = {"argument": mem.argument_size_in_bytes,
-                  "output": mem.output_size_in_bytes,
-                  "temp": mem.temp_size_in_bytes,
-                  "alias": mem.alias_size_in_bytes}
+    xla_memory = {
+      "argument": mem.argument_size_in_bytes,
+      "output": mem.output_size_in_bytes,
+      "temp": mem.temp_size_in_bytes,
+      "alias": mem.alias_size_in_bytes,
+    }
 
-  state, metrics = run_step(state, batch_at(0))        # warm-up
+  state, metrics = run_step(state, batch_at(0))  # warm-up
   jax.block_until_ready(metrics)
-  if args.config.rstrip("b").isdigit():           # a zerojax stage
+  if args.config.rstrip("b").isdigit():  # a zerojax stage
     release()
   mark("first step")
   times = []
@@ -275,23 +332,26 @@ def worker(args) -> dict:
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t)
   usage1 = resource.getrusage(resource.RUSAGE_SELF)
-  peak_rss = rss()                               # before the checkpoint phase
+  peak_rss = rss()  # before the checkpoint phase
   mark("steps")
-  if stage is not None:          # zerojax: what the compiled step holds
+  if stage is not None:  # zerojax: what the compiled step holds
     rep = zerojax.report(step, state, batch_at(0))
     measured = rep.state_bytes
-    theory_state = {k: v for k, v in rep.theory_state_bytes.items()
-                    if k != "grads"}
+    theory_state = {
+      k: v for k, v in rep.theory_state_bytes.items() if k != "grads"
+    }
     coll_bytes, coll_elems = rep.collective_bytes, rep.collective_elements
     theory_elems = rep.theory_collective_elements
     argument = rep.xla_memory["argument"]
     xla_memory = rep.xla_memory
     launches = [c["count"] for c in rep.collectives]
   ckpt_cost = None
-  if stage is not None:                          # checkpoint cost (zerojax)
+  if stage is not None:  # checkpoint cost (zerojax)
     import shutil
     import tempfile
+
     from zerojax import checkpoint
+
     where = pathlib.Path(tempfile.mkdtemp(prefix="zerojax_bench_ckpt_"))
     try:
       t = time.perf_counter()
@@ -300,45 +360,61 @@ def worker(args) -> dict:
       save_s = time.perf_counter() - t
       t = time.perf_counter()
       with checkpoint.Checkpointer(where) as ckpt:
-        restored, _ = ckpt.restore(
-            jax.eval_shape(init_fn, key), tx)
+        restored, _ = ckpt.restore(jax.eval_shape(init_fn, key), tx)
         jax.block_until_ready(restored)
       restore_s = time.perf_counter() - t
       disk = sum(f.stat().st_size for f in where.rglob("*") if f.is_file())
       logical = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-      ckpt_cost = {"save_s": save_s, "restore_s": restore_s,
-                   "bytes_on_disk": disk, "state_bytes_global": logical}
+      ckpt_cost = {
+        "save_s": save_s,
+        "restore_s": restore_s,
+        "bytes_on_disk": disk,
+        "state_bytes_global": logical,
+      }
     finally:
       shutil.rmtree(where, ignore_errors=True)
   return {
-      "checkpoint": ckpt_cost,
-      "name": name + ("" if args.axis_types == "explicit" or not (
-          stage is not None or args.config.startswith("dropin"))
-          else f" [{args.axis_types}]"),
-      "config": args.config, "stage": stage, "n_devices": 8,
-      "init": args.init,
-      "axis_types": args.axis_types,
-      "n_params": n_params, "precision": args.precision,
-      "step_time_s": float(np.median(times)), "compile_s": compile_s,
-      # the timed steps' process CPU seconds (all device threads, user +
-      # system) and minor page faults (pages first touched: XLA CPU's
-      # buffers above glibc's mmap threshold are mapped anew each run)
-      "cpu_s_per_step": (usage1.ru_utime - usage0.ru_utime + usage1.ru_stime
-                         - usage0.ru_stime) / args.steps,
-      "minor_faults_per_step": (usage1.ru_minflt - usage0.ru_minflt)
-                               // args.steps,
-      "peak_rss_bytes": peak_rss, "runtime_rss_bytes": rss_runtime,
-      "rss_milestones": milestones,
-      "argument_bytes_per_device": argument,
-      "xla_memory": xla_memory,
-      "state_bytes_per_device": measured,
-      "theory_state_bytes_per_device": theory_state,
-      "collective_bytes": coll_bytes, "collective_elements": coll_elems,
-      # collective instructions in the compiled step, and how many times
-      # they run per step (a loop body's once per iteration)
-      "collective_ops": len(launches), "collective_launches": sum(launches),
-      "theory_collective_elements": theory_elems,
-      "final_loss": float(metrics["loss"]),
+    "checkpoint": ckpt_cost,
+    "name": name
+    + (
+      ""
+      if args.axis_types == "explicit"
+      or not (stage is not None or args.config.startswith("dropin"))
+      else f" [{args.axis_types}]"
+    ),
+    "config": args.config,
+    "stage": stage,
+    "n_devices": 8,
+    "init": args.init,
+    "axis_types": args.axis_types,
+    "n_params": n_params,
+    "precision": args.precision,
+    "step_time_s": float(np.median(times)),
+    "compile_s": compile_s,
+    # the timed steps' process CPU seconds (all device threads, user +
+    # system) and minor page faults (pages first touched: XLA CPU's
+    # buffers above glibc's mmap threshold are mapped anew each run)
+    "cpu_s_per_step": (
+      usage1.ru_utime - usage0.ru_utime + usage1.ru_stime - usage0.ru_stime
+    )
+    / args.steps,
+    "minor_faults_per_step": (usage1.ru_minflt - usage0.ru_minflt)
+    // args.steps,
+    "peak_rss_bytes": peak_rss,
+    "runtime_rss_bytes": rss_runtime,
+    "rss_milestones": milestones,
+    "argument_bytes_per_device": argument,
+    "xla_memory": xla_memory,
+    "state_bytes_per_device": measured,
+    "theory_state_bytes_per_device": theory_state,
+    "collective_bytes": coll_bytes,
+    "collective_elements": coll_elems,
+    # collective instructions in the compiled step, and how many times
+    # they run per step (a loop body's once per iteration)
+    "collective_ops": len(launches),
+    "collective_launches": sum(launches),
+    "theory_collective_elements": theory_elems,
+    "final_loss": float(metrics["loss"]),
   }
 
 
@@ -346,20 +422,45 @@ def fsdp2(args) -> dict:
   """PyTorch FSDP2 on the same GPT: export the initial params and batches
   (JAX, its own process), then train under torchrun with 8 gloo ranks."""
   import tempfile
+
   try:
     import torch  # noqa: F401
   except ImportError:
     sys.exit("fsdp2 needs torch: pip install -e '.[bench]' (torch 2.13.0, CPU)")
   script = str(pathlib.Path(__file__).parent / "fsdp2_peer.py")
-  flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-           ("width", "vocab", "depth", "heads", "seq_len", "batch", "steps", "precision")]
+  flags = [
+    f"--{k.replace('_', '-')}={getattr(args, k)}"
+    for k in (
+      "width",
+      "vocab",
+      "depth",
+      "heads",
+      "seq_len",
+      "batch",
+      "steps",
+      "precision",
+    )
+  ]
   if args.block_dtype:
     sys.exit("fsdp2: --block-dtype is not mirrored in the torch model")
   with tempfile.TemporaryDirectory(prefix="zerojax_fsdp2_") as where:
-    for cmd in ([sys.executable, script, "--export", where],
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "8", script, "--train-from", where]):
-      out = subprocess.run(cmd + flags, capture_output=True, text=True, check=False)
+    for cmd in (
+      [sys.executable, script, "--export", where],
+      [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "8",
+        script,
+        "--train-from",
+        where,
+      ],
+    ):
+      out = subprocess.run(
+        cmd + flags, capture_output=True, text=True, check=False
+      )
       if out.returncode:
         sys.exit(f"fsdp2 failed:\n{out.stderr[-3000:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -367,37 +468,65 @@ def fsdp2(args) -> dict:
 
 def table(runs) -> str:
   mib = lambda x: f"{x / 2**20:,.2f}"
-  head = ("config", "step s", "vs stage 0", "peak RSS MiB", "net of runtime MiB",
-          "state MiB/dev (theory)",
-          "AR MiB", "RS MiB", "AG MiB", "coll elems / theory", "final loss")
+  head = (
+    "config",
+    "step s",
+    "vs stage 0",
+    "peak RSS MiB",
+    "net of runtime MiB",
+    "state MiB/dev (theory)",
+    "AR MiB",
+    "RS MiB",
+    "AG MiB",
+    "coll elems / theory",
+    "final loss",
+  )
   base = next((r["step_time_s"] for r in runs if r["config"] == "0"), None)
   rows = []
   for r in runs:
     state = sum(r["state_bytes_per_device"].values())
     theory = sum(r["theory_state_bytes_per_device"].values())
-    cb, ce, te = (r["collective_bytes"], r["collective_elements"],
-                  r["theory_collective_elements"])
+    cb, ce, te = (
+      r["collective_bytes"],
+      r["collective_elements"],
+      r["theory_collective_elements"],
+    )
     ratio = sum(ce.get(k, 0) for k in te) / sum(te.values())
-    rows.append((r["name"], f"{r['step_time_s']:.3f}",
-                 f"{r['step_time_s'] / base:.2f}x" if base else "",
-                 mib(r["peak_rss_bytes"]),
-                 mib(r["peak_rss_bytes"] - r["runtime_rss_bytes"]),
-                 f"{mib(state)} ({mib(theory)})",
-                 mib(cb.get("all-reduce", 0)), mib(cb.get("reduce-scatter", 0)),
-                 mib(cb.get("all-gather", 0)), f"{ratio:.3f}",
-                 f"{r['final_loss']:.5f}"))
+    rows.append(
+      (
+        r["name"],
+        f"{r['step_time_s']:.3f}",
+        f"{r['step_time_s'] / base:.2f}x" if base else "",
+        mib(r["peak_rss_bytes"]),
+        mib(r["peak_rss_bytes"] - r["runtime_rss_bytes"]),
+        f"{mib(state)} ({mib(theory)})",
+        mib(cb.get("all-reduce", 0)),
+        mib(cb.get("reduce-scatter", 0)),
+        mib(cb.get("all-gather", 0)),
+        f"{ratio:.3f}",
+        f"{r['final_loss']:.5f}",
+      )
+    )
   widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-  line = lambda cols: "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
-  return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                   + [line(r) for r in rows])
+  line = lambda cols: (
+    "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
+  )
+  return "\n".join(
+    [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    + [line(r) for r in rows]
+  )
 
 
 def charts(runs, outdir):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  names = [r["name"].replace("zerojax ", "").replace("GSPMD peer: ", "peer ")
-           for r in runs]
+
+  names = [
+    r["name"].replace("zerojax ", "").replace("GSPMD peer: ", "peer ")
+    for r in runs
+  ]
   cats = sorted({c for r in runs for c in r["state_bytes_per_device"]})
   fig, ax = plt.subplots(figsize=(8, 4))
   bottom = [0.0] * len(runs)
@@ -422,94 +551,156 @@ def charts(runs, outdir):
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--width", type=int, default=256)
-  p.add_argument("--vocab", type=int, default=256,
-                 help="output classes (the data are bytes; e.g. 50257 for "
-                      "GPT-2's unstacked head and embedding shapes)")
+  p.add_argument(
+    "--vocab",
+    type=int,
+    default=256,
+    help="output classes (the data are bytes; e.g. 50257 for "
+    "GPT-2's unstacked head and embedding shapes)",
+  )
   p.add_argument("--depth", type=int, default=8)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--seq-len", type=int, default=128)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--precision", choices=["bf16", "fp32"], default="fp32")
-  p.add_argument("--model", choices=["gpt", "plain"], default="gpt",
-                 help="gpt: zerojax's reference GPT (calls zerojax.gather per "
-                      "layer); plain: experiments/plain_gpt.py, a plain-JAX "
-                      "GPT that never calls zerojax (a user who wraps only "
-                      "the optimizer)")
-  p.add_argument("--init", choices=["from", "params", "params-copy"],
-                 default="from",
-                 help="how the zerojax stages build their state: from: "
-                      "zerojax.init_from(init_fn, tx, key), built sharded; "
-                      "params: zerojax.init(params, tx) on params a jitted "
-                      "init made replicated on the mesh, the name kept bound "
-                      "for the whole run (a script's way; at stage 3 the "
-                      "caller's replicated copy then stays alive, as it is "
-                      "the caller's); params-copy: the same with copy=True "
-                      "(the state copies, the caller's arrays stay valid). "
-                      "The peers' params are born as the stages' are: on "
-                      "one device for from, on the mesh otherwise, where "
-                      "the peer's script keeps the name bound too (the "
-                      "FSDP peer then holds the replicated copy beside its "
-                      "shards, as stage 3 does)")
-  p.add_argument("--block-dtype", choices=["bfloat16"], default=None,
-                 help="fp32 params cast to this dtype inside the loss for "
-                      "the transformer blocks (every configuration alike)")
-  p.add_argument("--configs", default="0,dp,1,zero1,2,3,fsdp,dropin1",
-                 help="zerojax stages and peers to run: GSPMD fsdp, zero1, dp; "
-                      "PyTorch FSDP2 fsdp2 (needs the [bench] extra)")
-  p.add_argument("--axis-types", choices=["explicit", "auto", "both"],
-                 default="explicit",
-                 help="the mesh's axis types (jax.make_mesh gives Explicit); "
-                      "'both' runs each zerojax configuration on each, side "
-                      "by side, and prints the Explicit / Auto step-time "
-                      "ratio (peers are GSPMD code: Auto either way)")
-  p.add_argument("--repeat", type=int, default=1,
-                 help="rounds of every configuration, interleaved (each in "
-                      "a fresh process); peak RSS and step time are the "
-                      "medians over rounds (a single process's peak RSS "
-                      "varies by a few percent from run to run)")
-  p.add_argument("--malloc-mmap-threshold", type=int, default=None,
-                 metavar="BYTES",
-                 help="run the workers with glibc's MALLOC_MMAP_THRESHOLD_ "
-                      "fixed at BYTES: buffers above it are mapped and "
-                      "unmapped, so freed ones leave the process and peak RSS "
-                      "follows the live buffers (glibc's default raises the "
-                      "threshold as buffers are freed and keeps them in its "
-                      "arenas)")
-  p.add_argument("--heap-release", choices=["on", "off"], default="on",
-                 help="off: zerojax keeps the C heap's free pages after init "
-                      "and a step's first call (runtime/host_heap.py), to "
-                      "measure what handing them back saves")
+  p.add_argument(
+    "--model",
+    choices=["gpt", "plain"],
+    default="gpt",
+    help="gpt: zerojax's reference GPT (calls zerojax.gather per "
+    "layer); plain: experiments/plain_gpt.py, a plain-JAX "
+    "GPT that never calls zerojax (a user who wraps only "
+    "the optimizer)",
+  )
+  p.add_argument(
+    "--init",
+    choices=["from", "params", "params-copy"],
+    default="from",
+    help="how the zerojax stages build their state: from: "
+    "zerojax.init_from(init_fn, tx, key), built sharded; "
+    "params: zerojax.init(params, tx) on params a jitted "
+    "init made replicated on the mesh, the name kept bound "
+    "for the whole run (a script's way; at stage 3 the "
+    "caller's replicated copy then stays alive, as it is "
+    "the caller's); params-copy: the same with copy=True "
+    "(the state copies, the caller's arrays stay valid). "
+    "The peers' params are born as the stages' are: on "
+    "one device for from, on the mesh otherwise, where "
+    "the peer's script keeps the name bound too (the "
+    "FSDP peer then holds the replicated copy beside its "
+    "shards, as stage 3 does)",
+  )
+  p.add_argument(
+    "--block-dtype",
+    choices=["bfloat16"],
+    default=None,
+    help="fp32 params cast to this dtype inside the loss for "
+    "the transformer blocks (every configuration alike)",
+  )
+  p.add_argument(
+    "--configs",
+    default="0,dp,1,zero1,2,3,fsdp,dropin1",
+    help="zerojax stages and peers to run: GSPMD fsdp, zero1, dp; "
+    "PyTorch FSDP2 fsdp2 (needs the [bench] extra)",
+  )
+  p.add_argument(
+    "--axis-types",
+    choices=["explicit", "auto", "both"],
+    default="explicit",
+    help="the mesh's axis types (jax.make_mesh gives Explicit); "
+    "'both' runs each zerojax configuration on each, side "
+    "by side, and prints the Explicit / Auto step-time "
+    "ratio (peers are GSPMD code: Auto either way)",
+  )
+  p.add_argument(
+    "--repeat",
+    type=int,
+    default=1,
+    help="rounds of every configuration, interleaved (each in "
+    "a fresh process); peak RSS and step time are the "
+    "medians over rounds (a single process's peak RSS "
+    "varies by a few percent from run to run)",
+  )
+  p.add_argument(
+    "--malloc-mmap-threshold",
+    type=int,
+    default=None,
+    metavar="BYTES",
+    help="run the workers with glibc's MALLOC_MMAP_THRESHOLD_ "
+    "fixed at BYTES: buffers above it are mapped and "
+    "unmapped, so freed ones leave the process and peak RSS "
+    "follows the live buffers (glibc's default raises the "
+    "threshold as buffers are freed and keeps them in its "
+    "arenas)",
+  )
+  p.add_argument(
+    "--heap-release",
+    choices=["on", "off"],
+    default="on",
+    help="off: zerojax keeps the C heap's free pages after init "
+    "and a step's first call (runtime/host_heap.py), to "
+    "measure what handing them back saves",
+  )
   p.add_argument("--out", default="runs/bench_stages")
   p.add_argument("--config", help=argparse.SUPPRESS)
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args()
   import numpy as np
+
   if args.worker:
     print(json.dumps(worker(args)))
     return
   runs = []
   repeats: dict[tuple, list] = {}
-  for rep in range(args.repeat):   # rounds: every configuration once per round
+  for rep in range(args.repeat):  # rounds: every configuration once per round
     for config in args.configs.split(","):
       if config == "fsdp2":
         if rep == 0:
           runs.append(fsdp2(args))
           print(f"{config}: done", file=sys.stderr, flush=True)
         continue
-      zerojax_config = config.rstrip("b").isdigit() or config.startswith("dropin")
-      kinds = (["auto", "explicit"] if args.axis_types == "both" and zerojax_config
-               else ["explicit" if args.axis_types == "both" else args.axis_types])
-      for kind in kinds:          # side by side: one configuration after the other
-        cmd = [sys.executable, __file__, "--worker", "--config", config,
-               f"--axis-types={kind}"] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("worker", "config", "configs", "out", "axis_types",
-                         "repeat", "malloc_mmap_threshold") and v is not None]
-        env = None if args.malloc_mmap_threshold is None else dict(
-            os.environ, MALLOC_MMAP_THRESHOLD_=str(args.malloc_mmap_threshold))
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                             env=env)
+      zerojax_config = config.rstrip("b").isdigit() or config.startswith(
+        "dropin"
+      )
+      kinds = (
+        ["auto", "explicit"]
+        if args.axis_types == "both" and zerojax_config
+        else ["explicit" if args.axis_types == "both" else args.axis_types]
+      )
+      for kind in kinds:  # side by side: one configuration after the other
+        cmd = [
+          sys.executable,
+          __file__,
+          "--worker",
+          "--config",
+          config,
+          f"--axis-types={kind}",
+        ] + [
+          f"--{k.replace('_', '-')}={v}"
+          for k, v in vars(args).items()
+          if k
+          not in (
+            "worker",
+            "config",
+            "configs",
+            "out",
+            "axis_types",
+            "repeat",
+            "malloc_mmap_threshold",
+          )
+          and v is not None
+        ]
+        env = (
+          None
+          if args.malloc_mmap_threshold is None
+          else dict(
+            os.environ, MALLOC_MMAP_THRESHOLD_=str(args.malloc_mmap_threshold)
+          )
+        )
+        out = subprocess.run(
+          cmd, capture_output=True, text=True, check=False, env=env
+        )
         if out.returncode:
           sys.exit(f"{config} ({kind}) failed:\n{out.stderr[-3000:]}")
         run = json.loads(out.stdout.strip().splitlines()[-1])
@@ -517,52 +708,77 @@ def main():
           repeats[(config, kind)] = []
           runs.append(run)
         repeats[(config, kind)].append(run)
-        print(f"{config} ({kind}) round {rep + 1}: done", file=sys.stderr,
-              flush=True)
+        print(
+          f"{config} ({kind}) round {rep + 1}: done",
+          file=sys.stderr,
+          flush=True,
+        )
   for r in runs:
     group = repeats.get((r["config"], r.get("axis_types", "explicit")), [])
-    if len(group) > 1:            # medians over the rounds; every round kept
-      for key in ("peak_rss_bytes", "step_time_s", "cpu_s_per_step",
-                  "minor_faults_per_step"):
+    if len(group) > 1:  # medians over the rounds; every round kept
+      for key in (
+        "peak_rss_bytes",
+        "step_time_s",
+        "cpu_s_per_step",
+        "minor_faults_per_step",
+      ):
         r[key + "_rounds"] = [g[key] for g in group]
         r[key] = float(np.median(r[key + "_rounds"]))
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
   import platform
+
   import jax
+
   import zerojax
-  try:            # the zerojax code measured: its checkout's commit
+
+  try:  # the zerojax code measured: its checkout's commit
     commit = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], capture_output=True,
-        text=True, cwd=pathlib.Path(zerojax.__file__).parent).stdout.strip()
+      ["git", "describe", "--always", "--dirty"],
+      capture_output=True,
+      text=True,
+      cwd=pathlib.Path(zerojax.__file__).parent,
+    ).stdout.strip()
   except OSError:
     commit = ""
-  meta = {"jax_version": jax.__version__, "zerojax_commit": commit or None,
-          "machine": (
-      f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU devices"),
-      "argv": sys.argv[1:], "repeat": args.repeat,
-      "malloc_mmap_threshold": args.malloc_mmap_threshold,
-      "heap_release": args.heap_release,
-      # glibc tunables the workers inherited (e.g. MALLOC_TRIM_THRESHOLD_)
-      "malloc_env": {k: v for k, v in os.environ.items()
-                     if k.startswith("MALLOC_")}}
-  (outdir / "bench.json").write_text(json.dumps({**meta, "runs": runs},
-                                                indent=2))
+  meta = {
+    "jax_version": jax.__version__,
+    "zerojax_commit": commit or None,
+    "machine": (
+      f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU devices"
+    ),
+    "argv": sys.argv[1:],
+    "repeat": args.repeat,
+    "malloc_mmap_threshold": args.malloc_mmap_threshold,
+    "heap_release": args.heap_release,
+    # glibc tunables the workers inherited (e.g. MALLOC_TRIM_THRESHOLD_)
+    "malloc_env": {
+      k: v for k, v in os.environ.items() if k.startswith("MALLOC_")
+    },
+  }
+  (outdir / "bench.json").write_text(
+    json.dumps({**meta, "runs": runs}, indent=2)
+  )
   charts(runs, outdir)
-  print(f"GPT {runs[0]['n_params']:,} params, {args.precision}, AdamW, 8 fake "
-        f"CPU devices, batch {args.batch}x{args.seq_len}, median of "
-        f"{args.steps} steps, each configuration in its own process")
+  print(
+    f"GPT {runs[0]['n_params']:,} params, {args.precision}, AdamW, 8 fake "
+    f"CPU devices, batch {args.batch}x{args.seq_len}, median of "
+    f"{args.steps} steps, each configuration in its own process"
+  )
   print(table(runs))
   for r in runs:
     c = r.get("checkpoint")
     if c:
-      print(f"{r['name']} checkpoint: save {c['save_s']:.2f} s, restore "
-            f"{c['restore_s']:.2f} s, {c['bytes_on_disk'] / 2**20:,.1f} MiB on "
-            f"disk for {c['state_bytes_global'] / 2**20:,.1f} MiB of state")
+      print(
+        f"{r['name']} checkpoint: save {c['save_s']:.2f} s, restore "
+        f"{c['restore_s']:.2f} s, {c['bytes_on_disk'] / 2**20:,.1f} MiB on "
+        f"disk for {c['state_bytes_global'] / 2**20:,.1f} MiB of state"
+      )
   for r in runs:
     cats = ", ".join(
-        f"{k} {v:,} ({r['theory_state_bytes_per_device'].get(k, 0):,.0f})"
-        for k, v in r["state_bytes_per_device"].items())
+      f"{k} {v:,} ({r['theory_state_bytes_per_device'].get(k, 0):,.0f})"
+      for k, v in r["state_bytes_per_device"].items()
+    )
     print(f"{r['name']} bytes/device measured (theory): {cats}")
   if args.axis_types == "both":
     print(axis_type_ratios(runs))
@@ -577,47 +793,62 @@ def peer_ratios(runs) -> str:
   """Each zerojax stage against the plain-jit alternative with its layout
   (stage 0: data parallelism; 1: the ZeRO-1 layout; 2-3: FSDP), from the
   same run: peak RSS and step time, zerojax / peer."""
-  by = {r["config"]: r for r in runs if r.get("axis_types", "explicit")
-        == "explicit" or r["stage"] is None}
-  lines = ["| stage | peer | peak RSS MiB (peer) | memory ratio | step s "
-           "(peer) | time ratio | XLA temp MiB/dev (peer) | CPU s/step "
-           "(peer) | page faults/step (peer) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  by = {
+    r["config"]: r
+    for r in runs
+    if r.get("axis_types", "explicit") == "explicit" or r["stage"] is None
+  }
+  lines = [
+    "| stage | peer | peak RSS MiB (peer) | memory ratio | step s "
+    "(peer) | time ratio | XLA temp MiB/dev (peer) | CPU s/step "
+    "(peer) | page faults/step (peer) |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for stage, peer in PEER_OF.items():
     if stage not in by or peer not in by:
       continue
     z, q = by[stage], by[peer]
     temp = lambda r: r["xla_memory"]["temp"] / 2**20
-    cpu = lambda r: (f"{r['cpu_s_per_step']:.3f}" if "cpu_s_per_step" in r
-                     else "-")
-    faults = lambda r: (f"{int(r['minor_faults_per_step']):,}"
-                        if "minor_faults_per_step" in r else "-")
+    cpu = lambda r: (
+      f"{r['cpu_s_per_step']:.3f}" if "cpu_s_per_step" in r else "-"
+    )
+    faults = lambda r: (
+      f"{int(r['minor_faults_per_step']):,}"
+      if "minor_faults_per_step" in r
+      else "-"
+    )
     lines.append(
-        f"| {stage} | {peer} | {z['peak_rss_bytes'] / 2**20:,.0f} "
-        f"({q['peak_rss_bytes'] / 2**20:,.0f}) | "
-        f"{z['peak_rss_bytes'] / q['peak_rss_bytes']:.3f} | "
-        f"{z['step_time_s']:.3f} ({q['step_time_s']:.3f}) | "
-        f"{z['step_time_s'] / q['step_time_s']:.3f} | "
-        f"{temp(z):.1f} ({temp(q):.1f}) | {cpu(z)} ({cpu(q)}) | "
-        f"{faults(z)} ({faults(q)}) |")
+      f"| {stage} | {peer} | {z['peak_rss_bytes'] / 2**20:,.0f} "
+      f"({q['peak_rss_bytes'] / 2**20:,.0f}) | "
+      f"{z['peak_rss_bytes'] / q['peak_rss_bytes']:.3f} | "
+      f"{z['step_time_s']:.3f} ({q['step_time_s']:.3f}) | "
+      f"{z['step_time_s'] / q['step_time_s']:.3f} | "
+      f"{temp(z):.1f} ({temp(q):.1f}) | {cpu(z)} ({cpu(q)}) | "
+      f"{faults(z)} ({faults(q)}) |"
+    )
   return "\n".join(lines)
 
 
 def axis_type_ratios(runs) -> str:
   """Explicit / Auto per zerojax configuration: step time, peak RSS,
   collective bytes (the same program is expected: 1.00 for bytes)."""
-  lines = ["| config | step s Auto | step s Explicit | Explicit / Auto | "
-           "peak RSS ratio | collective bytes ratio |", "|---|---|---|---|---|---|"]
+  lines = [
+    "| config | step s Auto | step s Explicit | Explicit / Auto | "
+    "peak RSS ratio | collective bytes ratio |",
+    "|---|---|---|---|---|---|",
+  ]
   for config in dict.fromkeys(r["config"] for r in runs):
     by = {r["axis_types"]: r for r in runs if r["config"] == config}
     if set(by) != {"auto", "explicit"}:
       continue
     a, e = by["auto"], by["explicit"]
     cb = lambda r: sum(r["collective_bytes"].values())
-    lines.append(f"| {config} | {a['step_time_s']:.3f} | {e['step_time_s']:.3f} "
-                 f"| {e['step_time_s'] / a['step_time_s']:.3f} | "
-                 f"{e['peak_rss_bytes'] / a['peak_rss_bytes']:.3f} | "
-                 f"{cb(e) / max(cb(a), 1):.3f} |")
+    lines.append(
+      f"| {config} | {a['step_time_s']:.3f} | {e['step_time_s']:.3f} "
+      f"| {e['step_time_s'] / a['step_time_s']:.3f} | "
+      f"{e['peak_rss_bytes'] / a['peak_rss_bytes']:.3f} | "
+      f"{cb(e) / max(cb(a), 1):.3f} |"
+    )
   return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ def _child(programs: int, block: int) -> list:
   compile): seconds per compile, averaged per block."""
   import jax
   import jax.numpy as jnp
+
   x = jnp.ones((4,))
   per_block, t_block = [], time.perf_counter()
   for i in range(1, programs + 1):
@@ -45,19 +46,31 @@ def _child(programs: int, block: int) -> list:
 
 def run(limit: bool, programs: int, block: int) -> dict:
   cache = tempfile.mkdtemp(prefix="zerojax-cache-limit-")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache,
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=cache,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+  )
   env.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
   if limit:
     env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
   out = subprocess.run(
-      [sys.executable, __file__, "--child", str(programs), "--block",
-       str(block)], env=env, capture_output=True, text=True, check=True)
-  entries = sum(1 for p in pathlib.Path(cache).iterdir()
-                if p.name.endswith("-cache"))
-  return {"size_limit": limit, "entries_written": entries,
-          "s_per_compile_by_block": json.loads(out.stdout.splitlines()[-1])}
+    [sys.executable, __file__, "--child", str(programs), "--block", str(block)],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  entries = sum(
+    1 for p in pathlib.Path(cache).iterdir() if p.name.endswith("-cache")
+  )
+  return {
+    "size_limit": limit,
+    "entries_written": entries,
+    "s_per_compile_by_block": json.loads(out.stdout.splitlines()[-1]),
+  }
 
 
 def main():
@@ -71,17 +84,28 @@ def main():
     print(json.dumps(_child(args.child, args.block)))
     return
   import jax
+
   runs = [run(limit, args.programs, args.block) for limit in (False, True)]
-  rec = {"jax": jax.__version__, "python": platform.python_version(),
-         "cpu_count": os.cpu_count(), "machine": platform.platform(),
-         "programs": args.programs, "block": args.block, "runs": runs}
-  out = pathlib.Path(args.out or ROOT / "runs" / f"cache_limit_jax{jax.__version__}.json")
+  rec = {
+    "jax": jax.__version__,
+    "python": platform.python_version(),
+    "cpu_count": os.cpu_count(),
+    "machine": platform.platform(),
+    "programs": args.programs,
+    "block": args.block,
+    "runs": runs,
+  }
+  out = pathlib.Path(
+    args.out or ROOT / "runs" / f"cache_limit_jax{jax.__version__}.json"
+  )
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(rec, indent=1) + "\n")
   for r in runs:
-    print(f"size limit {r['size_limit']!s:5}: {r['entries_written']} entries;"
-          " ms per compile by block: "
-          + ", ".join(f"{1e3 * s:.0f}" for s in r["s_per_compile_by_block"]))
+    print(
+      f"size limit {r['size_limit']!s:5}: {r['entries_written']} entries;"
+      " ms per compile by block: "
+      + ", ".join(f"{1e3 * s:.0f}" for s in r["s_per_compile_by_block"])
+    )
   print("->", out)
 
 

@@ -30,11 +30,27 @@ def main():
   args = p.parse_args()
   runs = []
   for depth in [int(d) for d in args.depths.split(",")]:
-    cmd = [sys.executable, str(HERE / "bench_stages.py"), "--worker",
-           "--config", str(args.stage), "--depth", str(depth),
-           "--width", str(args.width), "--heads", "8", "--seq-len", "128",
-           "--batch", "16", "--steps", str(args.steps),
-           "--precision", args.precision]
+    cmd = [
+      sys.executable,
+      str(HERE / "bench_stages.py"),
+      "--worker",
+      "--config",
+      str(args.stage),
+      "--depth",
+      str(depth),
+      "--width",
+      str(args.width),
+      "--heads",
+      "8",
+      "--seq-len",
+      "128",
+      "--batch",
+      "16",
+      "--steps",
+      str(args.steps),
+      "--precision",
+      args.precision,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     run = json.loads(out.stdout.strip().splitlines()[-1])
     run["depth"] = depth
@@ -42,26 +58,36 @@ def main():
     print(f"depth {depth}: done", file=sys.stderr, flush=True)
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
-  (outdir / "depth_scaling.json").write_text(json.dumps({"runs": runs}, indent=2))
-  layer_params = 12 * args.width ** 2 + 13 * args.width   # one GPT block
+  (outdir / "depth_scaling.json").write_text(
+    json.dumps({"runs": runs}, indent=2)
+  )
+  layer_params = 12 * args.width**2 + 13 * args.width  # one GPT block
   itemsize = 2 if args.precision == "bf16" else 4
   full_layer_all_devices = layer_params * itemsize * 8
   mib = lambda x: f"{x / 2**20:,.1f}"
-  print(f"ZeRO-{args.stage}, GPT width {args.width}, {args.precision}, 8 fake "
-        f"CPU devices; one full block = {mib(layer_params * itemsize)} MiB, "
-        f"{mib(full_layer_all_devices)} MiB on all 8 devices")
-  print("| depth | params | peak RSS MiB | state MiB/dev | XLA temp MiB/dev |"
-        " RSS growth per added layer MiB |")
+  print(
+    f"ZeRO-{args.stage}, GPT width {args.width}, {args.precision}, 8 fake "
+    f"CPU devices; one full block = {mib(layer_params * itemsize)} MiB, "
+    f"{mib(full_layer_all_devices)} MiB on all 8 devices"
+  )
+  print(
+    "| depth | params | peak RSS MiB | state MiB/dev | XLA temp MiB/dev |"
+    " RSS growth per added layer MiB |"
+  )
   print("|---|---|---|---|---|---|")
   prev = None
   for r in runs:
     state = sum(r["state_bytes_per_device"].values())
     growth = ""
     if prev is not None:
-      growth = mib((r["peak_rss_bytes"] - prev["peak_rss_bytes"])
-                   / (r["depth"] - prev["depth"]))
-    print(f"| {r['depth']} | {r['n_params']:,} | {mib(r['peak_rss_bytes'])} | "
-          f"{mib(state)} | {mib(r['xla_memory']['temp'])} | {growth} |")
+      growth = mib(
+        (r["peak_rss_bytes"] - prev["peak_rss_bytes"])
+        / (r["depth"] - prev["depth"])
+      )
+    print(
+      f"| {r['depth']} | {r['n_params']:,} | {mib(r['peak_rss_bytes'])} | "
+      f"{mib(state)} | {mib(r['xla_memory']['temp'])} | {growth} |"
+    )
     prev = r
 
 

@@ -42,8 +42,14 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("dp", "stage0", "stage0-without-rewrite", "zero1", "stage1",
-           "stage1-without-rewrite")
+CONFIGS = (
+  "dp",
+  "stage0",
+  "stage0-without-rewrite",
+  "zero1",
+  "stage1",
+  "stage1-without-rewrite",
+)
 
 
 def worker(args) -> dict:
@@ -53,6 +59,7 @@ def worker(args) -> dict:
   import optax
 
   import zerojax
+
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
   import plain_gpt
@@ -60,12 +67,17 @@ def worker(args) -> dict:
   init_fn, loss_fn, batches = plain_gpt.from_flags(args, args.steps + 1)
   mesh = zerojax.make_mesh()
   key = jax.random.key(0)
-  params = jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec()))(key)
+  params = jax.jit(
+    init_fn,
+    out_shardings=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()
+    ),
+  )(key)
   out = {"config": args.config}
   if not args.config.startswith("stage"):
-    jitted, p, o = peers.make_peer(args.config, loss_fn, optax.adamw(1e-3),
-                                   params, mesh)
+    jitted, p, o = peers.make_peer(
+      args.config, loss_fn, optax.adamw(1e-3), params, mesh
+    )
     compiled = jitted.lower(p, o, batches[0]).compile()
     box = [(p, o)]
 
@@ -75,6 +87,7 @@ def worker(args) -> dict:
       return m
   else:
     from zerojax._src.jaxpr import transposes
+
     if args.config.endswith("-without-rewrite"):
       transposes.rewrite_for_dots = lambda fn, **rules: fn
     tx = zerojax.zero(optax.adamw(1e-3), stage=int(args.config[5]), mesh=mesh)
@@ -88,25 +101,34 @@ def worker(args) -> dict:
     def run(b):
       box[0], m = step(box[0], b)
       return m
-  out["unfused_dots"] = len(re.findall(r"^\s+%[\w.\-]+ = \S+ dot\(",
-                                       compiled.as_text(), re.M))
-  jax.block_until_ready(run(batches[0]))          # the first call
+
+  out["unfused_dots"] = len(
+    re.findall(r"^\s+%[\w.\-]+ = \S+ dot\(", compiled.as_text(), re.M)
+  )
+  jax.block_until_ready(run(batches[0]))  # the first call
   faults, times = [], []
   for b in batches[1:]:
-    f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    f0, t0 = (
+      resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+      time.perf_counter(),
+    )
     jax.block_until_ready(run(b))
     times.append(time.perf_counter() - t0)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-  out.update(faults_per_step=float(np.median(faults)), faults=faults,
-             step_time_s=float(np.median(times)), step_times_s=times,
-             peak_rss_bytes=resource.getrusage(
-                 resource.RUSAGE_SELF).ru_maxrss * 1024)
+  out.update(
+    faults_per_step=float(np.median(faults)),
+    faults=faults,
+    step_time_s=float(np.median(times)),
+    step_times_s=times,
+    peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+  )
   return out
 
 
 def main():
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import plain_gpt
+
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   plain_gpt.add_size_flags(p)
   p.add_argument("--steps", type=int, default=4)
@@ -117,32 +139,56 @@ def main():
     print(json.dumps(worker(args)))
     return
   import jax
+
   runs = []
   for malloc in ("default", "mmap_threshold_1MiB"):
     env = dict(os.environ)
     if malloc != "default":
       env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
     for config in CONFIGS:
-      cmd = [sys.executable, __file__, "--config", config,
-             f"--steps={args.steps}", *plain_gpt.size_argv(args)]
-      res = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                           check=True)
+      cmd = [
+        sys.executable,
+        __file__,
+        "--config",
+        config,
+        f"--steps={args.steps}",
+        *plain_gpt.size_argv(args),
+      ]
+      res = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, check=True
+      )
       run = json.loads(res.stdout.strip().splitlines()[-1])
       run["malloc"] = malloc
       runs.append(run)
-      print(f"{malloc:20s} {config:24s} unfused dots {run['unfused_dots']:2d}"
-            f"  faults/step {run['faults_per_step']:9,.0f}"
-            f"  step {run['step_time_s']:.3f} s"
-            f"  peak RSS {run['peak_rss_bytes'] / 2**20:,.0f} MiB", flush=True)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
+      print(
+        f"{malloc:20s} {config:24s} unfused dots {run['unfused_dots']:2d}"
+        f"  faults/step {run['faults_per_step']:9,.0f}"
+        f"  step {run['step_time_s']:.3f} s"
+        f"  peak RSS {run['peak_rss_bytes'] / 2**20:,.0f} MiB",
+        flush=True,
+      )
+  commit = subprocess.run(
+    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+  ).stdout.strip()
   path = pathlib.Path(args.out.format(jax=jax.__version__))
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps({
-      "model": {k: v for k, v in vars(args).items() if k not in ("config", "out")},
-      "devices": 8, "jax": jax.__version__, "machine": platform.machine(),
-      "cpus": os.cpu_count(), "zerojax_commit": commit, "runs": runs},
-      indent=1) + "\n")
+  path.write_text(
+    json.dumps(
+      {
+        "model": {
+          k: v for k, v in vars(args).items() if k not in ("config", "out")
+        },
+        "devices": 8,
+        "jax": jax.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "zerojax_commit": commit,
+        "runs": runs,
+      },
+      indent=1,
+    )
+    + "\n"
+  )
   print("wrote", path)
 
 

@@ -33,10 +33,10 @@ import sys
 import time
 
 SIZES = {
-    "1b": dict(width=2048, depth=16, heads=16, seq_len=2048, batch=8),
-    "2.7b": dict(width=4096, depth=12, heads=32, seq_len=2048, batch=4),
-    "3.5b": dict(width=4096, depth=16, heads=32, seq_len=2048, batch=4),
-    "tiny": dict(width=64, depth=2, heads=2, seq_len=64, batch=4),
+  "1b": dict(width=2048, depth=16, heads=16, seq_len=2048, batch=8),
+  "2.7b": dict(width=4096, depth=12, heads=32, seq_len=2048, batch=4),
+  "3.5b": dict(width=4096, depth=16, heads=32, seq_len=2048, batch=4),
+  "tiny": dict(width=64, depth=2, heads=2, seq_len=64, batch=4),
 }
 CONFIGS = ("plain", "0", "1", "2", "3", "3+offload")
 
@@ -48,18 +48,26 @@ def run_one(size: str, config: str, steps: int) -> dict:
   import optax
 
   import zerojax
-  from zerojax.app import data, mfu
-  from zerojax.app import gpt
+  from zerojax.app import data, gpt, mfu
 
   s = SIZES[size]
-  model = gpt.GPTConfig(vocab=256, seq_len=s["seq_len"], width=s["width"],
-                        depth=s["depth"], heads=s["heads"],
-                        compute_dtype="bfloat16").resolved()
+  model = gpt.GPTConfig(
+    vocab=256,
+    seq_len=s["seq_len"],
+    width=s["width"],
+    depth=s["depth"],
+    heads=s["heads"],
+    compute_dtype="bfloat16",
+  ).resolved()
   device = jax.devices()[0]
   n_params = gpt.num_params(model)
   tokens, _ = data.split(data.corpus_bytes())
-  batches = [data.batch_at(tokens, seed=0, step=i, batch=s["batch"],
-                           seq_len=s["seq_len"]) for i in range(steps + 2)]
+  batches = [
+    data.batch_at(
+      tokens, seed=0, step=i, batch=s["batch"], seq_len=s["seq_len"]
+    )
+    for i in range(steps + 2)
+  ]
   opt = optax.adamw(1e-4, weight_decay=0.1)
   loss_fn = lambda p, b: gpt.loss(p, b, model)
   key = jax.random.key(0)
@@ -73,14 +81,16 @@ def run_one(size: str, config: str, steps: int) -> dict:
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)
       updates, opt_state = opt.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
+
     step = jax.jit(plain_step, donate_argnums=0)
     state = (params, opt_state)
     call = lambda state, b: step(state, b)
     lowered = step.lower(state, batches[0])
   else:
     mesh = zerojax.make_mesh(devices=[device])
-    tx = zerojax.zero(opt, stage=int(config[0]), mesh=mesh,
-                      offload=config.endswith("+offload"))
+    tx = zerojax.zero(
+      opt, stage=int(config[0]), mesh=mesh, offload=config.endswith("+offload")
+    )
     state = zerojax.init_from(lambda k: gpt.init(model, k), tx, key)
     zstep = zerojax.train_step(loss_fn, tx, gather="model")
     call = lambda state, b: zstep(state, b)
@@ -101,25 +111,43 @@ def run_one(size: str, config: str, steps: int) -> dict:
   tokens_per_s = s["batch"] * s["seq_len"] / step_s
   stats = device.memory_stats() or {}
   return {
-      "size": size, "config": config, "n_params": n_params,
-      "device_kind": device.device_kind, "platform": device.platform,
-      "jax_version": jax.__version__, "attention": model.attention,
-      "remat": model.remat, "batch": s["batch"], "seq_len": s["seq_len"],
-      "compile_s": compile_s, "step_s": step_s, "steps_timed": len(times),
-      "tokens_per_s": tokens_per_s,
-      "mfu": mfu.mfu(tokens_per_s, gpt.flops_per_token(model, n_params),
-                          [device]),
-      "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
-      # init's own peak (before any step) and what the state then holds
-      "init_peak_bytes": after_init.get("peak_bytes_in_use"),
-      "state_bytes_in_use": after_init.get("bytes_in_use"),
-      "host_bytes": (None if config == "plain" else
-                     zerojax.diagnostics.memory_bytes(state).get("pinned_host", 0)),
-      "planned_bytes": None if planned is None else int(
-          planned.argument_size_in_bytes + planned.output_size_in_bytes
-          + planned.temp_size_in_bytes - planned.alias_size_in_bytes),
-      "final_loss": float(np.asarray(jax.device_get(out["loss"] if isinstance(
-          out, dict) else out))),
+    "size": size,
+    "config": config,
+    "n_params": n_params,
+    "device_kind": device.device_kind,
+    "platform": device.platform,
+    "jax_version": jax.__version__,
+    "attention": model.attention,
+    "remat": model.remat,
+    "batch": s["batch"],
+    "seq_len": s["seq_len"],
+    "compile_s": compile_s,
+    "step_s": step_s,
+    "steps_timed": len(times),
+    "tokens_per_s": tokens_per_s,
+    "mfu": mfu.mfu(
+      tokens_per_s, gpt.flops_per_token(model, n_params), [device]
+    ),
+    "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+    # init's own peak (before any step) and what the state then holds
+    "init_peak_bytes": after_init.get("peak_bytes_in_use"),
+    "state_bytes_in_use": after_init.get("bytes_in_use"),
+    "host_bytes": (
+      None
+      if config == "plain"
+      else zerojax.diagnostics.memory_bytes(state).get("pinned_host", 0)
+    ),
+    "planned_bytes": None
+    if planned is None
+    else int(
+      planned.argument_size_in_bytes
+      + planned.output_size_in_bytes
+      + planned.temp_size_in_bytes
+      - planned.alias_size_in_bytes
+    ),
+    "final_loss": float(
+      np.asarray(jax.device_get(out["loss"] if isinstance(out, dict) else out))
+    ),
   }
 
 
@@ -127,21 +155,40 @@ def _run_child(size: str, config: str, args) -> dict:
   """One configuration in a fresh process (its own device peak)."""
   try:
     proc = subprocess.run(
-        [sys.executable, __file__, "--one", size, config,
-         "--steps", str(args.steps)],
-        capture_output=True, text=True, env=dict(os.environ),
-        timeout=args.timeout)
+      [
+        sys.executable,
+        __file__,
+        "--one",
+        size,
+        config,
+        "--steps",
+        str(args.steps),
+      ],
+      capture_output=True,
+      text=True,
+      env=dict(os.environ),
+      timeout=args.timeout,
+    )
   except subprocess.TimeoutExpired:
-    return {"size": size, "config": config,
-            "error": f"timed out after {args.timeout} s"}
+    return {
+      "size": size,
+      "config": config,
+      "error": f"timed out after {args.timeout} s",
+    }
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
   if lines:
     return json.loads(lines[-1][7:])
   # the exception's own line, not JAX's note on filtered frames after it
-  errs = [l for l in proc.stderr.splitlines()
-          if l and not l[0].isspace() and "Error" in l.split(":")[0]]
-  return {"size": size, "config": config,
-          "error": (errs or proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+  errs = [
+    l
+    for l in proc.stderr.splitlines()
+    if l and not l[0].isspace() and "Error" in l.split(":")[0]
+  ]
+  return {
+    "size": size,
+    "config": config,
+    "error": (errs or proc.stderr.strip().splitlines() or ["?"])[-1][:300],
+  }
 
 
 def main():
@@ -150,11 +197,15 @@ def main():
   p.add_argument("--configs", default=",".join(CONFIGS))
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--out", default="runs/gpu_bench")
-  p.add_argument("--timeout", type=int, default=300,
-                 help="seconds per configuration (a timed-out one records "
-                      "an error)")
-  p.add_argument("--one", nargs=2, metavar=("SIZE", "CONFIG"),
-                 help=argparse.SUPPRESS)
+  p.add_argument(
+    "--timeout",
+    type=int,
+    default=300,
+    help="seconds per configuration (a timed-out one records an error)",
+  )
+  p.add_argument(
+    "--one", nargs=2, metavar=("SIZE", "CONFIG"), help=argparse.SUPPRESS
+  )
   args = p.parse_args()
   if args.one:
     print("RECORD " + json.dumps(run_one(*args.one, args.steps)), flush=True)
@@ -169,8 +220,9 @@ def main():
       records.append(rec)
       # written after every configuration, so a run cut short keeps its rows
       (out / "gpu_bench.json").write_text(json.dumps(records, indent=2))
-  plain = {r["size"]: r for r in records if r["config"] == "plain"
-           and "error" not in r}
+  plain = {
+    r["size"]: r for r in records if r["config"] == "plain" and "error" not in r
+  }
   for r in records:
     base = plain.get(r["size"])
     if base and "error" not in r and r["config"] != "plain":

@@ -26,16 +26,32 @@ CONFIGS = ("1", "zero1")
 
 def _mallinfo() -> dict:
   import ctypes
-  fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-            "fsmblks", "uordblks", "fordblks", "keepcost")
+
+  fields = (
+    "arena",
+    "ordblks",
+    "smblks",
+    "hblks",
+    "hblkhd",
+    "usmblks",
+    "fsmblks",
+    "uordblks",
+    "fordblks",
+    "keepcost",
+  )
 
   class MallInfo2(ctypes.Structure):
     _fields_ = [(f, ctypes.c_size_t) for f in fields]
+
   libc = ctypes.CDLL(None)
   libc.mallinfo2.restype = MallInfo2
   m = libc.mallinfo2()
-  return {"heap_bytes": m.arena, "in_use_bytes": m.uordblks,
-          "free_bytes": m.fordblks, "mapped_bytes": m.hblkhd}
+  return {
+    "heap_bytes": m.arena,
+    "in_use_bytes": m.uordblks,
+    "free_bytes": m.fordblks,
+    "mapped_bytes": m.hblkhd,
+  }
 
 
 def run_one(config: str) -> dict:
@@ -48,11 +64,12 @@ def run_one(config: str) -> dict:
 
   import zerojax
   from zerojax._src.runtime import host_heap
+
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
   import plain_gpt
 
-  host_heap.release_free_heap = lambda: False    # measured here instead
+  host_heap.release_free_heap = lambda: False  # measured here instead
   page = os.sysconf("SC_PAGE_SIZE")
   points = {}
 
@@ -62,27 +79,36 @@ def run_one(config: str) -> dict:
     points[name] = {"rss_bytes": rss, **_mallinfo()}
 
   mesh = zerojax.make_mesh()
-  init_fn = functools.partial(plain_gpt.init, **{
-      k: plain_gpt.SIZE_FLAGS[k] for k in ("vocab", "width", "depth",
-                                           "seq_len")})
-  params = jax.jit(init_fn, out_shardings=jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec()))(jax.random.key(0))
+  init_fn = functools.partial(
+    plain_gpt.init,
+    **{
+      k: plain_gpt.SIZE_FLAGS[k] for k in ("vocab", "width", "depth", "seq_len")
+    },
+  )
+  params = jax.jit(
+    init_fn,
+    out_shardings=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()
+    ),
+  )(jax.random.key(0))
   jax.block_until_ready(params)
   mark("params")
   optimizer = optax.adamw(1e-3)
   if config == "zero1":
-    loss = functools.partial(plain_gpt.loss, heads=plain_gpt.SIZE_FLAGS["heads"])
+    loss = functools.partial(
+      plain_gpt.loss, heads=plain_gpt.SIZE_FLAGS["heads"]
+    )
     _, p, o = peers.make_peer("zero1", loss, optimizer, params, mesh)
     state = (p, o)
   else:
-    state = zerojax.init(params, zerojax.zero(optimizer, stage=int(config),
-                                              mesh=mesh))
+    state = zerojax.init(
+      params, zerojax.zero(optimizer, stage=int(config), mesh=mesh)
+    )
   jax.block_until_ready(state)
   mark("state")
   ctypes.CDLL(None).malloc_trim(0)
   mark("state, after malloc_trim")
-  return {"config": config, "points": points,
-          "jax_version": jax.__version__}
+  return {"config": config, "points": points, "jax_version": jax.__version__}
 
 
 def main():
@@ -97,19 +123,27 @@ def main():
   records = []
   for r in range(args.rounds):
     for config in CONFIGS:
-      proc = subprocess.run([sys.executable, __file__, "--one", config],
-                            capture_output=True, text=True, check=True)
-      rec = json.loads([l for l in proc.stdout.splitlines()
-                        if l.startswith("RECORD ")][-1][7:])
+      proc = subprocess.run(
+        [sys.executable, __file__, "--one", config],
+        capture_output=True,
+        text=True,
+        check=True,
+      )
+      rec = json.loads(
+        [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")][-1][7:]
+      )
       rec["round"] = r
-      mib = {k: {f: round(v / 2**20, 1) for f, v in pt.items()}
-             for k, pt in rec["points"].items()}
+      mib = {
+        k: {f: round(v / 2**20, 1) for f, v in pt.items()}
+        for k, pt in rec["points"].items()
+      }
       print(config, json.dumps(mib), flush=True)
       records.append(rec)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "heap_after_init.json").write_text(json.dumps(
-      {"machine": "8 fake CPU devices", "records": records}, indent=2))
+  (out / "heap_after_init.json").write_text(
+    json.dumps({"machine": "8 fake CPU devices", "records": records}, indent=2)
+  )
   print(f"wrote {out / 'heap_after_init.json'}")
 
 

@@ -44,27 +44,32 @@ def worker(args) -> dict:
   import optax
 
   import zerojax
+
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import peers
   import plain_gpt
 
   stage, peer = args.pair.split(":")
   stage, _, variant = stage.partition("/")
-  if variant not in ("", "nonorm") or not (stage.isdigit()
-                                           or stage == "control"):
-    raise SystemExit(f"--pairs: {args.pair!r}: use STAGE[/nonorm]:PEER "
-                     f"or control:PEER")
+  if variant not in ("", "nonorm") or not (
+    stage.isdigit() or stage == "control"
+  ):
+    raise SystemExit(
+      f"--pairs: {args.pair!r}: use STAGE[/nonorm]:PEER or control:PEER"
+    )
   init_fn, loss_fn, batches = plain_gpt.from_flags(args, args.steps)
   mesh = zerojax.make_mesh()
   key = jax.random.key(0)
 
   def peer_runner():
-    step, p, o = peers.make_peer(peer, loss_fn, optax.adamw(1e-3),
-                                 init_fn(key), mesh)
+    step, p, o = peers.make_peer(
+      peer, loss_fn, optax.adamw(1e-3), init_fn(key), mesh
+    )
 
     def call(state, b):
       p, o, m = step(*state, b)
       return (p, o), m
+
     return call, (lambda state, b: step.lower(*state, b)), (p, o)
 
   if stage == "control":
@@ -82,26 +87,30 @@ def worker(args) -> dict:
     box[which], m = runners[which][0](box[which], b)
     jax.block_until_ready(m)
 
-  for which in box:                       # compile and warm up
+  for which in box:  # compile and warm up
     run(which, batches[0])
   programs = {k: runners[k][1](box[k], batches[0]) for k in box}
   cost = {k: _cost(v.compile()) for k, v in programs.items()}
   times = {"zerojax": [], "peer": []}
   for r in range(args.rounds):
-    for which in (("zerojax", "peer") if r % 2 == 0 else ("peer", "zerojax")):
+    for which in ("zerojax", "peer") if r % 2 == 0 else ("peer", "zerojax"):
       for b in batches:
         t = time.perf_counter()
         run(which, b)
         times[which].append(time.perf_counter() - t)
   med = {k: float(np.median(v)) for k, v in times.items()}
-  return {"pair": args.pair,
-          "stage": None if stage == "control" else int(stage), "peer": peer,
-          "grad_norm": variant != "nonorm",
-          "step_times_s": times, "median_s": med,
-          "ratio": med["zerojax"] / med["peer"],
-          "xla_cost_per_device": cost,
-          "bytes_accessed_ratio": cost["zerojax"]["bytes accessed"]
-                                  / cost["peer"]["bytes accessed"]}
+  return {
+    "pair": args.pair,
+    "stage": None if stage == "control" else int(stage),
+    "peer": peer,
+    "grad_norm": variant != "nonorm",
+    "step_times_s": times,
+    "median_s": med,
+    "ratio": med["zerojax"] / med["peer"],
+    "xla_cost_per_device": cost,
+    "bytes_accessed_ratio": cost["zerojax"]["bytes accessed"]
+    / cost["peer"]["bytes accessed"],
+  }
 
 
 def _cost(compiled) -> dict:
@@ -114,6 +123,7 @@ def _cost(compiled) -> dict:
 def main():
   sys.path.insert(0, str(pathlib.Path(__file__).parent))
   import plain_gpt
+
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--pairs", default="0:dp,1:zero1,2:fsdp,3:fsdp")
   p.add_argument("--rounds", type=int, default=6)
@@ -128,28 +138,50 @@ def main():
     return
   runs = []
   for pair in args.pairs.split(","):
-    cmd = [sys.executable, __file__, "--worker", "--pair", pair,
-           f"--rounds={args.rounds}", f"--steps={args.steps}",
-           *plain_gpt.size_argv(args)]
+    cmd = [
+      sys.executable,
+      __file__,
+      "--worker",
+      "--pair",
+      pair,
+      f"--rounds={args.rounds}",
+      f"--steps={args.steps}",
+      *plain_gpt.size_argv(args),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     r = runs[-1]
-    print(f"{r['pair']}: {r['median_s']['zerojax']:.3f}"
-          f" s vs {r['median_s']['peer']:.3f} s, ratio {r['ratio']:.3f}; "
-          f"bytes accessed {r['bytes_accessed_ratio']:.3f}x",
-          flush=True)
+    print(
+      f"{r['pair']}: {r['median_s']['zerojax']:.3f}"
+      f" s vs {r['median_s']['peer']:.3f} s, ratio {r['ratio']:.3f}; "
+      f"bytes accessed {r['bytes_accessed_ratio']:.3f}x",
+      flush=True,
+    )
   import jax
+
   import zerojax
+
   commit = subprocess.run(
-      ["git", "describe", "--always", "--dirty"], capture_output=True,
-      text=True, cwd=pathlib.Path(zerojax.__file__).parent).stdout.strip()
+    ["git", "describe", "--always", "--dirty"],
+    capture_output=True,
+    text=True,
+    cwd=pathlib.Path(zerojax.__file__).parent,
+  ).stdout.strip()
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({
-      "jax_version": jax.__version__, "zerojax_commit": commit or None,
-      "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                 f"8 fake CPU devices",
-      "argv": sys.argv[1:], "runs": runs}, indent=1))
+  out.write_text(
+    json.dumps(
+      {
+        "jax_version": jax.__version__,
+        "zerojax_commit": commit or None,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"8 fake CPU devices",
+        "argv": sys.argv[1:],
+        "runs": runs,
+      },
+      indent=1,
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -36,14 +36,14 @@ import sys
 import time
 
 SIZES = {
-    "1b": dict(width=2048, depth=16, heads=16),
-    "tiny": dict(width=64, depth=2, heads=2),
+  "1b": dict(width=2048, depth=16, heads=16),
+  "tiny": dict(width=64, depth=2, heads=2),
 }
 POLICIES = ("dots", "full", "offload")
 ALLOCATORS = {
-    "default": {},
-    "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"},
-    "no-prealloc": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+  "default": {},
+  "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"},
+  "no-prealloc": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
 }
 
 
@@ -58,34 +58,55 @@ def run_one(size: str, policy: str, seq_len: int, steps: int) -> dict:
   from zerojax.app import gpt
 
   s = SIZES[size]
-  model = gpt.GPTConfig(vocab=256, seq_len=seq_len, width=s["width"],
-                        depth=s["depth"], heads=s["heads"], remat=policy,
-                        compute_dtype="bfloat16").resolved()
+  model = gpt.GPTConfig(
+    vocab=256,
+    seq_len=seq_len,
+    width=s["width"],
+    depth=s["depth"],
+    heads=s["heads"],
+    remat=policy,
+    compute_dtype="bfloat16",
+  ).resolved()
   device = jax.devices()[0]
-  rec = {"size": size, "policy": policy, "seq_len": seq_len, "batch": 1,
-         "device_kind": device.device_kind, "platform": device.platform,
-         "jax_version": jax.__version__, "attention": model.attention,
-         "n_params": gpt.num_params(model),
-         "planner_saved": plan.gpt_activations(model, 1)}
+  rec = {
+    "size": size,
+    "policy": policy,
+    "seq_len": seq_len,
+    "batch": 1,
+    "device_kind": device.device_kind,
+    "platform": device.platform,
+    "jax_version": jax.__version__,
+    "attention": model.attention,
+    "n_params": gpt.num_params(model),
+    "planner_saved": plan.gpt_activations(model, 1),
+  }
   rng = np.random.default_rng(0)
-  batches = [{"x": rng.integers(0, 256, (1, seq_len)).astype(np.int32),
-              "y": rng.integers(0, 256, (1, seq_len)).astype(np.int32)}
-             for _ in range(steps + 1)]
-  tx = zerojax.zero(optax.adamw(1e-4), stage=3,
-                    mesh=zerojax.make_mesh(devices=[device]))
-  state = zerojax.init_from(lambda k: gpt.init(model, k), tx,
-                            jax.random.key(0))
-  step = zerojax.train_step(lambda p, b: gpt.loss(p, b, model), tx,
-                            gather="model")
+  batches = [
+    {
+      "x": rng.integers(0, 256, (1, seq_len)).astype(np.int32),
+      "y": rng.integers(0, 256, (1, seq_len)).astype(np.int32),
+    }
+    for _ in range(steps + 1)
+  ]
+  tx = zerojax.zero(
+    optax.adamw(1e-4), stage=3, mesh=zerojax.make_mesh(devices=[device])
+  )
+  state = zerojax.init_from(lambda k: gpt.init(model, k), tx, jax.random.key(0))
+  step = zerojax.train_step(
+    lambda p, b: gpt.loss(p, b, model), tx, gather="model"
+  )
   compiled = step.lower(state, batches[0]).compile()
   m = compiled.memory_analysis()
   if m is not None:
-    rec["planned_bytes"] = int(m.argument_size_in_bytes
-                               + m.output_size_in_bytes
-                               + m.temp_size_in_bytes
-                               - m.alias_size_in_bytes)
+    rec["planned_bytes"] = int(
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      + m.temp_size_in_bytes
+      - m.alias_size_in_bytes
+    )
     rec["planned_host_temp_bytes"] = int(
-        getattr(m, "host_temp_size_in_bytes", 0))
+      getattr(m, "host_temp_size_in_bytes", 0)
+    )
   times = []
   for i, b in enumerate(batches):
     t = time.perf_counter()
@@ -107,9 +128,21 @@ def attempt(args, policy: str, seq_len: int) -> dict:
   env = dict(os.environ, **ALLOCATORS[args.allocator])
   try:
     proc = subprocess.run(
-        [sys.executable, __file__, "--one", args.size, policy, str(seq_len),
-         "--steps", str(args.steps)],
-        capture_output=True, text=True, env=env, timeout=args.timeout)
+      [
+        sys.executable,
+        __file__,
+        "--one",
+        args.size,
+        policy,
+        str(seq_len),
+        "--steps",
+        str(args.steps),
+      ],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=args.timeout,
+    )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
     err = (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
   except subprocess.TimeoutExpired:
@@ -117,8 +150,13 @@ def attempt(args, policy: str, seq_len: int) -> dict:
   if lines:
     rec = json.loads(lines[-1][7:])
   else:
-    rec = {"size": args.size, "policy": policy, "seq_len": seq_len,
-           "ok": False, "error": err}
+    rec = {
+      "size": args.size,
+      "policy": policy,
+      "seq_len": seq_len,
+      "ok": False,
+      "error": err,
+    }
   rec["allocator"] = args.allocator
   print(json.dumps(rec), flush=True)
   return rec
@@ -162,26 +200,40 @@ def main():
   p.add_argument("--granularity", type=int, default=2048)
   p.add_argument("--steps", type=int, default=2)
   p.add_argument("--allocator", default="default", choices=sorted(ALLOCATORS))
-  p.add_argument("--timeout", type=int, default=540,
-                 help="seconds per attempt (a timed-out attempt fails)")
+  p.add_argument(
+    "--timeout",
+    type=int,
+    default=540,
+    help="seconds per attempt (a timed-out attempt fails)",
+  )
   p.add_argument("--out", default="runs/longest_context")
-  p.add_argument("--one", nargs=3, metavar=("SIZE", "POLICY", "SEQ_LEN"),
-                 help=argparse.SUPPRESS)
+  p.add_argument(
+    "--one",
+    nargs=3,
+    metavar=("SIZE", "POLICY", "SEQ_LEN"),
+    help=argparse.SUPPRESS,
+  )
   args = p.parse_args()
   if args.one:
     size, policy, seq_len = args.one
-    print("RECORD " + json.dumps(run_one(size, policy, int(seq_len),
-                                         args.steps)), flush=True)
+    print(
+      "RECORD " + json.dumps(run_one(size, policy, int(seq_len), args.steps)),
+      flush=True,
+    )
     return
   records, table = [], {}
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  summary = {"longest_context": table, "allocator": args.allocator,
-             "complete": False}
+  summary = {
+    "longest_context": table,
+    "allocator": args.allocator,
+    "complete": False,
+  }
 
   def save():
     (out / "longest_context.json").write_text(
-        json.dumps({"summary": summary, "attempts": records}, indent=2))
+      json.dumps({"summary": summary, "attempts": records}, indent=2)
+    )
 
   for policy in args.policies.split(","):
     table[policy] = longest(args, policy, records, save)

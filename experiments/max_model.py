@@ -45,7 +45,7 @@ import sys
 import time
 
 GIB = 1 << 30
-CONFIGS = ("0", "1", "2", "3", "3o")        # "3o": stage 3 + host offload
+CONFIGS = ("0", "1", "2", "3", "3o")  # "3o": stage 3 + host offload
 
 
 def child(args) -> dict:
@@ -60,28 +60,41 @@ def child(args) -> dict:
 
   import zerojax
   from zerojax import checkpoint
-  from zerojax.app import data
-  from zerojax.app import gpt
+  from zerojax.app import data, gpt
 
   def rss_now():
     for line in open("/proc/self/status"):
       if line.startswith("VmRSS:"):
         return int(line.split()[1]) * 1024
     return 0
+
   peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   phases = {}
-  mark = lambda name: phases.__setitem__(name, {"rss": rss_now(),
-                                                "peak": peak()})
+  mark = lambda name: phases.__setitem__(
+    name, {"rss": rss_now(), "peak": peak()}
+  )
   jax.devices()
   jnp.zeros(()).block_until_ready()
   mark("runtime")
   stage = int(args.config[0])
-  model = gpt.GPTConfig(vocab=256, width=args.width, depth=args.depth,
-                        heads=max(1, args.width // 128), seq_len=args.seq_len)
-  policy = (zerojax.Policy(param_dtype=jnp.bfloat16)
-            if args.precision == "bf16" else zerojax.Policy())
-  tx = zerojax.zero(optax.adamw(1e-4), stage=stage, policy=policy,
-                    offload=args.config.endswith("o"))
+  model = gpt.GPTConfig(
+    vocab=256,
+    width=args.width,
+    depth=args.depth,
+    heads=max(1, args.width // 128),
+    seq_len=args.seq_len,
+  )
+  policy = (
+    zerojax.Policy(param_dtype=jnp.bfloat16)
+    if args.precision == "bf16"
+    else zerojax.Policy()
+  )
+  tx = zerojax.zero(
+    optax.adamw(1e-4),
+    stage=stage,
+    policy=policy,
+    offload=args.config.endswith("o"),
+  )
   key = jax.random.key(0)
   init_fn = functools.partial(gpt.init, model)
   state = zerojax.init_from(init_fn, tx, key)
@@ -89,7 +102,8 @@ def child(args) -> dict:
   mark("init")
   tokens, held_out = data.split(data.corpus_bytes())
   batch_at = lambda i, t=tokens: data.batch_at(
-      t, seed=0, step=i, batch=args.batch, seq_len=args.seq_len)
+    t, seed=0, step=i, batch=args.batch, seq_len=args.seq_len
+  )
   loss_fn = functools.partial(gpt.loss, config=model)
   step = zerojax.train_step(loss_fn, tx)
   times, losses = [], []
@@ -102,61 +116,86 @@ def child(args) -> dict:
   where = tempfile.mkdtemp(prefix="zerojax_max_model_")
   t = time.perf_counter()
   lean = dict(compression=False, replica_parallel=False)
-  with checkpoint.Checkpointer(where, async_save=False,
-                               **(lean if args.save == "lean" else {})) as ckpt:
+  with checkpoint.Checkpointer(
+    where, async_save=False, **(lean if args.save == "lean" else {})
+  ) as ckpt:
     ckpt.save(state)
   save_s = time.perf_counter() - t
   mark("save")
   import shutil
+
   shutil.rmtree(where, ignore_errors=True)
-  eval_loss = float(zerojax.eval_step(loss_fn, tx)(state, batch_at(0, held_out)))
+  eval_loss = float(
+    zerojax.eval_step(loss_fn, tx)(state, batch_at(0, held_out))
+  )
   mark("eval")
-  return {"n_params": gpt.num_params(model), "phases": phases,
-          "step_s": times, "losses": losses, "save_s": save_s,
-          "eval_loss": eval_loss, "peak_rss": peak(),
-          "runtime_rss": phases["runtime"]["rss"],
-          "state_bytes": int(sum(x.size * x.dtype.itemsize for x in
-                                 jax.tree.leaves(state)))}
+  return {
+    "n_params": gpt.num_params(model),
+    "phases": phases,
+    "step_s": times,
+    "losses": losses,
+    "save_s": save_s,
+    "eval_loss": eval_loss,
+    "peak_rss": peak(),
+    "runtime_rss": phases["runtime"]["rss"],
+    "state_bytes": int(
+      sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    ),
+  }
 
 
 def floor(config: str, precision: str, depth: int, runtime: int, args) -> float:
   """The least RSS a run can have: 8 x (the planner's model state per
   device + the step's working set) + the runtime measured before the model."""
   import jax.numpy as jnp
+
   from zerojax import Policy, plan
   from zerojax.app import gpt
+
   policy = Policy(param_dtype=jnp.bfloat16) if precision == "bf16" else Policy()
-  cfg = gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
-                      heads=max(1, args.width // 128), seq_len=args.seq_len)
+  cfg = gpt.GPTConfig(
+    vocab=256,
+    width=args.width,
+    depth=depth,
+    heads=max(1, args.width // 128),
+    seq_len=args.seq_len,
+  )
   stage = int(config[0])
-  per_device = (plan.plan_gpt(plan.abstract_gpt(cfg), stage, 8,
-                                policy=policy).total
-                + plan.working_set(cfg, stage, args.batch // 8, policy,
-                                   n_devices=8))
+  per_device = plan.plan_gpt(
+    plan.abstract_gpt(cfg), stage, 8, policy=policy
+  ).total + plan.working_set(cfg, stage, args.batch // 8, policy, n_devices=8)
   return 8 * per_device + runtime
 
 
-def predicted_depth(config: str, precision: str, args,
-                    working: bool = True) -> int:
+def predicted_depth(
+  config: str, precision: str, args, working: bool = True
+) -> int:
   """The planner's largest depth: model state (plus, with ``working``, the
   step's working set, :func:`zerojax.plan.working_set`) within cap / 8 per
   device."""
   import jax.numpy as jnp
+
   from zerojax import Policy, plan
   from zerojax.app import gpt
+
   policy = Policy(param_dtype=jnp.bfloat16) if precision == "bf16" else Policy()
   budget = args.cap_gib * GIB / 8
   stage = int(config[0])
+
   def fits(depth):
-    cfg = gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
-                        heads=max(1, args.width // 128), seq_len=args.seq_len)
+    cfg = gpt.GPTConfig(
+      vocab=256,
+      width=args.width,
+      depth=depth,
+      heads=max(1, args.width // 128),
+      seq_len=args.seq_len,
+    )
     # on CPU host memory is the same RAM: offload's host bytes count too
-    need = plan.plan_gpt(plan.abstract_gpt(cfg), stage, 8,
-                           policy=policy).total
+    need = plan.plan_gpt(plan.abstract_gpt(cfg), stage, 8, policy=policy).total
     if working:
-      need += plan.working_set(cfg, stage, args.batch // 8, policy,
-                                 n_devices=8)
+      need += plan.working_set(cfg, stage, args.batch // 8, policy, n_devices=8)
     return need <= budget
+
   lo, hi = 0, 1
   while fits(hi):
     lo, hi = hi, hi * 2
@@ -168,21 +207,41 @@ def predicted_depth(config: str, precision: str, args,
 
 def attempt(config: str, precision: str, depth: int, args) -> dict:
   """One child run under the RSS watchdog."""
-  cmd = [sys.executable, __file__, "--child", "--config", config,
-         "--precision", precision, "--depth", str(depth),
-         "--width", str(args.width), "--seq-len", str(args.seq_len),
-         "--batch", str(args.batch), "--steps", str(args.steps),
-         "--save", args.save]
+  cmd = [
+    sys.executable,
+    __file__,
+    "--child",
+    "--config",
+    config,
+    "--precision",
+    precision,
+    "--depth",
+    str(depth),
+    "--width",
+    str(args.width),
+    "--seq-len",
+    str(args.seq_len),
+    "--batch",
+    str(args.batch),
+    "--steps",
+    str(args.steps),
+    "--save",
+    args.save,
+  ]
   env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
   t0 = time.perf_counter()
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env)
+  proc = subprocess.Popen(
+    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+  )
   cap, seen, killed = args.cap_gib * GIB, 0, None
   status = pathlib.Path(f"/proc/{proc.pid}/status")
   while proc.poll() is None:
     try:
-      rss = next(int(l.split()[1]) * 1024 for l in status.read_text().splitlines()
-                 if l.startswith("VmRSS:"))
+      rss = next(
+        int(l.split()[1]) * 1024
+        for l in status.read_text().splitlines()
+        if l.startswith("VmRSS:")
+      )
     except (OSError, StopIteration, ValueError):
       rss = 0
     seen = max(seen, rss)
@@ -196,8 +255,13 @@ def attempt(config: str, precision: str, depth: int, args) -> dict:
       break
     time.sleep(0.02)
   out, err = proc.communicate()
-  row = {"config": config, "precision": precision, "depth": depth,
-         "wall_s": time.perf_counter() - t0, "watchdog_peak_rss": seen}
+  row = {
+    "config": config,
+    "precision": precision,
+    "depth": depth,
+    "wall_s": time.perf_counter() - t0,
+    "watchdog_peak_rss": seen,
+  }
   if killed or proc.returncode != 0:
     row.update(fits=False, why=killed or err.strip().splitlines()[-1][:300])
     return row
@@ -208,13 +272,15 @@ def attempt(config: str, precision: str, depth: int, args) -> dict:
 def search(config, precision, args, log, start=None) -> dict:
   pred = predicted_depth(config, precision, args)
   tried = {}
+
   def fits(d):
     if d not in tried:
       r = attempt(config, precision, d, args)
       tried[d] = r
       log(r)
     return tried[d]["fits"]
-  lo, hi = 0, None                       # lo fits (0: nothing yet), hi fails
+
+  lo, hi = 0, None  # lo fits (0: nothing yet), hi fails
   d = max(1, start or pred)
   step = max(1, round(0.06 * d))
   close = lambda: hi is not None and hi - lo <= max(1, args.tolerance * lo)
@@ -223,7 +289,7 @@ def search(config, precision, args, log, start=None) -> dict:
       lo = d
       if hi is None:
         d += step
-        step *= 2                        # widen the bracket geometrically
+        step *= 2  # widen the bracket geometrically
         continue
     else:
       hi = d
@@ -237,99 +303,169 @@ def search(config, precision, args, log, start=None) -> dict:
       break
     d = (lo + hi) // 2
   best = tried.get(lo)
-  return {"config": config, "precision": precision, "predicted_depth": pred,
-          "largest_depth": lo or None, "first_failing_depth": hi,
-          "resolved": close(),
-          "largest": best, "attempts": list(tried.values())}
+  return {
+    "config": config,
+    "precision": precision,
+    "predicted_depth": pred,
+    "largest_depth": lo or None,
+    "first_failing_depth": hi,
+    "resolved": close(),
+    "largest": best,
+    "attempts": list(tried.values()),
+  }
 
 
 def predicted_params(depth, args):
   from zerojax.app import gpt
-  return gpt.num_params(gpt.GPTConfig(vocab=256, width=args.width, depth=depth,
-                                      heads=max(1, args.width // 128),
-                                      seq_len=args.seq_len))
+
+  return gpt.num_params(
+    gpt.GPTConfig(
+      vocab=256,
+      width=args.width,
+      depth=depth,
+      heads=max(1, args.width // 128),
+      seq_len=args.seq_len,
+    )
+  )
 
 
 def table(results, args) -> str:
-  lines = ["| config | precision | largest Ψ (depth) | first failing depth | "
-           "planner Ψ: state / + working set | measured / planner (+ws) | "
-           "peak RSS GiB | floor GiB | peak / floor | step s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| config | precision | largest Ψ (depth) | first failing depth | "
+    "planner Ψ: state / + working set | measured / planner (+ws) | "
+    "peak RSS GiB | floor GiB | peak / floor | step s |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in results:
     b = r["largest"]
-    name = "stage 3 + offload" if r["config"] == "3o" else f"stage {r['config']}"
-    state = predicted_params(predicted_depth(r["config"], r["precision"], args,
-                                             working=False), args)
-    pred = predicted_params(predicted_depth(r["config"], r["precision"], args),
-                            args)
+    name = (
+      "stage 3 + offload" if r["config"] == "3o" else f"stage {r['config']}"
+    )
+    state = predicted_params(
+      predicted_depth(r["config"], r["precision"], args, working=False), args
+    )
+    pred = predicted_params(
+      predicted_depth(r["config"], r["precision"], args), args
+    )
     if b is None:
-      lines.append(f"| {name} | {r['precision']} | none fits | - | "
-                   f"{state / 1e6:,.0f}M / {pred / 1e6:,.0f}M | - | - | - | - | - |")
+      lines.append(
+        f"| {name} | {r['precision']} | none fits | - | "
+        f"{state / 1e6:,.0f}M / {pred / 1e6:,.0f}M | - | - | - | - | - |"
+      )
       continue
-    low = floor(r["config"], r["precision"], r["largest_depth"],
-                b["runtime_rss"], args)
+    low = floor(
+      r["config"], r["precision"], r["largest_depth"], b["runtime_rss"], args
+    )
     lines.append(
-        f"| {name} | {r['precision']} | {b['n_params'] / 1e6:,.1f}M "
-        f"({r['largest_depth']}) | {r['first_failing_depth']} | "
-        f"{state / 1e6:,.1f}M / {pred / 1e6:,.1f}M | "
-        f"{b['n_params'] / state:.3f} ({b['n_params'] / pred:.3f}) | "
-        f"{b['peak_rss'] / GIB:.2f} | {low / GIB:.2f} | "
-        f"{b['peak_rss'] / low:.3f} | {b['step_s'][-1]:.1f} |")
+      f"| {name} | {r['precision']} | {b['n_params'] / 1e6:,.1f}M "
+      f"({r['largest_depth']}) | {r['first_failing_depth']} | "
+      f"{state / 1e6:,.1f}M / {pred / 1e6:,.1f}M | "
+      f"{b['n_params'] / state:.3f} ({b['n_params'] / pred:.3f}) | "
+      f"{b['peak_rss'] / GIB:.2f} | {low / GIB:.2f} | "
+      f"{b['peak_rss'] / low:.3f} | {b['step_s'][-1]:.1f} |"
+    )
   return "\n".join(lines)
 
 
 def chart(results, path, args):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  names = [("3+off" if r["config"] == "3o" else r["config"]) + "\n" + r["precision"]
-           for r in results]
-  got = [(r["largest"]["n_params"] if r["largest"] else 0) / 1e6 for r in results]
-  pred = [predicted_params(predicted_depth(r["config"], r["precision"], args),
-                           args) / 1e6 for r in results]
+
+  names = [
+    ("3+off" if r["config"] == "3o" else r["config"]) + "\n" + r["precision"]
+    for r in results
+  ]
+  got = [
+    (r["largest"]["n_params"] if r["largest"] else 0) / 1e6 for r in results
+  ]
+  pred = [
+    predicted_params(predicted_depth(r["config"], r["precision"], args), args)
+    / 1e6
+    for r in results
+  ]
   x = range(len(results))
   fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(results)), 4))
-  ax.bar([i - 0.2 for i in x], got, 0.4, label="measured (trains under the cap)")
-  ax.bar([i + 0.2 for i in x], pred, 0.4, label="planner (model state + "
-         "working set, cap / 8 per device)")
+  ax.bar(
+    [i - 0.2 for i in x], got, 0.4, label="measured (trains under the cap)"
+  )
+  ax.bar(
+    [i + 0.2 for i in x],
+    pred,
+    0.4,
+    label="planner (model state + working set, cap / 8 per device)",
+  )
   ax.set_xticks(list(x), names)
   ax.set_ylabel("parameters (millions)")
-  ax.set_title(f"Largest GPT under {args.cap_gib:g} GiB, 8 fake CPU devices "
-               f"(width {args.width}, context {args.seq_len}, batch {args.batch})")
+  ax.set_title(
+    f"Largest GPT under {args.cap_gib:g} GiB, 8 fake CPU devices "
+    f"(width {args.width}, context {args.seq_len}, batch {args.batch})"
+  )
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--cap-gib", type=float, default=20.0,
-                 help="memory cap: an attempt whose RSS crosses it is killed")
-  p.add_argument("--configs", default=",".join(CONFIGS),
-                 help="stages to search; '3o' is stage 3 with host offload")
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument(
+    "--cap-gib",
+    type=float,
+    default=20.0,
+    help="memory cap: an attempt whose RSS crosses it is killed",
+  )
+  p.add_argument(
+    "--configs",
+    default=",".join(CONFIGS),
+    help="stages to search; '3o' is stage 3 with host offload",
+  )
   p.add_argument("--precisions", default="fp32,bf16")
   p.add_argument("--width", type=int, default=1024)
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--steps", type=int, default=2)
-  p.add_argument("--save", choices=("lean", "orbax"), default="lean",
-                 help="checkpoint writes: lean (Checkpointer(compression="
-                      "False, replica_parallel=False): no host copies) or "
-                      "orbax (its defaults: zstd, replica-parallel)")
-  p.add_argument("--max-attempts", type=int, default=6,
-                 help="attempts per configuration")
-  p.add_argument("--start", type=int, default=None,
-                 help="first depth to try (default: the planner's)")
-  p.add_argument("--tolerance", type=float, default=0.03,
-                 help="stop when the first failing depth is within this "
-                      "fraction of the largest fitting one")
-  p.add_argument("--timeout", type=float, default=1800,
-                 help="seconds before an attempt is killed")
+  p.add_argument(
+    "--save",
+    choices=("lean", "orbax"),
+    default="lean",
+    help="checkpoint writes: lean (Checkpointer(compression="
+    "False, replica_parallel=False): no host copies) or "
+    "orbax (its defaults: zstd, replica-parallel)",
+  )
+  p.add_argument(
+    "--max-attempts", type=int, default=6, help="attempts per configuration"
+  )
+  p.add_argument(
+    "--start",
+    type=int,
+    default=None,
+    help="first depth to try (default: the planner's)",
+  )
+  p.add_argument(
+    "--tolerance",
+    type=float,
+    default=0.03,
+    help="stop when the first failing depth is within this "
+    "fraction of the largest fitting one",
+  )
+  p.add_argument(
+    "--timeout",
+    type=float,
+    default=1800,
+    help="seconds before an attempt is killed",
+  )
   p.add_argument("--out", default="runs/max_model")
-  p.add_argument("--report", nargs="+", metavar="JSON",
-                 help="no search: print the table and draw the chart of "
-                      "max_model.json files already written (merged)")
+  p.add_argument(
+    "--report",
+    nargs="+",
+    metavar="JSON",
+    help="no search: print the table and draw the chart of "
+    "max_model.json files already written (merged)",
+  )
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--config", default="3", help=argparse.SUPPRESS)
   p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
@@ -347,8 +483,9 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     print(table(results, args))
     chart(results, out / "max_model.png", args)
-    (out / "max_model.json").write_text(json.dumps(
-        {"args": runs[0]["args"], "results": results}, indent=1))
+    (out / "max_model.json").write_text(
+      json.dumps({"args": runs[0]["args"], "results": results}, indent=1)
+    )
     print(f"wrote {out / 'max_model.json'} and {out / 'max_model.png'}")
     return
   bad = [c for c in args.configs.split(",") if c not in CONFIGS]
@@ -356,22 +493,35 @@ def main(argv=None):
     p.error(f"--configs: {bad} not in {CONFIGS}")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+
   def log(r):
-    status = ("fits" if r["fits"] else f"does not fit ({r['why']})")
+    status = "fits" if r["fits"] else f"does not fit ({r['why']})"
     peak = r.get("peak_rss", r["watchdog_peak_rss"]) / GIB
-    print(f"  {r['config']:>2} {r['precision']} depth {r['depth']:>3}: {status}; "
-          f"peak {peak:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
+    print(
+      f"  {r['config']:>2} {r['precision']} depth {r['depth']:>3}: {status}; "
+      f"peak {peak:.2f} GiB, {r['wall_s']:.0f} s",
+      flush=True,
+    )
+
   results = []
   for precision in args.precisions.split(","):
     for config in args.configs.split(","):
       print(f"stage {config} {precision}: searching", flush=True)
       # offload on CPU: the same RAM, so start from stage 3's answer
-      start = next((r["largest_depth"] for r in results if config == "3o"
-                    and r["config"] == "3" and r["precision"] == precision),
-                   args.start)
+      start = next(
+        (
+          r["largest_depth"]
+          for r in results
+          if config == "3o"
+          and r["config"] == "3"
+          and r["precision"] == precision
+        ),
+        args.start,
+      )
       results.append(search(config, precision, args, log, start))
-      (out / "max_model.json").write_text(json.dumps(
-          {"args": vars(args), "results": results}, indent=1))
+      (out / "max_model.json").write_text(
+        json.dumps({"args": vars(args), "results": results}, indent=1)
+      )
   print(table(results, args))
   chart(results, out / "max_model.png", args)
   print(f"wrote {out / 'max_model.json'} and {out / 'max_model.png'}")

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def _fsdp_spec(x, n, axis="data"):
@@ -31,8 +32,9 @@ def _fsdp_spec(x, n, axis="data"):
 
 def make_peer(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
   """Returns ``(step, params, opt_state)`` laid out for the ``kind`` peer."""
-  jitted, param_sh, opt_sh, _ = peer_program(kind, loss_fn, optimizer, params,
-                                             mesh, compute_dtype)
+  jitted, param_sh, opt_sh, _ = peer_program(
+    kind, loss_fn, optimizer, params, mesh, compute_dtype
+  )
   # arrays already laid out so are used as they are (no copy; the step
   # donates them), others are resharded
   params = jax.device_put(params, param_sh)
@@ -45,15 +47,22 @@ def peer_program(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
   sharding)`` of the ``kind`` peer, from params' shapes alone: lower it
   with abstract values (``jax.ShapeDtypeStruct``) for a target whose
   devices this process cannot place data on."""
-  mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(
-      jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  mesh = jax.sharding.Mesh(
+    mesh.devices,
+    mesh.axis_names,
+    axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
+  )
   n = mesh.shape["data"]
-  sharded = jax.tree.map(lambda x: NamedSharding(mesh, _fsdp_spec(x, n)), params)
+  sharded = jax.tree.map(
+    lambda x: NamedSharding(mesh, _fsdp_spec(x, n)), params
+  )
   rep = jax.tree.map(lambda x: NamedSharding(mesh, P()), params)
   param_sh = sharded if kind == "fsdp" else rep
   opt_shapes = jax.eval_shape(optimizer.init, params)
-  opt_sh = jax.tree.map(lambda x: NamedSharding(
-      mesh, P() if kind == "dp" else _fsdp_spec(x, n)), opt_shapes)
+  opt_sh = jax.tree.map(
+    lambda x: NamedSharding(mesh, P() if kind == "dp" else _fsdp_spec(x, n)),
+    opt_shapes,
+  )
   batch_sh = NamedSharding(mesh, P("data"))
 
   def step(params, opt_state, batch):
@@ -61,10 +70,15 @@ def peer_program(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
       if compute_dtype is not None:
         p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
       return loss_fn(p, batch)
+
     value, grads = jax.value_and_grad(loss)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {"loss": value}
 
-  jitted = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
-                   out_shardings=(param_sh, opt_sh, None), donate_argnums=(0, 1))
+  jitted = jax.jit(
+    step,
+    in_shardings=(param_sh, opt_sh, batch_sh),
+    out_shardings=(param_sh, opt_sh, None),
+    donate_argnums=(0, 1),
+  )
   return jitted, param_sh, opt_sh, batch_sh

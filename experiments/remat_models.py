@@ -22,8 +22,9 @@ keeps (``saves``; for the plain-JAX block also the tensor it tags), Pa
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -49,25 +50,28 @@ MESH = "data=4,model=2"
 # tighter with "dots" and Pa): per layer is the least-squares slope
 DEPTHS = (2, 4, 6, 8)
 CHOICES = {
-    "input": dict(saves="input"),
-    "dots": dict(saves="dots"),
-    "input + Pa": dict(saves="input", partition="model"),
-    "dots + Pa": dict(saves="dots", partition="model"),
-    "input + offload": dict(saves="input", offload=True),
-    "input + Pa + offload": dict(saves="input", partition="model", offload=True),
-    "dots + Pa + offload": dict(saves="dots", partition="model", offload=True),
+  "input": dict(saves="input"),
+  "dots": dict(saves="dots"),
+  "input + Pa": dict(saves="input", partition="model"),
+  "dots + Pa": dict(saves="dots", partition="model"),
+  "input + offload": dict(saves="input", offload=True),
+  "input + Pa + offload": dict(saves="input", partition="model", offload=True),
+  "dots + Pa + offload": dict(saves="dots", partition="model", offload=True),
 }
 # the plain-JAX block also tags its hidden activation "mix"
 NAMED = {
-    "names": dict(saves=("mix",)),
-    "names + Pa": dict(saves=("mix",), partition="model"),
+  "names": dict(saves=("mix",)),
+  "names + Pa": dict(saves=("mix",), partition="model"),
 }
 
 
 def _step(kind, depth, remat, params=None):
   own, loss = mixers.ALL[kind](depth, remat)
-  params = own if params is None else jax.tree.unflatten(
-      jax.tree.structure(own), jax.tree.leaves(params))
+  params = (
+    own
+    if params is None
+    else jax.tree.unflatten(jax.tree.structure(own), jax.tree.leaves(params))
+  )
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=zerojax.make_mesh(MESH))
   return zerojax.init(params, tx), zerojax.train_step(loss, tx)
 
@@ -76,24 +80,40 @@ def _per_layer(kind, remat):
   temps, scans = [], []
   for depth in DEPTHS:
     state, step = _step(kind, depth, remat)
-    temps.append(step.lower(state, mixers.batch()).compile(
-        ).memory_analysis().temp_size_in_bytes)
-    scans.append(zerojax.report(step, state, mixers.batch()).activations[
-        "scan"])
+    temps.append(
+      step.lower(state, mixers.batch())
+      .compile()
+      .memory_analysis()
+      .temp_size_in_bytes
+    )
+    scans.append(
+      zerojax.report(step, state, mixers.batch()).activations["scan"]
+    )
   depth = DEPTHS[-1]
-  grads = sum(x.addressable_shards[0].data.size * x.dtype.itemsize
-              for x in jax.tree.leaves(state.params)
-              if x.ndim and x.shape[0] == depth) / depth
+  grads = (
+    sum(
+      x.addressable_shards[0].data.size * x.dtype.itemsize
+      for x in jax.tree.leaves(state.params)
+      if x.ndim and x.shape[0] == depth
+    )
+    / depth
+  )
   slope = lambda ys: float(np.polyfit(DEPTHS, ys, 1)[0])
   return slope(temps) - grads, slope(scans), temps
 
 
 def _host_placements(kind, remat):
   state, step = _step(kind, 2, remat)
-  text = step.trace(state, mixers.batch()).lower(
-      lowering_platforms=("cuda",)).as_text()
-  return re.findall(r'annotate_device_placement[^\n]*_xla_buffer_placement'
-                    r' = "pinned_host"[^\n]*: \((tensor<[^>]*>)\)', text)
+  text = (
+    step.trace(state, mixers.batch())
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
+  return re.findall(
+    r"annotate_device_placement[^\n]*_xla_buffer_placement"
+    r' = "pinned_host"[^\n]*: \((tensor<[^>]*>)\)',
+    text,
+  )
 
 
 def _trained(kind, remat, init):
@@ -109,21 +129,32 @@ def measure(kind, name, kw):
   init = mixers.ALL[kind](2, remat)[0]
   want = _trained(kind, False, init)
   got = _trained(kind, remat, init)
-  err = max(float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-  return {"model": kind, "choice": name, **kw,
-          "compiled_per_layer": compiled, "report_per_layer": reported,
-          "temps": dict(zip(DEPTHS, temps)),
-          "report_over_compiled": reported / compiled if compiled else None,
-          "host_placements": _host_placements(kind, remat),
-          "max_rel_err": err,
-          "block_input_bytes": (mixers.B // 4) * mixers.T * mixers.D * 4}
+  err = max(
+    float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+  )
+  return {
+    "model": kind,
+    "choice": name,
+    **kw,
+    "compiled_per_layer": compiled,
+    "report_per_layer": reported,
+    "temps": dict(zip(DEPTHS, temps)),
+    "report_over_compiled": reported / compiled if compiled else None,
+    "host_placements": _host_placements(kind, remat),
+    "max_rel_err": err,
+    "block_input_bytes": (mixers.B // 4) * mixers.T * mixers.D * 4,
+  }
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(
-      ROOT / "docs" / "data" / f"remat_models_jax{jax.__version__}.json"))
+  parser.add_argument(
+    "--out",
+    default=str(
+      ROOT / "docs" / "data" / f"remat_models_jax{jax.__version__}.json"
+    ),
+  )
   args = parser.parse_args(argv)
   warnings.filterwarnings("ignore", message="zerojax.init: mesh axes")
   rows = []
@@ -131,15 +162,22 @@ def main(argv=None):
     for name, kw in {**CHOICES, **(NAMED if kind == "jax" else {})}.items():
       row = measure(kind, name, kw)
       rows.append(row)
-      print(f"{kind:6s} {name:22s} compiled/layer {row['compiled_per_layer']:>9,.0f}"
-            f"  report/layer {row['report_per_layer']:>9,.0f}"
-            f"  ratio {row['report_over_compiled'] or 0:.3f}"
-            f"  host {len(row['host_placements'])}"
-            f"  rel err {row['max_rel_err']:.1e}", file=sys.stderr)
-  out = {"argv": sys.argv, "jax": jax.__version__,
-         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                    f"{jax.device_count()} fake CPU devices",
-         "mesh": MESH, "rows": rows}
+      print(
+        f"{kind:6s} {name:22s} compiled/layer {row['compiled_per_layer']:>9,.0f}"
+        f"  report/layer {row['report_per_layer']:>9,.0f}"
+        f"  ratio {row['report_over_compiled'] or 0:.3f}"
+        f"  host {len(row['host_placements'])}"
+        f"  rel err {row['max_rel_err']:.1e}",
+        file=sys.stderr,
+      )
+  out = {
+    "argv": sys.argv,
+    "jax": jax.__version__,
+    "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+    f"{jax.device_count()} fake CPU devices",
+    "mesh": MESH,
+    "rows": rows,
+  }
   pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
   print(args.out)
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import matplotlib
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -28,12 +29,18 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--stages", default="0,3")
   p.add_argument("--steps", type=int, default=400)
-  p.add_argument("--runs", default=None,
-                 help="';'-separated label=main-job flags, instead of --stages")
-  p.add_argument("--reuse", action="store_true",
-                 help="keep runs whose metrics.jsonl exists")
-  p.add_argument("--title", default="Main job (bf16 + fp32 master): stages "
-                                    "on the same seed and data")
+  p.add_argument(
+    "--runs",
+    default=None,
+    help="';'-separated label=main-job flags, instead of --stages",
+  )
+  p.add_argument(
+    "--reuse", action="store_true", help="keep runs whose metrics.jsonl exists"
+  )
+  p.add_argument(
+    "--title",
+    default="Main job (bf16 + fp32 master): stages on the same seed and data",
+  )
   p.add_argument("--out", default="runs/stage_curves")
   args, extra = p.parse_known_args()
   out = pathlib.Path(args.out)
@@ -46,12 +53,27 @@ def main():
   for label, flags in runs.items():
     run = out / label.replace(" ", "_").replace("+", "")
     if not (args.reuse and (run / "metrics.jsonl").exists()):
-      subprocess.run([sys.executable, "-m", "zerojax.train", *flags,
-                      "--steps", str(args.steps), "--log-every", "1",
-                      "--sample-len", "0", "--out", str(run), *extra],
-                     check=True)
-    curves[label] = [json.loads(l) for l in
-                     (run / "metrics.jsonl").read_text().splitlines()]
+      subprocess.run(
+        [
+          sys.executable,
+          "-m",
+          "zerojax.train",
+          *flags,
+          "--steps",
+          str(args.steps),
+          "--log-every",
+          "1",
+          "--sample-len",
+          "0",
+          "--out",
+          str(run),
+          *extra,
+        ],
+        check=True,
+      )
+    curves[label] = [
+      json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()
+    ]
   fig, ax = plt.subplots(figsize=(7, 4))
   for label, recs in curves.items():
     tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
@@ -70,19 +92,36 @@ def main():
   base_eval = [r["eval_loss"] for r in curves[first] if "eval_loss" in r][-1]
   gaps = {}
   for label, recs in curves.items():
-    rel = [abs(r["loss"] - base[r["step"]]) / base[r["step"]]
-           for r in recs if "loss" in r and r["step"] in base]
+    rel = [
+      abs(r["loss"] - base[r["step"]]) / base[r["step"]]
+      for r in recs
+      if "loss" in r and r["step"] in base
+    ]
     last = [r["eval_loss"] for r in recs if "eval_loss" in r][-1]
-    gaps[label] = {"max_rel_gap_first_50": max(rel[:50]),
-                   "max_rel_gap_all": max(rel), "final_eval_loss": last,
-                   "final_eval_gap": last / base_eval - 1}
+    gaps[label] = {
+      "max_rel_gap_first_50": max(rel[:50]),
+      "max_rel_gap_all": max(rel),
+      "final_eval_loss": last,
+      "final_eval_gap": last / base_eval - 1,
+    }
   import os
   import platform
+
   import jax
-  (out / "stage_curves.json").write_text(json.dumps({
-      "command": sys.argv, "jax_version": jax.__version__,
-      "machine": f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU "
-                 f"devices", "gaps": gaps, "curves": curves}, indent=1))
+
+  (out / "stage_curves.json").write_text(
+    json.dumps(
+      {
+        "command": sys.argv,
+        "jax_version": jax.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, 8 fake CPU "
+        f"devices",
+        "gaps": gaps,
+        "curves": curves,
+      },
+      indent=1,
+    )
+  )
   print(json.dumps(gaps, indent=2))
 
 

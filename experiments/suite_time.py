@@ -37,11 +37,20 @@ _DURATION = re.compile(r"^([0-9.]+)s (call|setup|teardown)\s+(\S+)$")
 _OUTCOME = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
 
 
-def run(marker: str, workers: int, min_s: float, cache: bool,
-        jax_phases: bool = False) -> dict:
-  cmd = [sys.executable, "-m", "pytest", "-n", str(workers),
-         "-p", "no:cacheprovider", "--durations=0",
-         f"--durations-min={min_s}"]
+def run(
+  marker: str, workers: int, min_s: float, cache: bool, jax_phases: bool = False
+) -> dict:
+  cmd = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-n",
+    str(workers),
+    "-p",
+    "no:cacheprovider",
+    "--durations=0",
+    f"--durations-min={min_s}",
+  ]
   if marker:
     cmd += ["-m", marker]
   env = dict(os.environ)
@@ -53,35 +62,55 @@ def run(marker: str, workers: int, min_s: float, cache: bool,
     cmd += ["-p", "jax_phases"]
     env["ZEROJAX_JAX_PHASES_DIR"] = phases_dir
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "experiments")] + [p for p in [env.get("PYTHONPATH")] if p])
+      [str(ROOT / "experiments")] + [p for p in [env.get("PYTHONPATH")] if p]
+    )
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        env=env)
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
   wall = time.perf_counter() - t0
   lines = proc.stdout.splitlines()
-  phases = [{"seconds": float(m[1]), "phase": m[2], "test": m[3]}
-            for m in map(_DURATION.match, lines) if m]
-  summary = next((l for l in reversed(lines) if " in " in l and
-                  _OUTCOME.search(l)), "")
-  outcomes = {k.rstrip("s") if k.startswith("error") else k: int(n)
-              for n, k in _OUTCOME.findall(summary)}
+  phases = [
+    {"seconds": float(m[1]), "phase": m[2], "test": m[3]}
+    for m in map(_DURATION.match, lines)
+    if m
+  ]
+  summary = next(
+    (l for l in reversed(lines) if " in " in l and _OUTCOME.search(l)), ""
+  )
+  outcomes = {
+    k.rstrip("s") if k.startswith("error") else k: int(n)
+    for n, k in _OUTCOME.findall(summary)
+  }
   rec = {
-      "command": " ".join(["python"] + cmd[1:]),
-      "marker": marker or None,
-      "returncode": proc.returncode,
-      "wall_s": round(wall, 1),
-      "outcomes": outcomes,
-      "summary": summary.strip("= "),
-      "jax": version("jax"), "jaxlib": version("jaxlib"),
-      "python": platform.python_version(),
-      "cpu_count": os.cpu_count(), "machine": platform.platform(),
-      "compilation_cache": next(
-          (l.split("persistent compilation cache ", 1)[1] for l in lines
-           if l.startswith("zerojax: persistent compilation cache ")), None),
-      "xla_flags": next((l.split("zerojax: XLA_FLAGS ", 1)[1] for l in lines
-                         if l.startswith("zerojax: XLA_FLAGS ")), None),
-      "phases_over_min_s": phases, "min_s": min_s,
-      "failures": [l for l in lines if l.startswith(("FAILED", "ERROR"))],
+    "command": " ".join(["python"] + cmd[1:]),
+    "marker": marker or None,
+    "returncode": proc.returncode,
+    "wall_s": round(wall, 1),
+    "outcomes": outcomes,
+    "summary": summary.strip("= "),
+    "jax": version("jax"),
+    "jaxlib": version("jaxlib"),
+    "python": platform.python_version(),
+    "cpu_count": os.cpu_count(),
+    "machine": platform.platform(),
+    "compilation_cache": next(
+      (
+        l.split("persistent compilation cache ", 1)[1]
+        for l in lines
+        if l.startswith("zerojax: persistent compilation cache ")
+      ),
+      None,
+    ),
+    "xla_flags": next(
+      (
+        l.split("zerojax: XLA_FLAGS ", 1)[1]
+        for l in lines
+        if l.startswith("zerojax: XLA_FLAGS ")
+      ),
+      None,
+    ),
+    "phases_over_min_s": phases,
+    "min_s": min_s,
+    "failures": [l for l in lines if l.startswith(("FAILED", "ERROR"))],
   }
   if phases_dir:
     rec["jax_phases"] = _jax_phases(phases_dir, phases)
@@ -107,10 +136,12 @@ def _jax_phases(phases_dir: str, phases: list) -> dict:
   total = sum(per_test.values(), collections.Counter())
   rnd = lambda c: {k: round(v, 1) for k, v in sorted(c.items())}
   return {
-      "total": rnd(total),
-      "test_seconds": round(sum(durations.values()), 1),
-      "per_file": {k: rnd(v) for k, v in sorted(
-          files.items(), key=lambda kv: -kv[1]["test_seconds"])},
+    "total": rnd(total),
+    "test_seconds": round(sum(durations.values()), 1),
+    "per_file": {
+      k: rnd(v)
+      for k, v in sorted(files.items(), key=lambda kv: -kv[1]["test_seconds"])
+    },
   }
 
 
@@ -119,24 +150,43 @@ def main(argv=None):
   ap.add_argument("--marker", default="", help="pytest -m (e.g. slow)")
   ap.add_argument("--workers", type=int, default=2)
   ap.add_argument("--min-s", type=float, default=5.0)
-  ap.add_argument("--no-cache", action="store_true",
-                  help="the persistent compilation cache off")
-  ap.add_argument("--out", default=None, help="JSON path (default: "
-                  "runs/suite_time/suite_<marker>_jax<version>.json)")
-  ap.add_argument("--jax-phases", action="store_true",
-                  help="also JAX's trace / lower / compile seconds per test "
-                       "file (experiments/jax_phases.py)")
+  ap.add_argument(
+    "--no-cache",
+    action="store_true",
+    help="the persistent compilation cache off",
+  )
+  ap.add_argument(
+    "--out",
+    default=None,
+    help="JSON path (default: "
+    "runs/suite_time/suite_<marker>_jax<version>.json)",
+  )
+  ap.add_argument(
+    "--jax-phases",
+    action="store_true",
+    help="also JAX's trace / lower / compile seconds per test "
+    "file (experiments/jax_phases.py)",
+  )
   args = ap.parse_args(argv)
-  rec = run(args.marker, args.workers, args.min_s, not args.no_cache,
-            args.jax_phases)
+  rec = run(
+    args.marker, args.workers, args.min_s, not args.no_cache, args.jax_phases
+  )
   tag = ("_nocache" if args.no_cache else "") + (
-      "_phases" if args.jax_phases else "")
-  out = pathlib.Path(args.out or ROOT / "runs" / "suite_time" / (
-      f"suite_{args.marker or 'default'}{tag}_jax{rec['jax']}.json"))
+    "_phases" if args.jax_phases else ""
+  )
+  out = pathlib.Path(
+    args.out
+    or ROOT
+    / "runs"
+    / "suite_time"
+    / (f"suite_{args.marker or 'default'}{tag}_jax{rec['jax']}.json")
+  )
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(rec, indent=1) + "\n")
-  print(f"{rec['summary']} (wall {rec['wall_s']} s, jax {rec['jax']}, "
-        f"cache {rec['compilation_cache']}) -> {out}")
+  print(
+    f"{rec['summary']} (wall {rec['wall_s']} s, jax {rec['jax']}, "
+    f"cache {rec['compilation_cache']}) -> {out}"
+  )
   return 0 if rec["returncode"] == 0 else 1
 
 

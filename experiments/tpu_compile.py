@@ -38,7 +38,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = ("1", "2", "3", "fsdp", "zero1", "3off")
-ZEROPP = "3pp"          # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
+ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # "<stage>off": the stage with offload=True (master and moments on the host)
 
 
@@ -51,74 +51,108 @@ def worker(args) -> dict:
 
   import zerojax
   from zerojax import aot, cost
+
   sys.path.insert(0, str(HERE))
   import peers
   import plain_gpt
 
-  mesh = aot.topology_mesh(args.topology, args.mesh,
-                           num_slices=args.num_slices)
+  mesh = aot.topology_mesh(args.topology, args.mesh, num_slices=args.num_slices)
   n = mesh.size
   axes = dict(mesh.shape)
-  if args.model == "gpt":           # zerojax's reference GPT (gathers per layer)
+  if args.model == "gpt":  # zerojax's reference GPT (gathers per layer)
     from zerojax.app import gpt
-    config = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len,
-                           width=args.width, depth=args.depth,
-                           heads=args.heads).resolved("tpu")
+
+    config = gpt.GPTConfig(
+      vocab=args.vocab,
+      seq_len=args.seq_len,
+      width=args.width,
+      depth=args.depth,
+      heads=args.heads,
+    ).resolved("tpu")
     init_fn = functools.partial(gpt.init, config)
     loss_fn = functools.partial(gpt.loss, config=config)
   else:
-    init_fn = functools.partial(plain_gpt.init, vocab=args.vocab,
-                                width=args.width, depth=args.depth,
-                                seq_len=args.seq_len)
+    init_fn = functools.partial(
+      plain_gpt.init,
+      vocab=args.vocab,
+      width=args.width,
+      depth=args.depth,
+      seq_len=args.seq_len,
+    )
     loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
   rows = args.batch_per_chip * n
-  batch = aot.abstract_batch({"x": ((rows, args.seq_len), jnp.int32),
-                              "y": ((rows, args.seq_len), jnp.int32)})
+  batch = aot.abstract_batch(
+    {
+      "x": ((rows, args.seq_len), jnp.int32),
+      "y": ((rows, args.seq_len), jnp.int32),
+    }
+  )
   opt = optax.adamw(1e-4)
   shapes = jax.eval_shape(init_fn, jax.random.key(0))
   n_params = sum(x.size for x in jax.tree.leaves(shapes))
   out = {"config": args.config, "n_params": int(n_params)}
   t0 = time.perf_counter()
   if args.config in ("fsdp", "zero1", "dp"):
-    jitted, p_sh, o_sh, b_sh = peers.peer_program(args.config, loss_fn, opt,
-                                                  shapes, mesh)
+    jitted, p_sh, o_sh, b_sh = peers.peer_program(
+      args.config, loss_fn, opt, shapes, mesh
+    )
     put = lambda tree, sh: jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        tree, sh)
-    lowered = jitted.lower(put(shapes, p_sh),
-                           put(jax.eval_shape(opt.init, shapes), o_sh),
-                           jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                               x.shape, x.dtype, sharding=b_sh), batch))
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh
+    )
+    lowered = jitted.lower(
+      put(shapes, p_sh),
+      put(jax.eval_shape(opt.init, shapes), o_sh),
+      jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=b_sh), batch
+      ),
+    )
   else:
     stage = int(args.config[0])
     zeropp = None
-    if args.config == ZEROPP:       # nodes: one slice's chips of the data axis
+    if args.config == ZEROPP:  # nodes: one slice's chips of the data axis
       node = axes["data"] // (args.num_slices // axes.get("replica", 1))
       zeropp = zerojax.ZeroPP(grad_bits=8, hpz_size=node, node_size=node)
-    tx = zerojax.zero(opt, stage=stage, mesh=mesh, zeropp=zeropp,
-                      offload=args.config.endswith("off"))
-    state = jax.eval_shape(lambda k: zerojax.init_from(init_fn, tx, k),
-                           jax.random.key(0))
+    tx = zerojax.zero(
+      opt,
+      stage=stage,
+      mesh=mesh,
+      zeropp=zeropp,
+      offload=args.config.endswith("off"),
+    )
+    state = jax.eval_shape(
+      lambda k: zerojax.init_from(init_fn, tx, k), jax.random.key(0)
+    )
     lowered = zerojax.train_step(loss_fn, tx).lower(state, batch)
-    one_device = {k: jax.ShapeDtypeStruct((args.batch_per_chip,
-                                            args.seq_len), jnp.int32)
-                  for k in ("x", "y")}
-    acts = cost.saved_activations(loss_fn, shapes, one_device,
-                                  mesh={"data": n})
+    one_device = {
+      k: jax.ShapeDtypeStruct((args.batch_per_chip, args.seq_len), jnp.int32)
+      for k in ("x", "y")
+    }
+    acts = cost.saved_activations(loss_fn, shapes, one_device, mesh={"data": n})
     # the programs above keep fp32 params and gradients (no policy)
-    plan = cost.plan_stage(shapes, stage, mesh=axes, activations=acts,
-                           policy=zerojax.Policy())
+    plan = cost.plan_stage(
+      shapes, stage, mesh=axes, activations=acts, policy=zerojax.Policy()
+    )
     slices = args.num_slices
     out["planner_comm"] = cost.comm_time(plan, slices)
     if zeropp is not None:
       out["planner_zeropp"] = cost.zeropp_comm(
-          int(n_params), axes["data"], slices, grad_bits=8,
-          hpz=True, param_bytes=4)
-    out["planner"] = {"state": plan.total, "params": plan.params,
-                      "master": plan.master, "optimizer": plan.optimizer,
-                      "grads": plan.grads, "activations": plan.activations,
-                      "working_set": plan.working_set,
-                      "collectives": plan.collectives}
+        int(n_params),
+        axes["data"],
+        slices,
+        grad_bits=8,
+        hpz=True,
+        param_bytes=4,
+      )
+    out["planner"] = {
+      "state": plan.total,
+      "params": plan.params,
+      "master": plan.master,
+      "optimizer": plan.optimizer,
+      "grads": plan.grads,
+      "activations": plan.activations,
+      "working_set": plan.working_set,
+      "collectives": plan.collectives,
+    }
   out["lower_s"] = time.perf_counter() - t0
   t0 = time.perf_counter()
   compiled = lowered.compile()
@@ -131,11 +165,18 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--topology", default="v5e:2x2")
   p.add_argument("--num-slices", type=int, default=1)
-  p.add_argument("--model", choices=("plain", "gpt"), default="plain",
-                 help="plain_gpt.py (written without zerojax) or zerojax's "
-                      "reference GPT (zerojax.app.gpt)")
-  p.add_argument("--mesh", default=None,
-                 help="mesh axes, e.g. replica=2,data=4 (default: data)")
+  p.add_argument(
+    "--model",
+    choices=("plain", "gpt"),
+    default="plain",
+    help="plain_gpt.py (written without zerojax) or zerojax's "
+    "reference GPT (zerojax.app.gpt)",
+  )
+  p.add_argument(
+    "--mesh",
+    default=None,
+    help="mesh axes, e.g. replica=2,data=4 (default: data)",
+  )
   p.add_argument("--configs", default=",".join(CONFIGS))
   p.add_argument("--width", type=int, default=512)
   p.add_argument("--depth", type=int, default=4)
@@ -144,58 +185,89 @@ def main():
   p.add_argument("--seq-len", type=int, default=256)
   p.add_argument("--batch-per-chip", type=int, default=2)
   p.add_argument("--out", default=str(HERE.parent / "docs" / "data"))
-  p.add_argument("--tag", default="",
-                 help="appended to the file name (e.g. the LIBTPU_INIT_ARGS "
-                      "set tried; the flags are recorded in the JSON)")
-  p.add_argument("--config", help=argparse.SUPPRESS)      # worker mode
+  p.add_argument(
+    "--tag",
+    default="",
+    help="appended to the file name (e.g. the LIBTPU_INIT_ARGS "
+    "set tried; the flags are recorded in the JSON)",
+  )
+  p.add_argument("--config", help=argparse.SUPPRESS)  # worker mode
   args = p.parse_args()
   if args.config:
     print(json.dumps(worker(args)))
     return
   import importlib.metadata as md
+
   versions = {k: md.version(k) for k in ("jax", "jaxlib", "libtpu")}
   runs = []
   for config in args.configs.split(","):
-    argv = [sys.executable, __file__, f"--config={config}",
-            f"--topology={args.topology}", f"--width={args.width}",
-            f"--num-slices={args.num_slices}", f"--model={args.model}",
-            *([f"--mesh={args.mesh}"] if args.mesh else []),
-            f"--depth={args.depth}", f"--heads={args.heads}",
-            f"--vocab={args.vocab}", f"--seq-len={args.seq_len}",
-            f"--batch-per-chip={args.batch_per_chip}"]
-    proc = subprocess.run(argv, capture_output=True, text=True,
-                          env={**__import__("os").environ,
-                               "JAX_PLATFORMS": "cpu"})
+    argv = [
+      sys.executable,
+      __file__,
+      f"--config={config}",
+      f"--topology={args.topology}",
+      f"--width={args.width}",
+      f"--num-slices={args.num_slices}",
+      f"--model={args.model}",
+      *([f"--mesh={args.mesh}"] if args.mesh else []),
+      f"--depth={args.depth}",
+      f"--heads={args.heads}",
+      f"--vocab={args.vocab}",
+      f"--seq-len={args.seq_len}",
+      f"--batch-per-chip={args.batch_per_chip}",
+    ]
+    proc = subprocess.run(
+      argv,
+      capture_output=True,
+      text=True,
+      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode or not lines:
       errors = [l for l in proc.stderr.splitlines() if "Error" in l]
-      run = {"config": config,                  # e.g. the compiler's OOM
-             "error": errors[-1:] or proc.stderr.strip().splitlines()[-1:]}
+      run = {
+        "config": config,  # e.g. the compiler's OOM
+        "error": errors[-1:] or proc.stderr.strip().splitlines()[-1:],
+      }
     else:
       run = json.loads(lines[-1])
     runs.append(run)
     mem = run.get("memory", {})
-    print(f"{args.topology} {config:>6}: peak {mem.get('peak', 0) / 2**20:8.1f} "
-          f"MiB  {run.get('issued', run.get('error'))}", flush=True)
-  model = (f"{args.model}_w{args.width}_d{args.depth}_v{args.vocab}_t{args.seq_len}"
-           f"_b{args.batch_per_chip}")
-  topology = args.topology + (f"x{args.num_slices}slices"
-                               if args.num_slices > 1 else "")
+    print(
+      f"{args.topology} {config:>6}: peak {mem.get('peak', 0) / 2**20:8.1f} "
+      f"MiB  {run.get('issued', run.get('error'))}",
+      flush=True,
+    )
+  model = (
+    f"{args.model}_w{args.width}_d{args.depth}_v{args.vocab}_t{args.seq_len}"
+    f"_b{args.batch_per_chip}"
+  )
+  topology = args.topology + (
+    f"x{args.num_slices}slices" if args.num_slices > 1 else ""
+  )
   if args.mesh:
     model += "_" + args.mesh.replace("=", "").replace(",", "_")
   if args.tag:
     model += "_" + args.tag
-  result = {"topology": topology, "mesh": args.mesh, "model": model,
-            "libtpu_init_args": __import__("os").environ.get(
-                "LIBTPU_INIT_ARGS", ""),
-            "model_source": ("zerojax.app.gpt" if args.model == "gpt"
-                             else "experiments/plain_gpt.py"),
-            "sizes": {k: getattr(args, k) for k in (
-                "width", "depth", "heads", "vocab", "seq_len",
-                "batch_per_chip")},
-            "versions": versions, "runs": runs}
-  name = (f"tpu_compile_{topology.replace(':', '-')}_{model}_"
-          f"jax{versions['jax']}_libtpu{versions['libtpu']}.json")
+  result = {
+    "topology": topology,
+    "mesh": args.mesh,
+    "model": model,
+    "libtpu_init_args": __import__("os").environ.get("LIBTPU_INIT_ARGS", ""),
+    "model_source": (
+      "zerojax.app.gpt" if args.model == "gpt" else "experiments/plain_gpt.py"
+    ),
+    "sizes": {
+      k: getattr(args, k)
+      for k in ("width", "depth", "heads", "vocab", "seq_len", "batch_per_chip")
+    },
+    "versions": versions,
+    "runs": runs,
+  }
+  name = (
+    f"tpu_compile_{topology.replace(':', '-')}_{model}_"
+    f"jax{versions['jax']}_libtpu{versions['libtpu']}.json"
+  )
   path = pathlib.Path(args.out) / name
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(result, indent=1) + "\n")

@@ -1,8 +1,8 @@
 """Subprocess half of the checkpoint tests: train, save, or restore and train.
 
-    python -m tests.ckpt_worker first  DIR STAGE K       # K steps, save
-    python -m tests.ckpt_worker second DIR STAGE N OUT   # restore, to step N
-    python -m tests.ckpt_worker crash  DIR               # save, then die mid-save
+python -m tests.ckpt_worker first  DIR STAGE K       # K steps, save
+python -m tests.ckpt_worker second DIR STAGE N OUT   # restore, to step N
+python -m tests.ckpt_worker crash  DIR               # save, then die mid-save
 """
 
 import os
@@ -18,8 +18,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax  # noqa: E402
-from zerojax import checkpoint  # noqa: E402
 from tests import toy  # noqa: E402
+from zerojax import checkpoint  # noqa: E402
 
 DATA = toy.batches(6, seed=7)
 
@@ -44,20 +44,20 @@ def main(mode, directory, *rest):
     params, tx, step = setup(stage)
     with checkpoint.Checkpointer(directory) as ckpt:
       state, extra = ckpt.restore(params, tx)
-    for b in DATA[extra["data_step"]:n]:
+    for b in DATA[extra["data_step"] : n]:
       state, _ = step(state, b)
     full = zerojax.gather_params(state)
     np.savez(out, *[np.asarray(x) for x in jax.tree.leaves(full)])
   elif mode == "crash":
-    big = {"w": np.ones((4096, 4096), np.float32)}    # 64 MB: slow enough
+    big = {"w": np.ones((4096, 4096), np.float32)}  # 64 MB: slow enough
     tx = zerojax.zero(optax.adam(1e-3), stage=1)
     state = zerojax.init(big, tx)
     ckpt = checkpoint.Checkpointer(directory, async_save=True)
     ckpt.save(state, force=True)
     ckpt.wait()
     state = state.replace(step=state.step + 1)
-    ckpt.save(state, force=True)                 # asynchronous: returns early
-    os.kill(os.getpid(), signal.SIGKILL)         # die while it is writing
+    ckpt.save(state, force=True)  # asynchronous: returns early
+    os.kill(os.getpid(), signal.SIGKILL)  # die while it is writing
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Test set-up: 8 fake CPU devices, set before JAX initialises its backend."""
 
 import atexit
-import platform
 import os
+import platform
 import shutil
 import tempfile
 from importlib.metadata import version
@@ -32,8 +32,10 @@ if "xla_backend_optimization_level" not in _flags:
 # emitters however they were chosen; flags the caller set win.
 if _JAXLIB < (0, 11) and "xla_cpu_use_fusion_emitters" not in _flags:
   _flags += " --xla_cpu_use_fusion_emitters=false"
-if ("xla_cpu_use_fusion_emitters=false" in _flags
-    and "xla_cpu_max_isa" not in _flags):
+if (
+  "xla_cpu_use_fusion_emitters=false" in _flags
+  and "xla_cpu_max_isa" not in _flags
+):
   _flags += " --xla_cpu_max_isa=AVX"
 # XLA CPU kills the process when a collective's device threads have not all
 # arrived after 40 s; on a loaded 2-core machine (CI beside another job) 8
@@ -43,6 +45,8 @@ if "collective_call_terminate_timeout" not in _flags:
   _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
 os.environ["XLA_FLAGS"] = _flags + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
 # One persistent XLA compilation cache per test session, shared by the
 # xdist workers and every subprocess they start (notebook kernels, Optax's
 # suites, resumed main jobs): a program built again, in another test,
@@ -68,7 +72,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def _cache_state() -> str:
   """Whether this session's persistent cache is on, and why not."""
   if os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() in (
-      "0", "false"):
+    "0",
+    "false",
+  ):
     return "off (JAX_ENABLE_COMPILATION_CACHE)"
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return "on, the caller's " + os.environ["JAX_COMPILATION_CACHE_DIR"]
@@ -80,9 +86,11 @@ def _cache_state() -> str:
 _CACHE = _cache_state()
 if _CACHE == "on":
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
-      prefix="zerojax-tests-xla-cache-")
-  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"],
-                  ignore_errors=True)
+    prefix="zerojax-tests-xla-cache-"
+  )
+  atexit.register(
+    shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True
+  )
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -96,6 +104,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def mesh():
   """The mesh users hold: ``jax.make_mesh``'s Explicit axes."""
   import zerojax
+
   assert len(jax.devices()) == 8, "tests need 8 fake CPU devices"
   return zerojax.make_mesh()
 
@@ -104,9 +113,13 @@ def mesh():
 def any_mesh(request):
   """Both axis types, for the tests whose claims must hold on each."""
   import zerojax
-  return zerojax.make_mesh(axis_types={
+
+  return zerojax.make_mesh(
+    axis_types={
       "explicit": jax.sharding.AxisType.Explicit,
-      "auto": jax.sharding.AxisType.Auto}[request.param])
+      "auto": jax.sharding.AxisType.Auto,
+    }[request.param]
+  )
 
 
 def _machine() -> str:
@@ -124,15 +137,22 @@ def _machine() -> str:
           break
   except OSError:
     pass
-  isa = [f for f in ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
-         if f in flags]
-  return (f"{model}, {os.cpu_count()} cores"
-          + (f", {' '.join(isa)}" if isa else ""))
+  isa = [
+    f
+    for f in ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+    if f in flags
+  ]
+  return f"{model}, {os.cpu_count()} cores" + (
+    f", {' '.join(isa)}" if isa else ""
+  )
 
 
 def pytest_report_header(config):
   import jaxlib
-  return ["zerojax: machine " + _machine(),
-          f"zerojax: jax {jax.__version__}, jaxlib {jaxlib.__version__}",
-          "zerojax: persistent compilation cache " + _CACHE,
-          "zerojax: XLA_FLAGS " + os.environ["XLA_FLAGS"].strip()]
+
+  return [
+    "zerojax: machine " + _machine(),
+    f"zerojax: jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+    "zerojax: persistent compilation cache " + _CACHE,
+    "zerojax: XLA_FLAGS " + os.environ["XLA_FLAGS"].strip(),
+  ]

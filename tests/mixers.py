@@ -12,22 +12,24 @@ channel mixing across the width D) in Flax NNX (blocks built with
 
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import zerojax
 import zerojax.linen
 import zerojax.nnx
 
-B, T, D, IN, C = 16, 8, 32, 6, 3        # global batch, tokens, width, in, out
+B, T, D, IN, C = 16, 8, 32, 6, 3  # global batch, tokens, width, in, out
 
 
 def batch(seed=0, rows=B):
   rng = np.random.default_rng(seed)
-  return {"x": rng.normal(size=(B, T, IN)).astype(np.float32)[:rows],
-          "y": rng.normal(size=(B, C)).astype(np.float32)[:rows]}
+  return {
+    "x": rng.normal(size=(B, T, IN)).astype(np.float32)[:rows],
+    "y": rng.normal(size=(B, C)).astype(np.float32)[:rows],
+  }
 
 
 # ----------------------------------------------------------------- NNX
@@ -69,8 +71,10 @@ class NNXMixer(nnx.Module):
 
 def nnx_model(depth, remat):
   graphdef, params = nnx.split(NNXMixer(depth, remat, nnx.Rngs(0)), nnx.Param)
+
   def loss(p, b):
     return jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
+
   return params, loss
 
 
@@ -93,15 +97,18 @@ class LinenMixer(nn.Module):
   def __call__(self, x_BxTxIN):
     x_BxTxD = zerojax.linen.gathered(nn.Dense)(D)(x_BxTxIN)
     x_BxTxD, _ = zerojax.linen.scan_layers(
-        LinenMixerBlock, self.depth, remat=self.remat)()(x_BxTxD, None)
+      LinenMixerBlock, self.depth, remat=self.remat
+    )()(x_BxTxD, None)
     return zerojax.linen.gathered(nn.Dense)(C)(x_BxTxD.mean(1))
 
 
 def linen_model(depth, remat):
   model = LinenMixer(depth, remat)
   params = model.init(jax.random.key(0), batch()["x"][:2])["params"]
+
   def loss(p, b):
     return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
   return params, loss
 
 
@@ -113,14 +120,17 @@ def jax_model(depth, remat):
   """Channel mixing only, as a function of ``(x, layer params)`` scanned
   over stacked params; its hidden activation is tagged ``"mix"``."""
   rng = np.random.default_rng(0)
-  normal = lambda *shape: (rng.normal(size=shape) / np.sqrt(shape[-2])
-                           ).astype(np.float32)
-  params = {"inp": normal(IN, D), "out": normal(D, C),
-            "blocks": {"a": normal(depth, D, 2 * D),
-                       "b": normal(depth, 2 * D, D)}}
+  normal = lambda *shape: (rng.normal(size=shape) / np.sqrt(shape[-2])).astype(
+    np.float32
+  )
+  params = {
+    "inp": normal(IN, D),
+    "out": normal(D, C),
+    "blocks": {"a": normal(depth, D, 2 * D), "b": normal(depth, 2 * D, D)},
+  }
 
   @jax.jit
-  def up(x_BxTxD, a_DxF):                 # a jitted helper inside the block
+  def up(x_BxTxD, a_DxF):  # a jitted helper inside the block
     return jnp.einsum("btd,df->btf", x_BxTxD, a_DxF)
 
   def block(x_BxTxD, w):
@@ -137,6 +147,7 @@ def jax_model(depth, remat):
     x_BxTxD = b["x"] @ zerojax.gather(p["inp"])
     x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, p["blocks"])
     return jnp.mean((x_BxTxD.mean(1) @ zerojax.gather(p["out"]) - b["y"]) ** 2)
+
   return params, loss
 
 

@@ -1,14 +1,14 @@
 """One process of a multi-process test (started by zerojax.launch).
 
-    python -m tests.mp_worker train   STAGE OUT        # 5 steps; process 0 saves params
-    python -m tests.mp_worker save    STAGE DIR        # 3 steps, checkpoint
-    python -m tests.mp_worker restore STAGE DIR OUT    # restore, save params
-    python -m tests.mp_worker die     STAGE            # process 1 dies at step 2
-    python -m tests.mp_worker init    COORD N ID TIMEOUT
-    python -m tests.mp_worker hsdp    STAGE OUT JSON   # replica=2 across processes
-    python -m tests.mp_worker zeropp  3 OUT JSON       # ZeRO++, node = process
-    python -m tests.mp_worker qgz     3 OUT JSON       # qgZ alone, node = process
-    python -m tests.mp_worker aux     STAGE PREFIX     # per-example aux rows
+python -m tests.mp_worker train   STAGE OUT        # 5 steps; process 0 saves params
+python -m tests.mp_worker save    STAGE DIR        # 3 steps, checkpoint
+python -m tests.mp_worker restore STAGE DIR OUT    # restore, save params
+python -m tests.mp_worker die     STAGE            # process 1 dies at step 2
+python -m tests.mp_worker init    COORD N ID TIMEOUT
+python -m tests.mp_worker hsdp    STAGE OUT JSON   # replica=2 across processes
+python -m tests.mp_worker zeropp  3 OUT JSON       # ZeRO++, node = process
+python -m tests.mp_worker qgz     3 OUT JSON       # qgZ alone, node = process
+python -m tests.mp_worker aux     STAGE PREFIX     # per-example aux rows
 """
 
 import os
@@ -33,51 +33,78 @@ def main(mode, *rest):
   import jax
   import numpy as np
   import optax
-  from zerojax import checkpoint
+
   from tests import toy
+  from zerojax import checkpoint
 
   stage = int(rest[0])
   params = toy.init_params(jax.random.key(0))
   mesh = zerojax.make_mesh("replica=2,data=4") if mode == "hsdp" else None
-  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh,
-                    zeropp={"zeropp": ZEROPP, "qgz": QGZ}.get(mode))
+  tx = zerojax.zero(
+    optax.adamw(1e-2),
+    stage=stage,
+    mesh=mesh,
+    zeropp={"zeropp": ZEROPP, "qgz": QGZ}.get(mode),
+  )
   step = zerojax.train_step(toy.loss_fn, tx)
   rows = distributed.local_rows(zerojax.batch_sharding(tx), 32)
-  batches = [zerojax.shard_batch({k: v[rows] for k, v in b.items()}, tx, 32)
-             for b in toy.batches(5, seed=11)]
+  batches = [
+    zerojax.shard_batch({k: v[rows] for k, v in b.items()}, tx, 32)
+    for b in toy.batches(5, seed=11)
+  ]
 
   def save_params(state, out):
     full = zerojax.gather_params(state)
     if distributed.is_main():
-      np.savez(out, *[np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(full)])
+      np.savez(
+        out, *[np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(full)]
+      )
 
   def crossing(t):
     """The collectives of ``t``'s train step that span both processes."""
-    hlo = zerojax.train_step(toy.loss_fn, t).lower(
-        zerojax.init(params, t), batches[0]).compile().as_text()
-    return [{"kind": c.kind, "dtype": c.dtype, "count": c.count,
-             "axes": list(zerojax.diagnostics.collective_axes(c, t.mesh)),
-             "groups": [list(g) for g in c.groups],
-             "elements": c.total_elements, "bytes": c.total_bytes}
-            for c in zerojax.diagnostics.collectives(hlo, 8)
-            if zerojax.diagnostics.crosses_processes(c, t.mesh)]
+    hlo = (
+      zerojax.train_step(toy.loss_fn, t)
+      .lower(zerojax.init(params, t), batches[0])
+      .compile()
+      .as_text()
+    )
+    return [
+      {
+        "kind": c.kind,
+        "dtype": c.dtype,
+        "count": c.count,
+        "axes": list(zerojax.diagnostics.collective_axes(c, t.mesh)),
+        "groups": [list(g) for g in c.groups],
+        "elements": c.total_elements,
+        "bytes": c.total_bytes,
+      }
+      for c in zerojax.diagnostics.collectives(hlo, 8)
+      if zerojax.diagnostics.crosses_processes(c, t.mesh)
+    ]
 
   if mode in ("zeropp", "qgz", "hsdp"):
     import json
+
     state = zerojax.init(params, tx)
     # which collectives cross processes, for this setting and the plain
     # 1-D mesh at the same stage
-    table = {mode: crossing(tx),
-             "plain": crossing(zerojax.zero(optax.adamw(1e-2), stage=stage)),
-             "process_of": [d.process_index for d in tx.mesh.devices.reshape(-1)],
-             "qgz_node_size": tx.qgz_node_size}
+    table = {
+      mode: crossing(tx),
+      "plain": crossing(zerojax.zero(optax.adamw(1e-2), stage=stage)),
+      "process_of": [d.process_index for d in tx.mesh.devices.reshape(-1)],
+      "qgz_node_size": tx.qgz_node_size,
+    }
     if mode == "hsdp":
       table["shard_elements"] = sum(
-          int(np.prod(r.shard.storage_shape)) // tx.num_shards
-          for r in state.spec.leaves if r.trainable and r.shard.sharded)
+        int(np.prod(r.shard.storage_shape)) // tx.num_shards
+        for r in state.spec.leaves
+        if r.trainable and r.shard.sharded
+      )
       table["replica_is_process"] = all(
-          d.process_index == r for r in range(2)
-          for d in tx.mesh.devices[r].reshape(-1))
+        d.process_index == r
+        for r in range(2)
+        for d in tx.mesh.devices[r].reshape(-1)
+      )
     for b in batches:
       state, _ = step(state, b)
     save_params(state, rest[1])
@@ -89,17 +116,24 @@ def main(mode, *rest):
 
     def loss_rows(p, b):
       loss = toy.loss_fn(p, b)
-      return loss, {"x_rows": b["x"].astype(jnp.float32) * (1 + 0 * loss),
-                    "rows": jnp.asarray(b["x"].shape[0])}
+      return loss, {
+        "x_rows": b["x"].astype(jnp.float32) * (1 + 0 * loss),
+        "rows": jnp.asarray(b["x"].shape[0]),
+      }
+
     state = zerojax.init(params, tx)
     state, m = zerojax.train_step(loss_rows, tx)(state, batches[0])
     _, e = zerojax.eval_step(loss_rows, tx, has_aux=True)(state, batches[1])
     # each process writes the rows its devices hold, keyed by first row
     for name, aux in (("train", m["aux"]), ("eval", e)):
-      np.savez(f"{rest[1]}_{name}_{jax.process_index()}.npz",
-               rows=np.asarray(aux["rows"].addressable_data(0)),
-               **{str(s.index[0].start or 0): np.asarray(s.data)
-                  for s in aux["x_rows"].addressable_shards})
+      np.savez(
+        f"{rest[1]}_{name}_{jax.process_index()}.npz",
+        rows=np.asarray(aux["rows"].addressable_data(0)),
+        **{
+          str(s.index[0].start or 0): np.asarray(s.data)
+          for s in aux["x_rows"].addressable_shards
+        },
+      )
   elif mode == "train":
     state = zerojax.init(params, tx)
     for b in batches:

@@ -35,7 +35,8 @@ import json
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -53,9 +54,13 @@ _AXIS = os.environ.get("ZEROJAX_CONFORMANCE_AXIS", "data")
 @functools.cache
 def _mesh():
   types = os.environ.get("ZEROJAX_CONFORMANCE_AXIS_TYPES", "explicit")
-  return zerojax.make_mesh(axis_name=_AXIS, axis_types={
+  return zerojax.make_mesh(
+    axis_name=_AXIS,
+    axis_types={
       "explicit": jax.sharding.AxisType.Explicit,
-      "auto": jax.sharding.AxisType.Auto}[types])
+      "auto": jax.sharding.AxisType.Auto,
+    }[types],
+  )
 
 
 def _unwrap(x):
@@ -63,11 +68,19 @@ def _unwrap(x):
 
 
 def _wrap(x):
-  if (_STAGE is None or not isinstance(x, optax.GradientTransformation)
-      or isinstance(x, zerojax.ZeroTransformation)):
+  if (
+    _STAGE is None
+    or not isinstance(x, optax.GradientTransformation)
+    or isinstance(x, zerojax.ZeroTransformation)
+  ):
     return x
-  return zerojax.zero(x, stage=int(_STAGE), mesh=_mesh(), axis_name=_AXIS,
-                      min_shard_size=_MIN_SHARD)
+  return zerojax.zero(
+    x,
+    stage=int(_STAGE),
+    mesh=_mesh(),
+    axis_name=_AXIS,
+    min_shard_size=_MIN_SHARD,
+  )
 
 
 class _Factories:
@@ -86,6 +99,7 @@ class _Factories:
       args = [_unwrap(a) for a in args]
       kwargs = {k: _unwrap(v) for k, v in kwargs.items()}
       return _wrap(f(*args, **kwargs))
+
     return factory
 
 
@@ -110,8 +124,12 @@ if _AXIS != "data":
   # factories before it is collected
   for _name in dir(optax):
     _f = getattr(optax, _name)
-    if (callable(_f) and not isinstance(_f, type) and _name[0].islower()
-        and getattr(_f, "__module__", "").startswith("optax._src.alias")):
+    if (
+      callable(_f)
+      and not isinstance(_f, type)
+      and _name[0].islower()
+      and getattr(_f, "__module__", "").startswith("optax._src.alias")
+    ):
       setattr(optax, _name, _Factories(optax).__getattr__(_name))
 
 
@@ -155,8 +173,15 @@ def pytest_runtest_logreport(report):
     return
   error = ""
   if report.failed:
-    error = str(getattr(report.longrepr, "reprcrash", None) and
-                report.longrepr.reprcrash.message or report.longrepr)[:500]
+    error = str(
+      getattr(report.longrepr, "reprcrash", None)
+      and report.longrepr.reprcrash.message
+      or report.longrepr
+    )[:500]
   with open(_REPORT, "a") as f:
-    f.write(json.dumps({"id": report.nodeid, "outcome": report.outcome,
-                        "error": error}) + "\n")
+    f.write(
+      json.dumps(
+        {"id": report.nodeid, "outcome": report.outcome, "error": error}
+      )
+      + "\n"
+    )

@@ -25,8 +25,9 @@ def test_four_micro_batches_equal_one_4x_batch(mesh, stage):
       losses.append(float(metrics["loss"]))
     results.append((zerojax.gather_params(state), losses))
   (p1, l1), (p4, l4) = results
-  floats = lambda t: [x for x in jax.tree.leaves(t)
-                      if jnp.issubdtype(x.dtype, jnp.floating)]
+  floats = lambda t: [
+    x for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.floating)
+  ]
   assert toy.rel_err(floats(p4), floats(p1)) < 1e-6
   np.testing.assert_allclose(l4, l1, rtol=1e-6)
 
@@ -41,8 +42,9 @@ def test_accumulation_matches_unsharded_optax(mesh):
   for batch in data:
     state, _ = step(state, batch)
   got = zerojax.gather_params(state)
-  floats = lambda t: [x for x in jax.tree.leaves(t)
-                      if jnp.issubdtype(x.dtype, jnp.floating)]
+  floats = lambda t: [
+    x for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.floating)
+  ]
   assert toy.rel_err(floats(got), floats(want)) < 1e-6
 
 
@@ -58,19 +60,25 @@ def test_aux_floats_are_averaged_and_counts_summed(mesh, accum_steps):
     return loss, {"twice": 2 * loss, "rows": jnp.asarray(b["x"].shape[0])}
 
   tx = zerojax.zero(optax.sgd(0.0), stage=1, mesh=mesh)
-  step = zerojax.train_step(loss_with_aux, tx, gather="model",
-                            accum_steps=accum_steps)
+  step = zerojax.train_step(
+    loss_with_aux, tx, gather="model", accum_steps=accum_steps
+  )
   _, metrics = step(zerojax.init(params, tx), batch)
-  np.testing.assert_allclose(metrics["aux"]["twice"], 2 * metrics["loss"],
-                             rtol=1e-6)
-  assert int(metrics["aux"]["rows"]) == 64   # summed over devices and micro-batches
+  np.testing.assert_allclose(
+    metrics["aux"]["twice"], 2 * metrics["loss"], rtol=1e-6
+  )
+  assert (
+    int(metrics["aux"]["rows"]) == 64
+  )  # summed over devices and micro-batches
 
 
 def _regression(rows=64, features=8):
   rng = np.random.default_rng(0)
   params = {"w": jnp.asarray(rng.normal(size=(16, features)), jnp.float32)}
-  batch = {"x": rng.normal(size=(rows, 16)).astype(np.float32),
-           "y": rng.normal(size=(rows, features)).astype(np.float32)}
+  batch = {
+    "x": rng.normal(size=(rows, 16)).astype(np.float32),
+    "y": rng.normal(size=(rows, features)).astype(np.float32),
+  }
   return params, batch
 
 
@@ -78,15 +86,18 @@ def _loss_with(aux_of):
   def loss(p, b):
     out = b["x"] @ p["w"]
     return jnp.mean((out - b["y"]) ** 2), aux_of(out, b)
+
   return loss
 
 
 def _per_example(out, b):
   """Per-example aux of two layouts (rows first; rows second, as counts)
   beside a batch mean."""
-  return {"per_example": jnp.mean((out - b["y"]) ** 2, axis=1),
-          "positive_by_row": (out > 0).T.astype(jnp.int32),
-          "mean": jnp.mean(out)}
+  return {
+    "per_example": jnp.mean((out - b["y"]) ** 2, axis=1),
+    "positive_by_row": (out > 0).T.astype(jnp.int32),
+    "mean": jnp.mean(out),
+  }
 
 
 def _rows_on_each_device(x, dim):
@@ -95,26 +106,28 @@ def _rows_on_each_device(x, dim):
 
 @pytest.mark.parametrize("accum_steps", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_per_example_aux_is_every_row_in_batch_order(any_mesh, stage,
-                                                       accum_steps):
+def test_a_per_example_aux_is_every_row_in_batch_order(
+  any_mesh, stage, accum_steps
+):
   """A per-example aux leaf (rows first, or rows second) comes back as the
   unsharded loss's: all 64 rows in batch order (micro-batches in order on
   each device, devices in the batch's order), sharded by rows; a batch
   mean beside it stays the mean."""
   params, batch = _regression()
   tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=any_mesh)
-  step = zerojax.train_step(_loss_with(_per_example), tx,
-                            accum_steps=accum_steps)
+  step = zerojax.train_step(
+    _loss_with(_per_example), tx, accum_steps=accum_steps
+  )
   _, metrics = step(zerojax.init(params, tx), batch)
   _, want = _loss_with(_per_example)(params, batch)
   got = metrics["aux"]
   assert got["per_example"].shape == (64,)
   assert got["positive_by_row"].shape == (8, 64)
   # row-wise values computed per device: the same sums, another program
-  np.testing.assert_allclose(got["per_example"], want["per_example"],
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(got["positive_by_row"],
-                                want["positive_by_row"])
+  np.testing.assert_allclose(
+    got["per_example"], want["per_example"], rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_array_equal(got["positive_by_row"], want["positive_by_row"])
   np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-5, atol=1e-6)
   assert _rows_on_each_device(got["per_example"], 0) == {8}
   assert _rows_on_each_device(got["positive_by_row"], 1) == {8}
@@ -126,14 +139,16 @@ def test_a_per_example_aux_on_a_hybrid_mesh_is_in_batch_order():
   mesh = zerojax.make_mesh("replica=2,data=4")
   params, batch = _regression()
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh, replica_axis="replica")
-  _, metrics = zerojax.train_step(_loss_with(_per_example), tx,
-                                  accum_steps=2)(zerojax.init(params, tx),
-                                                 batch)
+  _, metrics = zerojax.train_step(_loss_with(_per_example), tx, accum_steps=2)(
+    zerojax.init(params, tx), batch
+  )
   _, want = _loss_with(_per_example)(params, batch)
-  np.testing.assert_allclose(metrics["aux"]["per_example"],
-                             want["per_example"], rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(metrics["aux"]["positive_by_row"],
-                                want["positive_by_row"])
+  np.testing.assert_allclose(
+    metrics["aux"]["per_example"], want["per_example"], rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_array_equal(
+    metrics["aux"]["positive_by_row"], want["positive_by_row"]
+  )
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -141,11 +156,13 @@ def test_value_and_grad_returns_the_per_example_aux(any_mesh, stage):
   params, batch = _regression()
   tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=any_mesh)
   state = zerojax.init(params, tx)
-  (loss, aux), _ = zerojax.value_and_grad(_loss_with(_per_example), tx,
-                                          has_aux=True)(state, batch)
+  (loss, aux), _ = zerojax.value_and_grad(
+    _loss_with(_per_example), tx, has_aux=True
+  )(state, batch)
   want_loss, want = _loss_with(_per_example)(params, batch)
-  np.testing.assert_allclose(aux["per_example"], want["per_example"],
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    aux["per_example"], want["per_example"], rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
 
 
@@ -160,10 +177,10 @@ def test_eval_step_returns_the_per_example_aux(any_mesh, stage):
   loss, aux = zerojax.eval_step(loss_fn, tx, has_aux=True)(state, batch)
   want_loss, want = loss_fn(params, batch)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  np.testing.assert_allclose(aux["per_example"], want["per_example"],
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(aux["positive_by_row"],
-                                want["positive_by_row"])
+  np.testing.assert_allclose(
+    aux["per_example"], want["per_example"], rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_array_equal(aux["positive_by_row"], want["positive_by_row"])
   np.testing.assert_allclose(aux["mean"], want["mean"], rtol=1e-5, atol=1e-6)
   assert _rows_on_each_device(aux["per_example"], 0) == {8}
   plain = zerojax.eval_step(loss_fn, tx)(state, batch)
@@ -173,7 +190,8 @@ def test_eval_step_returns_the_per_example_aux(any_mesh, stage):
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_an_aux_that_grows_with_the_rows_otherwise_is_refused_and_the_state_kept(
-    mesh, stage):
+  mesh, stage
+):
   """An aux of rows x rows (a pairwise matrix) follows the batch, but not
   as one dimension of rows: there is no unsharded value to assemble from
   the devices' pieces, so the step refuses it by leaf before the state is
@@ -182,19 +200,24 @@ def test_an_aux_that_grows_with_the_rows_otherwise_is_refused_and_the_state_kept
   tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
   state = zerojax.init(params, tx)
   step = zerojax.train_step(
-      _loss_with(lambda out, b: {"pairs": out @ out.T}), tx)
-  with pytest.raises(ValueError, match=(
+    _loss_with(lambda out, b: {"pairs": out @ out.T}), tx
+  )
+  with pytest.raises(
+    ValueError,
+    match=(
       r"zerojax: the loss's aux\['pairs'\] has shape \(8, 8\) on each "
-      r"device, and \(16, 16\) when the device's rows double")):
+      r"device, and \(16, 16\) when the device's rows double"
+    ),
+  ):
     step(state, batch)
-  np.testing.assert_array_equal(zerojax.gather_params(state)["w"],
-                                params["w"])
+  np.testing.assert_array_equal(zerojax.gather_params(state)["w"], params["w"])
   assert int(state.step) == 0
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_an_aux_batch_mean_as_long_as_the_rows_is_the_unsharded_mean(
-    mesh, stage):
+  mesh, stage
+):
   """An aux vector reduced over the batch keeps its shape whatever the
   batch size, even where its length equals the rows per device (8 here):
   it is no per-example array, and its device mean is the unsharded mean."""
@@ -202,8 +225,10 @@ def test_an_aux_batch_mean_as_long_as_the_rows_is_the_unsharded_mean(
   aux_of = lambda out, b: {"feature_mean": jnp.mean(out, axis=0)}
   tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
   _, metrics = zerojax.train_step(_loss_with(aux_of), tx)(
-      zerojax.init(params, tx), batch)
+    zerojax.init(params, tx), batch
+  )
   _, want = _loss_with(aux_of)(params, batch)
   assert metrics["aux"]["feature_mean"].shape == (8,)
-  np.testing.assert_allclose(metrics["aux"]["feature_mean"],
-                             want["feature_mean"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    metrics["aux"]["feature_mean"], want["feature_mean"], rtol=1e-5, atol=1e-6
+  )

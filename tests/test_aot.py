@@ -14,9 +14,9 @@ import optax
 import pytest
 
 import zerojax
+from tests import toy
 from zerojax import aot
 from zerojax._src.diagnostics import schedule
-from tests import toy
 
 D, V, B = 32, 64, 64
 
@@ -26,7 +26,9 @@ def test_a_topology_without_the_tpu_compiler_or_unknown_names_the_fix():
     with pytest.raises(ValueError, match=r"pip install 'zerojax\[tpu\]'"):
       aot.topology_mesh("v5e:2x2")
   else:
-    with pytest.raises(ValueError, match=r"does not know TPU topology 'v9z:1x1'.*'v5p:2x2x2'"):
+    with pytest.raises(
+      ValueError, match=r"does not know TPU topology 'v9z:1x1'.*'v5p:2x2x2'"
+    ):
       aot.topology_mesh("v9z:1x1")
 
 
@@ -35,33 +37,52 @@ def test_compiled_report_reads_the_compiled_step(mesh):
   ``zerojax.diagnostics.collectives`` counts them; on XLA CPU every collective is
   issued synchronously."""
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh)
-  state = jax.eval_shape(lambda k: zerojax.init_from(
-      lambda k: toy.layered_params(4, D, V, key=k), tx, k), jax.random.key(0))
-  batch = aot.abstract_batch({"x": ((B,), np.int32),
-                                      "y": ((B,), np.int32)})
-  compiled = zerojax.train_step(toy.layered_loss, tx).lower(
-      state, batch).compile()
+  state = jax.eval_shape(
+    lambda k: zerojax.init_from(
+      lambda k: toy.layered_params(4, D, V, key=k), tx, k
+    ),
+    jax.random.key(0),
+  )
+  batch = aot.abstract_batch({"x": ((B,), np.int32), "y": ((B,), np.int32)})
+  compiled = (
+    zerojax.train_step(toy.layered_loss, tx).lower(state, batch).compile()
+  )
   rep = aot.compiled_report(compiled, mesh)
   m = compiled.memory_analysis()
-  assert rep["memory"]["peak"] == (
-      m.argument_size_in_bytes + m.output_size_in_bytes
-      + m.temp_size_in_bytes - m.alias_size_in_bytes) > 0
+  assert (
+    rep["memory"]["peak"]
+    == (
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      + m.temp_size_in_bytes
+      - m.alias_size_in_bytes
+    )
+    > 0
+  )
   found = zerojax.diagnostics.collectives(compiled.as_text(), 8)
-  assert rep["collectives"]["reduce-scatter"]["count"] == sum(
-      c.count for c in found if c.kind == "reduce-scatter") > 0
+  assert (
+    rep["collectives"]["reduce-scatter"]["count"]
+    == sum(c.count for c in found if c.kind == "reduce-scatter")
+    > 0
+  )
   assert rep["collectives"]["all-gather"]["bytes"] == sum(
-      c.total_bytes for c in found if c.kind == "all-gather")
+    c.total_bytes for c in found if c.kind == "all-gather"
+  )
   assert sum(rep["bytes_by_axis"].values()) == sum(c.total_bytes for c in found)
-  assert rep["bytes_by_axis"]["reduce-scatter@data"] == rep["collectives"][
-      "reduce-scatter"]["bytes"]
+  assert (
+    rep["bytes_by_axis"]["reduce-scatter@data"]
+    == rep["collectives"]["reduce-scatter"]["bytes"]
+  )
   # what a chip sends: 7/8 of each gathered or scattered buffer over 8
   for kind in ("all-gather", "reduce-scatter"):
     assert rep["collectives"][kind]["wire"] == pytest.approx(
-        7 / 8 * rep["collectives"][kind]["bytes"])
+      7 / 8 * rep["collectives"][kind]["bytes"]
+    )
   issued = rep["issued"]
   assert all(row["async"] == 0 and row["sync"] > 0 for row in issued.values())
   assert issued["all-gather"]["sync"] == sum(
-      1 for c in found if c.kind == "all-gather")
+    1 for c in found if c.kind == "all-gather"
+  )
 
 
 # The TPU compiler's chain (start, continuation fused with a matmul, done)
@@ -126,15 +147,19 @@ def test_the_schedule_reader_counts_a_tpu_chain_once_with_its_matmul():
   assert [c.bytes for c in found if c.kind == "all-gather"] == [256 * 256 * 2]
   got = schedule.issued(_TPU)
   assert sorted((c.kind, c.mode, c.overlapped_matmuls) for c in got) == [
-      ("all-gather", "async", 1), ("reduce-scatter", "sync", 0)]
+    ("all-gather", "async", 1),
+    ("reduce-scatter", "sync", 0),
+  ]
   assert schedule.summary(_TPU) == {
-      "all-gather": {"sync": 0, "async": 1, "overlapped": 1},
-      "reduce-scatter": {"sync": 1, "async": 0, "overlapped": 0}}
+    "all-gather": {"sync": 0, "async": 1, "overlapped": 1},
+    "reduce-scatter": {"sync": 1, "async": 0, "overlapped": 0},
+  }
 
 
 def test_the_schedule_reader_reads_a_start_done_pair():
-  assert [(c.kind, c.mode, c.overlapped_matmuls)
-          for c in schedule.issued(_GPU)] == [("all-gather", "async", 2)]
+  assert [
+    (c.kind, c.mode, c.overlapped_matmuls) for c in schedule.issued(_GPU)
+  ] == [("all-gather", "async", 2)]
 
 
 # The TPU compiler's loop (no known_trip_count: the condition compares the
@@ -212,9 +237,11 @@ def test_a_transfer_between_slices_is_counted_once_as_its_collective():
   its done and the matching receive are not counted again."""
   found = zerojax.diagnostics.collectives(_TPU_SLICES, 4)
   assert [(c.kind, c.across_slices, c.bytes, c.count) for c in found] == [
-      ("all-reduce", True, 64 * 8 * 128 * 4, 1)]
+    ("all-reduce", True, 64 * 8 * 128 * 4, 1)
+  ]
   from zerojax._src.diagnostics import aot as _aot
-  assert _aot._dcn_wire(found[0], 2) == 64 * 8 * 128 * 4     # 2 x 1/2
+
+  assert _aot._dcn_wire(found[0], 2) == 64 * 8 * 128 * 4  # 2 x 1/2
   assert _aot._dcn_wire(found[0], 4) == 1.5 * 64 * 8 * 128 * 4
 
 
@@ -238,10 +265,13 @@ ENTRY %main (h: f32[64,256], w: f32[8,8]) -> f32[64,256] {
 
 def test_host_transfers_are_read_with_their_direction_and_overlap():
   from zerojax._src.diagnostics import hlo
+
   assert hlo.host_transfers(_TPU_OFFLOAD) == {
-      "host-to-device": {"count": 1, "bytes": 64 * 256 * 4},
-      "device-to-host": {"count": 1, "bytes": 64 * 256 * 4}}
+    "host-to-device": {"count": 1, "bytes": 64 * 256 * 4},
+    "device-to-host": {"count": 1, "bytes": 64 * 256 * 4},
+  }
   assert schedule.summary(_TPU_OFFLOAD) == {
-      "host-to-device": {"sync": 0, "async": 1, "overlapped": 1},
-      "device-to-host": {"sync": 0, "async": 1, "overlapped": 0}}
+    "host-to-device": {"sync": 0, "async": 1, "overlapped": 1},
+    "device-to-host": {"sync": 0, "async": 1, "overlapped": 0},
+  }
   assert zerojax.diagnostics.collectives(_TPU_OFFLOAD, 4) == []

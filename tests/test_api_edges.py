@@ -34,8 +34,10 @@ def test_eval_gathers_per_layer_at_stage3():
   loop = [c for c in colls if c.kind == "all-gather" and c.count == 16]
   assert sum(c.total_elements for c in loop) == 16 * (D * D + D)
   # and never all at once: the whole-tree eval holds 16 full layers
-  assert (whole.memory_analysis().temp_size_in_bytes
-          - lean.memory_analysis().temp_size_in_bytes) > 8 * D * D * 4
+  assert (
+    whole.memory_analysis().temp_size_in_bytes
+    - lean.memory_analysis().temp_size_in_bytes
+  ) > 8 * D * D * 4
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -44,12 +46,15 @@ def test_eval_equals_the_unsharded_loss(mesh, stage):
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh)
   state = zerojax.init(params, tx)
   rng = np.random.default_rng(0)
-  batch = {"x": rng.integers(0, V, (B,)).astype(np.int32),
-           "y": rng.integers(0, V, (B,)).astype(np.int32)}
-  with toy.warnings_as_errors():          # the lean path, no fallback
+  batch = {
+    "x": rng.integers(0, V, (B,)).astype(np.int32),
+    "y": rng.integers(0, V, (B,)).astype(np.int32),
+  }
+  with toy.warnings_as_errors():  # the lean path, no fallback
     got = float(zerojax.eval_step(toy.layered_loss, tx)(state, batch))
-  np.testing.assert_allclose(got, float(toy.layered_loss(params, batch)),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    got, float(toy.layered_loss(params, batch)), rtol=1e-5
+  )
 
 
 def test_eval_of_a_whole_tree_loss_is_exact(mesh):
@@ -59,6 +64,7 @@ def test_eval_of_a_whole_tree_loss_is_exact(mesh):
 
   def loss(p, b):
     return toy.layered_loss(p, b) + 1e-3 * optax.tree.norm(p)
+
   batch = {"x": np.zeros((B,), np.int32), "y": np.ones((B,), np.int32)}
   with pytest.warns(UserWarning, match="eval step"):
     got = float(zerojax.eval_step(loss, tx)(state, batch))
@@ -67,31 +73,37 @@ def test_eval_of_a_whole_tree_loss_is_exact(mesh):
 
 def test_zero_takes_the_context_mesh():
   devices = jax.devices()[:4]
-  mesh = jax.make_mesh((4,), ("data",), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh(
+    (4,), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,)
+  )
   with jax.set_mesh(mesh):
     tx = zerojax.zero(optax.sgd(0.1), stage=1)
   assert tx.mesh == mesh and tx.num_shards == 4
-  assert zerojax.zero(optax.sgd(0.1), stage=1).num_shards == 8   # no context
+  assert zerojax.zero(optax.sgd(0.1), stage=1).num_shards == 8  # no context
 
 
 def test_init_rejects_modules_and_functions(mesh):
   tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
   model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
-  with pytest.raises(TypeError, match=r"nnx.Module .* nnx.split\(model, nnx.Param"):
+  with pytest.raises(
+    TypeError, match=r"nnx.Module .* nnx.split\(model, nnx.Param"
+  ):
     zerojax.init(model, tx)
   with pytest.raises(TypeError, match="zerojax.init_from"):
     zerojax.init(lambda key: {"w": jnp.ones(3)}, tx)
 
-  class CallablePytree:                 # an Equinox-style module
+  class CallablePytree:  # an Equinox-style module
     def __init__(self):
       self.w, self.act = jnp.ones((3,)), jnp.tanh
 
     def __call__(self, x):
       return self.act(x * self.w)
+
   jax.tree_util.register_pytree_node(
-      CallablePytree, lambda m: ((m.w, m.act), None),
-      lambda _, c: CallablePytree())
+    CallablePytree,
+    lambda m: ((m.w, m.act), None),
+    lambda _, c: CallablePytree(),
+  )
   with pytest.raises(TypeError, match="not a params tree|not an array"):
     zerojax.init(CallablePytree(), tx)
   with pytest.raises(TypeError, match="init_fn must be callable"):
@@ -106,23 +118,33 @@ def test_init_from_never_holds_a_full_copy(mesh):
     if x.ndim:
       assert {s.data.shape for s in x.addressable_shards} == {(64, 128)}
   # XLA partitions the initialiser itself: no full (64, 1024) buffer
-  compiled = jax.jit(
-      lambda k: zerojax.init_from(init_fn, tx, k).params).lower(
-          jax.random.key(0)).compile()
+  compiled = (
+    jax.jit(lambda k: zerojax.init_from(init_fn, tx, k).params)
+    .lower(jax.random.key(0))
+    .compile()
+  )
   assert "f32[64,1024]" not in compiled.as_text()
 
 
 def test_leaves_that_are_not_stacks_shard_their_leading_dim(mesh):
   params = {"head": jnp.zeros((768, 50)), "blocks": jnp.zeros((4, 16, 16))}
-  default = zerojax.init(params, zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh))
-  by_path = zerojax.init(params, zerojax.zero(
-      optax.adam(0.1), stage=3, mesh=mesh,
-      stacked=lambda path, shape: "blocks" in path))
+  default = zerojax.init(
+    params, zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
+  )
+  by_path = zerojax.init(
+    params,
+    zerojax.zero(
+      optax.adam(0.1),
+      stage=3,
+      mesh=mesh,
+      stacked=lambda path, shape: "blocks" in path,
+    ),
+  )
   d = {r.path: r.shard for r in default.spec.leaves}
   s = {r.path: r.shard for r in by_path.spec.leaves}
-  assert d["['head']"].dim == 1 and d["['head']"].pad == 6      # 50 -> 56
-  assert s["['head']"].dim == 0 and s["['head']"].pad == 0      # 768 / 8
-  assert s["['blocks']"].dim == 1                               # layer axis kept
+  assert d["['head']"].dim == 1 and d["['head']"].pad == 6  # 50 -> 56
+  assert s["['head']"].dim == 0 and s["['head']"].pad == 0  # 768 / 8
+  assert s["['blocks']"].dim == 1  # layer axis kept
   # the moments follow their param's layout, so the update stays local
   mu = by_path.opt_state[0].mu
   assert mu["head"].sharding.spec == by_path.params["head"].sharding.spec
@@ -130,26 +152,33 @@ def test_leaves_that_are_not_stacks_shard_their_leading_dim(mesh):
 
 def test_stacked_must_say_true_or_false(mesh):
   with pytest.raises(TypeError, match="must return True"):
-    zerojax.init({"w": jnp.zeros((8, 8))},
-                 zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh,
-                              stacked=lambda path, shape: "yes"))
+    zerojax.init(
+      {"w": jnp.zeros((8, 8))},
+      zerojax.zero(
+        optax.sgd(0.1), stage=1, mesh=mesh, stacked=lambda path, shape: "yes"
+      ),
+    )
 
 
 def test_init_from_builds_leaf_groups_of_an_eighth_of_the_bytes(mesh):
-  from zerojax._src.step import state as _state# the init module, under test
-  init_fn = lambda key: {f"w{i}": jax.random.normal(jax.random.fold_in(key, i),
-                                                    (16 * (i + 1), 64))
-                         for i in range(10)}
+  from zerojax._src.step import state as _state  # the init module, under test
+
+  init_fn = lambda key: {
+    f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (16 * (i + 1), 64))
+    for i in range(10)
+  }
   tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
-  spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, jax.random.key(0)), tx)
+  spec = zerojax.layout.make_spec(
+    jax.eval_shape(init_fn, jax.random.key(0)), tx
+  )
   groups = _state.init_groups(spec)
-  assert [i for g in groups for i in g] == list(range(10))       # all, in order
+  assert [i for g in groups for i in g] == list(range(10))  # all, in order
   sizes = [r.size * 4 for r in spec.leaves]
   budget = sum(sizes) / 8
   for g in groups:
     assert len(g) == 1 or sum(sizes[i] for i in g) <= budget, (g, budget)
   assert 1 < len(groups) <= 2 * 8
-  for a, b in zip(groups, groups[1:]):         # neighbours would not fit one
+  for a, b in zip(groups, groups[1:]):  # neighbours would not fit one
     assert sum(sizes[i] for i in a + b) > budget
   # built group by group (XLA drops the others' work), the state is the one
   # a single program computing every leaf gives, bit for bit: an init draws
@@ -166,6 +195,7 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
   init program (fewer freed buffers left in the host allocator), with the
   state a program per group gives, bit for bit."""
   from zerojax._src.step import state as _state  # the init module, under test
+
   init_fn = lambda key: toy.layered_params(4, D, V, key)
   key = jax.random.key(0)
   programs = []
@@ -174,6 +204,7 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
   def counting_jit(fn, **kw):
     programs.append(fn)
     return real_jit(fn, **kw)
+
   tx0 = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
   try:
     _state.jax.jit = counting_jit
@@ -183,9 +214,9 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
   # the init programs (not the step counter's, jitted on first use)
   assert len([f for f in programs if "init_programs" in f.__qualname__]) == 1
   spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, key), tx0)
-  assert len(_state.build_plan(spec)[0]) > 1   # what grouping would have run
+  assert len(_state.build_plan(spec)[0]) > 1  # what grouping would have run
   plan = _state.build_plan
-  try:                                # the same init, one program per group
+  try:  # the same init, one program per group
     _state.build_plan = lambda spec, grouped=True: plan(spec, True)
     by_group = zerojax.init_from(init_fn, tx0, key)
   finally:
@@ -197,13 +228,18 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
 def _device_params(mesh, where):
   """Params as a user's jitted init makes them: on one device, or (under
   ``jax.set_mesh``) replicated over the mesh."""
-  put = (jax.sharding.SingleDeviceSharding(jax.devices()[1])
-         if where == "one device" else
-         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  make = functools.partial(jax.jit, toy.layered_params,
-                           static_argnums=(0, 1, 2))
-  return (make(out_shardings=put)(2, D, V),
-          jax.tree.map(np.asarray, make()(2, D, V)))
+  put = (
+    jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    if where == "one device"
+    else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  )
+  make = functools.partial(
+    jax.jit, toy.layered_params, static_argnums=(0, 1, 2)
+  )
+  return (
+    make(out_shardings=put)(2, D, V),
+    jax.tree.map(np.asarray, make()(2, D, V)),
+  )
 
 
 def _pointers(x):
@@ -211,8 +247,10 @@ def _pointers(x):
 
 
 def _one_step(state, tx):
-  batch = {"x": np.arange(B, dtype=np.int32) % V,
-           "y": np.arange(B, dtype=np.int32)[::-1] % V}
+  batch = {
+    "x": np.arange(B, dtype=np.int32) % V,
+    "y": np.arange(B, dtype=np.int32)[::-1] % V,
+  }
   state, _ = zerojax.train_step(toy.layered_loss, tx)(state, batch)
   return jax.block_until_ready(state)
 
@@ -230,14 +268,18 @@ def test_init_holds_params_already_laid_out_as_stored(mesh, stage):
   reference = zerojax.init(host, tx)
   for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
     assert x.sharding == y.sharding and np.array_equal(x, y)
-  shared = jax.tree.map(lambda x, y: _pointers(x) == _pointers(y),
-                        params, state.params)
+  shared = jax.tree.map(
+    lambda x, y: _pointers(x) == _pointers(y), params, state.params
+  )
   assert all(jax.tree.leaves(shared)) == (stage < 3), shared
   state = _one_step(state, tx)
   assert all(x.is_deleted() for x in jax.tree.leaves(params)) == (stage < 3)
   if stage < 3:
-    with pytest.raises(ValueError, match=r"params\['embed'\] float32\[64, "
-                       r"64\] has been deleted.*gather_params.*copy=True"):
+    with pytest.raises(
+      ValueError,
+      match=r"params\['embed'\] float32\[64, "
+      r"64\] has been deleted.*gather_params.*copy=True",
+    ):
       zerojax.init(params, tx)
 
 
@@ -253,15 +295,24 @@ def test_a_step_on_deleted_buffers_names_the_leaf_and_the_fixes(mesh):
   own = zerojax.init(params, tx, copy=True)
   after = _one_step(first, tx)
   evaluate = zerojax.eval_step(toy.layered_loss, tx)
-  batch = {"x": np.arange(B, dtype=np.int32) % V,
-           "y": np.arange(B, dtype=np.int32)[::-1] % V}
-  for stale, leaf in ((first, r"step int32\[\]"),
-                      (second, r"params\['embed'\] float32\[64, 64\]")):
-    for where, run in (("train_step", lambda s: _one_step(s, tx)),
-                       ("eval_step", lambda s: evaluate(s, batch))):
-      with pytest.raises(ValueError, match=rf"zerojax\.{where}: state\."
-                         rf"{leaf} has been deleted.*the state it returns.*"
-                         r"copy=True"):
+  batch = {
+    "x": np.arange(B, dtype=np.int32) % V,
+    "y": np.arange(B, dtype=np.int32)[::-1] % V,
+  }
+  for stale, leaf in (
+    (first, r"step int32\[\]"),
+    (second, r"params\['embed'\] float32\[64, 64\]"),
+  ):
+    for where, run in (
+      ("train_step", lambda s: _one_step(s, tx)),
+      ("eval_step", lambda s: evaluate(s, batch)),
+    ):
+      with pytest.raises(
+        ValueError,
+        match=rf"zerojax\.{where}: state\."
+        rf"{leaf} has been deleted.*the state it returns.*"
+        r"copy=True",
+      ):
         run(stale)
   for x, y in zip(jax.tree.leaves(_one_step(own, tx)), jax.tree.leaves(after)):
     assert np.array_equal(x, y)
@@ -276,27 +327,37 @@ def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
   tx = zerojax.zero(optax.adamw(1e-3), stage=1, mesh=mesh)
   stale = zerojax.init(params, tx)
   fresh = _one_step(stale, tx)
-  batch = {"x": np.arange(B, dtype=np.int32) % V,
-           "y": np.arange(B, dtype=np.int32)[::-1] % V}
+  batch = {
+    "x": np.arange(B, dtype=np.int32) % V,
+    "y": np.arange(B, dtype=np.int32)[::-1] % V,
+  }
   grad_fn = zerojax.value_and_grad(toy.layered_loss, tx)
   _, grads = grad_fn(fresh, batch)
   step = zerojax.train_step(toy.layered_loss, tx)
   state_said = r"state\.step int32\[\] has been deleted.*the state it returns"
   for where, run in (
-      ("apply_gradients", lambda: zerojax.apply_gradients(stale, grads)),
-      ("value_and_grad", lambda: grad_fn(stale, batch)),
-      ("gather_params", lambda: zerojax.gather_params(stale)),
-      ("gather_opt_state", lambda: zerojax.gather_opt_state(stale)),
-      ("diagnostics.layout_table",
-       lambda: zerojax.diagnostics.layout_table(stale)),
-      ("report", lambda: zerojax.report(step, stale, batch)),
-      ("checkpoint.export_params",
-       lambda: zerojax.checkpoint.export_params(stale))):
+    ("apply_gradients", lambda: zerojax.apply_gradients(stale, grads)),
+    ("value_and_grad", lambda: grad_fn(stale, batch)),
+    ("gather_params", lambda: zerojax.gather_params(stale)),
+    ("gather_opt_state", lambda: zerojax.gather_opt_state(stale)),
+    (
+      "diagnostics.layout_table",
+      lambda: zerojax.diagnostics.layout_table(stale),
+    ),
+    ("report", lambda: zerojax.report(step, stale, batch)),
+    (
+      "checkpoint.export_params",
+      lambda: zerojax.checkpoint.export_params(stale),
+    ),
+  ):
     with pytest.raises(ValueError, match=rf"zerojax\.{where}: {state_said}"):
       run()
-  with pytest.raises(ValueError, match=r"zerojax\.value_and_grad: "
-                     r"params\['embed'\] float32\[64, 64\] has been "
-                     r"deleted.*copy=True"):
+  with pytest.raises(
+    ValueError,
+    match=r"zerojax\.value_and_grad: "
+    r"params\['embed'\] float32\[64, 64\] has been "
+    r"deleted.*copy=True",
+  ):
     grad_fn(params, batch)
   # the same step object, its program compiled and called before: refused
   # too (JAX 0.10's fast path would run a deleted buffer and crash)
@@ -307,7 +368,9 @@ def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
   fresh = newest
   with tempfile.TemporaryDirectory() as where:
     with zerojax.checkpoint.Checkpointer(where) as ckpt:
-      with pytest.raises(ValueError, match=rf"Checkpointer\.save: {state_said}"):
+      with pytest.raises(
+        ValueError, match=rf"Checkpointer\.save: {state_said}"
+      ):
         ckpt.save(stale)
       assert ckpt.save(fresh)
   # the live state still works with every one of them
@@ -338,15 +401,20 @@ def test_gather_params_compiles_once_per_params_layout(mesh, stage):
   """Two states of the same params under different optimizers share
   gather_params' program (it reads the params alone), and both give the
   params back exactly."""
-  params = {"w": np.arange(40 * 24, dtype=np.float32).reshape(40, 24) / 7,
-            "b": np.arange(40, dtype=np.float32)}
-  states = [zerojax.init(params, zerojax.zero(opt, stage=stage, mesh=mesh))
-            for opt in (optax.adamw(1e-3), optax.lion(1e-4))]
+  params = {
+    "w": np.arange(40 * 24, dtype=np.float32).reshape(40, 24) / 7,
+    "b": np.arange(40, dtype=np.float32),
+  }
+  states = [
+    zerojax.init(params, zerojax.zero(opt, stage=stage, mesh=mesh))
+    for opt in (optax.adamw(1e-3), optax.lion(1e-4))
+  ]
   compiles = []
 
   def listen(event, secs, **kw):
     if event == "/jax/core/compile/backend_compile_duration":
       compiles.append(secs)
+
   full = [zerojax.gather_params(states[0])]
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:

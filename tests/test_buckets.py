@@ -14,27 +14,31 @@ import pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*neither floating nor complex")
 
-from tests import toy
 import zerojax
 import zerojax.xla_flags
+from tests import toy
 
 BUCKET = 450
 
 
 def _run(stage, bucket, layers, mesh_spec="data=8", steps=2, **kw):
   mesh = zerojax.make_mesh(mesh_spec)
-  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh,
-                    bucket_bytes=bucket, **kw)
+  tx = zerojax.zero(
+    optax.adamw(1e-2), stage=stage, mesh=mesh, bucket_bytes=bucket, **kw
+  )
   params = toy.init_params(jax.random.key(0), layers=layers)
   state = zerojax.init(params, tx)
   step = zerojax.train_step(toy.loss_fn, tx)
   batches = toy.batches(max(steps, 1))
   hlo = step.lower(state, batches[0]).compile().as_text()
-  colls = [c for c in zerojax.diagnostics.collectives(hlo, 8) if c.group_size > 1]
+  colls = [
+    c for c in zerojax.diagnostics.collectives(hlo, 8) if c.group_size > 1
+  ]
   for b in batches[:steps]:
     state, _ = step(state, b)
-  params = [np.asarray(x) for x in jax.tree.leaves(
-      zerojax.gather_params(state))]
+  params = [
+    np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))
+  ]
   return colls, params
 
 
@@ -42,13 +46,19 @@ def _largest(colls):
   return max(c.bytes for c in colls)
 
 
-@pytest.mark.parametrize("stage,mesh_spec", [
-    (0, "data=8"), (1, "data=8"), (2, "data=8"),
+@pytest.mark.parametrize(
+  "stage,mesh_spec",
+  [
+    (0, "data=8"),
+    (1, "data=8"),
+    (2, "data=8"),
     pytest.param(3, "replica=2,data=4", marks=pytest.mark.slow),
     pytest.param(1, "replica=2,data=4", marks=pytest.mark.slow),
-])
+  ],
+)
 def test_bucketed_collectives_stay_below_the_bucket_at_any_depth(
-    stage, mesh_spec):
+  stage, mesh_spec
+):
   """With bucket_bytes=450, at depth 5 and 10 (uneven: 2 layers per
   bucket, one left over at depth 5): the collectives inside bucket loops
   move <= 450 bytes each and are the same collectives at both depths (only
@@ -68,18 +78,20 @@ def test_bucketed_collectives_stay_below_the_bucket_at_any_depth(
     largest_whole[layers] = _largest(whole)
     looped = [c for c in got_colls if c.count > 1 and c.bytes > 64]
     assert looped and all(c.bytes <= BUCKET for c in looped), [
-        (c.kind, c.shape, c.bytes, c.count) for c in looped]
+      (c.kind, c.shape, c.bytes, c.count) for c in looped
+    ]
     looped_shapes[layers] = sorted((c.kind, c.shape) for c in looped)
-    assert (sum(c.total_bytes for c in got_colls)
-            == sum(c.total_bytes for c in whole))
+    assert sum(c.total_bytes for c in got_colls) == sum(
+      c.total_bytes for c in whole
+    )
     for a, b in zip(got, want):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   assert looped_shapes[5] == looped_shapes[10]
   assert largest[10] <= largest_whole[10]
-  if stage in (1, 2):   # whole-leaf collectives, cut into buckets
+  if stage in (1, 2):  # whole-leaf collectives, cut into buckets
     assert largest[10] < largest_whole[10]
     assert largest_whole[10] > largest_whole[5]
-  elif stage == 0:      # the toy gathers its layers: all-reduced per layer
+  elif stage == 0:  # the toy gathers its layers: all-reduced per layer
     assert largest_whole[10] == largest_whole[5]
 
 
@@ -97,9 +109,14 @@ def test_bucketed_with_a_model_axis_and_offload():
   and the numbers equal whole leaves."""
   whole, want = _run(2, None, 5, "data=4,model=2", offload=True)
   colls, got = _run(2, BUCKET, 5, "data=4,model=2", offload=True)
-  data_colls = [c for c in colls
-                if zerojax.diagnostics.collective_axes(c, zerojax.make_mesh(
-                    "data=4,model=2")) == ("data",)]
+  data_colls = [
+    c
+    for c in colls
+    if zerojax.diagnostics.collective_axes(
+      c, zerojax.make_mesh("data=4,model=2")
+    )
+    == ("data",)
+  ]
   looped = [c for c in data_colls if c.count > 1 and c.bytes > 64]
   assert looped and all(c.bytes <= BUCKET for c in looped)
   for a, b in zip(got, want):
@@ -118,34 +135,48 @@ def test_combine_threshold_flags_are_flags_xla_knows():
   backend)."""
   import subprocess
   import sys
+
   flags = zerojax.xla_flags.combine_threshold_flags(8 * 2**20)
   assert flags.count("8388608") == 3
   env = dict(__import__("os").environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   out = subprocess.run(
-      [sys.executable, "-c", "import jax.numpy as j; print(j.ones(3).sum())"],
-      env=env, capture_output=True, text=True, timeout=120)
+    [sys.executable, "-c", "import jax.numpy as j; print(j.ones(3).sum())"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert out.returncode == 0 and "3.0" in out.stdout, out.stderr[-2000:]
   bogus = dict(env, XLA_FLAGS="--xla_gpu_no_such_combine_threshold_bytes=1")
-  out = subprocess.run([sys.executable, "-c", "import jax.numpy as j; j.ones(3)"],
-                       env=bogus, capture_output=True, text=True, timeout=120)
-  assert out.returncode != 0      # the check above could fail
+  out = subprocess.run(
+    [sys.executable, "-c", "import jax.numpy as j; j.ones(3)"],
+    env=bogus,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode != 0  # the check above could fail
   with pytest.raises(ValueError, match="positive int"):
     zerojax.xla_flags.combine_threshold_flags(0)
 
 
 def _gpt_temp(stage, bucket):
   import functools
+
   from zerojax.app import gpt
+
   cfg = gpt.GPTConfig(vocab=64, width=128, depth=8, heads=4, seq_len=16)
   b = {"x": np.zeros((8, 16), np.int32), "y": np.zeros((8, 16), np.int32)}
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, bucket_bytes=bucket)
   state = zerojax.init(gpt.init(cfg, jax.random.key(0)), tx)
   step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx)
-  return (step.lower(state, b).compile().memory_analysis().temp_size_in_bytes,
-          gpt.num_params(cfg))
+  return (
+    step.lower(state, b).compile().memory_analysis().temp_size_in_bytes,
+    gpt.num_params(cfg),
+  )
 
 
-LAYER_OF_FC1 = 128 * 512 * 4           # bytes; the fc1 stack is 8 of them
+LAYER_OF_FC1 = 128 * 512 * 4  # bytes; the fc1 stack is 8 of them
 
 
 def test_bucketed_all_gather_writes_into_the_old_params():
@@ -171,6 +202,7 @@ def test_bucketed_stage_1_holds_what_the_planner_counts():
   updated-weight shards, activations, logits)."""
   from zerojax import Policy, plan
   from zerojax.app import gpt
+
   bucketed, psi = _gpt_temp(1, LAYER_OF_FC1)
   cfg = gpt.GPTConfig(vocab=64, width=128, depth=8, heads=4, seq_len=16)
   planned = 4 * psi + plan.working_set(cfg, 1, 1, Policy(), n_devices=8)

@@ -12,26 +12,34 @@ import orbax.checkpoint as ocp
 import pytest
 
 import zerojax
-from zerojax import checkpoint
 from tests import toy
+from zerojax import checkpoint
 
 ROOT = pathlib.Path(__file__).parents[1]
 
 
 def _worker(*args):
-  proc = subprocess.run([sys.executable, "-m", "tests.ckpt_worker", *map(str, args)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, "-m", "tests.ckpt_worker", *map(str, args)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   return proc
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, stage):
   from tests import ckpt_worker
+
   params, tx, step = ckpt_worker.setup(stage)
   state = zerojax.init(params, tx)
   for b in ckpt_worker.DATA[:5]:
     state, _ = step(state, b)
-  straight = [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
+  straight = [
+    np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))
+  ]
   first = _worker("first", tmp_path / "ckpt", stage, 2)
   assert first.returncode == 0, first.stderr[-2000:]
   out = tmp_path / "resumed.npz"
@@ -52,14 +60,14 @@ BF16 = zerojax.Policy(param_dtype=jnp.bfloat16)
 FP32 = zerojax.Policy()
 
 RESHARDS = {
-    "8->4": ((3, 8, BF16), (3, 4, BF16)),
-    "4->8": ((3, 4, BF16), (3, 8, BF16)),
-    "8->1": ((3, 8, BF16), (3, 1, BF16)),
-    "stage 3->1": ((3, 8, BF16), (1, 8, BF16)),
-    "stage 1->3": ((1, 8, BF16), (3, 8, BF16)),
-    "stage 0->3": ((0, 8, FP32), (3, 8, FP32)),
-    "fp32 -> bf16+master": ((2, 8, FP32), (2, 8, BF16)),
-    "bf16+master -> fp32": ((3, 8, BF16), (1, 4, FP32)),
+  "8->4": ((3, 8, BF16), (3, 4, BF16)),
+  "4->8": ((3, 4, BF16), (3, 8, BF16)),
+  "8->1": ((3, 8, BF16), (3, 1, BF16)),
+  "stage 3->1": ((3, 8, BF16), (1, 8, BF16)),
+  "stage 1->3": ((1, 8, BF16), (3, 8, BF16)),
+  "stage 0->3": ((0, 8, FP32), (3, 8, FP32)),
+  "fp32 -> bf16+master": ((2, 8, FP32), (2, 8, BF16)),
+  "bf16+master -> fp32": ((3, 8, BF16), (1, 4, FP32)),
 }
 
 
@@ -79,8 +87,10 @@ def test_restore_onto_another_layout_round_trips_bitwise(tmp_path, name):
     ckpt.wait()
     other, _ = ckpt.restore(params, tx2)
   # values identical in the new layout (the most precise copy of each param)
-  for a, b in zip(jax.tree.leaves(zerojax.gather_params(state, master=True)),
-                  jax.tree.leaves(zerojax.gather_params(other, master=True))):
+  for a, b in zip(
+    jax.tree.leaves(zerojax.gather_params(state, master=True)),
+    jax.tree.leaves(zerojax.gather_params(other, master=True)),
+  ):
     assert np.array_equal(np.asarray(a), np.asarray(b))
   assert other.spec.tx == tx2 and int(other.step) == 2
   # and back: every stored array, optimizer moments included, bit for bit
@@ -101,8 +111,9 @@ def test_restore_onto_another_layout_round_trips_bitwise(tmp_path, name):
   # and in the new layout, from the same weights (bf16 compute may differ)
   moved, moved_m = zerojax.train_step(toy.loss_fn, tx2)(other, batch)
   assert int(moved.step) == 3
-  np.testing.assert_allclose(float(moved_m["loss"]), float(want_m["loss"]),
-                             rtol=2e-2)
+  np.testing.assert_allclose(
+    float(moved_m["loss"]), float(want_m["loss"]), rtol=2e-2
+  )
 
 
 def test_keep_last_k_and_save_every(tmp_path):
@@ -123,11 +134,13 @@ def test_keep_last_k_and_save_every(tmp_path):
 
 def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
   proc = _worker("crash", tmp_path)
-  assert proc.returncode == -9            # SIGKILL
+  assert proc.returncode == -9  # SIGKILL
   ckpt = checkpoint.Checkpointer(tmp_path)
-  assert ckpt.all_steps() == [0]          # the partial step 1 is not listed
+  assert ckpt.all_steps() == [0]  # the partial step 1 is not listed
   tx = zerojax.zero(optax.adam(1e-3), stage=1)
-  state, _ = ckpt.restore({"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}, tx)
+  state, _ = ckpt.restore(
+    {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}, tx
+  )
   assert int(state.step) == 0 and float(state.params["w"][0, 0]) == 1.0
 
 
@@ -143,32 +156,45 @@ def test_checkpoint_of_another_model(tmp_path):
   params, tx = _saved(tmp_path)
   ckpt = checkpoint.Checkpointer(tmp_path)
   missing = {k: v for k, v in params.items() if k != "head"}
-  with pytest.raises(checkpoint.CheckpointError,
-                     match=r"has leaves \[\"\['head'\]\"\] the model lacks"):
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match=r"has leaves \[\"\['head'\]\"\] the model lacks",
+  ):
     ckpt.restore(missing, tx)
   changed = dict(params, head=jnp.zeros((7, 6)))
-  with pytest.raises(checkpoint.CheckpointError,
-                     match=r"param \['head'\] was saved with shape \(7, 5\), "
-                           r"the model has \(7, 6\)"):
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match=r"param \['head'\] was saved with shape \(7, 5\), "
+    r"the model has \(7, 6\)",
+  ):
     ckpt.restore(changed, tx)
-  with pytest.raises(checkpoint.CheckpointError, match="optimizer state does not match"):
+  with pytest.raises(
+    checkpoint.CheckpointError, match="optimizer state does not match"
+  ):
     ckpt.restore(params, zerojax.zero(optax.sgd(0.1, momentum=0.9), stage=3))
 
 
 def test_directory_without_checkpoint(tmp_path):
-  with pytest.raises(FileNotFoundError, match="no checkpoint in .* start without --resume"):
+  with pytest.raises(
+    FileNotFoundError, match="no checkpoint in .* start without --resume"
+  ):
     checkpoint.Checkpointer(tmp_path / "empty").restore({}, None)
 
 
 def test_corrupted_checkpoint(tmp_path):
   params, tx = _saved(tmp_path)
-  victims = [p for p in (tmp_path / "0").rglob("*") if p.is_file()
-             and p.stat().st_size > 100 and "meta" not in str(p)]
+  victims = [
+    p
+    for p in (tmp_path / "0").rglob("*")
+    if p.is_file() and p.stat().st_size > 100 and "meta" not in str(p)
+  ]
   assert victims
   for p in victims:
     p.write_bytes(b"\0garbage" * 10)
-  with pytest.raises(checkpoint.CheckpointError,
-                     match=r"could not be read .* restore an earlier step"):
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match=r"could not be read .* restore an earlier step",
+  ):
     checkpoint.Checkpointer(tmp_path).restore(params, tx)
 
 
@@ -194,22 +220,25 @@ def test_export_gathers_one_leaf_at_a_time(monkeypatch):
   del params
   baseline = sum(x.nbytes for x in jax.live_arrays())
   extra = []
-  from zerojax._src.ckpt import checkpoint as impl    # where export_params looks
+  from zerojax._src.ckpt import export as impl  # where export_params looks
+
   real = impl.gather_leaf
 
   def watched(*a, **kw):
     out = real(*a, **kw)
     extra.append(sum(x.nbytes for x in jax.live_arrays()) - baseline)
     return out
+
   monkeypatch.setattr(impl, "gather_leaf", watched)
   full = checkpoint.export_params(state)
-  leaf = 64 * 64 * 4                       # one fp32 master leaf, unsharded
+  leaf = 64 * 64 * 4  # one fp32 master leaf, unsharded
   assert len(extra) == 8
   # each gathered leaf is released before the next: live on the devices at
   # most one unsharded leaf (logical bytes), never the 8-leaf model
   assert max(extra) <= leaf, (max(extra), leaf)
-  assert all(np.array_equal(full[f"w{i}"], np.full((64, 64), float(i)))
-             for i in range(8))
+  assert all(
+    np.array_equal(full[f"w{i}"], np.full((64, 64), float(i))) for i in range(8)
+  )
 
 
 def test_a_checkpoint_written_before_the_records_redesign_restores(tmp_path):
@@ -218,37 +247,51 @@ def test_a_checkpoint_written_before_the_records_redesign_restores(tmp_path):
   AdamW, uneven leaves, 3 steps. Today's code reads it bitwise at other
   stages, and describes the same layout in the same metadata."""
   import shutil
+
   data = ROOT / "tests" / "data" / "ckpt_before_records"
   shutil.copytree(data / "ckpt", tmp_path / "ckpt")  # Orbax may write beside
   expected = np.load(data / "expected.npz")
-  params = {"w": jax.ShapeDtypeStruct((13, 7), jnp.float32),
-            "b": jax.ShapeDtypeStruct((5,), jnp.float32),
-            "layers": {"k": jax.ShapeDtypeStruct((3, 10, 4), jnp.float32)}}
+  params = {
+    "w": jax.ShapeDtypeStruct((13, 7), jnp.float32),
+    "b": jax.ShapeDtypeStruct((5,), jnp.float32),
+    "layers": {"k": jax.ShapeDtypeStruct((3, 10, 4), jnp.float32)},
+  }
   bf16 = zerojax.Policy(param_dtype=jnp.bfloat16)
   with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
     meta = ckpt.metadata()
     same = zerojax.zero(optax.adamw(1e-2), stage=2, policy=bf16)
     fresh = checkpoint.describe(zerojax.layout.make_spec(params, same))
-    assert {k: meta[k] for k in fresh} == fresh        # the on-disk format
+    assert {k: meta[k] for k in fresh} == fresh  # the on-disk format
     for stage in (1, 3):
       tx = zerojax.zero(optax.adamw(1e-2), stage=stage, policy=bf16)
       state, extra = ckpt.restore(params, tx)
       assert extra == {"data_step": 3} and int(state.step) == 3
-      got = {f"master{jax.tree_util.keystr(p)}": np.asarray(x) for p, x in
-             jax.tree_util.tree_flatten_with_path(
-                 zerojax.gather_params(state, master=True))[0]}
-      got.update({f"opt{jax.tree_util.keystr(p)}": np.asarray(x) for p, x in
-                  jax.tree_util.tree_flatten_with_path(
-                      zerojax.gather_opt_state(state))[0]})
+      got = {
+        f"master{jax.tree_util.keystr(p)}": np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(
+          zerojax.gather_params(state, master=True)
+        )[0]
+      }
+      got.update(
+        {
+          f"opt{jax.tree_util.keystr(p)}": np.asarray(x)
+          for p, x in jax.tree_util.tree_flatten_with_path(
+            zerojax.gather_opt_state(state)
+          )[0]
+        }
+      )
       assert sorted(got) == sorted(expected.files)
       for name in expected.files:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
-@pytest.mark.parametrize("write,read", [
+@pytest.mark.parametrize(
+  "write,read",
+  [
     (dict(compression=False, replica_parallel=False), {}),
     ({}, dict(compression=False, replica_parallel=False)),
-])
+  ],
+)
 def test_lean_save_options_read_back_bitwise_either_way(tmp_path, write, read):
   """``compression`` and ``replica_parallel`` change only how arrays are
   written (their host-memory cost is measured in docs/results.md): a

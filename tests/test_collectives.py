@@ -29,13 +29,23 @@ PSI = PSI_SCAN + PSI_TOP
 BATCH = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
 
 
-def compiled(stage, policy=None, accum_steps=1, params=None, loss=wide_loss,
-             batch=BATCH, gather="model"):
+def compiled(
+  stage,
+  policy=None,
+  accum_steps=1,
+  params=None,
+  loss=wide_loss,
+  batch=BATCH,
+  gather="model",
+):
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, policy=policy)
   state = zerojax.init(wide_params() if params is None else params, tx)
-  lowered = zerojax.train_step(loss, tx, gather=gather,
-                               accum_steps=accum_steps).lower(state, batch)
-  return lowered, zerojax.diagnostics.collectives(lowered.compile().as_text(), 8)
+  lowered = zerojax.train_step(
+    loss, tx, gather=gather, accum_steps=accum_steps
+  ).lower(state, batch)
+  return lowered, zerojax.diagnostics.collectives(
+    lowered.compile().as_text(), 8
+  )
 
 
 def elements(colls, kind):
@@ -107,22 +117,39 @@ def test_a_layers_gradient_is_reduced_in_one_collective(stage):
 def test_a_layers_leaves_move_one_by_one_under_zeropp():
   """Quantized collectives keep one leaf each (their blocks are per leaf):
   the layer's kernel and bias are two all-to-alls (qgZ), not one."""
-  tx = zerojax.zero(optax.adamw(1e-3), stage=2,
-                    zeropp=zerojax.ZeroPP(grad_bits=8))
+  tx = zerojax.zero(
+    optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(grad_bits=8)
+  )
   state = zerojax.init(wide_params(), tx)
-  colls = zerojax.diagnostics.collectives(zerojax.train_step(wide_loss, tx, gather="model")
-                              .lower(state, BATCH).compile().as_text(), 8)
-  assert len([c for c in colls if c.kind == "all-to-all" and c.count == L
-              and c.dtype == "s8"]) == 2
+  colls = zerojax.diagnostics.collectives(
+    zerojax.train_step(wide_loss, tx, gather="model")
+    .lower(state, BATCH)
+    .compile()
+    .as_text(),
+    8,
+  )
+  assert (
+    len(
+      [
+        c
+        for c in colls
+        if c.kind == "all-to-all" and c.count == L and c.dtype == "s8"
+      ]
+    )
+    == 2
+  )
 
 
 def test_collectives_run_in_the_policy_dtypes():
-  policy = zerojax.Policy(param_dtype=jnp.bfloat16)   # reduce in bf16 too
+  policy = zerojax.Policy(param_dtype=jnp.bfloat16)  # reduce in bf16 too
   lowered, colls = compiled(3, policy=policy)
   text = lowered.as_text()
   gathers = re.findall(r"stablehlo\.all_gather.*-> tensor<[\dx]*x(\w+)>", text)
-  scatters = re.findall(r"stablehlo\.reduce_scatter.*\n(?:.*\n)*?.*\}\) : "
-                        r"\(tensor<[\dx]*x(\w+)>", text)
+  scatters = re.findall(
+    r"stablehlo\.reduce_scatter.*\n(?:.*\n)*?.*\}\) : "
+    r"\(tensor<[\dx]*x(\w+)>",
+    text,
+  )
   assert gathers and set(gathers) == {"bf16"}
   assert scatters and set(scatters) == {"bf16"}
   # Element counts do not depend on the dtype.
@@ -130,8 +157,9 @@ def test_collectives_run_in_the_policy_dtypes():
   policy32 = zerojax.Policy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
   lowered, _ = compiled(1, policy=policy32)
   text = lowered.as_text()
-  assert set(re.findall(r"stablehlo\.all_gather.*-> tensor<[\dx]*x(\w+)>",
-                        text)) == {"bf16"}
+  assert set(
+    re.findall(r"stablehlo\.all_gather.*-> tensor<[\dx]*x(\w+)>", text)
+  ) == {"bf16"}
 
 
 @pytest.mark.parametrize("stage,rs,ag", [(1, 1, 1), (2, 4, 1), (3, 4, None)])
@@ -147,14 +175,18 @@ def test_uneven_leaves_count_their_padding(mesh):
   params = toy.init_params(jax.random.key(0))
   tx = zerojax.zero(optax.adamw(1e-3), stage=1, mesh=mesh)
   spec = zerojax.init(params, tx).spec
-  padded = sum(math.prod(r.shard.storage_shape) for r in spec.leaves
-               if r.trainable and r.shard.sharded)
+  padded = sum(
+    math.prod(r.shard.storage_shape)
+    for r in spec.leaves
+    if r.trainable and r.shard.sharded
+  )
   logical = sum(r.size for r in spec.leaves if r.trainable)
-  _, colls = compiled(1, params=params, loss=toy.loss_fn,
-                      batch=toy.batches(1)[0])
+  _, colls = compiled(
+    1, params=params, loss=toy.loss_fn, batch=toy.batches(1)[0]
+  )
   assert elements(colls, "reduce-scatter") == padded
   assert elements(colls, "all-gather") == padded
-  assert padded > logical      # the toy's leaves really are padded
+  assert padded > logical  # the toy's leaves really are padded
   # the replicated scalar's gradient is all-reduced with the loss and norms
   assert elements(colls, "all-reduce") <= 8  # a few scalars: loss, norms
 
@@ -162,31 +194,39 @@ def test_uneven_leaves_count_their_padding(mesh):
 # --------------------------------------------------------------------------
 # stage 0: each weight gradient summed before autodiff's transpose
 # --------------------------------------------------------------------------
-F = 48          # a non-square weight: its transpose has another shape
+F = 48  # a non-square weight: its transpose has another shape
 
 
 def plain_params():
   k = jax.random.split(jax.random.key(1), 2)
-  return {"w": jax.random.normal(k[0], (L, D, F)) * 0.2,
-          "embed": jax.random.normal(k[1], (V, D)) * 0.2}
+  return {
+    "w": jax.random.normal(k[0], (L, D, F)) * 0.2,
+    "embed": jax.random.normal(k[1], (V, D)) * 0.2,
+  }
 
 
 def plain_loss(params, batch):
   """A loss written for plain data parallelism: ``h @ W`` in a
   checkpointed scan, no ``zerojax.gather``."""
+
   def body(h, w):
     return h + jnp.tanh(h @ w)[:, :D], None
+
   h = params["embed"][batch["x"]]
   h, _ = jax.lax.scan(jax.checkpoint(body), h, params["w"])
   logits = h @ params["embed"].T
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]).mean()
+    logits, batch["y"]
+  ).mean()
 
 
 def all_reduced_shapes(hlo: str) -> set:
-  return {tuple(int(d) for d in dims.split(",") if d)
-          for line in hlo.splitlines() if " all-reduce(" in line
-          for dims in re.findall(r"f32\[([\d,]*)\]", line.split(" all-reduce(")[0])}
+  return {
+    tuple(int(d) for d in dims.split(",") if d)
+    for line in hlo.splitlines()
+    if " all-reduce(" in line
+    for dims in re.findall(r"f32\[([\d,]*)\]", line.split(" all-reduce(")[0])
+  }
 
 
 def test_stage0_sums_each_weight_gradient_before_autodiffs_transpose(mesh):
@@ -196,6 +236,7 @@ def test_stage0_sums_each_weight_gradient_before_autodiffs_transpose(mesh):
   then runs on Eigen, not YNNPACK). The all-reduce carries ``W``'s
   gradient in the dot's shape, ``W`` transposed."""
   from zerojax._src.jaxpr import transposes
+
   tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
   state = zerojax.init(plain_params(), tx)
   step = zerojax.train_step(plain_loss, tx)
@@ -208,10 +249,13 @@ def test_stage0_sums_each_weight_gradient_before_autodiffs_transpose(mesh):
   # (the weight's, and the embedding's as the head)
   def local(params, batch):
     return jax.grad(lambda p: plain_loss(p, batch) / 8)(params)
-  grads = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
-                        out_specs=P())
+
+  grads = jax.shard_map(
+    local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+  )
   put = lambda x, spec: jax.device_put(
-      x, jax.sharding.NamedSharding(mesh, spec))
+    x, jax.sharding.NamedSharding(mesh, spec)
+  )
   plain = jax.make_jaxpr(grads)(put(plain_params(), P()), put(BATCH, P("data")))
   assert transposes.count_sums_of_transposes(plain.jaxpr) >= 1
 
@@ -224,30 +268,40 @@ def test_a_sum_moved_before_its_transpose_is_the_same_sum(mesh):
   each element's 8 values in device order wherever the element sits in
   the buffer (a ring all-reduce on GPUs would not promise that)."""
   from zerojax._src.jaxpr import transposes
+
   x = jax.device_put(
-      jax.random.normal(jax.random.key(2), (8 * 3, 5, 7)),
-      jax.sharding.NamedSharding(mesh, P("data")))
+    jax.random.normal(jax.random.key(2), (8 * 3, 5, 7)),
+    jax.sharding.NamedSharding(mesh, P("data")),
+  )
 
   def f(x):
     def body(c, xi):
       t = jax.checkpoint(lambda a: jax.lax.psum(a.T, "data"))(xi)
       return c + t, None
+
     looped, _ = jax.lax.scan(body, jnp.zeros((7, 5)), x)
     t = x[0].T
-    kept = jax.lax.psum(t, "data") + t.sum()      # t has two uses: stays
+    kept = jax.lax.psum(t, "data") + t.sum()  # t has two uses: stays
     return looped, kept
 
-  run = lambda fn: jax.jit(jax.shard_map(
-      fn, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))))(x)
+  run = lambda fn: jax.jit(
+    jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
+  )(x)
   want, got = run(f), run(transposes.rewrite_for_dots(f))
   for a, b in zip(want, got):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  moved = jax.make_jaxpr(jax.shard_map(
-      transposes.rewrite_for_dots(f), mesh=mesh, in_specs=P("data"),
-      out_specs=(P(), P("data"))))(x)
-  assert transposes.count_sums_of_transposes(moved.jaxpr) == 1   # kept's
-  plain = jax.make_jaxpr(jax.shard_map(
-      f, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))))(x)
+  moved = jax.make_jaxpr(
+    jax.shard_map(
+      transposes.rewrite_for_dots(f),
+      mesh=mesh,
+      in_specs=P("data"),
+      out_specs=(P(), P("data")),
+    )
+  )(x)
+  assert transposes.count_sums_of_transposes(moved.jaxpr) == 1  # kept's
+  plain = jax.make_jaxpr(
+    jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
+  )(x)
   assert transposes.count_sums_of_transposes(plain.jaxpr) == 2
 
 
@@ -264,20 +318,23 @@ def test_stages_1_3_keep_autodiffs_transposes_out_of_the_dots(mesh, stage):
   another processor: the steps agree up to that order (each weight
   gradient sums the batch's ``B`` rows)."""
   from zerojax._src.jaxpr import transposes
+
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh)
   step = zerojax.train_step(plain_loss, tx)
   state = zerojax.init(plain_params(), tx, copy=True)
   traced = step.trace(state, BATCH).jaxpr
   assert transposes.count_transposed_dots(traced.jaxpr) == 0
   plain = transposes.rewrite_for_dots
-  try:   # the same step without the rewrite has such transposes
+  try:  # the same step without the rewrite has such transposes
     transposes.rewrite_for_dots = lambda fn, **rules: fn
     bare = zerojax.train_step(plain_loss, tx)
-    assert transposes.count_transposed_dots(
-        bare.trace(state, BATCH).jaxpr.jaxpr) > 0
+    assert (
+      transposes.count_transposed_dots(bare.trace(state, BATCH).jaxpr.jaxpr) > 0
+    )
     want, _ = bare(zerojax.init(plain_params(), tx, copy=True), BATCH)
   finally:
     transposes.rewrite_for_dots = plain
   got, _ = step(state, BATCH)
   toy.assert_same_up_to_summation_order(
-      zerojax.gather_params(got), zerojax.gather_params(want), terms=B)
+    zerojax.gather_params(got), zerojax.gather_params(want), terms=B
+  )

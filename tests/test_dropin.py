@@ -13,9 +13,11 @@ from tests import toy
 
 def _params():
   k = jax.random.split(jax.random.key(0), 2)
-  return {"w1": jax.random.normal(k[0], (6, 12)) * 0.5,    # uneven: padded
-          "w2": jax.random.normal(k[1], (12, 3)) * 0.5,
-          "b": jnp.zeros((3,))}
+  return {
+    "w1": jax.random.normal(k[0], (6, 12)) * 0.5,  # uneven: padded
+    "w2": jax.random.normal(k[1], (12, 3)) * 0.5,
+    "b": jnp.zeros((3,)),
+  }
 
 
 def loss(p, b):
@@ -26,8 +28,13 @@ def loss(p, b):
 
 def _data(n=3):
   rng = np.random.default_rng(0)
-  return [{"x": rng.normal(size=(16, 6)).astype(np.float32),
-           "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(n)]
+  return [
+    {
+      "x": rng.normal(size=(16, 6)).astype(np.float32),
+      "y": rng.normal(size=(16, 3)).astype(np.float32),
+    }
+    for _ in range(n)
+  ]
 
 
 def existing_loop(tx, data, params=None):
@@ -51,35 +58,44 @@ def test_zero_is_a_real_optax_transformation(mesh):
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
   assert tx.stage == 1 and tx.num_shards == 8
   chained = optax.chain(optax.clip_by_global_norm(1.0), optax.scale(1.0))
-  assert isinstance(zerojax.zero(chained, stage=2, mesh=mesh),
-                    optax.GradientTransformation)
+  assert isinstance(
+    zerojax.zero(chained, stage=2, mesh=mesh), optax.GradientTransformation
+  )
 
 
 @pytest.mark.parametrize("opt", ["adamw", "clip_adamw", "adafactor"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_existing_optax_loop_changes_one_line(mesh, stage, opt):
-  make = {"adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-          "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.1),
-                                            optax.adamw(1e-2)),
-          "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4)}[opt]
+  make = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "clip_adamw": lambda: optax.chain(
+      optax.clip_by_global_norm(0.1), optax.adamw(1e-2)
+    ),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+  }[opt]
   data = _data()
   want, want_state = existing_loop(make(), data)
-  got, got_state = existing_loop(zerojax.zero(make(), stage=stage, mesh=mesh),
-                                 data)
+  got, got_state = existing_loop(
+    zerojax.zero(make(), stage=stage, mesh=mesh), data
+  )
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
   # the optimizer state is the inner one, laid out for the stage
   assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
-  sharded = [x for x in jax.tree.leaves(got_state)
-             if "data" in str(x.sharding.spec)]
+  sharded = [
+    x for x in jax.tree.leaves(got_state) if "data" in str(x.sharding.spec)
+  ]
   if stage == 0:
     assert not sharded
   else:
-    big = [x for x in jax.tree.leaves(want_state)
-           if x.ndim >= 1 and jnp.issubdtype(x.dtype, jnp.floating)]
+    big = [
+      x
+      for x in jax.tree.leaves(want_state)
+      if x.ndim >= 1 and jnp.issubdtype(x.dtype, jnp.floating)
+    ]
     assert len(sharded) == len(big)
-    for x in sharded:     # each device holds 1/8 of the (padded) leaf
+    for x in sharded:  # each device holds 1/8 of the (padded) leaf
       assert x.addressable_shards[0].data.size * 8 == x.size
 
 
@@ -98,7 +114,9 @@ def test_nnx_optimizer_changes_one_line(mesh):
 
     @nnx.jit
     def step(model, optimizer, batch):
-      grads = nnx.grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+      grads = nnx.grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(
+        model
+      )
       optimizer.update(model, grads)
 
     for batch in _data():
@@ -109,16 +127,19 @@ def test_nnx_optimizer_changes_one_line(mesh):
   got, optimizer = train(zerojax.zero(optax.adamw(1e-2), stage=1, mesh=mesh))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-  specs = {str(x.sharding.spec) for x in jax.tree.leaves(optimizer.opt_state)
-           if x.ndim}
+  specs = {
+    str(x.sharding.spec) for x in jax.tree.leaves(optimizer.opt_state) if x.ndim
+  }
   assert any("data" in s for s in specs)
   assert int(optimizer.step[...]) == 3
 
 
 def test_drop_in_forwards_extra_args(mesh):
   def opt():
-    return optax.chain(optax.sgd(0.5), optax.contrib.reduce_on_plateau(
-        factor=0.5, patience=0, rtol=0.5))
+    return optax.chain(
+      optax.sgd(0.5),
+      optax.contrib.reduce_on_plateau(factor=0.5, patience=0, rtol=0.5),
+    )
 
   def run(tx):
     params, state = _params(), tx.init(_params())
@@ -129,7 +150,7 @@ def test_drop_in_forwards_extra_args(mesh):
     return params
 
   want = run(opt())
-  with jax.set_mesh(mesh):     # eager JAX ops on Explicit-mesh arrays need it
+  with jax.set_mesh(mesh):  # eager JAX ops on Explicit-mesh arrays need it
     got = run(zerojax.zero(opt(), stage=1, mesh=mesh))
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
@@ -159,8 +180,12 @@ def test_value_and_grad_in_the_stage_layout_then_tx_update(mesh, stage):
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_train_step_is_value_and_grad_then_apply_gradients(mesh, stage):
-  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh,
-                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  tx = zerojax.zero(
+    optax.adamw(1e-2),
+    stage=stage,
+    mesh=mesh,
+    policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+  )
   params = toy.init_params(jax.random.key(0))
   grad_fn = zerojax.value_and_grad(toy.loss_fn, tx)
   a = zerojax.init(params, tx)
@@ -176,10 +201,16 @@ def test_train_step_is_value_and_grad_then_apply_gradients(mesh, stage):
 
 
 def test_drop_in_refuses_what_it_cannot_do(mesh):
-  with pytest.raises(ValueError, match="stage 3 .* zerojax.init \\+ zerojax.train_step"):
+  with pytest.raises(
+    ValueError, match="stage 3 .* zerojax.init \\+ zerojax.train_step"
+  ):
     zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh).init(_params())
-  bf16 = zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh,
-                      policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  bf16 = zerojax.zero(
+    optax.adam(1e-2),
+    stage=1,
+    mesh=mesh,
+    policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+  )
   with pytest.raises(ValueError, match="master copy"):
     bf16.init(_params())
   tx = zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh)
@@ -189,8 +220,9 @@ def test_drop_in_refuses_what_it_cannot_do(mesh):
   with pytest.raises(ValueError, match=r"gradient\['w1'\] has shape \[6, 5\]"):
     tx.update(dict(_params(), w1=jnp.zeros((6, 5))), state, _params())
   with pytest.raises(ValueError, match="pass the ZeroState"):
-    zerojax.value_and_grad(loss, zerojax.zero(optax.adam(1e-2), stage=3,
-                                              mesh=mesh))(_params(), _data(1)[0])
+    zerojax.value_and_grad(
+      loss, zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
+    )(_params(), _data(1)[0])
 
 
 def test_drop_in_names_a_leaf_a_donating_step_deleted(mesh):
@@ -199,22 +231,28 @@ def test_drop_in_names_a_leaf_a_donating_step_deleted(mesh):
   fast path would run the deleted buffer and crash), is refused with a
   zerojax error naming the leaf; the arrays the step returned work."""
   tx = zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh)
-  params = jax.device_put(_params(), jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec()))
+  params = jax.device_put(
+    _params(), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  )
   grads = jax.tree.map(jnp.ones_like, params)
   _, opt_state = tx.update(grads, tx.init(params), params)
-  donate = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t),
-                   donate_argnums=0)
+  donate = jax.jit(lambda t: jax.tree.map(lambda x: x + 0, t), donate_argnums=0)
   fresh = donate(opt_state)
   for _ in range(3):
-    with pytest.raises(ValueError, match=r"ZeroTransformation\.update: "
-                       r"opt_state\[0\]\.count int32\[\] has been deleted"
-                       r".*donate_argnums"):
+    with pytest.raises(
+      ValueError,
+      match=r"ZeroTransformation\.update: "
+      r"opt_state\[0\]\.count int32\[\] has been deleted"
+      r".*donate_argnums",
+    ):
       tx.update(grads, opt_state, params)
   tx.update(grads, fresh, params)
   kept = donate(params)
-  with pytest.raises(ValueError, match=r"ZeroTransformation\.init: "
-                     r"params\['b'\] float32\[3\] has been deleted"):
+  with pytest.raises(
+    ValueError,
+    match=r"ZeroTransformation\.init: "
+    r"params\['b'\] float32\[3\] has been deleted",
+  ):
     tx.init(params)
   tx.init(kept)
 
@@ -226,11 +264,15 @@ def test_sharded_gradients_stay_sharded_in_tx_update(mesh):
   tx = zerojax.zero(optax.adam(1e-2), stage=2, mesh=mesh)
   opt_state = tx.init(params)
   batch = {"x": np.ones((16, 8), np.float32)}
-  loss = lambda p, b: jnp.sum(jnp.tanh(b["x"] @ zerojax.gather(p["w"]))
-                              * zerojax.gather(p["v"])[None])
+  loss = lambda p, b: jnp.sum(
+    jnp.tanh(b["x"] @ zerojax.gather(p["w"])) * zerojax.gather(p["v"])[None]
+  )
   _, grads = zerojax.value_and_grad(loss, tx)(params, batch)
   assert all("data" in str(g.sharding.spec) for g in jax.tree.leaves(grads))
   hlo = jax.jit(tx.update).lower(grads, opt_state, params).compile().as_text()
-  gathered = sum(c.total_elements for c in zerojax.diagnostics.collectives(hlo, 8)
-                 if c.kind == "all-gather")
+  gathered = sum(
+    c.total_elements
+    for c in zerojax.diagnostics.collectives(hlo, 8)
+    if c.kind == "all-gather"
+  )
   assert gathered == 8 * 16 + 16

@@ -26,9 +26,12 @@ def _intact(state, step, params=None):
   values zerojax.init gave them, and a good step still runs."""
   params = toy.init_params(jax.random.key(0)) if params is None else params
   fresh = zerojax.init(params, state.spec.tx)
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state)[0],
-                          jax.tree.leaves(fresh)):
-    assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+  for (path, a), b in zip(
+    jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(fresh)
+  ):
+    assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(
+      path
+    )
   assert int(state.step) == 0
   new, metrics = step(state, toy.batches(1)[0])
   assert int(new.step) == 1 and np.isfinite(float(metrics["loss"]))
@@ -37,9 +40,13 @@ def _intact(state, step, params=None):
 def test_batch_not_divisible(setup):
   _, _, state, step = setup
   bad = toy.batches(1, size=12)[0]
-  with pytest.raises(ValueError, match=re.escape(
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
       "batch leaf ['x'] has 12 rows, which do not split over 8 devices x 1 "
-      "micro-batches (needs a multiple of 8). Use a batch of 16")):
+      "micro-batches (needs a multiple of 8). Use a batch of 16"
+    ),
+  ):
     step(state, bad)
   _intact(state, step)
 
@@ -55,21 +62,26 @@ def test_batch_not_divisible_by_micro_batches(mesh):
 def test_batch_leaves_disagree(setup):
   _, _, state, step = setup
   bad = {"x": np.zeros((16,), np.int32), "y": np.zeros((8,), np.int32)}
-  with pytest.raises(ValueError, match=r"\['y'\] has 8 rows but other leaves have 16"):
+  with pytest.raises(
+    ValueError, match=r"\['y'\] has 8 rows but other leaves have 16"
+  ):
     step(state, bad)
   _intact(state, step)
 
 
 def test_mesh_without_data_axis():
-  mesh = jax.make_mesh((8,), ("batch",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh(
+    (8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
   with pytest.raises(ValueError, match=r"no 'data' axis .* axis_name="):
     zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
 
 
 def test_replica_axis_must_be_another_mesh_axis():
   mesh = zerojax.make_mesh("replica=2,data=4")
-  with pytest.raises(ValueError, match=r"replica_axis='pod' is not a mesh axis"):
+  with pytest.raises(
+    ValueError, match=r"replica_axis='pod' is not a mesh axis"
+  ):
     zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh, replica_axis="pod")
   with pytest.raises(ValueError, match=r"replica_axis='data'"):
     zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh, replica_axis="data")
@@ -88,10 +100,11 @@ def test_not_an_optax_transformation(mesh):
 
 def test_params_do_not_match_optimizer_state(setup):
   params, _, state, step = setup
-  other = dict(params, head=jnp.zeros((7, 9)))          # a shape changed
+  other = dict(params, head=jnp.zeros((7, 9)))  # a shape changed
   bad = state.replace(params=zerojax.init(other, state.spec.tx).params)
-  with pytest.raises(ValueError, match=re.escape("state.params['head'] is "
-                                                 "float32[7, 16]")):
+  with pytest.raises(
+    ValueError, match=re.escape("state.params['head'] is float32[7, 16]")
+  ):
     step(bad, toy.batches(1)[0])
   missing = {k: v for k, v in params.items() if k != "bias3"}  # a leaf gone
   bad = state.replace(params=zerojax.init(missing, state.spec.tx).params)
@@ -138,17 +151,26 @@ def test_param_used_without_gather(setup):
     return jnp.mean(p["embed"][b["x"]])
 
   step = zerojax.train_step(loss_without_gather, tx, gather="model")
-  with pytest.raises(zerojax.errors.UngatheredParamError, match=r"params\['embed'\] "
-                     r"\(shape \(13, 7\)\) was used without being gathered"):
+  with pytest.raises(
+    zerojax.errors.UngatheredParamError,
+    match=r"params\['embed'\] "
+    r"\(shape \(13, 7\)\) was used without being gathered",
+  ):
     step(state, toy.batches(1)[0])
   # auto: warn with the cost and the fix, then gather the whole tree
   step = zerojax.train_step(loss_without_gather, tx)
-  with pytest.warns(UserWarning, match="gathers the whole parameter tree .* MiB"):
+  with pytest.warns(
+    UserWarning, match="gathers the whole parameter tree .* MiB"
+  ):
     new, _ = step(state, toy.batches(1)[0])
   assert int(new.step) == 1
 
 
 def test_bad_policy(mesh):
   with pytest.raises(ValueError, match="param_dtype=.*int32.* not a floating"):
-    zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh,
-                 policy=zerojax.Policy(param_dtype=jnp.int32))
+    zerojax.zero(
+      optax.sgd(0.1),
+      stage=1,
+      mesh=mesh,
+      policy=zerojax.Policy(param_dtype=jnp.int32),
+    )

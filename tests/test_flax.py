@@ -1,11 +1,11 @@
 """Flax linen and NNX models at every stage, gathered per layer at stage 3."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import flax.linen as nn
 from flax import nnx
 
 import zerojax
@@ -24,7 +24,8 @@ class LinenBlock(nn.Module):
   @nn.compact
   def __call__(self, x, _):
     kernel_init = nn.with_logical_partitioning(
-        nn.initializers.lecun_normal(), ("embed", "mlp"))
+      nn.initializers.lecun_normal(), ("embed", "mlp")
+    )
     return x + jnp.tanh(nn.Dense(self.width, kernel_init=kernel_init)(x)), None
 
 
@@ -49,15 +50,18 @@ class PlainLinenModel(nn.Module):
 def _linen(model_cls):
   model = model_cls()
   params = model.init(jax.random.key(0), X)["params"]
-  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+  loss = lambda p, b: jnp.mean(
+    (model.apply({"params": p}, b["x"]) - b["y"]) ** 2
+  )
   return params, loss
 
 
 # ----------------------------------------------------------------- NNX
 class NNXBlock(nnx.Module):
   def __init__(self, width, rngs):
-    kernel_init = nnx.with_partitioning(nnx.initializers.lecun_normal(),
-                                        ("embed", "mlp"), eager_sharding=False)
+    kernel_init = nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), ("embed", "mlp"), eager_sharding=False
+    )
     self.dense = nnx.Linear(width, width, kernel_init=kernel_init, rngs=rngs)
 
   def __call__(self, x):
@@ -123,11 +127,14 @@ def test_flax_stage3_gathers_inside_the_layer_loop(mesh, kind):
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
   state = zerojax.init(params, tx)
   step = zerojax.train_step(loss, tx, gather="model")
-  colls = zerojax.diagnostics.collectives(step.lower(state, BATCH).compile().as_text(), 8)
+  colls = zerojax.diagnostics.collectives(
+    step.lower(state, BATCH).compile().as_text(), 8
+  )
   layer = WIDTH * WIDTH + WIDTH
-  loop = lambda kind_: sum(c.total_elements for c in colls
-                           if c.kind == kind_ and c.count == DEPTH)
-  assert loop("all-gather") == 2 * DEPTH * layer     # forward + backward
+  loop = lambda kind_: sum(
+    c.total_elements for c in colls if c.kind == kind_ and c.count == DEPTH
+  )
+  assert loop("all-gather") == 2 * DEPTH * layer  # forward + backward
   assert loop("reduce-scatter") == DEPTH * layer
 
 
@@ -136,8 +143,9 @@ def test_linen_partition_metadata_survives(mesh):
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
   state = zerojax.init(params, tx)
   state, _ = zerojax.train_step(loss, tx, gather="model")(state, BATCH)
-  kernel = zerojax.gather_params(state)["ScanCheckpointMap_variablesLinenBlock_0"][
-      "Dense_0"]["kernel"]
+  kernel = zerojax.gather_params(state)[
+    "ScanCheckpointMap_variablesLinenBlock_0"
+  ]["Dense_0"]["kernel"]
   assert isinstance(kernel, nn.LogicallyPartitioned)
   assert kernel.names == ("layers", "embed", "mlp")
   assert kernel.value.shape == (DEPTH, WIDTH, WIDTH)
@@ -165,14 +173,16 @@ def test_plain_linen_model_warns_and_falls_back_at_stage3(mesh):
   with pytest.warns(UserWarning, match="gathers the whole parameter tree"):
     state, _ = step(state, BATCH)
   state, _ = step(state, BATCH)
-  for a, b in zip(jax.tree.leaves(zerojax.gather_params(state)),
-                  jax.tree.leaves(want)):
+  for a, b in zip(
+    jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)
+  ):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
 def test_nnx_gathered_and_scan_keep_batch_statistics(mesh):
   """Only Params are gathered: BatchNorm's running averages, written during
   the call, land in the module (in and out of a scan)."""
+
   class Block(nnx.Module):
     def __init__(self, rngs):
       self.bn = nnx.BatchNorm(4, rngs=rngs)
@@ -182,12 +192,13 @@ def test_nnx_gathered_and_scan_keep_batch_statistics(mesh):
 
   bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
   zerojax.nnx.gathered(bn)(jnp.full((2, 4), 3.0))
-  np.testing.assert_allclose(bn.mean[...], 0.03, rtol=1e-6)   # momentum 0.99
+  np.testing.assert_allclose(bn.mean[...], 0.03, rtol=1e-6)  # momentum 0.99
 
   @nnx.split_rngs(splits=3)
   @nnx.vmap(in_axes=(0,), out_axes=0)
   def make(rngs):
     return Block(rngs)
+
   stacked = make(nnx.Rngs(0))
   zerojax.nnx.scan_layers(stacked, jnp.full((2, 4), 3.0))
   # layer 0 saw the input (mean 3), later layers its normalised output
@@ -220,8 +231,9 @@ def test_nnx_batch_norm_statistics_train_as_model_state(mesh, stage):
   # sgd(0): weights unchanged, so the statistics are those of lin(x): the
   # mean over devices of each device's batch mean is the global batch mean
   h = np.asarray(BATCH["x"]) @ np.asarray(params["lin"]["kernel"][...])
-  np.testing.assert_allclose(state.model_state["bn"]["mean"][...],
-                             0.01 * h.mean(0), rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(
+    state.model_state["bn"]["mean"][...], 0.01 * h.mean(0), rtol=1e-4, atol=1e-7
+  )
 
 
 def test_an_nnx_module_passed_to_init_is_refused_with_the_split_to_use(mesh):
@@ -239,17 +251,22 @@ def test_linen_logical_partitioning_runs_tensor_parallel():
   want = _reference(params, loss, 3)
   mesh = zerojax.make_mesh("data=4,model=2")
   specs = zerojax.linen.model_specs(
-      params, rules=(("mlp", "model"), ("embed", None), ("layers", None)))
+    params, rules=(("mlp", "model"), ("embed", None), ("layers", None))
+  )
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh, model_specs=specs)
   state = zerojax.init(params, tx)
   kernel = state.params["ScanCheckpointMap_variablesLinenBlock_0"]["Dense_0"][
-      "kernel"].value                        # (layers, embed, mlp)
-  assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "data", "model")
+    "kernel"
+  ].value  # (layers, embed, mlp)
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec(
+    None, "data", "model"
+  )
   step = zerojax.train_step(loss, tx, gather="model")
   for _ in range(3):
     state, _ = step(state, BATCH)
-  for a, b in zip(jax.tree.leaves(zerojax.gather_params(state)),
-                  jax.tree.leaves(want)):
+  for a, b in zip(
+    jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)
+  ):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
@@ -259,18 +276,36 @@ def test_nnx_params_sharded_at_creation_keep_their_model_axis():
   mesh = zerojax.make_mesh("data=4,model=2")
   with jax.set_mesh(mesh):
     model = nnx.Sequential(
-        nnx.Linear(5, 16, kernel_init=nnx.with_partitioning(
-            nnx.initializers.lecun_normal(), (None, "model")), rngs=nnx.Rngs(0)),
-        nnx.Linear(16, 1, kernel_init=nnx.with_partitioning(
-            nnx.initializers.lecun_normal(), ("model", None)), rngs=nnx.Rngs(1)))
+      nnx.Linear(
+        5,
+        16,
+        kernel_init=nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), (None, "model")
+        ),
+        rngs=nnx.Rngs(0),
+      ),
+      nnx.Linear(
+        16,
+        1,
+        kernel_init=nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), ("model", None)
+        ),
+        rngs=nnx.Rngs(1),
+      ),
+    )
   graphdef, params = nnx.split(model, nnx.Param)
   loss = lambda p, b: jnp.mean(
-      (nnx.merge(graphdef, zerojax.gather(p))(b["x"]) - b["y"]) ** 2)
+    (nnx.merge(graphdef, zerojax.gather(p))(b["x"]) - b["y"]) ** 2
+  )
   host = jax.tree.map(lambda x: np.asarray(x), params)
-  want = _reference(host, lambda p, b: jnp.mean(
-      (nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2), 3)
+  want = _reference(
+    host,
+    lambda p, b: jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2),
+    3,
+  )
   assert zerojax.nnx.model_specs(params)["layers"][0]["kernel"].get_value() == (
-      jax.sharding.PartitionSpec(None, "model"))
+    jax.sharding.PartitionSpec(None, "model")
+  )
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh, stacked=False)
   state = zerojax.init(params, tx)
   k0 = state.params["layers"][0]["kernel"][...]
@@ -278,6 +313,9 @@ def test_nnx_params_sharded_at_creation_keep_their_model_axis():
   step = zerojax.train_step(loss, tx, gather="model")
   for _ in range(3):
     state, _ = step(state, BATCH)
-  for a, b in zip(jax.tree.leaves(zerojax.gather_params(state)),
-                  jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+  for a, b in zip(
+    jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)
+  ):
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6
+    )

@@ -14,14 +14,18 @@ WIDTH, ROWS = 8, 32
 
 def _params():
   k = jax.random.split(jax.random.key(1), 2)
-  return {"w": jax.random.normal(k[0], (WIDTH, WIDTH)) * 0.3,
-          "head": jax.random.normal(k[1], (WIDTH, 3)) * 0.3}
+  return {
+    "w": jax.random.normal(k[0], (WIDTH, WIDTH)) * 0.3,
+    "head": jax.random.normal(k[1], (WIDTH, 3)) * 0.3,
+  }
 
 
 def _batch(seed=0):
   rng = np.random.default_rng(seed)
-  return {"x": rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
-          "y": rng.normal(size=(ROWS, 3)).astype(np.float32)}
+  return {
+    "x": rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
+    "y": rng.normal(size=(ROWS, 3)).astype(np.float32),
+  }
 
 
 def dropout_loss(params, batch, *, key):
@@ -39,10 +43,11 @@ def _emulated_step(params, batch, root, step, opt, opt_state, n=8, accum=1):
   grads, losses = [], []
   for d in range(n):
     for m in range(accum):
-      key = jax.random.fold_in(jax.random.fold_in(
-          jax.random.fold_in(root, step), d), m)
+      key = jax.random.fold_in(
+        jax.random.fold_in(jax.random.fold_in(root, step), d), m
+      )
       lo = (d * accum + m) * rows
-      mb = jax.tree.map(lambda x: x[lo:lo + rows], batch)
+      mb = jax.tree.map(lambda x: x[lo : lo + rows], batch)
       loss, g = jax.value_and_grad(dropout_loss)(params, mb, key=key)
       grads.append(g)
       losses.append(loss)
@@ -62,7 +67,8 @@ def test_dropout_equals_the_documented_per_device_keys(mesh, stage, accum):
   step = zerojax.train_step(dropout_loss, tx, accum_steps=accum)
   for i in range(2):
     want, opt_state, want_loss = _emulated_step(
-        want, _batch(i), root, i, opt, opt_state, accum=accum)
+      want, _batch(i), root, i, opt, opt_state, accum=accum
+    )
     state, metrics = step(state, _batch(i))
     np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
   got = zerojax.gather_params(state)
@@ -74,8 +80,9 @@ def test_masks_differ_across_devices_steps_and_micro_batches(mesh):
   seen = []
 
   def loss(params, batch, *, key):
-    jax.debug.callback(lambda k: seen.append(bytes(np.asarray(k))),
-                       jax.random.key_data(key))
+    jax.debug.callback(
+      lambda k: seen.append(bytes(np.asarray(k))), jax.random.key_data(key)
+    )
     return jnp.mean(zerojax.gather(params)["w"]) * batch["x"].mean()
 
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
@@ -88,9 +95,11 @@ def test_masks_differ_across_devices_steps_and_micro_batches(mesh):
   assert len(seen) == 32 and len(set(seen)) == 32
 
 
-@pytest.mark.parametrize("make_key", [lambda: jax.random.key(7),
-                                      lambda: jax.random.PRNGKey(7), lambda: 7],
-                         ids=["typed", "raw", "int"])
+@pytest.mark.parametrize(
+  "make_key",
+  [lambda: jax.random.key(7), lambda: jax.random.PRNGKey(7), lambda: 7],
+  ids=["typed", "raw", "int"],
+)
 def test_same_seed_same_run(mesh, make_key):
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
 
@@ -137,8 +146,10 @@ def bn_loss(params, batch, *, model_state):
   """A running mean of the hidden units and a call counter."""
   q = zerojax.gather(params)
   h = jnp.tanh(batch["x"] @ q["w"])
-  new = {"mean": 0.9 * model_state["mean"] + 0.1 * h.mean(0),
-         "calls": model_state["calls"] + 1}
+  new = {
+    "mean": 0.9 * model_state["mean"] + 0.1 * h.mean(0),
+    "calls": model_state["calls"] + 1,
+  }
   return jnp.mean((h @ q["head"] - batch["y"]) ** 2), new
 
 
@@ -163,10 +174,11 @@ def test_model_state_is_averaged_over_devices_and_threaded(mesh, stage, accum):
     m = np.zeros(WIDTH)
     for k in range(accum):
       lo = (d * accum + k) * rows
-      m = 0.9 * m + 0.1 * h[lo:lo + rows].mean(0)
+      m = 0.9 * m + 0.1 * h[lo : lo + rows].mean(0)
     means.append(m)
-  np.testing.assert_allclose(state.model_state["mean"], np.mean(means, 0),
-                             rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+    state.model_state["mean"], np.mean(means, 0), rtol=1e-5, atol=1e-7
+  )
   assert int(state.model_state["calls"]) == accum
   assert state.model_state["mean"].sharding.is_fully_replicated
 
@@ -179,13 +191,16 @@ def test_model_state_of_the_wrong_shape_is_a_clear_error(mesh):
     loss, new = bn_loss(params, batch, model_state=model_state)
     return loss, dict(new, mean=new["mean"][:3])
 
-  with pytest.raises(zerojax.errors.LossOutputError,
-                     match=r"model_state\['mean'\] went from float32\[8\] to "
-                           r"float32\[3\]"):
+  with pytest.raises(
+    zerojax.errors.LossOutputError,
+    match=r"model_state\['mean'\] went from float32\[8\] to "
+    r"float32\[3\]",
+  ):
     zerojax.train_step(bad, tx)(state, _batch())
   with pytest.raises(zerojax.errors.LossOutputError, match="new_model_state"):
-    zerojax.train_step(lambda p, b, model_state: bn_loss(p, b, model_state=model_state)[0],
-                       tx)(state, _batch())
+    zerojax.train_step(
+      lambda p, b, model_state: bn_loss(p, b, model_state=model_state)[0], tx
+    )(state, _batch())
 
 
 def test_model_state_is_checkpointed(mesh, tmp_path):
@@ -195,10 +210,14 @@ def test_model_state_is_checkpointed(mesh, tmp_path):
   with checkpoint.Checkpointer(tmp_path) as ckpt:
     ckpt.save(state)
   with checkpoint.Checkpointer(tmp_path) as ckpt:
-    with pytest.raises(checkpoint.CheckpointError, match="model_state_template"):
+    with pytest.raises(
+      checkpoint.CheckpointError, match="model_state_template"
+    ):
       ckpt.restore(_params(), tx)
     back, _ = ckpt.restore(_params(), tx, model_state_template=_bn_state())
-  np.testing.assert_array_equal(back.model_state["mean"], state.model_state["mean"])
+  np.testing.assert_array_equal(
+    back.model_state["mean"], state.model_state["mean"]
+  )
   assert int(back.model_state["calls"]) == 1
 
 
@@ -206,13 +225,17 @@ def test_model_state_is_checkpointed(mesh, tmp_path):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_reduce_on_plateau_gets_the_loss(mesh, stage):
   def opt():
-    return optax.chain(optax.sgd(0.5), optax.contrib.reduce_on_plateau(
-        factor=0.5, patience=0, accumulation_size=1, rtol=0.5, atol=0.0))
+    return optax.chain(
+      optax.sgd(0.5),
+      optax.contrib.reduce_on_plateau(
+        factor=0.5, patience=0, accumulation_size=1, rtol=0.5, atol=0.0
+      ),
+    )
 
   def loss(params, batch):
     return dropout_free(zerojax.gather(params), batch)
 
-  data = [_batch(0)] * 6              # the same batch: the loss plateaus
+  data = [_batch(0)] * 6  # the same batch: the loss plateaus
   ref, params = opt(), _params()
   ref_state = ref.init(params)
   for b in data:
@@ -250,7 +273,12 @@ def test_extra_update_arguments_are_forwarded(mesh):
   tx = zerojax.zero(opt, stage=1, mesh=mesh)
   state = zerojax.init(_params(), tx)
   new, _ = zerojax.train_step(
-      lambda p, b: dropout_free(p, b), tx, donate=False)(state, _batch(), epoch=2.0)
+    lambda p, b: dropout_free(p, b), tx, donate=False
+  )(state, _batch(), epoch=2.0)
   g = jax.grad(dropout_free)(_params(), _batch())
-  np.testing.assert_allclose(zerojax.gather_params(new)["w"],
-                             _params()["w"] - 0.2 * g["w"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    zerojax.gather_params(new)["w"],
+    _params()["w"] - 0.2 * g["w"],
+    rtol=1e-5,
+    atol=1e-6,
+  )

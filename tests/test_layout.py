@@ -9,30 +9,36 @@ import optax
 import pytest
 
 import zerojax
-from zerojax._src.records.layout import plan_leaf
 from tests import toy
+from zerojax._src.records.layout import plan_leaf
 
 
-@pytest.mark.parametrize("shape,dim,padded", [
-    ((3,), 0, 8),                 # bias of 3: padded
+@pytest.mark.parametrize(
+  "shape,dim,padded",
+  [
+    ((3,), 0, 8),  # bias of 3: padded
     ((16,), 0, 16),
-    ((7, 13), 1, 16),             # neither divides: least padding, last dim
-    ((50257, 768), 1, 768),       # GPT-2 embedding: the divisible dim
-    ((768, 50257), 1, 50264),     # never dim 0 of a matrix: pad the last
-    ((4, 7, 12), 1, 8),           # least padding wins: 7->8 beats 12->16
-    ((4, 64, 256), 1, 64),        # a tie: the major dimension
-    ((8, 3, 5), 2, 8),            # stacked layers: never the layer axis
-])
+    ((7, 13), 1, 16),  # neither divides: least padding, last dim
+    ((50257, 768), 1, 768),  # GPT-2 embedding: the divisible dim
+    ((768, 50257), 1, 50264),  # never dim 0 of a matrix: pad the last
+    ((4, 7, 12), 1, 8),  # least padding wins: 7->8 beats 12->16
+    ((4, 64, 256), 1, 64),  # a tie: the major dimension
+    ((8, 3, 5), 2, 8),  # stacked layers: never the layer axis
+  ],
+)
 def test_plan_leaf(shape, dim, padded):
   layout = plan_leaf(shape, jnp.float32, 8, 0)
   assert (layout.dim, layout.padded) == (dim, padded)
 
 
-@pytest.mark.parametrize("shape,dtype,reason", [
+@pytest.mark.parametrize(
+  "shape,dtype,reason",
+  [
     ((), jnp.float32, "scalar"),
     ((4,), jnp.int32, "not trained"),
     ((10, 10), jnp.float32, "min_shard_size"),
-])
+  ],
+)
 def test_replicated_leaves_say_why(shape, dtype, reason):
   layout = plan_leaf(shape, dtype, 8, 1000)
   assert not layout.sharded and reason in layout.reason
@@ -49,8 +55,11 @@ def test_pad_and_slice_round_trip():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
 def test_every_leaf_is_where_the_stage_puts_it(mesh, stage, policy):
-  pol = (zerojax.Policy(param_dtype=jnp.bfloat16) if policy == "bf16"
-         else zerojax.Policy())
+  pol = (
+    zerojax.Policy(param_dtype=jnp.bfloat16)
+    if policy == "bf16"
+    else zerojax.Policy()
+  )
   params = toy.init_params(jax.random.key(0))
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh, policy=pol)
   state = zerojax.init(params, tx)
@@ -60,8 +69,9 @@ def test_every_leaf_is_where_the_stage_puts_it(mesh, stage, policy):
     x_sharded = row["sharded"]
     big = len(row["shape"]) > 0 and row["dtype"] != "int32"
     should_shard = big and (
-        (row["section"] == "params" and stage == 3)
-        or (row["section"] in ("master", "opt_state") and stage >= 1))
+      (row["section"] == "params" and stage == 3)
+      or (row["section"] in ("master", "opt_state") and stage >= 1)
+    )
     assert x_sharded == should_shard, row
     elems = math.prod(row["shape"])
     itemsize = np.dtype(row["dtype"]).itemsize
@@ -79,7 +89,7 @@ def test_state_arrays_carry_the_named_sharding(mesh):
   tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
   state = zerojax.init(params, tx)
   w = state.params["layers"]["w"]
-  assert w.shape == (3, 8, 7)      # 7 padded to 8; dim 1 (major) on a tie
+  assert w.shape == (3, 8, 7)  # 7 padded to 8; dim 1 (major) on a tie
   assert _split_as(w, mesh, None, "data")
   assert len({s.data.shape for s in w.addressable_shards}) == 1
   assert w.addressable_shards[0].data.shape == (3, 1, 7)
@@ -92,7 +102,8 @@ def _split_as(x, mesh, *spec):
   """``x`` is split as ``P(*spec)`` says (however the spec is spelled: on
   an Explicit mesh JAX writes every dimension, ``P(None, "data", None)``)."""
   return x.sharding.is_equivalent_to(
-      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)), x.ndim)
+    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)), x.ndim
+  )
 
 
 def test_min_shard_size_keeps_small_leaves_replicated(mesh):
@@ -110,11 +121,19 @@ def test_measured_bytes_match_the_zero_formulas(mesh):
   params = {"w": jnp.ones((64, 128)), "v": jnp.ones((4, 32, 64))}
   psi = 64 * 128 + 4 * 32 * 64
   n = 8
-  want_total = {0: 2 * psi + 12 * psi, 1: 2 * psi + 12 * psi / n,
-                2: 2 * psi + 12 * psi / n, 3: 16 * psi / n - 2 * psi / n}
+  want_total = {
+    0: 2 * psi + 12 * psi,
+    1: 2 * psi + 12 * psi / n,
+    2: 2 * psi + 12 * psi / n,
+    3: 16 * psi / n - 2 * psi / n,
+  }
   for stage in range(4):
-    tx = zerojax.zero(optax.adam(1e-3), stage=stage, mesh=mesh,
-                      policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+    tx = zerojax.zero(
+      optax.adam(1e-3),
+      stage=stage,
+      mesh=mesh,
+      policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+    )
     state = zerojax.init(params, tx)
     measured = zerojax.diagnostics.state_bytes(state)
     theory = zerojax.diagnostics.theory_bytes(state)
@@ -128,33 +147,49 @@ def test_measured_bytes_match_the_zero_formulas(mesh):
 
 def test_layout_table_lists_params_and_each_optimizer_field(mesh):
   params = toy.init_params(jax.random.key(0))
-  tx = zerojax.zero(optax.adamw(1e-3), stage=1, mesh=mesh,
-                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  tx = zerojax.zero(
+    optax.adamw(1e-3),
+    stage=1,
+    mesh=mesh,
+    policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+  )
   table = zerojax.diagnostics.layout_table(zerojax.init(params, tx))
-  for needle in ("params['embed']", "master['embed']", ".mu['embed']",
-                 ".nu['layers']['w']", "padded 7->8", "replicated (scalar)",
-                 "bytes/device"):
+  for needle in (
+    "params['embed']",
+    "master['embed']",
+    ".mu['embed']",
+    ".nu['layers']['w']",
+    "padded 7->8",
+    "replicated (scalar)",
+    "bytes/device",
+  ):
     assert needle in table, needle
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_init_from_a_function_equals_init_from_arrays(mesh, stage):
-  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh,
-                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  tx = zerojax.zero(
+    optax.adamw(1e-3),
+    stage=stage,
+    mesh=mesh,
+    policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+  )
   a = zerojax.init(toy.init_params(jax.random.key(3)), tx)
   b = zerojax.init_from(toy.init_params, tx, jax.random.key(3))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     assert x.sharding == y.sharding and x.shape == y.shape
     # the jitted initializer may round differently from the eager one
-    np.testing.assert_allclose(np.asarray(x, np.float32),
-                               np.asarray(y, np.float32), rtol=1e-2, atol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-6
+    )
 
 
 def test_init_sends_each_device_only_its_shard(mesh):
   """No device ever receives a full copy of a sharded leaf at init."""
   params = {"w": np.ones((64, 1024), np.float32)}
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
-  from zerojax._src.step import state as _state# the init module, under test
+  from zerojax._src.step import state as _state  # the init module, under test
+
   spec = zerojax.layout.make_spec(params, tx)
   placed = _state.place_leaf(params["w"], spec.leaves[0].shard, spec)
   assert {s.data.shape for s in placed.addressable_shards} == {(64, 128)}

@@ -6,7 +6,6 @@ the temp figure misses some buffers inside loop bodies, so the tests only
 compare stages and depths, never assert an absolute peak.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,13 +18,20 @@ from tests import toy
 D, V, B = 128, 128, 64
 
 
-def _compiled(layers, stage, gather="model", loss=toy.layered_loss,
-              accum_steps=1, grad_norm=True):
+def _compiled(
+  layers,
+  stage,
+  gather="model",
+  loss=toy.layered_loss,
+  accum_steps=1,
+  grad_norm=True,
+):
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage)
   state = zerojax.init(toy.layered_params(layers, D, V), tx)
   batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
-  step = zerojax.train_step(loss, tx, gather=gather, accum_steps=accum_steps,
-                            grad_norm=grad_norm)
+  step = zerojax.train_step(
+    loss, tx, gather=gather, accum_steps=accum_steps, grad_norm=grad_norm
+  )
   return step.lower(state, batch).compile()
 
 
@@ -35,7 +41,8 @@ def _memory(*args, **kwargs):
 
 @pytest.mark.parametrize("stage,offload", [(1, False), (3, False), (3, True)])
 def test_a_step_lowered_from_the_abstract_state_is_the_real_states(
-    stage, offload, any_mesh):
+  stage, offload, any_mesh
+):
   """``jax.eval_shape`` of ``zerojax.init_from`` gives the state's shapes
   and shardings with nothing allocated; the step lowered from it compiles
   to the program the real state gives (the same memory and collectives):
@@ -46,11 +53,14 @@ def test_a_step_lowered_from_the_abstract_state_is_the_real_states(
   in the types), and lowering from that state is refused, naming the
   leaf."""
   import jax
-  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=any_mesh,
-                    offload=offload)
+
+  tx = zerojax.zero(
+    optax.adamw(1e-3), stage=stage, mesh=any_mesh, offload=offload
+  )
   init = lambda k: toy.layered_params(4, D, V, key=k)
   abstract = jax.eval_shape(
-      lambda k: zerojax.init_from(init, tx, k), jax.random.key(0))
+    lambda k: zerojax.init_from(init, tx, k), jax.random.key(0)
+  )
   assert not any(isinstance(x, jax.Array) for x in jax.tree.leaves(abstract))
   batch = {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)}
   step = zerojax.train_step(toy.layered_loss, tx)
@@ -61,28 +71,42 @@ def test_a_step_lowered_from_the_abstract_state_is_the_real_states(
   real = zerojax.init_from(init, tx, jax.random.key(0))
   # an abstract batch too, with or without a sharding of its own: typed as
   # the step places a real one, so the lowered program is the same text
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        batch)
-  elsewhere = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
-          any_mesh, jax.sharding.PartitionSpec())), batch)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+  elsewhere = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape,
+      x.dtype,
+      sharding=jax.sharding.NamedSharding(
+        any_mesh, jax.sharding.PartitionSpec()
+      ),
+    ),
+    batch,
+  )
   want = step.lower(real, batch).as_text()
   for b in (shapes, elsewhere):
     assert step.lower(abstract, b).as_text() == want
   evaluate = zerojax.eval_step(toy.layered_loss, tx)
-  assert (evaluate.lower(abstract, shapes).as_text()
-          == evaluate.lower(real, batch).as_text())
+  assert (
+    evaluate.lower(abstract, shapes).as_text()
+    == evaluate.lower(real, batch).as_text()
+  )
   a, r = (step.lower(s, batch).compile() for s in (abstract, real))
-  for field in ("argument_size_in_bytes", "output_size_in_bytes",
-                "temp_size_in_bytes"):
-    assert (getattr(a.memory_analysis(), field)
-            == getattr(r.memory_analysis(), field)), field
-  assert (zerojax.diagnostics.collectives(a.as_text(), 8)
-          == zerojax.diagnostics.collectives(r.as_text(), 8))
+  for field in (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "temp_size_in_bytes",
+  ):
+    assert getattr(a.memory_analysis(), field) == getattr(
+      r.memory_analysis(), field
+    ), field
+  assert zerojax.diagnostics.collectives(
+    a.as_text(), 8
+  ) == zerojax.diagnostics.collectives(r.as_text(), 8)
 
 
-@pytest.mark.parametrize("stage,policy", [
-    (0, "fp32"), (1, "fp32"), (3, "fp32"), (1, "bf16+master")])
+@pytest.mark.parametrize(
+  "stage,policy", [(0, "fp32"), (1, "fp32"), (3, "fp32"), (1, "bf16+master")]
+)
 def test_init_programs_write_only_what_the_state_keeps(mesh, stage, policy):
   """``zerojax.init_from``'s programs output the state's bytes per device
   and nothing more: a master copy only where the policy keeps one (an fp32
@@ -90,17 +114,23 @@ def test_init_programs_write_only_what_the_state_keeps(mesh, stage, policy):
   stage 0, which a CPU process's allocator then keeps)."""
   import jax
   import jax.numpy as jnp
+
   from zerojax._src.step import state as state_lib
-  pol = (zerojax.Policy() if policy == "fp32" else
-         zerojax.Policy(param_dtype=jnp.bfloat16))
+
+  pol = (
+    zerojax.Policy()
+    if policy == "fp32"
+    else zerojax.Policy(param_dtype=jnp.bfloat16)
+  )
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh, policy=pol)
   init = lambda k: toy.layered_params(4, D, V, key=k)
   key = jax.random.key(0)
   built = zerojax.init_from(init, tx, key)
   assert (built.master is None) == (policy == "fp32")
-  per_device = sum(x.addressable_shards[0].data.nbytes for x in
-                   jax.tree.leaves((built.params, built.master,
-                                    built.opt_state)))
+  per_device = sum(
+    x.addressable_shards[0].data.nbytes
+    for x in jax.tree.leaves((built.params, built.master, built.opt_state))
+  )
   spec = state_lib.make_spec(jax.eval_shape(init, key), tx)
   written, outputs = 0, 0
   for _, program in state_lib.init_programs(spec, init):
@@ -117,15 +147,19 @@ def test_stage0_init_draws_each_leaf_split_over_the_data_axis(mesh):
   temporaries stay below one copy of the params (drawn replicated, every
   device holds its whole draw beside the output: 2.5x the params here)."""
   import jax
+
   from zerojax._src.step import state as state_lib
+
   tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
   init = lambda k: toy.layered_params(4, D, V, key=k)
   key = jax.random.key(0)
   spec = state_lib.make_spec(jax.eval_shape(init, key), tx)
   [(_, program)] = state_lib.init_programs(spec, init)
   temp = program.lower(key).compile().memory_analysis().temp_size_in_bytes
-  params = sum(x.size * x.dtype.itemsize
-               for x in jax.tree.leaves(jax.eval_shape(init, key)))
+  params = sum(
+    x.size * x.dtype.itemsize
+    for x in jax.tree.leaves(jax.eval_shape(init, key))
+  )
   assert temp < params, (temp, params)
 
 
@@ -149,8 +183,9 @@ def test_stage1_with_one_micro_batch_holds_what_stage2_holds():
   t1 = _memory(layers, 1).temp_size_in_bytes
   t2 = _memory(layers, 2).temp_size_in_bytes
   plain = _memory(layers, 1, loss=toy.plain_layered_loss).temp_size_in_bytes
-  whole = _memory(layers, 1, gather="all",
-                  loss=toy.plain_layered_loss).temp_size_in_bytes
+  whole = _memory(
+    layers, 1, gather="all", loss=toy.plain_layered_loss
+  ).temp_size_in_bytes
   assert abs(t1 - t2) < 0.05 * full_grad, (t1, t2)
   assert abs(plain - t1) < 0.05 * full_grad, (plain, t1)
   assert whole - t1 > 0.75 * full_grad * (1 - 1 / 8), (whole, t1)
@@ -158,8 +193,9 @@ def test_stage1_with_one_micro_batch_holds_what_stage2_holds():
 
 def test_stage2_with_the_whole_tree_gathered_is_stage1():
   layers = 8
-  t1 = _memory(layers, 1, gather="all",
-               loss=toy.plain_layered_loss).temp_size_in_bytes
+  t1 = _memory(
+    layers, 1, gather="all", loss=toy.plain_layered_loss
+  ).temp_size_in_bytes
   t2 = _memory(layers, 2, gather="all").temp_size_in_bytes
   assert abs(t1 - t2) < 0.1 * layers * D * D * 4, (t1, t2)
 
@@ -174,20 +210,25 @@ def test_stage3_memory_grows_by_shards_not_full_layers():
   # the arguments (the sharded state) grow by exactly 1/N of 12 layers of
   # params + Adam moments (fp32, no master): 3 * 12 * (D*D + D) * 4 / 8
   assert big.argument_size_in_bytes - small.argument_size_in_bytes == (
-      3 * 12 * (D * D + D) * 4 // 8)
+    3 * 12 * (D * D + D) * 4 // 8
+  )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_sharded_stages_take_less_argument_memory(stage):
-  assert (_memory(8, stage).argument_size_in_bytes
-          < _memory(8, 0).argument_size_in_bytes)
+  assert (
+    _memory(8, stage).argument_size_in_bytes
+    < _memory(8, 0).argument_size_in_bytes
+  )
 
 
 def _plain_dp_compiled(layers):
   """The loop stage 0 stands for: params and Adam state replicated, the
   batch split over the data axis, one jit (GSPMD reduces the gradient)."""
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   # Auto axes: GSPMD code, as such loops are written (the toy's embedding
   # lookup is not typed for Explicit axes)
   mesh = zerojax.make_mesh(axis_types=jax.sharding.AxisType.Auto)
@@ -195,9 +236,10 @@ def _plain_dp_compiled(layers):
   params = jax.device_put(toy.layered_params(layers, D, V), rep)
   opt = optax.adamw(1e-3)
   opt_state = jax.jit(opt.init, out_shardings=rep)(params)
-  batch = jax.device_put({"x": np.zeros((B,), np.int32),
-                          "y": np.zeros((B,), np.int32)},
-                         NamedSharding(mesh, P("data")))
+  batch = jax.device_put(
+    {"x": np.zeros((B,), np.int32), "y": np.zeros((B,), np.int32)},
+    NamedSharding(mesh, P("data")),
+  )
 
   @jax.jit
   def step(params, opt_state, batch):
@@ -205,6 +247,7 @@ def _plain_dp_compiled(layers):
     loss, grads = jax.value_and_grad(toy.layered_loss)(params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
   step = jax.jit(step.__wrapped__, donate_argnums=(0, 1))
   return step.lower(params, opt_state, batch).compile()
 
@@ -213,8 +256,11 @@ def _plain_dp_memory(layers):
   return _plain_dp_compiled(layers).memory_analysis()
 
 
-@pytest.mark.parametrize("loss", [toy.layered_loss, toy.plain_layered_loss],
-                         ids=["gathers_per_layer", "plain_jax"])
+@pytest.mark.parametrize(
+  "loss",
+  [toy.layered_loss, toy.plain_layered_loss],
+  ids=["gathers_per_layer", "plain_jax"],
+)
 def test_stage0_holds_no_more_than_plain_data_parallelism(loss):
   """Stage 0's compiled step against the plain loop it stands for, whether
   the loss calls zerojax.gather per layer or is plain JAX: argument + temp
@@ -225,10 +271,11 @@ def test_stage0_holds_no_more_than_plain_data_parallelism(loss):
   all-reduced copy, or a scaled copy after it)."""
   layers = 8
   z, p = _memory(layers, 0, loss=loss), _plain_dp_memory(layers)
-  layer_grad = (D * D + D) * 4                      # one block's gradient
+  layer_grad = (D * D + D) * 4  # one block's gradient
   stacked_grad = layers * layer_grad
   excess = (z.argument_size_in_bytes + z.temp_size_in_bytes) - (
-      p.argument_size_in_bytes + p.temp_size_in_bytes)
+    p.argument_size_in_bytes + p.temp_size_in_bytes
+  )
   assert excess <= layer_grad + 1024, (excess, layer_grad, stacked_grad)
 
 
@@ -243,15 +290,21 @@ def _head_through_a_custom_vjp(params, batch):
   h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
   logits = toy.custom_vjp_linear(h, params["head"])
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch["y"]).mean()
+    logits.astype(jnp.float32), batch["y"]
+  ).mean()
 
 
-@pytest.mark.parametrize("loss, leaf_grad", [
+@pytest.mark.parametrize(
+  "loss, leaf_grad",
+  [
     (_head_through_a_custom_vjp, D * V * 4),
-    (toy.layered_loss_with_custom_vjp_bias, 8 * D * 4)],
-    ids=["head", "bias_in_scan"])
+    (toy.layered_loss_with_custom_vjp_bias, 8 * D * 4),
+  ],
+  ids=["head", "bias_in_scan"],
+)
 def test_stage0_reduces_only_a_custom_vjp_leaf_after_the_backward(
-    loss, leaf_grad):
+  loss, leaf_grad
+):
   """A replicated leaf passed into a ``jax.custom_vjp`` (after the head, or
   per layer inside a checkpointed scan) is reduced after the backward: the
   rule is the user's. The other leaves keep their sums inside the
@@ -262,7 +315,8 @@ def test_stage0_reduces_only_a_custom_vjp_leaf_after_the_backward(
   z, p = _memory(layers, 0, loss=loss), _plain_dp_memory(layers)
   stacked_grad = layers * (D * D + D) * 4
   excess = (z.argument_size_in_bytes + z.temp_size_in_bytes) - (
-      p.argument_size_in_bytes + p.temp_size_in_bytes)
+    p.argument_size_in_bytes + p.temp_size_in_bytes
+  )
   assert leaf_grad + 1024 < stacked_grad / 2
   assert excess <= leaf_grad + 1024, (excess, leaf_grad, stacked_grad)
 
@@ -273,10 +327,14 @@ def _bytes_accessed(compiled) -> float:
   return float(cost["bytes accessed"])
 
 
-@pytest.mark.parametrize("loss", [toy.layered_loss, toy.plain_layered_loss],
-                         ids=["gathers_per_layer", "plain_jax"])
+@pytest.mark.parametrize(
+  "loss",
+  [toy.layered_loss, toy.plain_layered_loss],
+  ids=["gathers_per_layer", "plain_jax"],
+)
 def test_stage0_moves_no_more_bytes_than_plain_data_parallelism_but_a_norm_slice(
-    loss):
+  loss,
+):
   """The bytes XLA counts the compiled step reading and writing per device,
   stage 0 against the plain loop: what zerojax adds is the gradient-norm
   metric. The gradient is replicated there, so each device sums only its
@@ -285,34 +343,44 @@ def test_stage0_moves_no_more_bytes_than_plain_data_parallelism_but_a_norm_slice
   at N = 8 (XLA CPU may add a transposed copy of a slice). Summing the whole
   gradient on every device reads 4 bytes x Ψ: the bound is half of that."""
   import jax
+
   layers = 8
   n = jax.device_count()
-  assert n >= 8, n                                  # tests/conftest.py
-  psi = sum(np.size(x) for x in jax.tree.leaves(toy.layered_params(
-      layers, D, V)))
+  assert n >= 8, n  # tests/conftest.py
+  psi = sum(
+    np.size(x) for x in jax.tree.leaves(toy.layered_params(layers, D, V))
+  )
   excess = _bytes_accessed(_compiled(layers, 0, loss=loss)) - _bytes_accessed(
-      _plain_dp_compiled(layers))
+    _plain_dp_compiled(layers)
+  )
   assert 3 * 4 * psi / n < 4 * psi / 2
   assert excess <= 4 * psi / 2, (excess, psi, n)
 
 
-@pytest.mark.parametrize("loss", [toy.layered_loss, toy.plain_layered_loss],
-                         ids=["gathers_per_layer", "plain_jax"])
+@pytest.mark.parametrize(
+  "loss",
+  [toy.layered_loss, toy.plain_layered_loss],
+  ids=["gathers_per_layer", "plain_jax"],
+)
 def test_stage0_without_the_norm_moves_no_array_more_than_plain_data_parallelism(
-    loss):
+  loss,
+):
   """Built with ``grad_norm=False``, the stage-0 step does the plain loop's
   work: XLA's count of the bytes it reads and writes per device exceeds the
   loop's by less than one read of the smallest leaf (scalars at most), and
   its argument + temp bytes by less than that too."""
   import jax
+
   layers = 8
-  smallest = 4 * min(np.size(x) for x in jax.tree.leaves(
-      toy.layered_params(layers, D, V)))
+  smallest = 4 * min(
+    np.size(x) for x in jax.tree.leaves(toy.layered_params(layers, D, V))
+  )
   compiled = _compiled(layers, 0, loss=loss, grad_norm=False)
   plain = _plain_dp_compiled(layers)
   excess = _bytes_accessed(compiled) - _bytes_accessed(plain)
   assert excess < smallest, (excess, smallest)
   m, pm = compiled.memory_analysis(), plain.memory_analysis()
-  held = ((m.argument_size_in_bytes + m.temp_size_in_bytes)
-          - (pm.argument_size_in_bytes + pm.temp_size_in_bytes))
+  held = (m.argument_size_in_bytes + m.temp_size_in_bytes) - (
+    pm.argument_size_in_bytes + pm.temp_size_in_bytes
+  )
   assert held < smallest, (held, smallest)

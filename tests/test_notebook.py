@@ -13,15 +13,29 @@ NOTEBOOKS = pathlib.Path(__file__).parents[1] / "notebooks"
 def _run(name, tmp_path):
   stored = nbformat.read(NOTEBOOKS / name, as_version=4)
   assert any(c.get("outputs") for c in stored.cells if c.cell_type == "code"), (
-      f"{name} is committed without its outputs")
+    f"{name} is committed without its outputs"
+  )
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-  NotebookClient(nb, timeout=600, kernel_name="python3",
-                 resources={"metadata": {"path": str(tmp_path)}}).execute()
-  errors = [o for c in nb.cells if c.cell_type == "code"
-            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+  NotebookClient(
+    nb,
+    timeout=600,
+    kernel_name="python3",
+    resources={"metadata": {"path": str(tmp_path)}},
+  ).execute()
+  errors = [
+    o
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.get("outputs", [])
+    if o.get("output_type") == "error"
+  ]
   assert not errors
-  return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                 for o in c.get("outputs", []))
+  return "".join(
+    o.get("text", "")
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.get("outputs", [])
+  )
 
 
 def test_zero_stages_notebook_runs(tmp_path):
@@ -40,15 +54,19 @@ def test_bring_your_model_notebook_runs(tmp_path):
   assert "P(None, 'data')" in outputs and "reduce-scatter" in outputs
   # ZeRO-R: the planner's line per choice; offload (one memory on CPU)
   # trains the numbers of remat=True
-  kept = {name.strip(): (int(dev.replace(",", "")), int(host.replace(",", "")))
-          for name, dev, host in re.findall(
-              r"(.+?)saved per device: +([\d,]+) B on device, +([\d,]+) B in host",
-              outputs)}
+  kept = {
+    name.strip(): (int(dev.replace(",", "")), int(host.replace(",", "")))
+    for name, dev, host in re.findall(
+      r"(.+?)saved per device: +([\d,]+) B on device, +([\d,]+) B in host",
+      outputs,
+    )
+  }
   assert len(kept) == 3, outputs
   full, block, offloaded = kept.values()
   assert full[0] > block[0] > offloaded[0] and offloaded[1] > 0, kept
-  offload_diff = float(re.search(r"remat=True and offload=True: (\S+)",
-                                 outputs)[1])
+  offload_diff = float(
+    re.search(r"remat=True and offload=True: (\S+)", outputs)[1]
+  )
   # two programs of the same maths: equal up to the order of their sums
   # (the same bound as the drop-in against the plain loop above)
   assert offload_diff < 1e-5, outputs

@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import checkpoint
 from tests import toy
+from zerojax import checkpoint
 
 BF16 = zerojax.Policy(param_dtype=jnp.bfloat16)
 # the most float terms one result sums in a run of _train: a weight
@@ -26,8 +26,9 @@ same = lambda a, b: toy.assert_same_up_to_summation_order(a, b, terms=TERMS)
 
 
 def _train(stage, offload, policy=None, steps=3, optimizer=None):
-  tx = zerojax.zero(optimizer or optax.adamw(1e-2), stage=stage,
-                    offload=offload, policy=policy)
+  tx = zerojax.zero(
+    optimizer or optax.adamw(1e-2), stage=stage, offload=offload, policy=policy
+  )
   state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
   step = zerojax.train_step(toy.loss_fn, tx)
   for b in toy.batches(steps):
@@ -36,8 +37,10 @@ def _train(stage, offload, policy=None, steps=3, optimizer=None):
 
 
 def _leaves(state):
-  return [np.asarray(x) for x in
-          jax.tree.leaves((state.params, state.master, state.opt_state))]
+  return [
+    np.asarray(x)
+    for x in jax.tree.leaves((state.params, state.master, state.opt_state))
+  ]
 
 
 def _kinds(tree):
@@ -70,11 +73,15 @@ def test_master_and_opt_state_live_in_host_memory_between_steps(stage):
   # the byte split by memory kind is the master + optimizer state
   by_kind = zerojax.diagnostics.memory_bytes(state)
   rows = zerojax.diagnostics.layout_rows(state)
-  host = sum(r["bytes_per_device"] for r in rows
-             if r["section"] in ("master", "opt_state"))
+  host = sum(
+    r["bytes_per_device"]
+    for r in rows
+    if r["section"] in ("master", "opt_state")
+  )
   assert by_kind["pinned_host"] == host > 0
-  assert by_kind["device"] == sum(r["bytes_per_device"] for r in rows
-                                  if r["section"] == "params")
+  assert by_kind["device"] == sum(
+    r["bytes_per_device"] for r in rows if r["section"] == "params"
+  )
   assert "in pinned_host memory" in zerojax.diagnostics.layout_table(state)
 
 
@@ -82,8 +89,10 @@ def test_fresh_state_is_offloaded_on_both_init_paths():
   built = {}
   for off in (False, True):
     tx = zerojax.zero(optax.adam(1e-2), stage=2, offload=off, policy=BF16)
-    built[off] = (zerojax.init(toy.init_params(jax.random.key(0)), tx),
-                  zerojax.init_from(toy.init_params, tx, jax.random.key(0)))
+    built[off] = (
+      zerojax.init(toy.init_params(jax.random.key(0)), tx),
+      zerojax.init_from(toy.init_params, tx, jax.random.key(0)),
+    )
   for s in built[True]:
     assert _kinds((s.master, s.opt_state)) == {"pinned_host"}
     assert _kinds(s.params) == {"device"}
@@ -104,16 +113,25 @@ def test_compiled_step_reads_and_writes_state_in_host_memory_space():
   assert spaces["outputs"]["pinned_host"] == host
   plain = zerojax.zero(optax.adamw(1e-2), stage=3, policy=BF16)
   pstate = zerojax.init(toy.init_params(jax.random.key(0)), plain)
-  phlo = zerojax.train_step(toy.loss_fn, plain).lower(
-      pstate, toy.batches(1)[0]).compile().as_text()
-  assert "pinned_host" not in zerojax.diagnostics.entry_bytes_by_memory(phlo)["arguments"]
+  phlo = (
+    zerojax.train_step(toy.loss_fn, plain)
+    .lower(pstate, toy.batches(1)[0])
+    .compile()
+    .as_text()
+  )
+  assert (
+    "pinned_host"
+    not in zerojax.diagnostics.entry_bytes_by_memory(phlo)["arguments"]
+  )
 
 
 def test_gathers_eval_and_split_step_work_offloaded():
   plain, _ = _train(3, False, BF16, steps=2)
   off, _ = _train(3, True, BF16, steps=2)
-  for f in (lambda s: zerojax.gather_params(s, master=True),
-            zerojax.gather_opt_state):
+  for f in (
+    lambda s: zerojax.gather_params(s, master=True),
+    zerojax.gather_opt_state,
+  ):
     same(f(off), f(plain))
   batch = toy.batches(1, seed=5)[0]
   ev = lambda s: zerojax.eval_step(toy.loss_fn, s.spec.tx)(s, batch)
@@ -130,21 +148,27 @@ def test_gathers_eval_and_split_step_work_offloaded():
 
 
 @pytest.mark.parametrize("save_offloaded", [True, False])
-def test_checkpoint_moves_between_offloaded_and_on_device(tmp_path,
-                                                          save_offloaded):
+def test_checkpoint_moves_between_offloaded_and_on_device(
+  tmp_path, save_offloaded
+):
   state, _ = _train(3, save_offloaded, BF16, steps=2)
   params = toy.init_params(jax.random.key(0))
   with checkpoint.Checkpointer(tmp_path / "ckpt", async_save=False) as ck:
     ck.save(state)
     for stage in (1, 3):
-      tx = zerojax.zero(optax.adamw(1e-2), stage=stage, policy=BF16,
-                        offload=not save_offloaded)
+      tx = zerojax.zero(
+        optax.adamw(1e-2), stage=stage, policy=BF16, offload=not save_offloaded
+      )
       restored, _ = ck.restore(params, tx)
       want = "pinned_host" if not save_offloaded else "device"
       assert _kinds((restored.master, restored.opt_state)) == {want}
-      for f in (lambda s: zerojax.gather_params(s, master=True),
-                zerojax.gather_opt_state):
-        for x, y in zip(jax.tree.leaves(f(state)), jax.tree.leaves(f(restored))):
+      for f in (
+        lambda s: zerojax.gather_params(s, master=True),
+        zerojax.gather_opt_state,
+      ):
+        for x, y in zip(
+          jax.tree.leaves(f(state)), jax.tree.leaves(f(restored))
+        ):
           assert np.array_equal(np.asarray(x), np.asarray(y))
       # training goes on from the restored state
       step = zerojax.train_step(toy.loss_fn, tx)
@@ -175,41 +199,47 @@ def test_offloaded_update_takes_static_extra_arguments():
 
   def update(grads, state, params=None, *, scale_fn, **_):
     return jax.tree.map(lambda g: -0.1 * scale_fn(g), grads), state
-  inner = optax.chain(optax.GradientTransformationExtraArgs(init, update),
-                      optax.scale_by_adam())
+
+  inner = optax.chain(
+    optax.GradientTransformationExtraArgs(init, update), optax.scale_by_adam()
+  )
   outs = []
   for off in (False, True):
     tx = zerojax.zero(inner, stage=3, offload=off, policy=BF16)
     state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
     loss, grads = zerojax.value_and_grad(toy.loss_fn, tx)(
-        state, toy.batches(1)[0])
-    outs.append(zerojax.apply_gradients(state, grads,
-                                        scale_fn=lambda g: 2 * g))
+      state, toy.batches(1)[0]
+    )
+    outs.append(zerojax.apply_gradients(state, grads, scale_fn=lambda g: 2 * g))
   same(_leaves(outs[1]), _leaves(outs[0]))
 
 
 def test_offload_flag_is_validated():
   with pytest.raises(TypeError, match="offload"):
     zerojax.zero(optax.adam(1e-3), stage=1, offload="cpu")
-  assert "offload=True" in repr(zerojax.zero(optax.adam(1e-3), stage=1,
-                                             offload=True))
+  assert "offload=True" in repr(
+    zerojax.zero(optax.adam(1e-3), stage=1, offload=True)
+  )
 
 
 def test_state_and_step_must_agree_on_offload():
   params = toy.init_params(jax.random.key(0))
   state = zerojax.init(params, zerojax.zero(optax.adam(1e-2), stage=2))
-  step = zerojax.train_step(toy.loss_fn, zerojax.zero(optax.adam(1e-2), stage=2,
-                                                      offload=True))
-  with pytest.raises(ValueError, match="offload: state has False, step has True"):
+  step = zerojax.train_step(
+    toy.loss_fn, zerojax.zero(optax.adam(1e-2), stage=2, offload=True)
+  )
+  with pytest.raises(
+    ValueError, match="offload: state has False, step has True"
+  ):
     step(state, toy.batches(1)[0])
 
 
 # --- the streamed update and the grouped init (zerojax._src.step.offload) ----------
 OPTIMIZERS = {
-    "lamb": lambda: optax.lamb(1e-2),
-    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
-    "lion": lambda: optax.lion(1e-3),
-    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+  "lamb": lambda: optax.lamb(1e-2),
+  "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+  "lion": lambda: optax.lion(1e-3),
+  "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
 }
 
 
@@ -231,10 +261,13 @@ def _report(optimizer, stage=3):
 
 @pytest.mark.parametrize("name", ["adamw", "clip", "lamb", "adafactor"])
 def test_update_streams_in_chunks_with_clipping_lamb_and_adafactor(name):
-  opt = {"adamw": lambda: optax.adamw(1e-2),
-         "clip": lambda: optax.chain(optax.clip_by_global_norm(0.1),
-                                     optax.adamw(1e-2)),
-         **OPTIMIZERS}[name]()
+  opt = {
+    "adamw": lambda: optax.adamw(1e-2),
+    "clip": lambda: optax.chain(
+      optax.clip_by_global_norm(0.1), optax.adamw(1e-2)
+    ),
+    **OPTIMIZERS,
+  }[name]()
   rep, state, step = _report(opt)
   off = rep.offload
   assert off["streamed"] and off["reason"] is None
@@ -244,14 +277,18 @@ def test_update_streams_in_chunks_with_clipping_lamb_and_adafactor(name):
   batch = toy.batches(1)[0]
   plain_tx = zerojax.zero(opt, stage=3, policy=BF16)
   plain = zerojax.train_step(toy.loss_fn, plain_tx).lower(
-      zerojax.init(toy.init_params(jax.random.key(0)), plain_tx), batch)
+    zerojax.init(toy.init_params(jax.random.key(0)), plain_tx), batch
+  )
   count = lambda lowered: lowered.as_text().count("optimization_barrier")
   assert count(step.lower(state, batch)) - count(plain) == off["chunks"] - 1
   # the step reads each offloaded buffer down at most once (a leaf the
   # update never reads, e.g. Adafactor's placeholder rows, is not moved)
   # and writes every one back once
-  master = sum(r["bytes_per_device"] for r in zerojax.diagnostics.layout_rows(state)
-               if r["section"] == "master")
+  master = sum(
+    r["bytes_per_device"]
+    for r in zerojax.diagnostics.layout_rows(state)
+    if r["section"] == "master"
+  )
   assert master < off["host_to_device_bytes"] <= off["theory_streamed_bytes"]
   assert off["device_to_host_bytes"] == off["theory_streamed_bytes"]
   assert "streamed in" in str(rep)
@@ -265,34 +302,45 @@ def test_update_coupled_through_the_state_runs_whole_and_says_why():
 
 
 def test_init_builds_the_offloaded_state_a_group_at_a_time_in_host_memory():
-  from zerojax._src.step import state as _state# the init module, under test
-  init_fn = lambda key: {f"w{i}": jax.random.normal(jax.random.fold_in(key, i),
-                                                    (16 * (i + 1), 64))
-                         for i in range(10)}
+  from zerojax._src.step import state as _state  # the init module, under test
+
+  init_fn = lambda key: {
+    f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (16 * (i + 1), 64))
+    for i in range(10)
+  }
   tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=True, policy=BF16)
   key = jax.random.key(0)
   spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, key), tx)
   groups, owned = _state.build_plan(spec)
   assert len(groups) > 1
-  assert sorted(j for o in owned for j in o) == list(range(len(spec.opt_leaves)))
+  assert sorted(j for o in owned for j in o) == list(
+    range(len(spec.opt_leaves))
+  )
   state = zerojax.init_from(init_fn, tx, key)
   total = zerojax.diagnostics.memory_bytes(state)
   outs = []
   for group, own in zip(groups, owned):
-    stored = [jax.ShapeDtypeStruct(spec.leaves[i].shard.storage_shape,
-                                   jnp.float32,
-                                   sharding=spec.sharding(spec.leaves[i].shard))
-              for i in group]
-    hlo = _state._build_jit(spec, tuple(group), tuple(own),
-                            (False,) * len(group)).lower(
-        stored).compile().as_text()
+    stored = [
+      jax.ShapeDtypeStruct(
+        spec.leaves[i].shard.storage_shape,
+        jnp.float32,
+        sharding=spec.sharding(spec.leaves[i].shard),
+      )
+      for i in group
+    ]
+    hlo = (
+      _state._build_jit(spec, tuple(group), tuple(own), (False,) * len(group))
+      .lower(stored)
+      .compile()
+      .as_text()
+    )
     outs.append(zerojax.diagnostics.entry_bytes_by_memory(hlo)["outputs"])
   # every program writes the master copy and optimizer state of its group
   # to host memory and only the group's params to the device; together
   # they are the state, and none holds more than an eighth of it plus a leaf
   assert sum(o.get("pinned_host", 0) for o in outs) == total["pinned_host"]
   assert sum(o.get("device", 0) for o in outs) == total["device"]
-  biggest = max(r.size for r in spec.leaves) * 16 // 8   # one leaf's state
+  biggest = max(r.size for r in spec.leaves) * 16 // 8  # one leaf's state
   for o in outs:
     assert 0 < sum(o.values()) <= sum(total.values()) / 8 + biggest, o
   # and the state is the one zerojax.init builds from the same params

@@ -45,44 +45,72 @@ MODULES = ("optax._src.alias_test", "optax.contrib._common_test")
 # minutes per case through 8 fake devices. ``-k`` matches substrings, so the
 # tests whose names extend ``test_optimizers`` (extra arguments, schedules,
 # inject_hyperparams) are named back in.
-SELECT = ("not test_optimization and not (test_optimizers and not accept "
-          "and not inject)")
+SELECT = (
+  "not test_optimization and not (test_optimizers and not accept "
+  "and not inject)"
+)
 MIN_PASSED = 700
 
 # id regex -> (message regex, why). Each is a known, bounded difference,
 # not a wrong answer; see the README's "Optax conformance" section.
 EXCEPTIONS = {
-    r"LBFGSTest::test_against_plain_implementation\d+": (
-        r"Not equal to tolerance rtol=1e-05.*Max relative difference among "
-        r"violations: [0-9.]+e-0[5-9]",
-        "L-BFGS's dot products over sharded vectors sum in another order; "
-        "after its iterations the params differ by < 1e-4 relative "
-        "(measured 3.0e-5), above this test's 1e-5"),
+  r"LBFGSTest::test_against_plain_implementation\d+": (
+    r"Not equal to tolerance rtol=1e-05.*Max relative difference among "
+    r"violations: [0-9.]+e-0[5-9]",
+    "L-BFGS's dot products over sharded vectors sum in another order; "
+    "after its iterations the params differ by < 1e-4 relative "
+    "(measured 3.0e-5), above this test's 1e-5",
+  ),
 }
 
 
-def run_suite(stage, tmp_path, select=SELECT, workers=0, modules=MODULES,
-              **env_extra):
+def run_suite(
+  stage, tmp_path, select=SELECT, workers=0, modules=MODULES, **env_extra
+):
   """Optax's suites at ``stage`` in a fresh process (``workers``: pytest-
   xdist processes inside it, for the serial slow suite)."""
   report = tmp_path / f"stage{stage}.jsonl"
-  env = dict(os.environ, ZEROJAX_CONFORMANCE_REPORT=str(report),
-             ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE="0",
-             XLA_FLAGS=cpu_device_flags(8), **env_extra)
+  env = dict(
+    os.environ,
+    ZEROJAX_CONFORMANCE_REPORT=str(report),
+    ZEROJAX_CONFORMANCE_MIN_SHARD_SIZE="0",
+    XLA_FLAGS=cpu_device_flags(8),
+    **env_extra,
+  )
   # run from an outer xdist worker, the inner pytest must not think it is one
   env = {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST")}
   if stage is not None:
     env["ZEROJAX_CONFORMANCE_STAGE"] = str(stage)
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-p", "tests.optax_dropin",
-       "--noconftest", "-o", "addopts=", "-p", "no:cacheprovider", "-q",
-       *(["-n", str(workers)] if workers else []),
-       "-k", select, "--pyargs", *modules],
-      capture_output=True, text=True, env=env, timeout=3600,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    [
+      sys.executable,
+      "-m",
+      "pytest",
+      "-p",
+      "tests.optax_dropin",
+      "--noconftest",
+      "-o",
+      "addopts=",
+      "-p",
+      "no:cacheprovider",
+      "-q",
+      *(["-n", str(workers)] if workers else []),
+      "-k",
+      select,
+      "--pyargs",
+      *modules,
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=3600,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
   if not report.exists():
-    pytest.fail(f"the Optax suite did not run:\n{proc.stdout[-3000:]}"
-                f"\n{proc.stderr[-3000:]}")
+    pytest.fail(
+      f"the Optax suite did not run:\n{proc.stdout[-3000:]}"
+      f"\n{proc.stderr[-3000:]}"
+    )
   return [json.loads(l) for l in report.read_text().splitlines()], proc
 
 
@@ -91,8 +119,9 @@ def _unexpected(records):
   for r in records:
     if r["outcome"] != "failed":
       continue
-    known = [msg for pat, (msg, _) in EXCEPTIONS.items()
-             if re.search(pat, r["id"])]
+    known = [
+      msg for pat, (msg, _) in EXCEPTIONS.items() if re.search(pat, r["id"])
+    ]
     if not known or not re.search(known[0], r["error"], re.S):
       bad.append(f"{r['id']}: {r['error'][:300]}")
   return bad
@@ -106,31 +135,47 @@ def _check(records, proc, min_passed):
 
 
 # per module, so that the two halves run on two workers side by side
-MIN_PASSED_PER_MODULE = {"optax._src.alias_test": 560,
-                         "optax.contrib._common_test": 400}
+MIN_PASSED_PER_MODULE = {
+  "optax._src.alias_test": 560,
+  "optax.contrib._common_test": 400,
+}
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_optax_suites_through_the_dropin_stage1(tmp_path, module):
   # L-BFGS's tests (a third of the time) run at stage 1 in the slow suite
-  _check(*run_suite(1, tmp_path, f"{SELECT} and not LBFGSTest",
-                    modules=(module,)), MIN_PASSED_PER_MODULE[module])
+  _check(
+    *run_suite(1, tmp_path, f"{SELECT} and not LBFGSTest", modules=(module,)),
+    MIN_PASSED_PER_MODULE[module],
+  )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,select,min_passed,types,modules", [
-    *[(0, SELECT, MIN_PASSED_PER_MODULE[m], "explicit", (m,))
-      for m in MODULES],
+@pytest.mark.parametrize(
+  "stage,select,min_passed,types,modules",
+  [
+    *[(0, SELECT, MIN_PASSED_PER_MODULE[m], "explicit", (m,)) for m in MODULES],
     (1, f"{SELECT} and LBFGSTest", 30, "explicit", MODULES),
-    (1, f"{SELECT} and not LBFGSTest", MIN_PASSED, "auto", MODULES)],
-    ids=["stage0-alias", "stage0-contrib", "stage1-lbfgs",
-         "stage1-auto-axes"])
-def test_optax_suites_through_the_dropin(tmp_path, stage, select, min_passed,
-                                         types, modules):
+    (1, f"{SELECT} and not LBFGSTest", MIN_PASSED, "auto", MODULES),
+  ],
+  ids=["stage0-alias", "stage0-contrib", "stage1-lbfgs", "stage1-auto-axes"],
+)
+def test_optax_suites_through_the_dropin(
+  tmp_path, stage, select, min_passed, types, modules
+):
   """The default suite's stage-1 run is on an Explicit mesh (what
   jax.make_mesh gives); here the rest, and stage 1 on Auto axes."""
-  _check(*run_suite(stage, tmp_path, select, workers=2, modules=modules,
-                    ZEROJAX_CONFORMANCE_AXIS_TYPES=types), min_passed)
+  _check(
+    *run_suite(
+      stage,
+      tmp_path,
+      select,
+      workers=2,
+      modules=modules,
+      ZEROJAX_CONFORMANCE_AXIS_TYPES=types,
+    ),
+    min_passed,
+  )
 
 
 def _plain_sharding_failures(tmp_path, failed_ids):
@@ -139,12 +184,18 @@ def _plain_sharding_failures(tmp_path, failed_ids):
   (a name matching more tests only runs more)."""
   names = sorted({i.rsplit("::", 1)[-1].split("[")[0] for i in failed_ids})
   (tmp_path / "plain").mkdir()
-  records, proc = run_suite(None, tmp_path / "plain", " or ".join(names),
-                            modules=("optax._src.sharding_test",),
-                            ZEROJAX_CONFORMANCE_AXIS="x")
+  records, proc = run_suite(
+    None,
+    tmp_path / "plain",
+    " or ".join(names),
+    modules=("optax._src.sharding_test",),
+    ZEROJAX_CONFORMANCE_AXIS="x",
+  )
   ran = {r["id"] for r in records}
-  assert set(failed_ids) <= ran, (sorted(set(failed_ids) - ran),
-                                  proc.stdout[-2000:])
+  assert set(failed_ids) <= ran, (
+    sorted(set(failed_ids) - ran),
+    proc.stdout[-2000:],
+  )
   return {r["id"] for r in records if r["outcome"] == "failed"}
 
 
@@ -157,36 +208,61 @@ def test_optax_sharding_in_types_suite_through_the_dropin(tmp_path, stage):
   fail through the drop-in are run again plain). Stage 2 runs in the slow
   suite: through the drop-in it lays out and types every leaf as stage 1
   does (``test_dropin_stage2_is_stage1``)."""
-  records, proc = run_suite(stage, tmp_path, "",
-                            modules=("optax._src.sharding_test",),
-                            ZEROJAX_CONFORMANCE_AXIS="x")
+  records, proc = run_suite(
+    stage,
+    tmp_path,
+    "",
+    modules=("optax._src.sharding_test",),
+    ZEROJAX_CONFORMANCE_AXIS="x",
+  )
   passed = sum(r["outcome"] == "passed" for r in records)
   assert passed >= 77 and len(records) >= 80, proc.stdout[-2000:]
   failed = {r["id"] for r in records if r["outcome"] == "failed"}
   if failed:
     plain = _plain_sharding_failures(tmp_path, failed)
-    assert failed <= plain, [(r["id"], r["error"][:300]) for r in records
-                             if r["id"] in failed - plain]
+    assert failed <= plain, [
+      (r["id"], r["error"][:300]) for r in records if r["id"] in failed - plain
+    ]
 
 
 def test_an_unlisted_failure_fails_the_conformance_check():
   """The exception list matches by id and message, nothing broader."""
   lbfgs = "x.py::LBFGSTest::test_against_plain_implementation3"
-  ok = ("Not equal to tolerance rtol=1e-05\n Max relative difference among "
-        "violations: 3.01e-05")
+  ok = (
+    "Not equal to tolerance rtol=1e-05\n Max relative difference among "
+    "violations: 3.01e-05"
+  )
   assert not _unexpected([{"id": lbfgs, "outcome": "failed", "error": ok}])
-  assert _unexpected([{"id": lbfgs, "outcome": "failed",
-                       "error": ok.replace("3.01e-05", "2.0e-01")}])
-  assert _unexpected([{"id": "x.py::AliasTest::test_preserve_dtype1",
-                       "outcome": "failed", "error": ok}])
+  assert _unexpected(
+    [
+      {
+        "id": lbfgs,
+        "outcome": "failed",
+        "error": ok.replace("3.01e-05", "2.0e-01"),
+      }
+    ]
+  )
+  assert _unexpected(
+    [
+      {
+        "id": "x.py::AliasTest::test_preserve_dtype1",
+        "outcome": "failed",
+        "error": ok,
+      }
+    ]
+  )
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: optax.adamw(1e-2, weight_decay=0.1),
     lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.lion(1e-2)),
     lambda: optax.adafactor(1e-2),
     lambda: optax.lbfgs(),
-], ids=["adamw", "clip-lion", "adafactor", "lbfgs"])
+  ],
+  ids=["adamw", "clip-lion", "adafactor", "lbfgs"],
+)
 def test_dropin_stage2_is_stage1(make):
   """Why Optax's suites run through the drop-in at stage 1 only (stage 0 in
   the slow suite): at stage 2 the drop-in lays out every leaf as at stage
@@ -194,9 +270,12 @@ def test_dropin_stage2_is_stage1(make):
   returns the same bits and a stage-2 run repeats the stage-1 one."""
   mesh = zerojax.make_mesh()
   with jax.set_mesh(mesh):
-    params = {"w": jnp.linspace(-1, 1, 5 * 12).reshape(5, 12),   # padded
-              "v": jnp.linspace(0, 2, 7 * 300).reshape(7, 300),
-              "b": jnp.ones((2,)), "c": jnp.ones((3, 1, 9))}
+    params = {
+      "w": jnp.linspace(-1, 1, 5 * 12).reshape(5, 12),  # padded
+      "v": jnp.linspace(0, 2, 7 * 300).reshape(7, 300),
+      "b": jnp.ones((2,)),
+      "c": jnp.ones((3, 1, 9)),
+    }
     loss = lambda p: sum(jnp.sum(jnp.sin(x) * x) for x in jax.tree.leaves(p))
     runs, programs = [], []
     for stage in (1, 2):
@@ -213,17 +292,22 @@ def test_dropin_stage2_is_stage1(make):
   (p1, s1, i1), (p2, s2, i2) = runs
   for a, b in zip(jax.tree.leaves((p1, s1, i1)), jax.tree.leaves((p2, s2, i2))):
     assert a.sharding == b.sharding and a.shape == b.shape
-    assert (jax.random.key_data(a) == jax.random.key_data(b)).all() if (
-        jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)) else (
-        a.tobytes() == b.tobytes())
+    assert (
+      (jax.random.key_data(a) == jax.random.key_data(b)).all()
+      if (jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key))
+      else (a.tobytes() == b.tobytes())
+    )
   # and stage 2 shards what it should (the check is not vacuous)
-  assert any(len(x.sharding.device_set) == 8 and not
-             x.sharding.is_fully_replicated for x in jax.tree.leaves(s2))
+  assert any(
+    len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+    for x in jax.tree.leaves(s2)
+  )
 
 
 def _dropin_step(tx, loss, params, state):
   """An Optax loop's step; L-BFGS's line search takes the extra args."""
   value, grads = jax.value_and_grad(loss)(params)
-  updates, state = tx.update(grads, state, params, value=value, grad=grads,
-                             value_fn=loss)
+  updates, state = tx.update(
+    grads, state, params, value=value, grad=grads, value_fn=loss
+  )
   return optax.apply_updates(params, updates), state

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 from tests import toy
@@ -28,12 +29,15 @@ def parabola(p):
 def rosenbrock(p):
   w = p["w"]
   a = 1.0 + 1j
-  return (jnp.abs(a - w[0]) ** 2 + 100.0 * jnp.abs(w[1] - w[0] ** 2) ** 2
-          ).astype(jnp.float32)
+  return (
+    jnp.abs(a - w[0]) ** 2 + 100.0 * jnp.abs(w[1] - w[0] ** 2) ** 2
+  ).astype(jnp.float32)
 
 
-INITS = {"parabola": jnp.array([-1.0, 10.0, 1.0], jnp.complex64),
-         "rosenbrock": jnp.array([0.0, 0.0], jnp.complex64)}
+INITS = {
+  "parabola": jnp.array([-1.0, 10.0, 1.0], jnp.complex64),
+  "rosenbrock": jnp.array([0.0, 0.0], jnp.complex64),
+}
 OBJECTIVES = {"parabola": parabola, "rosenbrock": rosenbrock}
 
 
@@ -49,14 +53,16 @@ def _optax(opt, objective, params, steps):
 
 @pytest.mark.parametrize("target", ["parabola", "rosenbrock"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_complex_params_train_like_optax_through_train_step(mesh, stage,
-                                                           target):
+def test_complex_params_train_like_optax_through_train_step(
+  mesh, stage, target
+):
   objective, params = OBJECTIVES[target], {"w": INITS[target]}
   want = _optax(optax.adam(0.1), objective, params, 5)
   tx = zerojax.zero(optax.adam(0.1), stage=stage, mesh=mesh)
   state = zerojax.init(params, tx)
   step = zerojax.train_step(
-      lambda p, b: objective(zerojax.gather(p)) + 0.0 * b.sum(), tx)
+    lambda p, b: objective(zerojax.gather(p)) + 0.0 * b.sum(), tx
+  )
   for _ in range(5):
     state, _ = step(state, jnp.zeros((8,)))
   got = zerojax.gather_params(state)["w"]
@@ -90,12 +96,14 @@ def test_complex_params_through_the_dropin_and_value_and_grad(mesh, stage):
   # apply_gradients conjugates complex leaves, as train_step does
   state = zerojax.init(params, tx)
   grad_fn = zerojax.value_and_grad(
-      lambda q, b: parabola(zerojax.gather(q)) + 0.0 * b.sum(), tx)
+    lambda q, b: parabola(zerojax.gather(q)) + 0.0 * b.sum(), tx
+  )
   for _ in range(5):
     _, g = grad_fn(state, jnp.zeros((8,)))
     state = zerojax.apply_gradients(state, g)
-  np.testing.assert_allclose(zerojax.gather_params(state)["w"], want["w"],
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    zerojax.gather_params(state)["w"], want["w"], rtol=1e-5, atol=1e-6
+  )
 
 
 def test_complex_params_checkpoint_and_plan(mesh, tmp_path):
@@ -105,24 +113,34 @@ def test_complex_params_checkpoint_and_plan(mesh, tmp_path):
   with checkpoint.Checkpointer(tmp_path) as ckpt:
     ckpt.save(state, force=True)
     ckpt.wait()
-    back, _ = ckpt.restore(params, zerojax.zero(optax.adam(0.1), stage=1,
-                                                mesh=mesh))
+    back, _ = ckpt.restore(
+      params, zerojax.zero(optax.adam(0.1), stage=1, mesh=mesh)
+    )
   np.testing.assert_array_equal(zerojax.gather_params(back)["w"], params["w"])
   # 8 bytes per complex64 element in the byte counts: (2, 12) is stored
   # (2, 16) over 8 devices: params, and two moments (plus Adam's count)
   got = zerojax.diagnostics.state_bytes(state)
   assert got["params"] == pytest.approx(2 * 16 * 8 / 8)
   assert sum(v for k, v in got.items() if k.startswith("opt")) == pytest.approx(
-      2 * 2 * 16 * 8 / 8 + 4, abs=4)
+    2 * 2 * 16 * 8 / 8 + 4, abs=4
+  )
 
 
 def test_complex_params_under_a_bf16_policy_raise_naming_the_leaf(mesh):
-  tx = zerojax.zero(optax.adam(0.1), stage=3, mesh=mesh,
-                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
-  with pytest.raises(ValueError, match=r"\['spectral'\] is complex64.*"
-                                       r"param_dtype=bfloat16"):
-    zerojax.init({"spectral": jnp.ones((4, 8), jnp.complex64),
-                  "w": jnp.ones((4, 8))}, tx)
+  tx = zerojax.zero(
+    optax.adam(0.1),
+    stage=3,
+    mesh=mesh,
+    policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"\['spectral'\] is complex64.*"
+    r"param_dtype=bfloat16",
+  ):
+    zerojax.init(
+      {"spectral": jnp.ones((4, 8), jnp.complex64), "w": jnp.ones((4, 8))}, tx
+    )
   # a complex leaf takes the complex dtype of the policy's precision
   policy = zerojax.Policy(param_dtype=jnp.float32, master_dtype=jnp.float64)
   assert policy.master(np.complex64) == np.complex128
@@ -132,7 +150,9 @@ def test_complex_params_under_a_bf16_policy_raise_naming_the_leaf(mesh):
 
 def test_leaves_not_trained_are_said_in_a_warning(mesh):
   tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
-  with pytest.warns(UserWarning, match=r"params\['ids'\] \(int32\).*not trained"):
+  with pytest.warns(
+    UserWarning, match=r"params\['ids'\] \(int32\).*not trained"
+  ):
     zerojax.init({"w": jnp.ones((8,)), "ids": jnp.arange(3)}, tx)
   with pytest.warns(UserWarning, match=r"params\['ids'\] \(int32\)"):
     tx.init({"w": jnp.ones((8,)), "ids": jnp.arange(3)})
@@ -150,7 +170,7 @@ def test_jit_of_init_and_update_works_for_every_leaf_shape(mesh, stage, shape):
   want_u, _ = ref.update(g, ref.init(p), p)
   np.testing.assert_allclose(u, want_u, rtol=1e-6)
   assert u.sharding.is_fully_replicated  # the params' own (replicated) layout
-  for x in jax.tree.leaves(s2):          # the state stays in its stage layout
+  for x in jax.tree.leaves(s2):  # the state stays in its stage layout
     assert ("data" in str(x.sharding.spec)) == (stage >= 1 and x.ndim >= 1)
 
 
@@ -167,23 +187,32 @@ def test_typed_prng_key_in_optimizer_state(mesh, tmp_path):
     rp = optax.apply_updates(rp, u)
   tx = zerojax.zero(opt(), stage=2, mesh=mesh)
   state = zerojax.init(params, tx)
-  step = zerojax.train_step(lambda p, b: loss(zerojax.gather(p)) + 0 * b.sum(),
-                            tx)
+  step = zerojax.train_step(
+    lambda p, b: loss(zerojax.gather(p)) + 0 * b.sum(), tx
+  )
   for _ in range(3):
     state, _ = step(state, jnp.zeros((8,)))
-  np.testing.assert_allclose(zerojax.gather_params(state)["w"], rp["w"],
-                             rtol=1e-6)
-  keys = [x for x in jax.tree.leaves(state.opt_state)
-          if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  np.testing.assert_allclose(
+    zerojax.gather_params(state)["w"], rp["w"], rtol=1e-6
+  )
+  keys = [
+    x
+    for x in jax.tree.leaves(state.opt_state)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  ]
   assert len(keys) == 1 and keys[0].sharding.spec == P()
   with checkpoint.Checkpointer(tmp_path) as ckpt:
     ckpt.save(state, force=True)
     ckpt.wait()
     back, _ = ckpt.restore(params, zerojax.zero(opt(), stage=1, mesh=mesh))
-  back_keys = [x for x in jax.tree.leaves(back.opt_state)
-               if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
-  np.testing.assert_array_equal(jax.random.key_data(back_keys[0]),
-                                jax.random.key_data(keys[0]))
+  back_keys = [
+    x
+    for x in jax.tree.leaves(back.opt_state)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  ]
+  np.testing.assert_array_equal(
+    jax.random.key_data(back_keys[0]), jax.random.key_data(keys[0])
+  )
   # and through the drop-in
   d = zerojax.zero(opt(), stage=1, mesh=mesh)
   ds = d.init(params)
@@ -198,27 +227,34 @@ def test_extra_args_of_any_type_reach_the_inner_optimizer(mesh):
   types); arrays are traced."""
   seen = {}
 
-  def inner_update(updates, state, params=None, *, obj_fn=None, tag=None,
-                   scale=1.0, **_):
+  def inner_update(
+    updates, state, params=None, *, obj_fn=None, tag=None, scale=1.0, **_
+  ):
     seen["obj_fn"], seen["tag"] = obj_fn, tag
     return jax.tree.map(lambda g: -scale * g, updates), state
-  inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
-                                                inner_update)
-  fn = lambda p: jnp.sum(p ** 2)
+
+  inner = optax.GradientTransformationExtraArgs(
+    lambda p: optax.EmptyState(), inner_update
+  )
+  fn = lambda p: jnp.sum(p**2)
   params = jnp.arange(8.0)
   for stage in (0, 1, 2):
     tx = zerojax.zero(inner, stage=stage, mesh=mesh)
     s = tx.init(params)
-    u, _ = tx.update(params, s, params, obj_fn=fn, tag="x", scale=jnp.array(2.0))
+    u, _ = tx.update(
+      params, s, params, obj_fn=fn, tag="x", scale=jnp.array(2.0)
+    )
     np.testing.assert_allclose(u, -2.0 * params)
     assert getattr(seen["obj_fn"], "__wrapped__", seen["obj_fn"]) is fn
     assert seen["tag"] == "x"
     u, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, obj_fn=fn, tag="y"))(
-        params, s, params)
+      params, s, params
+    )
     assert seen["tag"] == "y"
   state = zerojax.init({"w": params}, zerojax.zero(inner, stage=2, mesh=mesh))
-  step = zerojax.train_step(lambda p, b: fn(zerojax.gather(p)["w"]) + 0 * b.sum(),
-                            state.spec.tx)
+  step = zerojax.train_step(
+    lambda p, b: fn(zerojax.gather(p)["w"]) + 0 * b.sum(), state.spec.tx
+  )
   state, _ = step(state, jnp.zeros((8,)), obj_fn=fn, tag="z")
   assert getattr(seen["obj_fn"], "__wrapped__", seen["obj_fn"]) is fn
   assert seen["tag"] == "z"
@@ -228,19 +264,24 @@ def test_extra_args_of_any_type_reach_the_inner_optimizer(mesh):
 
 def _model_params():
   k = jax.random.split(jax.random.key(0), 3)
-  return {"w": jax.random.normal(k[0], (5, 12)), "b": jnp.zeros((2,)),
-          "v": jax.random.normal(k[1], (7, 300))}
+  return {
+    "w": jax.random.normal(k[0], (5, 12)),
+    "b": jnp.zeros((2,)),
+    "v": jax.random.normal(k[1], (7, 300)),
+  }
 
 
 def _user_step(tx):
-  loss = lambda p, x: jnp.sum((x @ p["w"]) ** 2) + jnp.sum(p["v"] ** 2) + \
-      jnp.sum(p["b"])
+  loss = lambda p, x: (
+    jnp.sum((x @ p["w"]) ** 2) + jnp.sum(p["v"] ** 2) + jnp.sum(p["b"])
+  )
 
   @jax.jit
   def step(params, opt_state, x):
     grads = jax.grad(loss)(params, x)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
   return step
 
 
@@ -274,17 +315,20 @@ def _three_steps(tx, params):
 
 def test_params_off_the_mesh_get_told_how_to_place_them(mesh):
   tx = zerojax.zero(optax.adamw(1e-2), stage=1, mesh=mesh)
-  params = _model_params()                 # one device, uncommitted
+  params = _model_params()  # one device, uncommitted
   with pytest.warns(UserWarning, match=r"jax.set_mesh\(tx.mesh\).*device_put"):
     tx.init(params)
   # placed with P() (JAX's types write P(None, None)): on an Explicit mesh
   # JAX compiles such a loop twice, plain Optax or not
-  _, compiles = _three_steps(tx, jax.device_put(params, NamedSharding(mesh, P())))
+  _, compiles = _three_steps(
+    tx, jax.device_put(params, NamedSharding(mesh, P()))
+  )
   assert compiles <= 2
 
 
 def test_zeropp_with_complex_params_raises_naming_the_leaf(mesh):
-  tx = zerojax.zero(optax.adam(0.1), stage=3, mesh=mesh,
-                    zeropp=zerojax.ZeroPP(grad_bits=8))
+  tx = zerojax.zero(
+    optax.adam(0.1), stage=3, mesh=mesh, zeropp=zerojax.ZeroPP(grad_bits=8)
+  )
   with pytest.raises(ValueError, match=r"\['c'\] is complex64.*ZeRO\+\+"):
     zerojax.init({"c": jnp.ones((8,), jnp.complex64)}, tx)

@@ -12,38 +12,45 @@ from tests import toy
 STEPS = 5
 
 OPTIMIZERS = {
-    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.05),
-                                      optax.adamw(1e-2)),
-    "lamb": lambda: optax.lamb(1e-2),
-    # min_dim_size_to_factor=4 so the toy's 7x7 and 13x7 leaves are factored.
-    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+  "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  "clip_adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(0.05), optax.adamw(1e-2)
+  ),
+  "lamb": lambda: optax.lamb(1e-2),
+  # min_dim_size_to_factor=4 so the toy's 7x7 and 13x7 leaves are factored.
+  "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
 }
 
 EXTRA = {
-    "lars": lambda: optax.lars(1e-2),
-    "masked_weight_decay": lambda: optax.adamw(
-        1e-2, weight_decay=0.5,
-        mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-    "multi_transform": lambda: optax.multi_transform(
-        {"fast": optax.adam(3e-2), "slow": optax.sgd(1e-2)},
-        lambda p: {k: jax.tree.map(lambda _: "fast" if k == "layers" else "slow", v)
-                   for k, v in p.items()}),
+  "lars": lambda: optax.lars(1e-2),
+  "masked_weight_decay": lambda: optax.adamw(
+    1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  ),
+  "multi_transform": lambda: optax.multi_transform(
+    {"fast": optax.adam(3e-2), "slow": optax.sgd(1e-2)},
+    lambda p: {
+      k: jax.tree.map(lambda _: "fast" if k == "layers" else "slow", v)
+      for k, v in p.items()
+    },
+  ),
 }
 
 
 def _run(params, tx, data, gather="model", accum_steps=1):
   state = zerojax.init(params, tx)
-  step = zerojax.train_step(toy.loss_fn, tx, gather=gather,
-                            accum_steps=accum_steps)
+  step = zerojax.train_step(
+    toy.loss_fn, tx, gather=gather, accum_steps=accum_steps
+  )
   for batch in data:
     state, metrics = step(state, batch)
   return state, metrics
 
 
 def _float_leaves(tree):
-  return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return [
+    x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)
+  ]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +63,9 @@ def setup():
 def test_fp32_parity(setup, any_mesh, opt_name, stage):
   """On Explicit and on Auto axes."""
   params, data = setup
-  want, want_opt = toy.shared_reference(opt_name, params,
-                                        OPTIMIZERS[opt_name](), data,
-                                        with_state=True)
+  want, want_opt = toy.shared_reference(
+    opt_name, params, OPTIMIZERS[opt_name](), data, with_state=True
+  )
   tx = zerojax.zero(OPTIMIZERS[opt_name](), stage=stage, mesh=any_mesh)
   state, _ = _run(params, tx, data)
   # sharded as the stage says; on an Explicit mesh, in the arrays' types
@@ -77,12 +84,14 @@ def test_fp32_parity(setup, any_mesh, opt_name, stage):
   # the optimizer state too: same structure, same moments and counters
   got_opt = zerojax.gather_opt_state(state)
   assert jax.tree.structure(got_opt) == jax.tree.structure(want_opt)
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got_opt)[0],
-                          jax.tree.leaves(want_opt)):
+  for (path, a), b in zip(
+    jax.tree_util.tree_flatten_with_path(got_opt)[0], jax.tree.leaves(want_opt)
+  ):
     assert a.shape == b.shape and a.dtype == b.dtype, jax.tree_util.keystr(path)
     if jnp.issubdtype(a.dtype, jnp.floating):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7,
-                                 err_msg=jax.tree_util.keystr(path))
+      np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path)
+      )
     else:
       assert (np.asarray(a) == np.asarray(b)).all(), jax.tree_util.keystr(path)
   # The integer buffer is carried untouched.
@@ -96,11 +105,18 @@ def test_bf16_master_parity(setup, mesh, opt_name, stage):
   emulated on one device (per-device bf16 gradients summed in fp32)."""
   params, data = setup
   policy = zerojax.Policy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
-  want = toy.shared_reference(opt_name, params, OPTIMIZERS[opt_name](), data,
-                              param_dtype=jnp.bfloat16,
-                              reduce_dtype=jnp.float32, devices=8)
-  tx = zerojax.zero(OPTIMIZERS[opt_name](), stage=stage, mesh=mesh,
-                    policy=policy)
+  want = toy.shared_reference(
+    opt_name,
+    params,
+    OPTIMIZERS[opt_name](),
+    data,
+    param_dtype=jnp.bfloat16,
+    reduce_dtype=jnp.float32,
+    devices=8,
+  )
+  tx = zerojax.zero(
+    OPTIMIZERS[opt_name](), stage=stage, mesh=mesh, policy=policy
+  )
   state, _ = _run(params, tx, data)
   master = zerojax.gather_params(state, master=True)
   assert all(x.dtype == jnp.float32 for x in _float_leaves(master))
@@ -138,7 +154,9 @@ def test_loss_metric_matches_unsharded(setup, mesh, stage):
   params, data = setup
   tx = zerojax.zero(optax.sgd(0.0), stage=stage, mesh=mesh)
   state = zerojax.init(params, tx)
-  _, metrics = zerojax.train_step(toy.loss_fn, tx, gather="model")(state, data[0])
+  _, metrics = zerojax.train_step(toy.loss_fn, tx, gather="model")(
+    state, data[0]
+  )
   want = toy.loss_fn(params, data[0])
   assert abs(float(metrics["loss"]) - float(want)) < 1e-6
   grads = jax.grad(toy.loss_fn, allow_int=True)(params, data[0])
@@ -148,7 +166,8 @@ def test_loss_metric_matches_unsharded(setup, mesh, stage):
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_step_built_without_the_norm_reports_none_and_trains_the_same(
-    setup, mesh, stage):
+  setup, mesh, stage
+):
   """``train_step(..., grad_norm=False)``: the metrics hold the loss only,
   and the new state is the default step's (another program: up to the
   order of its sums, a gradient adding the batch's 32 rows)."""
@@ -156,16 +175,19 @@ def test_a_step_built_without_the_norm_reports_none_and_trains_the_same(
   tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh)
   states, metrics = [], []
   for grad_norm in (True, False):
-    step = zerojax.train_step(toy.loss_fn, tx, gather="model",
-                              grad_norm=grad_norm)
+    step = zerojax.train_step(
+      toy.loss_fn, tx, gather="model", grad_norm=grad_norm
+    )
     state, m = step(zerojax.init(params, tx), data[0])
     states.append(zerojax.gather_params(state, master=True))
     metrics.append(m)
   assert set(metrics[0]) == {"loss", "grad_norm"}
   assert set(metrics[1]) == {"loss"}
   toy.assert_same_up_to_summation_order(
-      (metrics[1]["loss"], _float_leaves(states[1])),
-      (metrics[0]["loss"], _float_leaves(states[0])), terms=32)
+    (metrics[1]["loss"], _float_leaves(states[1])),
+    (metrics[0]["loss"], _float_leaves(states[0])),
+    terms=32,
+  )
 
 
 def test_a_grad_norm_switch_that_is_not_a_bool_is_refused(mesh):

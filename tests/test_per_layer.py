@@ -28,14 +28,20 @@ def _params():
 
 def _data(n=2):
   rng = np.random.default_rng(0)
-  return [{"x": rng.integers(0, V, (B,)).astype(np.int32),
-           "y": rng.integers(0, V, (B,)).astype(np.int32)} for _ in range(n)]
+  return [
+    {
+      "x": rng.integers(0, V, (B,)).astype(np.int32),
+      "y": rng.integers(0, V, (B,)).astype(np.int32),
+    }
+    for _ in range(n)
+  ]
 
 
 def _head(params, h, batch):
   logits = h @ params["head"]
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]).mean()
+    logits, batch["y"]
+  ).mean()
 
 
 def _block(h, layer):
@@ -43,39 +49,54 @@ def _block(h, layer):
 
 
 def checkpointed_scan(params, batch):
-  h, _ = jax.lax.scan(jax.checkpoint(lambda h, l: (_block(h, l), None)),
-                      params["embed"][batch["x"]], params["layers"])
+  h, _ = jax.lax.scan(
+    jax.checkpoint(lambda h, l: (_block(h, l), None)),
+    params["embed"][batch["x"]],
+    params["layers"],
+  )
   return _head(params, h, batch)
 
 
 def unchecked_scan(params, batch):
-  h, _ = jax.lax.scan(lambda h, l: (_block(h, l), None),
-                      params["embed"][batch["x"]], params["layers"])
+  h, _ = jax.lax.scan(
+    lambda h, l: (_block(h, l), None),
+    params["embed"][batch["x"]],
+    params["layers"],
+  )
   return _head(params, h, batch)
 
 
 def reversed_scan_with_outputs(params, batch):
-  h, hs = jax.lax.scan(lambda h, l: (_block(h, l), h.mean()),
-                       params["embed"][batch["x"]], params["layers"],
-                       reverse=True)
+  h, hs = jax.lax.scan(
+    lambda h, l: (_block(h, l), h.mean()),
+    params["embed"][batch["x"]],
+    params["layers"],
+    reverse=True,
+  )
   return _head(params, h, batch) + 1e-3 * hs.sum()
 
 
 @jax.jit
 def _jitted_body(params, x):
-  h, _ = jax.lax.scan(jax.checkpoint(lambda h, l: (_block(h, l), None)),
-                      x, params["layers"])
+  h, _ = jax.lax.scan(
+    jax.checkpoint(lambda h, l: (_block(h, l), None)), x, params["layers"]
+  )
   return h
 
 
 def scan_inside_jit(params, batch):
-  return _head(params, _jitted_body(params, params["embed"][batch["x"]]),
-               batch)
+  return _head(params, _jitted_body(params, params["embed"][batch["x"]]), batch)
 
 
-PER_LAYER = {f.__name__: f for f in (checkpointed_scan, unchecked_scan,
-                                     reversed_scan_with_outputs,
-                                     scan_inside_jit)}
+PER_LAYER = {
+  f.__name__: f
+  for f in (
+    checkpointed_scan,
+    unchecked_scan,
+    reversed_scan_with_outputs,
+    scan_inside_jit,
+  )
+}
 
 
 def _zero_run(loss, stage, mesh, **kw):
@@ -92,12 +113,13 @@ def _assert_equal(got, want, losses, want_losses):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("name", PER_LAYER)
 def test_plain_scan_losses_equal_unsharded_optax_without_a_warning(
-    mesh, name, stage):
+  mesh, name, stage
+):
   loss = PER_LAYER[name]
   want, want_losses = toy.optax_run(loss, optax.adam(1e-2), _params(), _data())
   got, losses, notes = _zero_run(loss, stage, mesh)
   _assert_equal(got, want, losses, want_losses)
-  assert not notes, notes       # per layer: nothing gathered whole to warn of
+  assert not notes, notes  # per layer: nothing gathered whole to warn of
 
 
 def _compiled(loss, stage, gather="auto", layers=8, width=64):
@@ -112,23 +134,34 @@ def _compiled(loss, stage, gather="auto", layers=8, width=64):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_plain_scan_reduce_scatters_each_layer_inside_the_backward_loop(
-    stage):
+  stage,
+):
   """The stacked weight's gradient is reduce-scattered once per layer
   inside a loop (``layers`` executions of one layer's elements), and at
   stage 3 its all-gather runs per layer too, in the forward loop and again
   in the backward one: what a model that calls zerojax.gather compiles to."""
   layers, width = 8, 64
-  hlo = _compiled(toy.plain_layered_loss, stage, layers=layers,
-                  width=width).as_text()
+  hlo = _compiled(
+    toy.plain_layered_loss, stage, layers=layers, width=width
+  ).as_text()
   colls = zerojax.diagnostics.collectives(hlo, 8)
   layer_w = width * width
-  rs = [c for c in colls if c.kind == "reduce-scatter"
-        and c.elements >= layer_w and c.count == layers]
+  rs = [
+    c
+    for c in colls
+    if c.kind == "reduce-scatter"
+    and c.elements >= layer_w
+    and c.count == layers
+  ]
   assert rs, [(c.kind, c.elements, c.count) for c in colls]
-  assert not [c for c in colls if c.kind == "reduce-scatter"
-              and c.elements >= layers * layer_w], "a whole-stack reduction"
-  gathers = sum(c.count for c in colls if c.kind == "all-gather"
-                and c.elements == layer_w)
+  assert not [
+    c
+    for c in colls
+    if c.kind == "reduce-scatter" and c.elements >= layers * layer_w
+  ], "a whole-stack reduction"
+  gathers = sum(
+    c.count for c in colls if c.kind == "all-gather" and c.elements == layer_w
+  )
   assert gathers == (2 * layers if stage == 3 else 0), gathers
 
 
@@ -157,8 +190,9 @@ def test_the_walked_scan_body_drops_its_checkpoints_cse_barrier(stage):
   back from the block's compute (on TPU: the compiler can then issue them
   asynchronously; docs/design.md). The traced step keeps no checkpoint
   with the barrier (the numbers: the parity tests above)."""
-  assert True in _remat_cse(jax.make_jaxpr(checkpointed_scan)(
-      _params(), _data(1)[0]).jaxpr)             # the loss as written has it
+  assert True in _remat_cse(
+    jax.make_jaxpr(checkpointed_scan)(_params(), _data(1)[0]).jaxpr
+  )  # the loss as written has it
   tx = zerojax.zero(optax.adam(1e-3), stage=stage)
   state = zerojax.init(_params(), tx)
   step = zerojax.train_step(checkpointed_scan, tx)
@@ -175,8 +209,11 @@ def test_a_plain_scan_holds_what_the_gathering_model_holds(stage):
   the full weights)."""
   layers, width = 8, 64
   stacked = layers * width * width * 4
-  temp = lambda loss, gather="auto": _compiled(
-      loss, stage, gather, layers, width).memory_analysis().temp_size_in_bytes
+  temp = lambda loss, gather="auto": (
+    _compiled(loss, stage, gather, layers, width)
+    .memory_analysis()
+    .temp_size_in_bytes
+  )
   plain, model = temp(toy.plain_layered_loss), temp(toy.layered_loss)
   whole = temp(toy.plain_layered_loss, "all")
   assert abs(plain - model) < 0.25 * stacked, (plain, model, stacked)
@@ -184,18 +221,20 @@ def test_a_plain_scan_holds_what_the_gathering_model_holds(stage):
 
 
 def penalised_scan(params, batch):
-  reg = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(params))
+  reg = sum(jnp.sum(x**2) for x in jax.tree.leaves(params))
   return checkpointed_scan(params, batch) + 1e-3 * reg
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_leaf_used_inside_and_outside_its_scan_is_exact_and_named(
-    mesh, stage):
+  mesh, stage
+):
   """An L2 term over the whole tree uses the stacked weights outside the
   scan too: they are gathered whole as well, the numbers stay exact, and
   stages 2-3 say which leaves are not lean."""
-  want, want_losses = toy.optax_run(penalised_scan, optax.adam(1e-2),
-                                    _params(), _data())
+  want, want_losses = toy.optax_run(
+    penalised_scan, optax.adam(1e-2), _params(), _data()
+  )
   got, losses, notes = _zero_run(penalised_scan, stage, mesh)
   _assert_equal(got, want, losses, want_losses)
   if stage == 1:
@@ -210,10 +249,12 @@ def test_a_stack_sharded_along_its_layers_is_gathered_whole_exactly(mesh):
   is sharded along its leading dimension, which a scan slices: zerojax
   gathers it whole before the scan, exact."""
   params = toy.layered_params(8, D, V)
-  want, want_losses = toy.optax_run(checkpointed_scan, optax.adam(1e-2),
-                                    params, _data())
-  tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh,
-                    stacked=lambda path, shape: False)
+  want, want_losses = toy.optax_run(
+    checkpointed_scan, optax.adam(1e-2), params, _data()
+  )
+  tx = zerojax.zero(
+    optax.adam(1e-2), stage=3, mesh=mesh, stacked=lambda path, shape: False
+  )
   got, losses, notes = toy.zero_run(checkpointed_scan, tx, params, _data())
   _assert_equal(got, want, losses, want_losses)
   # nothing could be gathered per layer: the whole-tree warning, once
@@ -242,10 +283,16 @@ def _check_stage3_per_layer(loss, opt, params, data, mesh):
   assert not notes, notes
   state = zerojax.init(params, tx)
   hlo = zerojax.train_step(loss, tx).lower(state, data[0]).compile().as_text()
-  per_layer = [(c.kind, c.count) for c in zerojax.diagnostics.collectives(hlo, 8)
-               if c.elements == D * D]
-  assert sorted(per_layer) == [("all-gather", L), ("all-gather", L),
-                               ("reduce-scatter", L)], per_layer
+  per_layer = [
+    (c.kind, c.count)
+    for c in zerojax.diagnostics.collectives(hlo, 8)
+    if c.elements == D * D
+  ]
+  assert sorted(per_layer) == [
+    ("all-gather", L),
+    ("all-gather", L),
+    ("reduce-scatter", L),
+  ], per_layer
 
 
 def test_a_linen_nn_scan_model_is_gathered_per_layer_exactly(mesh):
@@ -264,8 +311,12 @@ def test_a_linen_nn_scan_model_is_gathered_per_layer_exactly(mesh):
     @nn.compact
     def __call__(self, x):
       h = nn.Embed(V, D)(x)
-      stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
-                      split_rngs={"params": True}, length=L)
+      stack = nn.scan(
+        nn.remat(Block),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=L,
+      )
       h, _ = stack()(h, None)
       return nn.Dense(V)(h)
 
@@ -276,46 +327,62 @@ def test_a_linen_nn_scan_model_is_gathered_per_layer_exactly(mesh):
   def loss(p, batch):
     logits = model.apply({"params": p}, batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["y"]).mean()
+      logits, batch["y"]
+    ).mean()
 
   _check_stage3_per_layer(loss, optax.adam(1e-2), params, data, mesh)
 
 
-TP_SPECS = {"embed": P(None, "model"),
-            "layers": {"w": P(None, None, "model"), "b": P(None, "model")},
-            "head": P("model", None), "bias3": None, "scale": None,
-            "ids": None}
+TP_SPECS = {
+  "embed": P(None, "model"),
+  "layers": {"w": P(None, None, "model"), "b": P(None, "model")},
+  "head": P("model", None),
+  "bias3": None,
+  "scale": None,
+  "ids": None,
+}
 
 
 def plain_toy_loss(params, batch):
   """``toy.loss_fn`` with no zerojax call: the same numbers, plain JAX."""
   x = params["embed"][batch["x"]]
   h, _ = jax.lax.scan(
-      jax.checkpoint(lambda h, l: (jnp.tanh(h @ l["w"] + l["b"][None, :]),
-                                   None)), x, params["layers"])
+    jax.checkpoint(lambda h, l: (jnp.tanh(h @ l["w"] + l["b"][None, :]), None)),
+    x,
+    params["layers"],
+  )
   logits = h @ params["head"] * params["scale"]
   bias = jnp.concatenate([params["bias3"], jnp.zeros((2,), logits.dtype)])
   loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits + bias[None, :], batch["y"]).mean()
+    logits + bias[None, :], batch["y"]
+  ).mean()
   return loss + 0.0 * params["ids"].sum()
 
 
 CONFIGS = {
-    "hybrid": dict(mesh="replica=2,data=4"),
-    "tensor_parallel": dict(mesh="data=4,model=2", model_specs=TP_SPECS),
-    "hybrid_tensor_parallel": dict(mesh="replica=2,data=2,model=2",
-                                   model_specs=TP_SPECS),
-    "qgZ": dict(zeropp=zerojax.ZeroPP(grad_bits=8, block_size=4)),
-    "qwZ_qgZ_hpZ": dict(zeropp=zerojax.ZeroPP(weight_bits=8, grad_bits=8,
-                                              block_size=4, hpz_size=4)),
-    "accumulation": dict(accum_steps=2),
-    "offload": dict(offload=True),
+  "hybrid": dict(mesh="replica=2,data=4"),
+  "tensor_parallel": dict(mesh="data=4,model=2", model_specs=TP_SPECS),
+  "hybrid_tensor_parallel": dict(
+    mesh="replica=2,data=2,model=2", model_specs=TP_SPECS
+  ),
+  "qgZ": dict(zeropp=zerojax.ZeroPP(grad_bits=8, block_size=4)),
+  "qwZ_qgZ_hpZ": dict(
+    zeropp=zerojax.ZeroPP(weight_bits=8, grad_bits=8, block_size=4, hpz_size=4)
+  ),
+  "accumulation": dict(accum_steps=2),
+  "offload": dict(offload=True),
 }
 
 
-@pytest.mark.parametrize("config,stage", [
-    (c, s) for c in CONFIGS for s in (1, 2, 3)
-    if not (c == "qwZ_qgZ_hpZ" and s < 3)])
+@pytest.mark.parametrize(
+  "config,stage",
+  [
+    (c, s)
+    for c in CONFIGS
+    for s in (1, 2, 3)
+    if not (c == "qwZ_qgZ_hpZ" and s < 3)
+  ],
+)
 def test_a_plain_loss_trains_as_the_gathering_model_does(config, stage):
   """The plain toy loss against ``toy.loss_fn`` (which calls
   ``zerojax.gather`` per layer and is checked against Optax elsewhere) under
@@ -358,6 +425,7 @@ def test_an_nnx_scan_model_is_gathered_per_layer_exactly(mesh):
       @nnx.vmap(in_axes=(0,), out_axes=0)
       def make(rngs):
         return Block(rngs)
+
       self.blocks = make(rngs)
       self.out = nnx.Linear(D, 1, rngs=rngs)
 
@@ -365,6 +433,7 @@ def test_an_nnx_scan_model_is_gathered_per_layer_exactly(mesh):
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
       def forward(x, block):
         return block(x)
+
       return self.out(forward(self.inp(x), self.blocks))
 
   graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
@@ -373,15 +442,20 @@ def test_an_nnx_scan_model_is_gathered_per_layer_exactly(mesh):
     return jnp.mean((nnx.merge(graphdef, p)(batch["x"]) - batch["y"]) ** 2)
 
   rng = np.random.default_rng(0)
-  data = [{"x": rng.standard_normal((B, 5)).astype(np.float32),
-           "y": rng.standard_normal((B, 1)).astype(np.float32)}
-          for _ in range(2)]
+  data = [
+    {
+      "x": rng.standard_normal((B, 5)).astype(np.float32),
+      "y": rng.standard_normal((B, 1)).astype(np.float32),
+    }
+    for _ in range(2)
+  ]
   _check_stage3_per_layer(loss, optax.sgd(0.1), params, data, mesh)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_loss_the_walk_cannot_evaluate_takes_the_whole_tree_exactly(
-    mesh, stage, monkeypatch):
+  mesh, stage, monkeypatch
+):
   """Where the per-layer walk fails inside zerojax (here: made to fail on
   every scan), the step takes the whole-tree path: the same numbers, and
   at stage 3 the warning that says it is zerojax's limitation."""
@@ -389,9 +463,11 @@ def test_a_loss_the_walk_cannot_evaluate_takes_the_whole_tree_exactly(
 
   def fail(self, eqn, sub, ins):
     raise layers.LayersUnreadable("a scan it cannot rebuild")
+
   monkeypatch.setattr(layers._Walker, "scan", fail)
-  want, want_losses = toy.optax_run(checkpointed_scan, optax.adam(1e-2),
-                                    _params(), _data())
+  want, want_losses = toy.optax_run(
+    checkpointed_scan, optax.adam(1e-2), _params(), _data()
+  )
   got, losses, notes = _zero_run(checkpointed_scan, stage, mesh)
   _assert_equal(got, want, losses, want_losses)
   if stage == 1:

@@ -14,8 +14,10 @@ def test_paper_example_7_5b_on_64_devices():
   """ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12 (mixed-precision Adam)."""
   config = gpt.config_for_params(7.5e9)
   assert abs(gpt.num_params(config) - 7.5e9) < 1e4
-  totals = [plan.plan_gpt(plan.abstract_gpt(config), s, 64).total / 1e9
-            for s in range(4)]
+  totals = [
+    plan.plan_gpt(plan.abstract_gpt(config), s, 64).total / 1e9
+    for s in range(4)
+  ]
   assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
 
 
@@ -39,18 +41,33 @@ def test_padding_is_counted():
 def test_largest_fitting_model_is_monotone_in_stage():
   sizes = [gpt.num_params(plan.largest_fitting(32e9, s, 64)) for s in range(4)]
   assert sizes == sorted(sizes)
-  assert sizes[0] == pytest.approx(2e9, rel=0.01)      # 16 bytes per param
-  assert sizes[3] == pytest.approx(128e9, rel=0.01)    # 16/64 bytes per param
+  assert sizes[0] == pytest.approx(2e9, rel=0.01)  # 16 bytes per param
+  assert sizes[3] == pytest.approx(128e9, rel=0.01)  # 16/64 bytes per param
 
 
 def test_cli_json_and_errors():
-  out = subprocess.run([sys.executable, "-m", "zerojax.plan", "--params",
-                        "7.5e9", "--devices", "64", "--json"],
-                       capture_output=True, text=True, check=True)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "zerojax.plan",
+      "--params",
+      "7.5e9",
+      "--devices",
+      "64",
+      "--json",
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   data = json.loads(out.stdout)
   assert round(data["plans"][1]["total"] / 1e9, 1) == 31.4
-  bad = subprocess.run([sys.executable, "-m", "zerojax.plan", "--devices", "8"],
-                       capture_output=True, text=True)
+  bad = subprocess.run(
+    [sys.executable, "-m", "zerojax.plan", "--devices", "8"],
+    capture_output=True,
+    text=True,
+  )
   assert bad.returncode == 2 and "--params or --width" in bad.stderr
 
 
@@ -66,20 +83,24 @@ def test_hsdp_70b_on_4_slices_keeps_state_traffic_off_dcn():
   assert hsdp.total == pytest.approx(16 * psi / 256, rel=0.01)
   # the replica all-reduce is the bf16 shard: 2Ψ/256 bytes
   assert hsdp.collectives["all-reduce over replica"] == pytest.approx(
-      2 * psi / 256, rel=1e-3)
+    2 * psi / 256, rel=1e-3
+  )
   f = cost.comm_time(flat, slices=4)
   h = cost.comm_time(hsdp, slices=4)
   # hierarchical: flat moves 3 x 2Ψ x 3/4 / 256 per chip over DCN, HSDP
   # only the all-reduce, 2 x 2Ψ x 3/4 / 256
-  assert f["data"]["slow_bytes"] == pytest.approx(3 * 2 * psi * 0.75 / 256,
-                                                  rel=1e-3)
+  assert f["data"]["slow_bytes"] == pytest.approx(
+    3 * 2 * psi * 0.75 / 256, rel=1e-3
+  )
   assert h["data"]["slow_bytes"] == 0
-  assert h["replica"]["slow_bytes"] == pytest.approx(2 * 2 * psi * 0.75 / 256,
-                                                     rel=1e-3)
+  assert h["replica"]["slow_bytes"] == pytest.approx(
+    2 * 2 * psi * 0.75 / 256, rel=1e-3
+  )
   # a flat ring across slices: every byte of the ring crosses DCN
   ring = cost.comm_time(flat, slices=4, algorithm="ring")
-  assert ring["data"]["slow_bytes"] == pytest.approx(3 * 2 * psi * 1023 / 1024,
-                                                     rel=1e-3)
+  assert ring["data"]["slow_bytes"] == pytest.approx(
+    3 * 2 * psi * 1023 / 1024, rel=1e-3
+  )
   assert ring["data"]["seconds"] > 20 * h["replica"]["seconds"]
 
 
@@ -94,14 +115,35 @@ def test_tensor_parallel_mesh_divides_state_by_the_model_axis():
 
 
 def test_cli_mesh_prints_the_communication_table():
-  out = subprocess.run([sys.executable, "-m", "zerojax.plan", "--params",
-                        "70e9", "--mesh", "replica=4,data=256"],
-                       capture_output=True, text=True, check=True).stdout
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "zerojax.plan",
+      "--params",
+      "70e9",
+      "--mesh",
+      "replica=4,data=256",
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
   assert "DCN 6e+09 B/s per chip" in out
   assert [l for l in out.splitlines() if "replica |" in l]
-  bad = subprocess.run([sys.executable, "-m", "zerojax.plan", "--params",
-                        "1e9", "--mesh", "model=8"], capture_output=True,
-                       text=True)
+  bad = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "zerojax.plan",
+      "--params",
+      "1e9",
+      "--mesh",
+      "model=8",
+    ],
+    capture_output=True,
+    text=True,
+  )
   assert bad.returncode == 2 and "no data axis" in bad.stderr
 
 
@@ -115,10 +157,12 @@ def test_offload_moves_master_and_moments_to_host():
     off = plan.plan_gpt(abstract, s, 64, offload=True)
     assert off.total == on.total and on.host == 0 and on.device == on.total
     assert off.host == pytest.approx(on.master + on.optimizer)
-    assert off.device == pytest.approx(on.params + on.grads
-                                       + off.update_transient)
+    assert off.device == pytest.approx(
+      on.params + on.grads + off.update_transient
+    )
     assert off.update_transient == pytest.approx(
-        min(2 * off.chunk_fraction, 1) * off.host)
+      min(2 * off.chunk_fraction, 1) * off.host
+    )
     assert off.host_traffic == 2 * off.host
   s3 = plan.plan_gpt(abstract, 3, 64, offload=True)
   assert s3.host / 1e9 == pytest.approx(12 * 7.5 / 64, rel=1e-3)
@@ -126,7 +170,8 @@ def test_offload_moves_master_and_moments_to_host():
   # stacked MLP matrix: 4 D^2 of the ~12 D^2 per layer
   assert 0.30 < s3.chunk_fraction < 0.35
   assert s3.device / 1e9 == pytest.approx(
-      (4 + 2 * 12 * s3.chunk_fraction) * 7.5 / 64, rel=1e-3)
+    (4 + 2 * 12 * s3.chunk_fraction) * 7.5 / 64, rel=1e-3
+  )
   # the largest model a device holds grows with offload
   on_big = plan.largest_fitting(32e9, 3, 64)
   big = plan.largest_fitting(32e9, 3, 64, offload=True)
@@ -135,16 +180,19 @@ def test_offload_moves_master_and_moments_to_host():
 
 def test_working_set_counts_gathered_layers_only_at_stage_3():
   import jax.numpy as jnp
+
   from zerojax import Policy
+
   cfg = gpt.GPTConfig(vocab=256, width=1024, depth=4, heads=8, seq_len=64)
   layer = gpt._block_params(1024)
-  logits = 2 * 64 * 256 * 4                          # batch 1 per device
-  acts = 64 * 1024 * 4 * 4 + logits            # 4 layer inputs, fp32
+  logits = 2 * 64 * 256 * 4  # batch 1 per device
+  acts = 64 * 1024 * 4 * 4 + logits  # 4 layer inputs, fp32
   fp32 = Policy()
   assert plan.working_set(cfg, 3, 1, fp32) == 12 * layer + acts
   # bf16 params: the layer inputs (the residual stream) are bf16 too
   assert plan.working_set(cfg, 3, 1, Policy(param_dtype=jnp.bfloat16)) == (
-      6 * layer + 64 * 1024 * 2 * 4 + logits)
+    6 * layer + 64 * 1024 * 2 * 4 + logits
+  )
   # stages 1-2: the updated weight shard the all-gather reads (4 Psi/N);
   # stage 1 also holds the reduce-scatter's gradient shard (4 Psi/N)
   psi = gpt.num_params(cfg)
@@ -163,17 +211,19 @@ def test_zeropp_cross_node_bytes_follow_the_paper_accounting():
   psi, n, s = 7_000_000_000, 64, 8
   k = n // s
   slow = lambda **kw: cost.zeropp_comm(psi, n, s, block=256, **kw)["slow_bytes"]
-  cross = (s - 1) / s / k                   # share of a buffer per chip
+  cross = (s - 1) / s / k  # share of a buffer per chip
   assert slow() == pytest.approx(3 * 2 * psi * cross)
   assert slow(hpz=True) == pytest.approx((2 + 2) * psi * cross)
   assert slow(weight_bits=8) == pytest.approx(
-      (2 * (1 + 4 / 256) + 2) * psi * cross)
+    (2 * (1 + 4 / 256) + 2) * psi * cross
+  )
   all3 = slow(weight_bits=8, grad_bits=4, hpz=True)
   assert all3 == pytest.approx(((1 + 4 / 256) + (0.5 + 4 / 256)) * psi * cross)
   assert all3 / slow() == pytest.approx(0.75 / 3, rel=0.03)
   # hierarchical qgZ (the node known): the gradients cross as node sums
   assert slow(grad_bits=8) == pytest.approx(
-      (2 * 2 + (1 + 4 / 256)) * psi * cross)
+    (2 * 2 + (1 + 4 / 256)) * psi * cross
+  )
   # a flat quantized all-to-all cannot reduce inside the node first: more
   # cross-node bytes than a hierarchical bf16 reduce-scatter
   assert slow(grad_bits=8, nodes_known=False) > slow()
@@ -190,14 +240,27 @@ def test_planner_cli_gives_saved_activations_by_policy_and_pa(capsys):
   halves the layer inputs at model=2, offload moves them to the host, dots
   keeps the matmul outputs on top (tensor-parallel ones split by M)."""
   import json
-  plan.main(["--width", "1024", "--depth", "8", "--mesh", "data=4,model=2",
-             "--batch", "2", "--seq-len", "512", "--json"])
+
+  plan.main(
+    [
+      "--width",
+      "1024",
+      "--depth",
+      "8",
+      "--mesh",
+      "data=4,model=2",
+      "--batch",
+      "2",
+      "--seq-len",
+      "512",
+      "--json",
+    ]
+  )
   acts = json.loads(capsys.readouterr().out)["saved_activations"]
-  full = 8 * 2 * 512 * 1024 * 2                     # L B T D, bf16
+  full = 8 * 2 * 512 * 1024 * 2  # L B T D, bf16
   assert acts["full"]["device"] == full
   assert acts["full + Pa"]["device"] == full / 2
-  assert acts["offload"] == {"device": 0.0, "host": full,
-                             "per_layer": full / 8}
+  assert acts["offload"] == {"device": 0.0, "host": full, "per_layer": full / 8}
   # dots: + qkv 3D/2, projection D, fc1 4D/2 per token
   assert acts["dots"]["device"] == full * (1 + 1.5 + 1 + 2)
   assert acts["dots + Pa"]["device"] == full * (0.5 + 1.5 + 0.5 + 2)
@@ -212,17 +275,22 @@ def test_compile_stage_reports_the_compiled_step_beside_the_plan(mesh):
   import numpy as np
 
   from zerojax.app import compiled, planner
+
   config = gpt.GPTConfig(vocab=64, seq_len=16, width=32, depth=2, heads=2)
   n = mesh.size
   plans = [plan.plan_gpt(plan.abstract_gpt(config), s, n) for s in range(4)]
   predicted = planner.predicted_peak(plans[3], config, 2, n_devices=n)
-  attention = 3 * 2 * config.heads * config.seq_len ** 2 * 4   # P, dP, dS
-  assert predicted == plans[3].device + plan.working_set(
-      config.resolved("tpu"), 3, 2, n_devices=n) + attention
+  attention = 3 * 2 * config.heads * config.seq_len**2 * 4  # P, dP, dS
+  assert (
+    predicted
+    == plans[3].device
+    + plan.working_set(config.resolved("tpu"), 3, 2, n_devices=n)
+    + attention
+  )
   # stage 1 compiles to stage 2's program: priced as stage 2
   assert planner.predicted_peak(
-      plans[1], config, 2, n_devices=n, plan_stage2=plans[2]) == (
-      planner.predicted_peak(plans[2], config, 2, n_devices=n))
+    plans[1], config, 2, n_devices=n, plan_stage2=plans[2]
+  ) == (planner.predicted_peak(plans[2], config, 2, n_devices=n))
   row = compiled.compile_stage(config, 3, mesh, 2, predicted)
   m = row["memory"]
   assert m["peak"] == m["argument"] + m["output"] + m["temp"] - m["alias"] > 0
@@ -233,19 +301,21 @@ def test_compile_stage_reports_the_compiled_step_beside_the_plan(mesh):
   assert 14 * n_params / n <= m["argument"] < 14 * n_params / n * 1.5
   assert row["collectives"]["all-gather"]["count"] >= config.depth
   assert row["collectives"]["reduce-scatter"]["count"] >= config.depth
-  assert set(row["bytes_by_axis"]) >= {"all-gather@data",
-                                       "reduce-scatter@data"}
+  assert set(row["bytes_by_axis"]) >= {"all-gather@data", "reduce-scatter@data"}
   assert "| 3 |" in compiled.table([row])
   assert np.isfinite(row["compile_s"])
 
 
 def test_cli_compile_needs_a_topology_and_names_the_tpu_extra():
-  run = lambda *a: subprocess.run([sys.executable, "-m", "zerojax.plan",
-                                   "--params", "1e8", *a],
-                                  capture_output=True, text=True)
+  run = lambda *a: subprocess.run(
+    [sys.executable, "-m", "zerojax.plan", "--params", "1e8", *a],
+    capture_output=True,
+    text=True,
+  )
   bad = run("--devices", "8", "--compile")
   assert bad.returncode == 2 and "--compile needs --topology" in bad.stderr
   import importlib.util
+
   if importlib.util.find_spec("libtpu") is None:
     bad = run("--topology", "v5e:2x2", "--batch", "1", "--compile")
     assert bad.returncode == 2 and "pip install 'zerojax[tpu]'" in bad.stderr

@@ -21,17 +21,21 @@ from tests import toy
 
 def _params():
   k = jax.random.split(jax.random.key(0), 3)
-  return {"w1": jax.random.normal(k[0], (6, 12)) * 0.5,
-          "w2": jax.random.normal(k[1], (12, 3)) * 0.5,
-          "b": jnp.zeros((3,))}
+  return {
+    "w1": jax.random.normal(k[0], (6, 12)) * 0.5,
+    "w2": jax.random.normal(k[1], (12, 3)) * 0.5,
+    "b": jnp.zeros((3,)),
+  }
 
 
 def _fit(q, b):
-  return jnp.mean((jnp.tanh(b["x"] @ q["w1"]) @ q["w2"] + q["b"][None] - b["y"]) ** 2)
+  return jnp.mean(
+    (jnp.tanh(b["x"] @ q["w1"]) @ q["w2"] + q["b"][None] - b["y"]) ** 2
+  )
 
 
-def l2_over_leaves(params, b):            # the issue's example
-  reg = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(params))
+def l2_over_leaves(params, b):  # the issue's example
+  reg = sum(jnp.sum(x**2) for x in jax.tree.leaves(params))
   return _fit(zerojax.gather(params), b) + 1e-2 * reg
 
 
@@ -41,7 +45,7 @@ def tree_norm(params, b):
 
 def ravel(params, b):
   flat, _ = ravel_pytree(params)
-  return _fit(zerojax.gather(params), b) + 1e-2 * jnp.sum(flat ** 2)
+  return _fit(zerojax.gather(params), b) + 1e-2 * jnp.sum(flat**2)
 
 
 def tree_map_then_gather(params, b):
@@ -53,14 +57,27 @@ def never_gathers(params, b):
   return _fit(params, b)
 
 
-LOSSES = {f.__name__: f for f in (l2_over_leaves, tree_norm, ravel,
-                                  tree_map_then_gather, never_gathers)}
+LOSSES = {
+  f.__name__: f
+  for f in (
+    l2_over_leaves,
+    tree_norm,
+    ravel,
+    tree_map_then_gather,
+    never_gathers,
+  )
+}
 
 
 def _data(n=3):
   rng = np.random.default_rng(0)
-  return [{"x": rng.normal(size=(16, 6)).astype(np.float32),
-           "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(n)]
+  return [
+    {
+      "x": rng.normal(size=(16, 6)).astype(np.float32),
+      "y": rng.normal(size=(16, 3)).astype(np.float32),
+    }
+    for _ in range(n)
+  ]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -74,7 +91,7 @@ def test_whole_tree_losses_equal_unsharded_optax(mesh, name, stage):
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  if stage >= 2:   # the whole-tree path, said once, naming a leaf
+  if stage >= 2:  # the whole-tree path, said once, naming a leaf
     assert len(notes) == 1 and "params['w1']" in notes[0], notes
   else:
     assert not notes, notes
@@ -84,8 +101,12 @@ def _host_tanh(x):
   """The batch through NumPy on the host, as a preprocessing callback: its
   result is typed the same on every device, though each device's rows
   differ."""
-  return jax.pure_callback(np.tanh, jax.ShapeDtypeStruct(x.shape, x.dtype), x,
-                           vmap_method="broadcast_all")
+  return jax.pure_callback(
+    np.tanh,
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    x,
+    vmap_method="broadcast_all",
+  )
 
 
 def callback_never_gathers(params, b):
@@ -98,10 +119,14 @@ def callback_then_gather(params, b):
 
 @pytest.mark.parametrize("gather", ["auto", "all"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("loss", [callback_never_gathers, callback_then_gather],
-                         ids=lambda f: f.__name__)
-def test_a_loss_through_a_host_callback_equals_unsharded_optax(any_mesh, loss,
-                                                               stage, gather):
+@pytest.mark.parametrize(
+  "loss",
+  [callback_never_gathers, callback_then_gather],
+  ids=lambda f: f.__name__,
+)
+def test_a_loss_through_a_host_callback_equals_unsharded_optax(
+  any_mesh, loss, stage, gather
+):
   """On either axis type (a program with a callback lowers on one mesh
   only), and at stage 0 with gradients that reach a leaf only through the
   callback's result (no implicit sum is typed there); the default gather
@@ -120,9 +145,13 @@ def _linear_fwd(x, w):
 
 
 def _host_matmul(a, b, like):
-  return jax.pure_callback(lambda a, b: np.asarray(a.T @ b, np.float32),
-                           jax.ShapeDtypeStruct(like.shape, like.dtype), a, b,
-                           vmap_method="broadcast_all")
+  return jax.pure_callback(
+    lambda a, b: np.asarray(a.T @ b, np.float32),
+    jax.ShapeDtypeStruct(like.shape, like.dtype),
+    a,
+    b,
+    vmap_method="broadcast_all",
+  )
 
 
 @jax.custom_vjp
@@ -130,7 +159,7 @@ def _linear_host_bwd(x, w):
   return x @ w
 
 
-def _linear_host_bwd_rule(res, ct):       # the weight gradient on the host
+def _linear_host_bwd_rule(res, ct):  # the weight gradient on the host
   x, w = res
   return ct @ w.T, _host_matmul(x, ct, w)
 
@@ -143,9 +172,14 @@ def _linear_host_bwd_typed(x, w):
 def _linear_host_bwd_typed_rule(res, ct):  # ... typed as the error says
   x, w = res
   g = _host_matmul(x, ct, w)
-  g = jax.lax.pcast(g, tuple(jax.typeof(w).manual_axis_type.varying
-                             - jax.typeof(g).manual_axis_type.varying),
-                    to="varying")
+  g = jax.lax.pcast(
+    g,
+    tuple(
+      jax.typeof(w).manual_axis_type.varying
+      - jax.typeof(g).manual_axis_type.varying
+    ),
+    to="varying",
+  )
   return ct @ w.T, g
 
 
@@ -157,16 +191,20 @@ def _custom_vjp_loss(linear):
   def loss(params, b):
     h = jnp.tanh(linear(b["x"], params["w1"]))
     return jnp.mean((linear(h, params["w2"]) + params["b"][None] - b["y"]) ** 2)
+
   return loss
 
 
 @pytest.mark.parametrize("accum_steps", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("linear", [toy.custom_vjp_linear,
-                                    _linear_host_bwd_typed],
-                         ids=["custom_vjp", "custom_vjp_host_bwd_typed"])
+@pytest.mark.parametrize(
+  "linear",
+  [toy.custom_vjp_linear, _linear_host_bwd_typed],
+  ids=["custom_vjp", "custom_vjp_host_bwd_typed"],
+)
 def test_a_loss_through_a_custom_vjp_layer_equals_unsharded_optax(
-    any_mesh, linear, stage, accum_steps):
+  any_mesh, linear, stage, accum_steps
+):
   """A replicated leaf passed straight into a ``jax.custom_vjp`` (stage 0
   with one micro-batch): the user's backward rule is not autodiff's
   transpose, so it is reduced explicitly -- exact, where the direct path
@@ -174,38 +212,51 @@ def test_a_loss_through_a_custom_vjp_layer_equals_unsharded_optax(
   loss, data = _custom_vjp_loss(linear), _data(2)
   want, want_losses = toy.optax_run(loss, optax.adam(1e-2), _params(), data)
   tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
-  got, losses, _ = toy.zero_run(loss, tx, _params(), data,
-                                accum_steps=accum_steps)
+  got, losses, _ = toy.zero_run(
+    loss, tx, _params(), data, accum_steps=accum_steps
+  )
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_custom_vjp_inside_a_layer_scan_equals_unsharded_optax(any_mesh,
-                                                                 stage):
+def test_a_custom_vjp_inside_a_layer_scan_equals_unsharded_optax(
+  any_mesh, stage
+):
   """Each layer's bias through a ``jax.custom_vjp`` inside a checkpointed
   scan: at stage 0 that stacked leaf alone is reduced after the backward,
   the others inside it."""
   rng = np.random.default_rng(5)
-  data = [{"x": rng.integers(0, 16, (16,)).astype(np.int32),
-           "y": rng.integers(0, 16, (16,)).astype(np.int32)} for _ in range(2)]
+  data = [
+    {
+      "x": rng.integers(0, 16, (16,)).astype(np.int32),
+      "y": rng.integers(0, 16, (16,)).astype(np.int32),
+    }
+    for _ in range(2)
+  ]
   params = toy.layered_params(3, 8, 16)
-  want, want_losses = toy.optax_run(toy.layered_loss_with_custom_vjp_bias,
-                                    optax.adam(1e-2), params, data)
+  want, want_losses = toy.optax_run(
+    toy.layered_loss_with_custom_vjp_bias, optax.adam(1e-2), params, data
+  )
   tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
-  got, losses, _ = toy.zero_run(toy.layered_loss_with_custom_vjp_bias, tx, params, data)
+  got, losses, _ = toy.zero_run(
+    toy.layered_loss_with_custom_vjp_bias, tx, params, data
+  )
   assert jax.tree.structure(got) == jax.tree.structure(want)
-  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want),
-                          jax.tree.leaves(got)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+  for (path, w), g in zip(
+    jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)
+  ):
+    np.testing.assert_allclose(
+      g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+    )
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_custom_vjp_returning_a_host_gradient_raises_and_keeps_the_state(
-    any_mesh, stage):
+  any_mesh, stage
+):
   """A backward rule whose weight gradient comes from a callback returns a
   per-device value typed the same on every device: never summed, it would
   update with one device's share. zerojax says so, with the fix, before
@@ -214,11 +265,14 @@ def test_a_custom_vjp_returning_a_host_gradient_raises_and_keeps_the_state(
   state = zerojax.init(_params(), tx)
   before = jax.tree.map(np.asarray, zerojax.gather_params(state))
   step = zerojax.train_step(_custom_vjp_loss(_linear_host_bwd), tx)
-  with pytest.raises(ValueError, match=r"zerojax: a jax.custom_vjp .*typed "
-                     r"the same on every device for an input that varies.*"
-                     r"jax.lax.pcast\(g, tuple\(jax.typeof\(x\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"zerojax: a jax.custom_vjp .*typed "
+    r"the same on every device for an input that varies.*"
+    r"jax.lax.pcast\(g, tuple\(jax.typeof\(x\)",
+  ):
     step(state, _data(1)[0])
-  after = zerojax.gather_params(state)          # not donated, not updated
+  after = zerojax.gather_params(state)  # not donated, not updated
   for k in before:
     np.testing.assert_array_equal(after[k], before[k])
   assert int(state.step) == 0
@@ -231,6 +285,7 @@ def _scaled_loss(summed):
   """A custom_vjp taking an array the loss closes over (the same on every
   device) and returning its gradient, per device or ``summed`` as the
   error says."""
+
   @jax.custom_vjp
   def scaled(x, w, c):
     return (x @ w) * c[None]
@@ -242,28 +297,38 @@ def _scaled_loss(summed):
     x, w, c = res
     g = jnp.sum(ct * (x @ w), axis=0)
     if summed:
-      g = jax.lax.psum(g, tuple(jax.typeof(g).manual_axis_type.varying
-                                - jax.typeof(c).manual_axis_type.varying))
+      g = jax.lax.psum(
+        g,
+        tuple(
+          jax.typeof(g).manual_axis_type.varying
+          - jax.typeof(c).manual_axis_type.varying
+        ),
+      )
     return (ct * c[None]) @ w.T, x.T @ (ct * c[None]), g
 
   scaled.defvjp(fwd, bwd)
   scale = jnp.asarray(_SCALE)
   return lambda params, b: jnp.mean(
-      (scaled(b["x"], params["w1"] @ params["w2"], scale) - b["y"]) ** 2)
+    (scaled(b["x"], params["w1"] @ params["w2"], scale) - b["y"]) ** 2
+  )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_custom_vjp_gradient_for_a_closed_over_array_raises_then_sums(
-    any_mesh, stage):
+  any_mesh, stage
+):
   """The other direction: a per-device gradient for an input every device
   holds the same. JAX refuses it inside the per-device loss; zerojax says
   which way round and the fix, and the fixed rule is exact."""
   data = _data(2)
   tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=any_mesh)
   step = zerojax.train_step(_scaled_loss(summed=False), tx)
-  with pytest.raises(ValueError, match=r"zerojax: a jax.custom_vjp .*"
-                     r"per-device gradient for an input every device holds "
-                     r"the same.*jax.lax.psum\(g, "):
+  with pytest.raises(
+    ValueError,
+    match=r"zerojax: a jax.custom_vjp .*"
+    r"per-device gradient for an input every device holds "
+    r"the same.*jax.lax.psum\(g, ",
+  ):
     step(zerojax.init(_params(), tx), data[0])
   loss = _scaled_loss(summed=True)
   want, want_losses = toy.optax_run(loss, optax.adam(1e-2), _params(), data)
@@ -283,15 +348,20 @@ def _pallas_loss():
 
   def loss(params, b):
     w = jnp.broadcast_to(params["w1"][:, 0], b["x"].shape)
-    h = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(
-        b["x"].shape, b["x"].dtype), interpret=True)(b["x"], w)
+    h = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(b["x"].shape, b["x"].dtype),
+      interpret=True,
+    )(b["x"], w)
     return jnp.mean((h @ params["w1"] @ params["w2"] - b["y"]) ** 2)
+
   return loss
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_pallas_kernel_with_an_untyped_out_shape_raises_the_fix_and_keeps_the_state(
-    any_mesh, stage):
+  any_mesh, stage
+):
   """Inside the per-device loss JAX needs a kernel's ``out_shape`` to say
   how it varies over devices; zerojax's error names the loss, the reason
   and the argument to add (checked on a GPU to be exact then:
@@ -300,9 +370,12 @@ def test_a_pallas_kernel_with_an_untyped_out_shape_raises_the_fix_and_keeps_the_
   state = zerojax.init(_params(), tx)
   before = jax.tree.map(np.asarray, zerojax.gather_params(state))
   step = zerojax.train_step(_pallas_loss(), tx)
-  with pytest.raises(ValueError, match=r"zerojax.train_step: the loss gives "
-                     r"an output shape \(a Pallas kernel's out_shape, say\).*"
-                     r"manual_axis_type=jax.typeof\(x\).manual_axis_type"):
+  with pytest.raises(
+    ValueError,
+    match=r"zerojax.train_step: the loss gives "
+    r"an output shape \(a Pallas kernel's out_shape, say\).*"
+    r"manual_axis_type=jax.typeof\(x\).manual_axis_type",
+  ):
     step(state, _data(1)[0])
   after = zerojax.gather_params(state)
   for k in before:
@@ -312,30 +385,35 @@ def test_a_pallas_kernel_with_an_untyped_out_shape_raises_the_fix_and_keeps_the_
 
 def _constrained_loss(constrain):
   """``_fit`` with its hidden activation passed through ``constrain``."""
+
   def loss(q, b):
     h = constrain(jnp.tanh(b["x"] @ q["w1"]))
     return jnp.mean((h @ q["w2"] + q["b"][None] - b["y"]) ** 2)
+
   return loss
 
 
 _BATCH_AXIS_CONSTRAINTS = {
-    "with_sharding_constraint": (
-        lambda h: jax.lax.with_sharding_constraint(h, P("data", None)),
-        r"constrains a value's sharding over a batch axis \(jax.lax."
-        r"with_sharding_constraint with P\('data', None\)\).*Put None in "
-        r"its place"),
-    "reshard": (
-        lambda h: jax.sharding.reshard(h, P("data", None)),
-        r"calls jax.sharding.reshard with P\('data', None\).*Use "
-        r"jax.lax.with_sharding_constraint with None in place of the batch "
-        r"axes"),
+  "with_sharding_constraint": (
+    lambda h: jax.lax.with_sharding_constraint(h, P("data", None)),
+    r"constrains a value's sharding over a batch axis \(jax.lax."
+    r"with_sharding_constraint with P\('data', None\)\).*Put None in "
+    r"its place",
+  ),
+  "reshard": (
+    lambda h: jax.sharding.reshard(h, P("data", None)),
+    r"calls jax.sharding.reshard with P\('data', None\).*Use "
+    r"jax.lax.with_sharding_constraint with None in place of the batch "
+    r"axes",
+  ),
 }
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("call", sorted(_BATCH_AXIS_CONSTRAINTS))
 def test_a_sharding_constraint_over_the_batch_axis_raises_the_fix_and_keeps_the_state(
-    any_mesh, call, stage):
+  any_mesh, call, stage
+):
   """A loss written for GSPMD may constrain its activations over the batch
   axis; inside zerojax's per-device loss that axis is manual. The error
   names the call, the spec and the fix before the state is touched, and
@@ -351,7 +429,8 @@ def test_a_sharding_constraint_over_the_batch_axis_raises_the_fix_and_keeps_the_
   for k in before:
     np.testing.assert_array_equal(after[k], before[k])
   fixed = _constrained_loss(
-      lambda h: jax.lax.with_sharding_constraint(h, P(None, None)))
+    lambda h: jax.lax.with_sharding_constraint(h, P(None, None))
+  )
   data = _data(2)
   want, want_losses = toy.optax_run(_fit, optax.adam(1e-2), _params(), data)
   got, losses, _ = toy.zero_run(fixed, tx, _params(), data)
@@ -363,25 +442,31 @@ def test_a_sharding_constraint_over_the_batch_axis_raises_the_fix_and_keeps_the_
 @pytest.mark.parametrize("stage", [1, 3])
 def test_offloaded_state_with_a_host_callback_on_an_explicit_mesh(mesh, stage):
   data = _data(2)
-  want, _ = toy.optax_run(callback_never_gathers, optax.adam(1e-2), _params(),
-                          data)
+  want, _ = toy.optax_run(
+    callback_never_gathers, optax.adam(1e-2), _params(), data
+  )
   tx = zerojax.zero(optax.adam(1e-2), stage=stage, mesh=mesh, offload=True)
-  got, _, _ = toy.zero_run(callback_never_gathers, tx, _params(), data,
-                           gather="all")
+  got, _, _ = toy.zero_run(
+    callback_never_gathers, tx, _params(), data, gather="all"
+  )
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_gather_model_rejects_an_ungathered_use_and_keeps_the_state(mesh, stage):
+def test_gather_model_rejects_an_ungathered_use_and_keeps_the_state(
+  mesh, stage
+):
   tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
   state = zerojax.init(_params(), tx)
   before = jax.tree.map(np.asarray, zerojax.gather_params(state))
   step = zerojax.train_step(l2_over_leaves, tx, gather="model")
-  with pytest.raises(zerojax.errors.UngatheredParamError,
-                     match=r"params\['b'\] by .*params\['w1'\] by integer_pow"):
+  with pytest.raises(
+    zerojax.errors.UngatheredParamError,
+    match=r"params\['b'\] by .*params\['w1'\] by integer_pow",
+  ):
     step(state, _data(1)[0])
-  after = zerojax.gather_params(state)          # not donated, not updated
+  after = zerojax.gather_params(state)  # not donated, not updated
   for k in before:
     np.testing.assert_array_equal(after[k], before[k])
   assert int(state.step) == 0
@@ -408,20 +493,24 @@ def test_a_bug_in_the_loss_raises_once_and_unchanged(mesh):
 def test_per_layer_loss_takes_the_lean_path_silently(mesh):
   """A loss that only gathers is not sent down the whole-tree path."""
   from tests import toy
+
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
   state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
   step = zerojax.train_step(toy.loss_fn, tx)
   with toy.warnings_as_errors():
     hlo = step.lower(state, toy.batches(1)[0]).compile().as_text()
-  loops = [c for c in zerojax.diagnostics.collectives(hlo, 8)
-           if c.kind == "all-gather" and c.count == toy.LAYERS]
+  loops = [
+    c
+    for c in zerojax.diagnostics.collectives(hlo, 8)
+    if c.kind == "all-gather" and c.count == toy.LAYERS
+  ]
   assert loops, "per-layer gathers inside the scan"
 
 
 def test_slicing_a_leaf_not_marked_stacked_raises(mesh):
   """A leaf declared not a layer stack may be sharded on dim 0; scanning
   over it then raises in gather instead of gathering the wrong axis."""
-  params = {"layers": jnp.ones((8, 3))}       # dim 0 pads least -> sharded
+  params = {"layers": jnp.ones((8, 3))}  # dim 0 pads least -> sharded
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh, stacked=False)
   state = zerojax.init(params, tx)
   assert state.spec.leaves[0].shard.dim == 0
@@ -429,6 +518,7 @@ def test_slicing_a_leaf_not_marked_stacked_raises(mesh):
   def loss(p, b):
     def body(h, w):
       return h + zerojax.gather(w).sum(), None
+
     h, _ = jax.lax.scan(body, 0.0, p["layers"])
     return h * b["x"].mean()
 
@@ -438,8 +528,10 @@ def test_slicing_a_leaf_not_marked_stacked_raises(mesh):
 
 def _layers():
   k = jax.random.split(jax.random.key(2), 2)
-  return {"w": jax.random.normal(k[0], (4, 6, 6)) * 0.4,
-          "head": jax.random.normal(k[1], (6, 3)) * 0.4}
+  return {
+    "w": jax.random.normal(k[0], (4, 6, 6)) * 0.4,
+    "head": jax.random.normal(k[1], (6, 3)) * 0.4,
+  }
 
 
 def fori_gathers(params, b):
@@ -450,6 +542,7 @@ def fori_gathers(params, b):
   def step(i, h):
     layer = zerojax.gather(params["w"])[i]
     return jax.lax.cond(i % 2 == 0, jnp.tanh, jnp.sin, h @ layer)
+
   h = jax.lax.fori_loop(0, 4, step, h)
   return jnp.mean((h @ zerojax.gather(params["head"]) - b["y"]) ** 2)
 
@@ -457,6 +550,7 @@ def fori_gathers(params, b):
 def while_without_gather(params, b):
   """A while loop that reads the sharded leaves directly (counting positive
   weights: on shards the count would be wrong): not lean, must be exact."""
+
   def cond(c):
     return c[0] < 2
 
@@ -464,6 +558,7 @@ def while_without_gather(params, b):
     i, count = c
     positive = sum(jnp.sum(x > 0) for x in jax.tree.leaves(params))
     return i + 1, count + positive.astype(jnp.int32)
+
   # (the initial count is made from the batch so that, inside zerojax's
   # shard_map, the carry is device-varying like the params it adds)
   zero = jnp.sum(b["x"] > 1e30).astype(jnp.int32)
@@ -473,13 +568,20 @@ def while_without_gather(params, b):
   return jnp.mean((h @ q["head"] - b["y"]) ** 2) + 1e-3 * count
 
 
-@pytest.mark.parametrize("loss,lean", [(fori_gathers, True),
-                                       (while_without_gather, False)],
-                         ids=["fori_cond_gathered", "while_ungathered"])
+@pytest.mark.parametrize(
+  "loss,lean",
+  [(fori_gathers, True), (while_without_gather, False)],
+  ids=["fori_cond_gathered", "while_ungathered"],
+)
 def test_control_flow_is_followed(mesh, loss, lean):
   rng = np.random.default_rng(1)
-  data = [{"x": rng.normal(size=(16, 6)).astype(np.float32),
-           "y": rng.normal(size=(16, 3)).astype(np.float32)} for _ in range(2)]
+  data = [
+    {
+      "x": rng.normal(size=(16, 6)).astype(np.float32),
+      "y": rng.normal(size=(16, 3)).astype(np.float32),
+    }
+    for _ in range(2)
+  ]
   params, want_losses = toy.optax_run(loss, optax.adam(1e-2), _layers(), data)
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
   got, losses, notes = toy.zero_run(loss, tx, _layers(), data)
@@ -494,21 +596,28 @@ def test_a_callbacks_result_is_found_typed_the_same_on_every_device(mesh):
   drops their axis from its result's type; a dot, a psum over the axis and
   a callback on replicated values do not count."""
   from jax.sharding import PartitionSpec as P
+
   from zerojax._src.jaxpr import varying
-  auto = jax.make_mesh((8,), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  auto = jax.make_mesh(
+    (8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
   found = {}
 
   def body(w, x):
     for name, f in {
-        "callback": lambda w, x: _host_tanh(x) @ w,
-        "plain": lambda w, x: jax.lax.psum(jnp.tanh(x) @ w, "data"),
-        "replicated": lambda w, x: x @ _host_tanh(w)}.items():
+      "callback": lambda w, x: _host_tanh(x) @ w,
+      "plain": lambda w, x: jax.lax.psum(jnp.tanh(x) @ w, "data"),
+      "replicated": lambda w, x: x @ _host_tanh(w),
+    }.items():
       found[name] = varying.dropped_varying(
-          jax.make_jaxpr(f)(w, x).jaxpr, ("data",))
+        jax.make_jaxpr(f)(w, x).jaxpr, ("data",)
+      )
     return x
-  jax.jit(jax.shard_map(body, mesh=auto, in_specs=(P(), P("data")),
-                        out_specs=P("data"))).lower(
-      jnp.ones((6, 3)), jnp.ones((16, 6)))
-  assert found == {"callback": ["pure_callback"], "plain": [],
-                   "replicated": []}
+
+  jax.jit(
+    jax.shard_map(
+      body, mesh=auto, in_specs=(P(), P("data")), out_specs=P("data")
+    )
+  ).lower(jnp.ones((6, 3)), jnp.ones((16, 6)))
+  assert found == {"callback": ["pure_callback"], "plain": [], "replicated": []}

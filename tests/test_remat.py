@@ -19,9 +19,9 @@ import numpy as np
 import optax
 import pytest
 
-from tests import mixers
 import zerojax
 import zerojax.cost
+from tests import mixers
 
 # the model axis carries Pa only here (no tensor-parallel params)
 pytestmark = pytest.mark.filterwarnings("ignore:zerojax.init. mesh axes")
@@ -29,21 +29,22 @@ pytestmark = pytest.mark.filterwarnings("ignore:zerojax.init. mesh axes")
 B, T, D = mixers.B, mixers.T, mixers.D
 MODELS = mixers.MODELS
 MESH = "data=4,model=2"
-LOCAL_ROWS = B // 4                     # one device's batch (data=4)
-INPUT_BYTES = LOCAL_ROWS * T * D * 4    # one saved block input, fp32
+LOCAL_ROWS = B // 4  # one device's batch (data=4)
+INPUT_BYTES = LOCAL_ROWS * T * D * 4  # one saved block input, fp32
 
 
 _batch = mixers.batch
-
-
 
 
 def _step(kind, depth, remat, stage=3, mesh=MESH, params=None):
   own, loss = mixers.ALL[kind](depth, remat)
   # another model's initial values (Linen's init follows module names,
   # and nn.remat renames the scan), in this model's tree
-  params = own if params is None else jax.tree.unflatten(
-      jax.tree.structure(own), jax.tree.leaves(params))
+  params = (
+    own
+    if params is None
+    else jax.tree.unflatten(jax.tree.structure(own), jax.tree.leaves(params))
+  )
   tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=zerojax.make_mesh(mesh))
   state = zerojax.init(params, tx)
   return state, zerojax.train_step(loss, tx)
@@ -57,9 +58,10 @@ def _trained(kind, remat, steps=2, params=None):
 
 
 SETTINGS = {
-    "pa": zerojax.remat(partition="model"),
-    "dots+pa+offload": zerojax.remat(saves="dots", partition="model",
-                                     offload=True),
+  "pa": zerojax.remat(partition="model"),
+  "dots+pa+offload": zerojax.remat(
+    saves="dots", partition="model", offload=True
+  ),
 }
 
 
@@ -86,11 +88,15 @@ def test_pa_in_a_users_explicit_mesh_loop_through_the_drop_in(saves):
   results = []
   for remat in (False, zerojax.remat(saves=saves, partition="model")):
     params, loss = mixers.nnx_model(2, remat)
-    tx = (optax.sgd(0.1) if remat is False
-          else zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh))
+    tx = (
+      optax.sgd(0.1)
+      if remat is False
+      else zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+    )
     with jax.set_mesh(mesh):
-      params = jax.device_put(params, jax.sharding.NamedSharding(
-          mesh, jax.sharding.PartitionSpec()))
+      params = jax.device_put(
+        params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      )
       opt_state = tx.init(params)
 
       @jax.jit
@@ -100,8 +106,10 @@ def test_pa_in_a_users_explicit_mesh_loop_through_the_drop_in(saves):
         return optax.apply_updates(params, updates), opt_state
 
       for s in range(2):
-        b = jax.device_put(_batch(s), jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec("data")))
+        b = jax.device_put(
+          _batch(s),
+          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+        )
         params, opt_state = step(params, opt_state, b)
     results.append(params)
   for a, b in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
@@ -131,13 +139,17 @@ def test_pa_on_an_explicit_mesh_computes_on_the_whole_input(saves):
   x = rng.normal(size=(B, T, D)).astype(np.float32)
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   got = {}
-  for name, block in (("plain", attend), ("pa", zerojax.remat(
-      attend, saves=saves, partition="model"))):
+  for name, block in (
+    ("plain", attend),
+    ("pa", zerojax.remat(attend, saves=saves, partition="model")),
+  ):
     with jax.set_mesh(mesh):
-      xs = jax.device_put(x, jax.sharding.NamedSharding(
-          mesh, jax.sharding.PartitionSpec("data")))
-      got[name] = jax.jit(jax.value_and_grad(
-          lambda w, x: loss(w, x, block)))(w, xs)
+      xs = jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+      )
+      got[name] = jax.jit(jax.value_and_grad(lambda w, x: loss(w, x, block)))(
+        w, xs
+      )
   assert seen[-1][1] is None, seen
   for a, b in zip(jax.tree.leaves(got["pa"]), jax.tree.leaves(got["plain"])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -151,13 +163,19 @@ def _growth(kind, remat, depths=(2, 4)):
   lo, hi = depths
   for depth in depths:
     state, step = _step(kind, depth, remat)
-    temps[depth] = step.lower(state, _batch()).compile().memory_analysis(
-        ).temp_size_in_bytes
+    temps[depth] = (
+      step.lower(state, _batch()).compile().memory_analysis().temp_size_in_bytes
+    )
     report[depth] = zerojax.report(step, state, _batch()).activations
-  grads = sum(x.addressable_shards[0].data.size * 4
-              for path, x in jax.tree_util.tree_leaves_with_path(state.params)
-              if "blocks" in jax.tree_util.keystr(path)       # NNX
-              or "Scan" in jax.tree_util.keystr(path)) / hi   # Linen
+  grads = (
+    sum(
+      x.addressable_shards[0].data.size * 4
+      for path, x in jax.tree_util.tree_leaves_with_path(state.params)
+      if "blocks" in jax.tree_util.keystr(path)  # NNX
+      or "Scan" in jax.tree_util.keystr(path)
+    )
+    / hi
+  )  # Linen
   compiled = (temps[hi] - temps[lo]) / (hi - lo) - grads
   reported = (report[hi]["scan"] - report[lo]["scan"]) / (hi - lo)
   return compiled, reported, report[hi]
@@ -185,7 +203,8 @@ def test_pa_splits_every_kept_matmul_output_and_the_report_says_so(kind):
   figure is within 5% of the compiled growth, with and without Pa."""
   full_c, full_r, _ = _growth(kind, zerojax.remat(saves="dots"))
   pa_c, pa_r, pa_report = _growth(
-      kind, zerojax.remat(saves="dots", partition="model"))
+    kind, zerojax.remat(saves="dots", partition="model")
+  )
   assert pa_c <= 0.55 * full_c, (pa_c, full_c)
   assert full_r == pytest.approx(full_c, rel=0.05), (full_r, full_c)
   assert pa_r == pytest.approx(pa_c, rel=0.05), (pa_r, pa_c)
@@ -202,8 +221,9 @@ def test_pa_splits_tagged_tensors_and_matmuls_inside_nested_jit():
   to 4, 10,240 B per layer from 4 to 8)."""
   for saves in (("mix",), "dots"):
     full_c, full_r, _ = _growth("jax", zerojax.remat(saves=saves), (4, 6))
-    pa_c, pa_r, _ = _growth("jax", zerojax.remat(saves=saves,
-                                                 partition="model"), (4, 6))
+    pa_c, pa_r, _ = _growth(
+      "jax", zerojax.remat(saves=saves, partition="model"), (4, 6)
+    )
     assert pa_c <= 0.55 * full_c, (saves, pa_c, full_c)
     assert pa_r == pytest.approx(pa_c, rel=0.05), (saves, pa_r, pa_c)
     assert full_r == pytest.approx(full_c, rel=0.05), (saves, full_r, full_c)
@@ -214,10 +234,12 @@ def test_pa_splits_tagged_tensors_and_matmuls_inside_nested_jit():
 
 
 def _placements(step, state, batch):
-  text = step.trace(state, batch).lower(
-      lowering_platforms=("cuda",)).as_text()
-  return re.findall(r'annotate_device_placement[^\n]*_xla_buffer_placement'
-                    r' = "(\w+)"[^\n]*: \((tensor<[^>]*>)\)', text)
+  text = step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+  return re.findall(
+    r"annotate_device_placement[^\n]*_xla_buffer_placement"
+    r' = "(\w+)"[^\n]*: \((tensor<[^>]*>)\)',
+    text,
+  )
 
 
 def _tensor(shape, itemsize=4):
@@ -238,18 +260,21 @@ def test_offload_places_exactly_the_kept_tensors_in_pinned_host(kind, saves):
   assert all(p[0] in ("pinned_host", "device") for p in placed), placed
   params, loss = MODELS[kind](2, remat)
   acts = zerojax.cost.saved_activations(
-      loss, params, jax.tree.map(lambda x: x[:LOCAL_ROWS], _batch()))
+    loss, params, jax.tree.map(lambda x: x[:LOCAL_ROWS], _batch())
+  )
   # the layer scans keep everything in host memory (outside them, the
   # input and head layers keep their few residuals on the device)
   assert acts["host"] == acts["scan"] > 0, acts
-  kept = sorted(_tensor(s[1:], i) for s, i, where, scan in acts["lines"]
-                if where == "host")
+  kept = sorted(
+    _tensor(s[1:], i) for s, i, where, scan in acts["lines"] if where == "host"
+  )
   assert host == kept, (host, kept)
   if saves == "input":
     assert host == [_tensor((LOCAL_ROWS, T, D))]
   state, step = _step(kind, 2, zerojax.remat(saves=saves))
-  assert [p for p in _placements(step, state, _batch())
-          if p[0] == "pinned_host"] == []
+  assert [
+    p for p in _placements(step, state, _batch()) if p[0] == "pinned_host"
+  ] == []
 
 
 def test_planner_traces_a_users_model_and_adds_it_to_the_working_set():
@@ -259,15 +284,20 @@ def test_planner_traces_a_users_model_and_adds_it_to_the_working_set():
   depth = 4
   params, loss = mixers.nnx_model(depth, zerojax.remat(partition="model"))
   shapes = jax.eval_shape(lambda: params)
-  batch = jax.eval_shape(lambda: jax.tree.map(lambda x: x[:LOCAL_ROWS],
-                                              _batch()))
-  acts = zerojax.cost.saved_activations(loss, shapes, batch,
-                                        mesh={"data": 4, "model": 2})
+  batch = jax.eval_shape(
+    lambda: jax.tree.map(lambda x: x[:LOCAL_ROWS], _batch())
+  )
+  acts = zerojax.cost.saved_activations(
+    loss, shapes, batch, mesh={"data": 4, "model": 2}
+  )
   assert acts["scan"] == depth * INPUT_BYTES // 2, acts
-  plan = zerojax.cost.plan_stage(shapes, 3, mesh={"data": 4, "model": 2},
-                                 model_specs=jax.tree.map(
-                                     lambda _: jax.sharding.PartitionSpec(),
-                                     shapes), activations=acts)
+  plan = zerojax.cost.plan_stage(
+    shapes,
+    3,
+    mesh={"data": 4, "model": 2},
+    model_specs=jax.tree.map(lambda _: jax.sharding.PartitionSpec(), shapes),
+    activations=acts,
+  )
   assert plan.working_set == plan.device + acts["device"]
 
 
@@ -276,14 +306,27 @@ def test_gpt_figure_from_the_traced_loss_matches_the_gpt_formula():
   agree (full remat with Pa, model=2)."""
   from zerojax import plan
   from zerojax.app import gpt
-  cfg = gpt.GPTConfig(vocab=64, seq_len=32, width=64, depth=3, heads=4,
-                      remat="full", seq_shard="model")
+
+  cfg = gpt.GPTConfig(
+    vocab=64,
+    seq_len=32,
+    width=64,
+    depth=3,
+    heads=4,
+    remat="full",
+    seq_shard="model",
+  )
   params = jax.eval_shape(lambda: gpt.init(cfg, jax.random.key(0)))
-  batch = {"x": jax.ShapeDtypeStruct((4, 32), jnp.int32),
-           "y": jax.ShapeDtypeStruct((4, 32), jnp.int32)}
+  batch = {
+    "x": jax.ShapeDtypeStruct((4, 32), jnp.int32),
+    "y": jax.ShapeDtypeStruct((4, 32), jnp.int32),
+  }
   acts = zerojax.cost.saved_activations(
-      lambda p, b: gpt.loss(p, b, cfg), params, batch,
-      mesh={"data": 4, "model": 2})
+    lambda p, b: gpt.loss(p, b, cfg),
+    params,
+    batch,
+    mesh={"data": 4, "model": 2},
+  )
   formula = plan.gpt_activations(cfg, 4, model=2)
   assert acts["scan"] == formula["device"], (acts, formula)
 
@@ -298,24 +341,35 @@ def test_remat_refuses_what_it_cannot_honour():
     zerojax.remat(saves="all", offload=True)
   with pytest.raises(zerojax.errors.RematError, match="partition=3"):
     zerojax.remat(partition=3)
-  state, step = _step("nnx", 2, zerojax.remat(partition="model"),
-                      mesh="data=8")
-  with pytest.raises(zerojax.errors.RematError,
-                     match=r"partition='model' names no axis.*'data': 8"):
+  state, step = _step("nnx", 2, zerojax.remat(partition="model"), mesh="data=8")
+  with pytest.raises(
+    zerojax.errors.RematError,
+    match=r"partition='model' names no axis.*'data': 8",
+  ):
     step.lower(state, _batch())
   params, loss = mixers.nnx_model(2, zerojax.remat(partition="model"))
   with pytest.raises(zerojax.errors.RematError, match="names no axis"):
     zerojax.cost.saved_activations(loss, params, _batch(), mesh={"data": 8})
   block = zerojax.remat(lambda x, w: (x @ w, None), partition="model", dim=1)
-  mesh = jax.make_mesh((4, 2), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+    (4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
   with jax.set_mesh(mesh):
-    with pytest.raises(zerojax.errors.RematError,
-                       match=r"has 7 along dimension 1.*divisible by 2"):
+    with pytest.raises(
+      zerojax.errors.RematError,
+      match=r"has 7 along dimension 1.*divisible by 2",
+    ):
       jax.jit(lambda x, w: jax.lax.scan(block, x, w)[0]).lower(
-          jnp.ones((4, 7, 8)), jnp.ones((2, 8, 8)))
+        jnp.ones((4, 7, 8)), jnp.ones((2, 8, 8))
+      )
   manual = zerojax.remat(lambda x: x * 2, partition="data")
   with pytest.raises(zerojax.errors.RematError, match="manual axis"):
-    jax.jit(jax.shard_map(manual, mesh=mesh, in_specs=jax.sharding.PartitionSpec("data"),
-                          out_specs=jax.sharding.PartitionSpec("data"),
-                          axis_names={"data"})).lower(jnp.ones((8, 4, 2)))
+    jax.jit(
+      jax.shard_map(
+        manual,
+        mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec("data"),
+        out_specs=jax.sharding.PartitionSpec("data"),
+        axis_names={"data"},
+      )
+    ).lower(jnp.ones((8, 4, 2)))

@@ -18,8 +18,12 @@ import peers  # noqa: E402
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_report_matches_theory(mesh, stage):
-  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh,
-                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  tx = zerojax.zero(
+    optax.adamw(1e-3),
+    stage=stage,
+    mesh=mesh,
+    policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+  )
   state = zerojax.init(wide_params(), tx)
   rep = zerojax.report(zerojax.train_step(wide_loss, tx), state, BATCH)
   assert rep.n_params == PSI and rep.n_devices == 8
@@ -27,14 +31,20 @@ def test_report_matches_theory(mesh, stage):
   assert ratios["state_bytes"] == pytest.approx(1.0, abs=1e-3)
   if stage < 3:
     # within 1% (stage 0 also all-reduces the scalar loss)
-    assert all(ratios[k] == pytest.approx(1.0, rel=0.01)
-               for k in rep.theory_collective_elements), ratios
+    assert all(
+      ratios[k] == pytest.approx(1.0, rel=0.01)
+      for k in rep.theory_collective_elements
+    ), ratios
   else:
     assert ratios["reduce-scatter"] == 1.0
     # embeddings and head (outside the scan) are gathered once, not twice
     assert 0.75 <= ratios["all-gather"] < 1.0
-  assert rep.theory_collective_bytes[
-      "all-reduce" if stage == 0 else "reduce-scatter"] == 2 * PSI   # bf16
+  assert (
+    rep.theory_collective_bytes[
+      "all-reduce" if stage == 0 else "reduce-scatter"
+    ]
+    == 2 * PSI
+  )  # bf16
   text = str(rep)
   assert "state bytes per device" in text and "XLA memory analysis" in text
   assert json.loads(rep.to_json())["stage"] == stage
@@ -45,14 +55,22 @@ def test_gspmd_fsdp_peer_all_reduces_the_gradient(mesh):
   """The peer zerojax beats: plain jit + NamedSharding emits an all-reduce
   of the full gradient on CPU, where zerojax stage 3 reduce-scatters."""
   params = wide_params()
-  step, p, o = peers.make_peer("fsdp", wide_loss, optax.adamw(1e-3), params, mesh)
-  colls = zerojax.diagnostics.collectives(step.lower(p, o, BATCH).compile().as_text(), 8)
-  big_ar = sum(c.total_elements for c in colls
-               if c.kind == "all-reduce" and c.elements > 64)
+  step, p, o = peers.make_peer(
+    "fsdp", wide_loss, optax.adamw(1e-3), params, mesh
+  )
+  colls = zerojax.diagnostics.collectives(
+    step.lower(p, o, BATCH).compile().as_text(), 8
+  )
+  big_ar = sum(
+    c.total_elements
+    for c in colls
+    if c.kind == "all-reduce" and c.elements > 64
+  )
   assert big_ar >= 0.5 * PSI
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh)
-  rep = zerojax.report(zerojax.train_step(wide_loss, tx),
-                       zerojax.init(params, tx), BATCH)
+  rep = zerojax.report(
+    zerojax.train_step(wide_loss, tx), zerojax.init(params, tx), BATCH
+  )
   assert rep.collective_elements.get("all-reduce", 0) < 64
   # and the peer computes the same loss
   _, _, metrics = step(p, o, BATCH)
@@ -63,7 +81,9 @@ def test_gspmd_fsdp_peer_all_reduces_the_gradient(mesh):
 _slow = lambda *a: pytest.param(*a, marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("stage,zeropp,mesh_axes", [
+@pytest.mark.parametrize(
+  "stage,zeropp,mesh_axes",
+  [
     _slow(3, dict(weight_bits=8), "data=8"),
     _slow(3, dict(grad_bits=8), "data=8"),
     (3, dict(grad_bits=4, node_size=4), "data=8"),
@@ -73,26 +93,35 @@ _slow = lambda *a: pytest.param(*a, marks=pytest.mark.slow)
     _slow(1, dict(grad_bits=4, node_size=2), "data=8"),
     (3, dict(weight_bits=8, grad_bits=8), "data=4,model=2"),
     _slow(3, dict(weight_bits=8, grad_bits=8, hpz_size=2), "replica=2,data=4"),
-], ids=lambda v: str(v).replace(" ", ""))
+  ],
+  ids=lambda v: str(v).replace(" ", ""),
+)
 def test_report_theory_knows_zeropp(stage, zeropp, mesh_axes):
   """Quantized all-gathers and all-to-alls (data and scales, hierarchical,
   hpZ's secondary): ZeRO's measured elements and bytes over theory within
   1% for every setting and mesh, on the reference GPT."""
   import functools
+
   import jax
-  from zerojax.app import data
-  from zerojax.app import gpt
+
+  from zerojax.app import data, gpt
+
   cfg = gpt.GPTConfig(vocab=64, seq_len=16, width=64, depth=2, heads=4)
   tokens, _ = data.split(data.corpus_bytes())
   batch = data.batch_at(tokens, seed=0, step=0, batch=16, seq_len=16)
   tp = "model" in mesh_axes
-  tx = zerojax.zero(optax.adamw(1e-3), stage=stage,
-                    mesh=zerojax.make_mesh(mesh_axes),
-                    zeropp=zerojax.ZeroPP(**zeropp), stacked=gpt.is_layer_stack,
-                    model_specs=gpt.model_specs() if tp else None)
+  tx = zerojax.zero(
+    optax.adamw(1e-3),
+    stage=stage,
+    mesh=zerojax.make_mesh(mesh_axes),
+    zeropp=zerojax.ZeroPP(**zeropp),
+    stacked=gpt.is_layer_stack,
+    model_specs=gpt.model_specs() if tp else None,
+  )
   state = zerojax.init(gpt.init(cfg, jax.random.key(0)), tx)
-  step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
-                            gather="model")
+  step = zerojax.train_step(
+    functools.partial(gpt.loss, config=cfg), tx, gather="model"
+  )
   rep = zerojax.report(step, state, batch)
   ratios = rep.ratios()
   kinds = set(rep.theory_collective_elements)
@@ -110,6 +139,7 @@ def test_report_says_when_the_loss_cannot_be_traced_alone_for_activations():
   import jax
   import numpy as np
   import optax
+
   import zerojax
 
   def loss(params, batch):

@@ -29,8 +29,12 @@ def stage3(tpu_mesh):
   n = tpu_mesh.size
   p = plan.plan_gpt(plan.abstract_gpt(CONFIG), 3, n)
   return p, compiled.compile_stage(
-      CONFIG, 3, tpu_mesh, BATCH,
-      planner.predicted_peak(p, CONFIG, BATCH, n_devices=n))
+    CONFIG,
+    3,
+    tpu_mesh,
+    BATCH,
+    planner.predicted_peak(p, CONFIG, BATCH, n_devices=n),
+  )
 
 
 def test_the_compiled_stage_3_holds_the_planned_state(tpu_mesh, stage3):
@@ -41,7 +45,7 @@ def test_the_compiled_stage_3_holds_the_planned_state(tpu_mesh, stage3):
   sum."""
   p, row = stage3
   m = row["memory"]
-  batch_bytes = 2 * BATCH * CONFIG.seq_len * 4          # x and y, per chip
+  batch_bytes = 2 * BATCH * CONFIG.seq_len * 4  # x and y, per chip
   extra = m["argument"] - (p.params + p.master + p.optimizer) - batch_bytes
   # the TPU lays each buffer out in tiles (8 x 128 elements for the minor
   # dimensions), so small leaves (biases, norms, the counter) take a few KB
@@ -61,7 +65,8 @@ def test_the_compiled_stage_3_gathers_and_reduces_per_layer(stage3):
   _, row = stage3
   c = row["collectives"]
   gathers = c["all-gather"]["count"] + row["written_as"].get(
-      "all-gather as all-reduce", {}).get("count", 0)
+    "all-gather as all-reduce", {}
+  ).get("count", 0)
   assert gathers >= 2 * CONFIG.depth
   assert c["reduce-scatter"]["count"] >= CONFIG.depth
   issued = row["issued"]["all-gather"]
@@ -74,16 +79,18 @@ def test_the_compiled_stage_3_gathers_and_reduces_per_layer(stage3):
 def test_meshes_over_two_slices_put_the_slices_on_the_outer_axis():
   """A replica axis goes across the slices; without one, the outermost
   axis does (slice by slice), so every other axis stays inside a slice."""
-  slice_of = lambda mesh: [[d.slice_index for d in row] for row in
-                           mesh.devices.reshape(2, -1)]
+  slice_of = lambda mesh: [
+    [d.slice_index for d in row] for row in mesh.devices.reshape(2, -1)
+  ]
   for axes in ("replica=2,data=4", "data=8", "data=4,model=2"):
     mesh = aot.topology_mesh(TOPOLOGY, axes, num_slices=2)
     assert mesh.size == 8
     assert slice_of(mesh) == [[0] * 4, [1] * 4], axes
   # the data axis goes across even when it is not the outermost
   mesh = aot.topology_mesh(TOPOLOGY, "model=2,data=4", num_slices=2)
-  assert all(len({d.slice_index for d in col}) == 1
-             for col in mesh.devices.T), "model axis crosses slices"
+  assert all(
+    len({d.slice_index for d in col}) == 1 for col in mesh.devices.T
+  ), "model axis crosses slices"
   assert all(len({d.slice_index for d in row}) == 2 for row in mesh.devices)
   with pytest.raises(ValueError, match="num_slices=0"):
     aot.topology_devices(TOPOLOGY, num_slices=0)
@@ -97,23 +104,30 @@ def test_hsdp_across_two_slices_moves_only_the_gradient_shard_between_them():
   import optax
 
   import zerojax
+
   mesh = aot.topology_mesh(TOPOLOGY, "replica=2,data=4", num_slices=2)
   config = CONFIG.resolved("tpu")
   policy = zerojax.Policy(param_dtype=jnp.bfloat16)
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh, policy=policy)
-  state = jax.eval_shape(lambda k: zerojax.init_from(
-      lambda key: gpt.init(config, key), tx, k), jax.random.key(0))
-  batch = aot.abstract_batch({k: ((16, config.seq_len), jnp.int32)
-                              for k in ("x", "y")})
+  state = jax.eval_shape(
+    lambda k: zerojax.init_from(lambda key: gpt.init(config, key), tx, k),
+    jax.random.key(0),
+  )
+  batch = aot.abstract_batch(
+    {k: ((16, config.seq_len), jnp.int32) for k in ("x", "y")}
+  )
   step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
   report = aot.compiled_report(step.lower(state, batch).compile(), mesh)
   across = report["across_slices"]
-  p = plan.plan_gpt(plan.abstract_gpt(CONFIG), 3,
-                      mesh={"replica": 2, "data": 4})
+  p = plan.plan_gpt(
+    plan.abstract_gpt(CONFIG), 3, mesh={"replica": 2, "data": 4}
+  )
   want = p.collectives["all-reduce over replica"]
   assert across["all-reduce"]["bytes"] == pytest.approx(want, rel=0.01)
-  assert sum(r["bytes"] for k, r in across.items()
-             if k != "all-reduce") < 0.01 * want
+  assert (
+    sum(r["bytes"] for k, r in across.items() if k != "all-reduce")
+    < 0.01 * want
+  )
 
 
 def test_a_70b_step_on_256_chips_lowers_without_allocating():
@@ -124,17 +138,25 @@ def test_a_70b_step_on_256_chips_lowers_without_allocating():
   import optax
 
   import zerojax
+
   mesh = aot.topology_mesh("v5p:8x8x4")
   assert mesh.size == 256
   config = gpt.config_for_params(70e9).resolved("tpu")
-  tx = zerojax.zero(optax.adamw(3e-4), stage=3, mesh=mesh,
-                    policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+  tx = zerojax.zero(
+    optax.adamw(3e-4),
+    stage=3,
+    mesh=mesh,
+    policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+  )
   before = len(jax.live_arrays())
-  state = jax.eval_shape(lambda k: zerojax.init_from(
-      lambda key: gpt.init(config, key), tx, k), jax.random.key(0))
+  state = jax.eval_shape(
+    lambda k: zerojax.init_from(lambda key: gpt.init(config, key), tx, k),
+    jax.random.key(0),
+  )
   assert gpt.num_params(config) > 69e9
-  batch = aot.abstract_batch({k: ((256, config.seq_len), jnp.int32)
-                              for k in ("x", "y")})
+  batch = aot.abstract_batch(
+    {k: ((256, config.seq_len), jnp.int32) for k in ("x", "y")}
+  )
   step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
   text = step.lower(state, batch).as_text()
   assert len(jax.live_arrays()) == before

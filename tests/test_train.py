@@ -12,18 +12,39 @@ import optax
 import pytest
 
 import zerojax
-from zerojax.app import data
-from zerojax.app import gpt
+from zerojax.app import data, gpt
 
-TINY = ["--width", "32", "--depth", "2", "--heads", "2", "--seq-len", "32",
-        "--batch", "16", "--steps", "30", "--eval-every", "15",
-        "--log-every", "5", "--sample-len", "20", "--lr", "1e-2"]
+TINY = [
+  "--width",
+  "32",
+  "--depth",
+  "2",
+  "--heads",
+  "2",
+  "--seq-len",
+  "32",
+  "--batch",
+  "16",
+  "--steps",
+  "30",
+  "--eval-every",
+  "15",
+  "--log-every",
+  "5",
+  "--sample-len",
+  "20",
+  "--lr",
+  "1e-2",
+]
 
 
 def _main_job(out, *flags):
   proc = subprocess.run(
-      [sys.executable, "-m", "zerojax.train", *TINY, "--out", str(out),
-       *flags], capture_output=True, text=True, timeout=600)
+    [sys.executable, "-m", "zerojax.train", *TINY, "--out", str(out), *flags],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc
 
@@ -37,8 +58,13 @@ def main_job_run(tmp_path_factory):
 
 def test_main_job_runs_and_writes_its_outputs(main_job_run):
   out, proc = main_job_run
-  records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-  assert records[0] == {"step": 0, "eval_loss": pytest.approx(np.log(256), rel=0.05)}
+  records = [
+    json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert records[0] == {
+    "step": 0,
+    "eval_loss": pytest.approx(np.log(256), rel=0.05),
+  }
   logged = [r for r in records if "loss" in r]
   assert [r["step"] for r in logged] == [5, 10, 15, 20, 25, 30]
   evals = [r for r in records if "eval_loss" in r]
@@ -55,14 +81,18 @@ def test_main_job_checks_a_sized_mesh_before_it_knows_the_devices():
   checked when the flags are read (its model axis may carry
   ``--seq-shard``); one with a -1 size once the devices are known."""
   from zerojax.app import train
+
   config = lambda **kw: train.TrainConfig(**kw)
   assert train.check(config(mesh="data=4,model=2", seq_shard="model")) == []
   assert train.check(config(mesh="data=-1,model=2", seq_shard="model")) == []
-  assert any("--seq-shard=model is not a model axis of the mesh (data)" in p
-             for p in train.check(config(mesh="data=8", seq_shard="model")))
-  assert any("--batch=12 does not split over the 8 replica x data devices"
-             in p for p in train.check(config(mesh="replica=2,data=4",
-                                              batch=12)))
+  assert any(
+    "--seq-shard=model is not a model axis of the mesh (data)" in p
+    for p in train.check(config(mesh="data=8", seq_shard="model"))
+  )
+  assert any(
+    "--batch=12 does not split over the 8 replica x data devices" in p
+    for p in train.check(config(mesh="replica=2,data=4", batch=12))
+  )
 
 
 def test_main_job_samples_from_params_split_over_a_model_axis():
@@ -70,30 +100,44 @@ def test_main_job_samples_from_params_split_over_a_model_axis():
   (params split over the model axis): it runs (the forward sees the params
   whole, on one device) and writes the sample's bytes."""
   from zerojax.app import train
-  config = train.TrainConfig(mesh="data=4,model=2", seq_shard="model",
-                             width=32, depth=2, heads=4, seq_len=32,
-                             sample_len=8)
-  model = gpt.GPTConfig(width=32, depth=2, heads=4, seq_len=32,
-                        seq_shard="model")
+
+  config = train.TrainConfig(
+    mesh="data=4,model=2",
+    seq_shard="model",
+    width=32,
+    depth=2,
+    heads=4,
+    seq_len=32,
+    sample_len=8,
+  )
+  model = gpt.GPTConfig(
+    width=32, depth=2, heads=4, seq_len=32, seq_shard="model"
+  )
   mesh = zerojax.make_mesh("data=4,model=2")
   tx, _ = train._optimizer(config, mesh)
-  state = zerojax.init_from(lambda k: gpt.init(model, k), tx,
-                            jax.random.key(0))
+  state = zerojax.init_from(lambda k: gpt.init(model, k), tx, jax.random.key(0))
   text = train._sample(config, model, state)
   assert text.startswith("The ") and len(text.encode("utf-8", "replace")) >= 4
 
 
-@pytest.mark.parametrize("flags,message", [
+@pytest.mark.parametrize(
+  "flags,message",
+  [
     (["--batch", "12"], "--batch=12 does not split over --devices=8"),
     (["--stage", "5"], "invalid choice: 5"),
     (["--heads", "3"], "--heads=3 does not divide --width=128"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--seq-shard", "model"], "--seq-shard=model is not a model axis"),
     (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be >= 0"),
-])
+  ],
+)
 def test_main_job_rejects_bad_flags_before_work(flags, message):
-  proc = subprocess.run([sys.executable, "-m", "zerojax.train", *flags],
-                        capture_output=True, text=True, timeout=60)
+  proc = subprocess.run(
+    [sys.executable, "-m", "zerojax.train", *flags],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
@@ -104,17 +148,22 @@ def test_gpt_stage3_tracks_stage0_for_50_steps(mesh):
   loss_fn = functools.partial(gpt.loss, config=model)
   curves = {}
   for stage in (0, 3):
-    tx = zerojax.zero(optax.adamw(3e-3), stage=stage, mesh=mesh,
-                      policy=zerojax.Policy(param_dtype=jnp.bfloat16))
+    tx = zerojax.zero(
+      optax.adamw(3e-3),
+      stage=stage,
+      mesh=mesh,
+      policy=zerojax.Policy(param_dtype=jnp.bfloat16),
+    )
     state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
     step = zerojax.train_step(loss_fn, tx)
     losses = []
     for i in range(50):
-      state, metrics = step(state, data.batch_at(tokens, seed=0, step=i,
-                                                 batch=16, seq_len=32))
+      state, metrics = step(
+        state, data.batch_at(tokens, seed=0, step=i, batch=16, seq_len=32)
+      )
       losses.append(metrics["loss"])
     curves[stage] = np.array([float(l) for l in losses])
-  assert curves[0][-1] < 0.8 * curves[0][0]            # it learns
+  assert curves[0][-1] < 0.8 * curves[0][0]  # it learns
   np.testing.assert_allclose(curves[3], curves[0], rtol=2e-2)
 
 
@@ -122,15 +171,25 @@ def test_gpt_gathers_per_layer_under_stage3(mesh):
   model = gpt.GPTConfig(width=32, depth=4, heads=2, seq_len=16)
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh)
   state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
-  batch = data.batch_at(data.corpus_bytes(), seed=0, step=0, batch=8, seq_len=16)
-  step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
-                            gather="model")
-  colls = zerojax.diagnostics.collectives(step.lower(state, batch).compile().as_text(), 8)
-  blocks = sum(np.prod(x.shape) for x in jax.tree.leaves(state.spec.params_avals()["blocks"]))
+  batch = data.batch_at(
+    data.corpus_bytes(), seed=0, step=0, batch=8, seq_len=16
+  )
+  step = zerojax.train_step(
+    functools.partial(gpt.loss, config=model), tx, gather="model"
+  )
+  colls = zerojax.diagnostics.collectives(
+    step.lower(state, batch).compile().as_text(), 8
+  )
+  blocks = sum(
+    np.prod(x.shape)
+    for x in jax.tree.leaves(state.spec.params_avals()["blocks"])
+  )
   per_loop = {}
   for c in colls:
     if c.kind == "all-gather" and c.count == model.depth:
-      per_loop[c.computation] = per_loop.get(c.computation, 0) + c.total_elements
+      per_loop[c.computation] = (
+        per_loop.get(c.computation, 0) + c.total_elements
+      )
   # two loops gather layer by layer: the forward loop every block weight, the
   # backward loop again all it needs (XLA drops re-gathers of biases whose
   # value the backward pass does not use)
@@ -142,13 +201,18 @@ def test_gpt_gathers_per_layer_under_stage3(mesh):
 def test_eval_step_matches_unsharded_loss(mesh):
   model = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16)
   params = gpt.init(model, jax.random.key(0))
-  batch = data.batch_at(data.corpus_bytes(), seed=0, step=0, batch=8, seq_len=16)
+  batch = data.batch_at(
+    data.corpus_bytes(), seed=0, step=0, batch=8, seq_len=16
+  )
   want = float(gpt.loss(params, batch, model))
   for stage in (0, 3):
     tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
     state = zerojax.init(params, tx)
-    got = float(zerojax.eval_step(functools.partial(gpt.loss, config=model), tx)(
-        state, batch))
+    got = float(
+      zerojax.eval_step(functools.partial(gpt.loss, config=model), tx)(
+        state, batch
+      )
+    )
     assert abs(got - want) < 1e-5
 
 
@@ -163,16 +227,19 @@ def test_gpt_init_is_one_program_and_init_from_builds_the_same_bits(mesh):
   def listen(event, secs, **kw):
     if event == "/jax/core/compile/backend_compile_duration":
       compiles.append(secs)
+
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:
-    eager = gpt.init(model, key)      # a config no other test builds
+    eager = gpt.init(model, key)  # a config no other test builds
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
   assert len(compiles) == 1, len(compiles)
-  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh,
-                    stacked=gpt.is_layer_stack)
-  built = zerojax.gather_params(zerojax.init_from(
-      functools.partial(gpt.init, model), tx, key))
+  tx = zerojax.zero(
+    optax.sgd(0.1), stage=3, mesh=mesh, stacked=gpt.is_layer_stack
+  )
+  built = zerojax.gather_params(
+    zerojax.init_from(functools.partial(gpt.init, model), tx, key)
+  )
   for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(built)):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
@@ -189,17 +256,21 @@ def test_main_job_resumes_exactly(tmp_path, main_job_run):
   ends where the run that never stopped (nor saved) ends: every logged
   loss and eval loss after the resume bitwise (JSON floats)."""
   ckpt = tmp_path / "ckpt"
-  _main_job(tmp_path / "b", "--checkpoint-dir", str(ckpt), "--save-every",
-            "15")
+  _main_job(tmp_path / "b", "--checkpoint-dir", str(ckpt), "--save-every", "15")
   assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == [
-      "15", "30"]
+    "15",
+    "30",
+  ]
   import shutil
-  shutil.rmtree(ckpt / "30")                        # as if stopped after 15
+
+  shutil.rmtree(ckpt / "30")  # as if stopped after 15
   out = _main_job(tmp_path / "c", "--checkpoint-dir", str(ckpt), "--resume")
   assert "resumed from" in out.stdout and "at step 15" in out.stdout
-  kept = ("step", "loss", "grad_norm", "lr", "eval_loss")   # not timings
-  records = lambda d: [{k: r[k] for k in kept if k in r} for r in map(
-      json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+  kept = ("step", "loss", "grad_norm", "lr", "eval_loss")  # not timings
+  records = lambda d: [
+    {k: r[k] for k in kept if k in r}
+    for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+  ]
   after = lambda rs: [r for r in rs if r["step"] > 15]
   straight = after(records(main_job_run[0]))
   assert straight and after(records(tmp_path / "c")) == straight
@@ -212,27 +283,39 @@ def test_unrolled_scan_gathers_the_next_layer_in_the_same_iteration(mesh):
   model = gpt.GPTConfig(width=32, depth=4, heads=2, seq_len=16, scan_unroll=2)
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh)
   state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
-  batch = data.batch_at(data.corpus_bytes(), seed=0, step=0, batch=8, seq_len=16)
-  step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
-                            gather="model")
+  batch = data.batch_at(
+    data.corpus_bytes(), seed=0, step=0, batch=8, seq_len=16
+  )
+  step = zerojax.train_step(
+    functools.partial(gpt.loss, config=model), tx, gather="model"
+  )
   text = step.lower(state, batch).compile().as_text()
   colls = zerojax.diagnostics.collectives(text, 8)
   in_loops = [c for c in colls if c.kind == "all-gather" and c.count > 1]
-  assert {c.count for c in in_loops} == {2}             # depth / unroll
+  assert {c.count for c in in_loops} == {2}  # depth / unroll
   blocks = state.spec.params_avals()["blocks"]
   per_layer = len(jax.tree.leaves(blocks))
-  counts = {name: sum(1 for c in in_loops if c.computation == name)
-            for name in {c.computation for c in in_loops}}
-  name = max(counts, key=counts.get)                     # the forward loop
-  assert counts[name] == 2 * per_layer                   # two layers' gathers
+  counts = {
+    name: sum(1 for c in in_loops if c.computation == name)
+    for name in {c.computation for c in in_loops}
+  }
+  name = max(counts, key=counts.get)  # the forward loop
+  assert counts[name] == 2 * per_layer  # two layers' gathers
   # in the compiled schedule both layers' gathers run back to back, ahead
   # of the layers' compute
   start = text.index("%" + name + " ")
-  body = text[start:text.index("\n}", start)]
+  body = text[start : text.index("\n}", start)]
   import re
-  ops = [o for o in re.findall(r"= \S+ ([a-z\-]+)\(", body)
-         if o in ("all-gather", "fusion", "dot")]
-  first, last = ops.index("all-gather"), len(ops) - ops[::-1].index("all-gather")
+
+  ops = [
+    o
+    for o in re.findall(r"= \S+ ([a-z\-]+)\(", body)
+    if o in ("all-gather", "fusion", "dot")
+  ]
+  first, last = (
+    ops.index("all-gather"),
+    len(ops) - ops[::-1].index("all-gather"),
+  )
   assert ops[first:last] == ["all-gather"] * (2 * per_layer)
 
 
@@ -245,12 +328,14 @@ def test_gpt_dropout_is_the_same_run_at_stage3_and_stage0(mesh):
   out = {}
   for stage in (0, 3):
     tx = zerojax.zero(optax.adamw(3e-3), stage=stage, mesh=mesh)
-    state = zerojax.init(gpt.init(model, jax.random.key(0)), tx,
-                         key=jax.random.key(5))
+    state = zerojax.init(
+      gpt.init(model, jax.random.key(0)), tx, key=jax.random.key(5)
+    )
     step = zerojax.train_step(loss_fn, tx)
     for i in range(3):
-      state, metrics = step(state, data.batch_at(tokens, seed=0, step=i,
-                                                 batch=16, seq_len=16))
+      state, metrics = step(
+        state, data.batch_at(tokens, seed=0, step=i, batch=16, seq_len=16)
+      )
     out[stage] = (zerojax.gather_params(state), float(metrics["loss"]))
   np.testing.assert_allclose(out[3][1], out[0][1], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(out[3][0]), jax.tree.leaves(out[0][0])):
@@ -262,8 +347,9 @@ def test_gpt_dropout_is_the_same_run_at_stage3_and_stage0(mesh):
   # and dropout is on: without the key the loss differs
   tx = zerojax.zero(optax.adamw(3e-3), stage=0, mesh=mesh)
   plain = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
-  _, m = zerojax.train_step(loss_fn, tx)(plain, data.batch_at(
-      tokens, seed=0, step=0, batch=16, seq_len=16))
+  _, m = zerojax.train_step(loss_fn, tx)(
+    plain, data.batch_at(tokens, seed=0, step=0, batch=16, seq_len=16)
+  )
   assert float(m["loss"]) != pytest.approx(out[0][1], rel=1e-3)
 
 
@@ -271,15 +357,29 @@ def test_gpt_dropout_is_the_same_run_at_stage3_and_stage0(mesh):
 def test_main_job_with_dropout(tmp_path):
   out = tmp_path / "run"
   proc = subprocess.run(
-      [sys.executable, "-m", "zerojax.train", *TINY, "--dropout", "0.1",
-       "--out", str(out)], capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "-m",
+      "zerojax.train",
+      *TINY,
+      "--dropout",
+      "0.1",
+      "--out",
+      str(out),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
   assert summary["config"]["dropout"] == 0.1
   assert summary["last_eval_loss"] < summary["first_eval_loss"]
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+  "dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)]
+)
 def test_dot_product_attention_matches_the_einsum_reference(dtype, tol):
   """jax.nn.dot_product_attention (XLA's implementation on CPU; cuDNN's on
   GPU) gives the reference attention's numbers."""
@@ -291,15 +391,23 @@ def test_dot_product_attention_matches_the_einsum_reference(dtype, tol):
 
 
 def test_remat_policies_and_attention_kernels_give_the_same_gradients():
-  batch = data.batch_at(data.corpus_bytes(), seed=0, step=0, batch=4, seq_len=16)
-  base = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16,
-                       attention="einsum", remat="full")
+  batch = data.batch_at(
+    data.corpus_bytes(), seed=0, step=0, batch=4, seq_len=16
+  )
+  base = gpt.GPTConfig(
+    width=32, depth=2, heads=2, seq_len=16, attention="einsum", remat="full"
+  )
   params = gpt.init(base, jax.random.key(0))
   want_l, want_g = jax.value_and_grad(gpt.loss)(params, batch, base)
-  for attention, remat in (("einsum", "dots"), ("einsum", "none"),
-                           ("xla", "full"), ("xla", "dots")):
-    config = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16,
-                           attention=attention, remat=remat)
+  for attention, remat in (
+    ("einsum", "dots"),
+    ("einsum", "none"),
+    ("xla", "full"),
+    ("xla", "dots"),
+  ):
+    config = gpt.GPTConfig(
+      width=32, depth=2, heads=2, seq_len=16, attention=attention, remat=remat
+    )
     l, g = jax.value_and_grad(gpt.loss)(params, batch, config)
     np.testing.assert_allclose(l, want_l, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
@@ -314,10 +422,13 @@ def test_remat_policies_and_attention_kernels_give_the_same_gradients():
 def test_gpt_fast_kernels_stay_lean_and_exact_at_stage3(mesh):
   """dot_product_attention + the dots-saveable policy (the GPU defaults)
   under ZeRO-3: per-layer gathers only (gather='model'), Optax's numbers."""
-  model = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16,
-                        attention="xla", remat="dots")
-  batches = [data.batch_at(data.corpus_bytes(), seed=0, step=i, batch=8,
-                           seq_len=16) for i in range(2)]
+  model = gpt.GPTConfig(
+    width=32, depth=2, heads=2, seq_len=16, attention="xla", remat="dots"
+  )
+  batches = [
+    data.batch_at(data.corpus_bytes(), seed=0, step=i, batch=8, seq_len=16)
+    for i in range(2)
+  ]
   params, opt = gpt.init(model, jax.random.key(0)), optax.sgd(0.5)
   opt_state = opt.init(params)
   for b in batches:
@@ -326,8 +437,9 @@ def test_gpt_fast_kernels_stay_lean_and_exact_at_stage3(mesh):
     params = optax.apply_updates(params, u)
   tx = zerojax.zero(optax.sgd(0.5), stage=3, mesh=mesh)
   state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
-  step = zerojax.train_step(functools.partial(gpt.loss, config=model), tx,
-                            gather="model")
+  step = zerojax.train_step(
+    functools.partial(gpt.loss, config=model), tx, gather="model"
+  )
   for b in batches:
     state, _ = step(state, b)
   got = zerojax.gather_params(state)
@@ -340,6 +452,7 @@ def test_mfu_from_the_peak_table():
 
   class Dev:
     device_kind = "NVIDIA H100 80GB HBM3"
+
   assert hardware.peak_flops(Dev()) == pytest.approx(989.4e12)
   assert hardware.mfu(1000.0, 1e9, [Dev()]) == pytest.approx(1e12 / 989.4e12)
-  assert hardware.mfu(1000.0, 1e9, jax.devices()[:1]) is None     # a CPU
+  assert hardware.mfu(1000.0, 1e9, jax.devices()[:1]) is None  # a CPU

@@ -17,9 +17,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from tests import toy
 from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.records import zeropp as _settings
-from tests import toy
 
 
 def _bound(x, bits, block):
@@ -27,9 +27,9 @@ def _bound(x, bits, block):
   flat = np.asarray(x, np.float64).reshape(-1)
   nb = -(-flat.size // block)
   padded = np.zeros(nb * block)
-  padded[:flat.size] = np.abs(flat)
+  padded[: flat.size] = np.abs(flat)
   absmax = padded.reshape(nb, block).max(-1)
-  return np.repeat(absmax, block)[:flat.size], _zeropp.qmax(bits)
+  return np.repeat(absmax, block)[: flat.size], _zeropp.qmax(bits)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -37,7 +37,9 @@ def _bound(x, bits, block):
 def test_dequantization_error_is_within_absmax_over_qmax_per_block(bits, block):
   rng = np.random.default_rng(0)
   # 1,001 values whose blocks span 1e-30 .. 1e30, an odd count (padding)
-  x = (rng.standard_normal(1001) * 10.0 ** rng.uniform(-30, 30, 1001)).astype(np.float32)
+  x = (rng.standard_normal(1001) * 10.0 ** rng.uniform(-30, 30, 1001)).astype(
+    np.float32
+  )
   q, scale = _zeropp.quantize(jnp.asarray(x), bits, block)
   assert q.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
   assert q.shape[-1] == (block if bits == 8 else block // 2)
@@ -45,8 +47,8 @@ def test_dequantization_error_is_within_absmax_over_qmax_per_block(bits, block):
   absmax, qmax = _bound(x, bits, block)
   err = np.abs(y - x)
   assert np.all(np.isfinite(y))
-  assert np.all(err <= absmax / qmax)                       # the stated bound
-  assert np.all(err <= absmax / (2 * qmax) * (1 + 1e-6) + 1e-45)   # rounding
+  assert np.all(err <= absmax / qmax)  # the stated bound
+  assert np.all(err <= absmax / (2 * qmax) * (1 + 1e-6) + 1e-45)  # rounding
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -55,12 +57,16 @@ def test_stochastic_rounding_is_unbiased_within_one_step(bits):
   to nearest they all become 0; stochastically their mean survives, each
   within one step; zeros and the absmax stay exact."""
   rng = np.random.default_rng(0)
-  step = 1.0 / _zeropp.qmax(bits)                 # absmax 1 in every block
+  step = 1.0 / _zeropp.qmax(bits)  # absmax 1 in every block
   small = (rng.uniform(0.2, 0.3, (64, 255)) * step).astype(np.float32)
-  x = np.concatenate([np.ones((64, 1), np.float32), small, np.zeros((64, 256),
-                                                                    np.float32)], 1)
-  near = np.asarray(_zeropp.dequantize(*_zeropp.quantize(jnp.asarray(x), bits, 256),
-                                       bits, x.shape[1]))
+  x = np.concatenate(
+    [np.ones((64, 1), np.float32), small, np.zeros((64, 256), np.float32)], 1
+  )
+  near = np.asarray(
+    _zeropp.dequantize(
+      *_zeropp.quantize(jnp.asarray(x), bits, 256), bits, x.shape[1]
+    )
+  )
   q = _zeropp.quantize(jnp.asarray(x), bits, 256, stochastic=True)
   sto = np.asarray(_zeropp.dequantize(*q, bits, x.shape[1]))
   assert np.all(near[:, 1:256] == 0)
@@ -76,7 +82,9 @@ def test_stochastic_rounding_is_unbiased_within_one_step(bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_zero_and_repeated_blocks_dequantize_exactly(bits):
-  x = jnp.concatenate([jnp.zeros(16), jnp.full((16,), -3.7), jnp.full((5,), 1e-30)])
+  x = jnp.concatenate(
+    [jnp.zeros(16), jnp.full((16,), -3.7), jnp.full((5,), 1e-30)]
+  )
   q, scale = _zeropp.quantize(x, bits, 16)
   y = _zeropp.dequantize(q, scale, bits, x.size)
   np.testing.assert_array_equal(np.asarray(y[:16]), 0.0)
@@ -91,9 +99,15 @@ def test_quantized_all_gather_equals_gather_within_bound(mesh, shape, dim):
   full_shape[dim] *= n
   x = jax.random.normal(jax.random.key(1), full_shape) * 10.0
   spec = P(*([None] * dim + ["data"]))
-  f = jax.jit(jax.shard_map(
-      lambda s: _zeropp.all_gather(s, "data", dim, 8, 6), mesh=mesh,
-      in_specs=spec, out_specs=P(), check_vma=False))
+  f = jax.jit(
+    jax.shard_map(
+      lambda s: _zeropp.all_gather(s, "data", dim, 8, 6),
+      mesh=mesh,
+      in_specs=spec,
+      out_specs=P(),
+      check_vma=False,
+    )
+  )
   y = np.asarray(f(jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))))
   # the bound per shard block: each device quantized its own shard
   shards = np.split(np.asarray(x), n, axis=dim)
@@ -113,19 +127,39 @@ def _one_sgd_step(stage, zeropp, c_rows, leaves):
   def loss_fn(p, batch):
     p = zerojax.gather(p)
     return sum(jnp.sum(p[k] * batch[k].mean(0)) for k in leaves)
+
   state, _ = zerojax.train_step(loss_fn, tx)(state, c_rows)
-  return {k: -np.asarray(v, np.float64)
-          for k, v in zerojax.gather_params(state).items()}
+  return {
+    k: -np.asarray(v, np.float64)
+    for k, v in zerojax.gather_params(state).items()
+  }
 
 
-@pytest.mark.parametrize("stage,nodes", [
-    (1, None), (2, None), (3, None), (3, dict(hpz_size=4)),
-    (3, dict(hpz_size=2)), (1, dict(node_size=4)), (2, dict(node_size=2))],
-    ids=["stage1", "stage2", "stage3", "stage3-hpz4", "stage3-hpz2",
-         "stage1-node4", "stage2-node2"])
+@pytest.mark.parametrize(
+  "stage,nodes",
+  [
+    (1, None),
+    (2, None),
+    (3, None),
+    (3, dict(hpz_size=4)),
+    (3, dict(hpz_size=2)),
+    (1, dict(node_size=4)),
+    (2, dict(node_size=2)),
+  ],
+  ids=[
+    "stage1",
+    "stage2",
+    "stage3",
+    "stage3-hpz4",
+    "stage3-hpz2",
+    "stage1-node4",
+    "stage2-node2",
+  ],
+)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_reduce_scatter_spanning_magnitudes_zeros_and_equal_values(
-    stage, nodes, bits):
+  stage, nodes, bits
+):
   """Flat (one all-to-all) and hierarchical (nodes known from hpZ or
   node_size: in-node, then across)."""
   n = 8
@@ -135,15 +169,18 @@ def test_quantized_reduce_scatter_spanning_magnitudes_zeros_and_equal_values(
   mags = np.repeat(10.0 ** np.linspace(-30, 30, 16), 16)
   span = (rng.uniform(-1, 1, 256) * mags).astype(np.float32)
   rows = {
-      "span": np.stack([span * (1 + 0.25 * i) for i in range(n)]),
-      "zeros": np.zeros((n, 40), np.float32),
-      # every device sends +127 for every element: a sum of int8 values
-      # would overflow; dequantized first it is exact
-      "equal": np.full((n, 24), 3.7, np.float32),
+    "span": np.stack([span * (1 + 0.25 * i) for i in range(n)]),
+    "zeros": np.zeros((n, 40), np.float32),
+    # every device sends +127 for every element: a sum of int8 values
+    # would overflow; dequantized first it is exact
+    "equal": np.full((n, 24), 3.7, np.float32),
   }
-  got = _one_sgd_step(stage, zerojax.ZeroPP(grad_bits=bits, block_size=16,
-                                            **(nodes or {})),
-                      rows, tuple(rows))
+  got = _one_sgd_step(
+    stage,
+    zerojax.ZeroPP(grad_bits=bits, block_size=16, **(nodes or {})),
+    rows,
+    tuple(rows),
+  )
   exact = {k: v.astype(np.float64).mean(0) for k, v in rows.items()}
   np.testing.assert_array_equal(got["zeros"], 0.0)
   np.testing.assert_allclose(got["equal"], 3.7, rtol=1e-6)
@@ -162,7 +199,9 @@ BF16 = zerojax.Policy(param_dtype=jnp.bfloat16)
 
 
 def _train(zeropp, policy=None, steps=3, stage=3):
-  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, zeropp=zeropp, policy=policy)
+  tx = zerojax.zero(
+    optax.adamw(1e-2), stage=stage, zeropp=zeropp, policy=policy
+  )
   state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
   step = zerojax.train_step(toy.loss_fn, tx)
   losses = []
@@ -175,12 +214,21 @@ def _train(zeropp, policy=None, steps=3, stage=3):
 Q8, Q4 = zerojax.ZeroPP(8, 8, 4), zerojax.ZeroPP(8, 4, 4)
 
 
-@pytest.mark.parametrize("zeropp,policy", [
-    (Q8, None), (Q4, BF16),
+@pytest.mark.parametrize(
+  "zeropp,policy",
+  [
+    (Q8, None),
+    (Q4, BF16),
     pytest.param(Q4, None, marks=pytest.mark.slow),
-    pytest.param(Q8, BF16, marks=pytest.mark.slow)],
-    ids=["qwZ+qgZ8-fp32", "qwZ+qgZ4-bf16+master", "qwZ+qgZ4-fp32",
-         "qwZ+qgZ8-bf16+master"])
+    pytest.param(Q8, BF16, marks=pytest.mark.slow),
+  ],
+  ids=[
+    "qwZ+qgZ8-fp32",
+    "qwZ+qgZ4-bf16+master",
+    "qwZ+qgZ4-fp32",
+    "qwZ+qgZ8-bf16+master",
+  ],
+)
 def test_training_with_zeropp_stays_close_to_unquantized(policy, zeropp):
   """The toy model (every leaf uneven over 8 devices), 3 AdamW steps."""
   _, ref, _ = _train(None, policy)
@@ -188,31 +236,43 @@ def test_training_with_zeropp_stays_close_to_unquantized(policy, zeropp):
   assert all(np.isfinite(got))
   # measured: at most 4e-4 (int8), 1e-3 (int4) relative on these losses
   np.testing.assert_allclose(got, ref, rtol=3e-3)
-  assert got != ref                      # quantization did happen
+  assert got != ref  # quantization did happen
   for x in jax.tree.leaves(zerojax.gather_params(state)):
     assert np.all(np.isfinite(np.asarray(x, np.float32)))
 
 
 def _weight_gather_elems(step, state, batch, dtype):
-  colls = zerojax.diagnostics.collectives(step.lower(state, batch).compile().as_text(), 8)
-  return sum(c.total_elements for c in colls
-             if c.kind == "all-gather" and c.dtype == dtype)
+  colls = zerojax.diagnostics.collectives(
+    step.lower(state, batch).compile().as_text(), 8
+  )
+  return sum(
+    c.total_elements
+    for c in colls
+    if c.kind == "all-gather" and c.dtype == dtype
+  )
 
 
 def test_collectives_move_int8_weights_and_int4_gradients():
-  from zerojax.app import gpt
-  from zerojax.app import data
+  from zerojax.app import data, gpt
+
   cfg = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=16)
   tokens, _ = data.split(data.corpus_bytes())
   batch = data.batch_at(tokens, seed=0, step=0, batch=8, seq_len=16)
   out = {}
   for name, zpp in (("plain", None), ("q", zerojax.ZeroPP(8, 4))):
     tx = zerojax.zero(optax.adamw(1e-3), stage=3, zeropp=zpp)
-    state = jax.eval_shape(lambda k, tx=tx: zerojax.init_from(   # compiled only
-        functools.partial(gpt.init, cfg), tx, k), jax.random.key(0))
-    step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
-                              gather="model")
-    colls = zerojax.diagnostics.collectives(step.lower(state, batch).compile().as_text(), 8)
+    state = jax.eval_shape(
+      lambda k, tx=tx: zerojax.init_from(  # compiled only
+        functools.partial(gpt.init, cfg), tx, k
+      ),
+      jax.random.key(0),
+    )
+    step = zerojax.train_step(
+      functools.partial(gpt.loss, config=cfg), tx, gather="model"
+    )
+    colls = zerojax.diagnostics.collectives(
+      step.lower(state, batch).compile().as_text(), 8
+    )
     by = {}
     for c in colls:
       by[(c.kind, c.dtype)] = by.get((c.kind, c.dtype), 0) + c.total_elements
@@ -222,9 +282,14 @@ def test_collectives_move_int8_weights_and_int4_gradients():
   plain, q = out["plain"], out["q"]
   # padding: at most a block per quantized run (the exact run reduces a
   # layer's gradients in one reduce-scatter, the quantized one per leaf)
-  weights, gathers = plain[("all-gather", "f32")], q[("all-gather", "s8", "runs")]
-  grads, scatters = (plain[("reduce-scatter", "f32")],
-                     q[("all-to-all", "u8", "runs")])
+  weights, gathers = (
+    plain[("all-gather", "f32")],
+    q[("all-gather", "s8", "runs")],
+  )
+  grads, scatters = (
+    plain[("reduce-scatter", "f32")],
+    q[("all-to-all", "u8", "runs")],
+  )
   # qwZ: the weight all-gathers move int8: the same elements, plus at most
   # one block of padding per device and gather; one f32 scale per block
   assert weights <= q[("all-gather", "s8")] <= weights + gathers * 8 * 256
@@ -232,7 +297,9 @@ def test_collectives_move_int8_weights_and_int4_gradients():
   # qgZ int4: no reduce-scatter left; an all-to-all of packed bytes (half
   # the elements, at most a block of padding per chunk) plus f32 scales
   assert not any(k[0] == "reduce-scatter" for k in q)
-  assert grads / 2 <= q[("all-to-all", "u8")] <= (grads + scatters * 8 * 256) / 2
+  assert (
+    grads / 2 <= q[("all-to-all", "u8")] <= (grads + scatters * 8 * 256) / 2
+  )
   assert q[("all-to-all", "f32")] < q[("all-to-all", "u8")] / 4
 
 
@@ -244,8 +311,9 @@ def test_hpz_alone_equals_stage3(k, policy):
   sums (a gradient adds the batch's 32 rows, over 2 steps)."""
   plain, ref, _ = _train(None, policy, steps=2)
   hpz, got, _ = _train(zerojax.ZeroPP(hpz_size=k), policy, steps=2)
-  toy.assert_same_up_to_summation_order(np.float32(got), np.float32(ref),
-                                        terms=32 * 2)
+  toy.assert_same_up_to_summation_order(
+    np.float32(got), np.float32(ref), terms=32 * 2
+  )
   toy.assert_same_up_to_summation_order(hpz, plain, terms=32 * 2)
 
 
@@ -258,7 +326,8 @@ def test_hpz_backward_gathers_stay_inside_the_node():
   k = 4
   state, _, step = _train(zerojax.ZeroPP(hpz_size=k, weight_bits=8), steps=1)
   colls = zerojax.diagnostics.collectives(
-      step.lower(state, toy.batches(1)[0]).compile().as_text(), 8)
+    step.lower(state, toy.batches(1)[0]).compile().as_text(), 8
+  )
   gathers = [c for c in colls if c.kind == "all-gather"]
   inside = [c for c in gathers if _node_span(c, k) == 1]
   across = [c for c in gathers if _node_span(c, k) > 1]
@@ -271,13 +340,18 @@ def test_hpz_backward_gathers_stay_inside_the_node():
   assert all(len(g) == 8 // k for c in across for g in c.groups)
   assert {c.dtype for c in across} == {"s8", "f32"}
   across_s8 = sum(c.total_elements for c in across if c.dtype == "s8")
-  leaves = [x for x in jax.tree.leaves(state.params)
-            if x.ndim and jnp.issubdtype(x.dtype, jnp.floating)]
+  leaves = [
+    x
+    for x in jax.tree.leaves(state.params)
+    if x.ndim and jnp.issubdtype(x.dtype, jnp.floating)
+  ]
   # one secondary shard per device: each sharded param's 1/k (+ blocks)
   secondary = sum(x.size // k for x in leaves)
   assert secondary <= across_s8 <= secondary + len(leaves) * 2 * 8
   # the gradient reduce-scatter still spans all devices (one per leaf)
-  assert all(_node_span(c, k) == 8 // k for c in colls if c.kind == "reduce-scatter")
+  assert all(
+    _node_span(c, k) == 8 // k for c in colls if c.kind == "reduce-scatter"
+  )
 
 
 def test_evaluation_gathers_exactly():
@@ -290,14 +364,17 @@ def test_evaluation_gathers_exactly():
   assert float(got) == float(want)
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(weight_bits=4), "weight_bits=4"),
     (dict(grad_bits=2), "grad_bits=2"),
     (dict(block_size=7), "block_size=7"),
     (dict(hpz_size=1), "hpz_size=1"),
     (dict(node_size=0), "node_size=0"),
     (dict(hpz_size=4, node_size=2), "set one"),
-])
+  ],
+)
 def test_bad_zeropp_settings_raise_with_the_fix(kwargs, match):
   with pytest.raises(ValueError, match=match):
     zerojax.ZeroPP(**kwargs)
@@ -305,7 +382,9 @@ def test_bad_zeropp_settings_raise_with_the_fix(kwargs, match):
 
 def test_zeropp_where_it_does_not_apply_raises(mesh):
   with pytest.raises(ValueError, match="stage=3"):
-    zerojax.zero(optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(weight_bits=8))
+    zerojax.zero(
+      optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(weight_bits=8)
+    )
   with pytest.raises(ValueError, match="stage >= 1"):
     zerojax.zero(optax.adamw(1e-3), stage=0, zeropp=zerojax.ZeroPP(grad_bits=8))
   with pytest.raises(TypeError, match="zerojax.ZeroPP"):
@@ -315,8 +394,11 @@ def test_zeropp_where_it_does_not_apply_raises(mesh):
   with pytest.raises(ValueError, match="stage=3"):
     zerojax.zero(optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(hpz_size=4))
   with pytest.raises(ValueError, match="node_size=3"):
-    zerojax.zero(optax.adamw(1e-3), stage=2, zeropp=zerojax.ZeroPP(
-        grad_bits=8, node_size=3))
+    zerojax.zero(
+      optax.adamw(1e-3),
+      stage=2,
+      zeropp=zerojax.ZeroPP(grad_bits=8, node_size=3),
+    )
   with pytest.raises(ValueError, match="hpz_size=8"):
     zerojax.zero(optax.adamw(1e-3), stage=3, zeropp=zerojax.ZeroPP(hpz_size=8))
 
@@ -345,13 +427,15 @@ def test_six_devices_in_nodes_of_three_any_leaf_shape():
       state, m = step(state, b)
       losses.append(float(m["loss"]))
     return losses, [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
   ref, ref_p = run(None)
   got, _ = run(zerojax.ZeroPP(weight_bits=8, grad_bits=4, hpz_size=3))
   assert all(np.isfinite(got)) and got != ref
   np.testing.assert_allclose(got, ref, rtol=3e-3)
   same, same_p = run(zerojax.ZeroPP(hpz_size=3))
-  toy.assert_same_up_to_summation_order(np.float32(same), np.float32(ref),
-                                        terms=30 * 2)
+  toy.assert_same_up_to_summation_order(
+    np.float32(same), np.float32(ref), terms=30 * 2
+  )
   toy.assert_same_up_to_summation_order(same_p, ref_p, terms=30 * 2)
 
 
@@ -369,6 +453,7 @@ def test_quantized_collectives_on_a_hybrid_mesh_stay_close():
       state, m = step(state, b)
       losses.append(float(m["loss"]))
     return losses
+
   ref, got = run(None), run(zerojax.ZeroPP(8, 8, 4))
   assert all(np.isfinite(got)) and got != ref
   np.testing.assert_allclose(got, ref, rtol=3e-3)
@@ -378,15 +463,25 @@ def test_quantized_collectives_on_a_hybrid_mesh_stay_close():
 # every mesh zerojax supports
 # --------------------------------------------------------------------------
 # The toy model's tensor-parallel layout (as in test_meshes.py).
-TP_SPECS = {"embed": P(None, "model"),
-            "layers": {"w": P(None, None, "model"), "b": P(None, "model")},
-            "head": P("model", None), "bias3": None, "scale": None, "ids": None}
+TP_SPECS = {
+  "embed": P(None, "model"),
+  "layers": {"w": P(None, None, "model"), "b": P(None, "model")},
+  "head": P("model", None),
+  "bias3": None,
+  "scale": None,
+  "ids": None,
+}
 
 
 def _mesh_run(mesh_axes, stage, zeropp, steps=3):
   mesh = zerojax.make_mesh(mesh_axes)
-  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh, zeropp=zeropp,
-                    model_specs=TP_SPECS if "model" in mesh_axes else None)
+  tx = zerojax.zero(
+    optax.adamw(1e-2),
+    stage=stage,
+    mesh=mesh,
+    zeropp=zeropp,
+    model_specs=TP_SPECS if "model" in mesh_axes else None,
+  )
   params = toy.init_params(jax.random.key(0), width=6)
   state = zerojax.init(params, tx)
   step = zerojax.train_step(toy.loss_fn, tx, gather="model")
@@ -397,22 +492,40 @@ def _mesh_run(mesh_axes, stage, zeropp, steps=3):
   return state, losses, step, mesh
 
 
-@pytest.mark.parametrize("mesh_axes,stage,zeropp", [
+@pytest.mark.parametrize(
+  "mesh_axes,stage,zeropp",
+  [
     ("data=4,model=2", 3, zerojax.ZeroPP(8, 8, 4)),
     ("data=4,model=2", 3, zerojax.ZeroPP(8, 4, 4, hpz_size=2)),
     ("replica=2,data=2,model=2", 3, zerojax.ZeroPP(8, 8, 4)),
     ("replica=2,data=4", 3, zerojax.ZeroPP(8, 8, 4, hpz_size=2)),
-    pytest.param("data=4,model=2", 1, zerojax.ZeroPP(grad_bits=8, block_size=4),
-                 marks=pytest.mark.slow),
+    pytest.param(
+      "data=4,model=2",
+      1,
+      zerojax.ZeroPP(grad_bits=8, block_size=4),
+      marks=pytest.mark.slow,
+    ),
     ("data=4,model=2", 2, zerojax.ZeroPP(grad_bits=4, block_size=4)),
-    pytest.param("replica=2,data=2,model=2", 2,
-                 zerojax.ZeroPP(grad_bits=8, block_size=4),
-                 marks=pytest.mark.slow),
-], ids=["dp4xtp2-s3-qwZ+qgZ8", "dp4xtp2-s3-all3-int4", "r2xdp2xtp2-s3-qwZ+qgZ8",
-        "r2xdp4-s3-all3-int8", "dp4xtp2-s1-qgZ8", "dp4xtp2-s2-qgZ4",
-        "r2xdp2xtp2-s2-qgZ8"])
+    pytest.param(
+      "replica=2,data=2,model=2",
+      2,
+      zerojax.ZeroPP(grad_bits=8, block_size=4),
+      marks=pytest.mark.slow,
+    ),
+  ],
+  ids=[
+    "dp4xtp2-s3-qwZ+qgZ8",
+    "dp4xtp2-s3-all3-int4",
+    "r2xdp2xtp2-s3-qwZ+qgZ8",
+    "r2xdp4-s3-all3-int8",
+    "dp4xtp2-s1-qgZ8",
+    "dp4xtp2-s2-qgZ4",
+    "r2xdp2xtp2-s2-qgZ8",
+  ],
+)
 def test_zeropp_on_pod_meshes_stays_close_and_quantizes_over_data_only(
-    mesh_axes, stage, zeropp):
+  mesh_axes, stage, zeropp
+):
   """ZeRO++ with tensor-parallel and replica axes: close to the same mesh
   unquantized, and every int8 / int4 collective runs over the data axis
   alone, on model shards (nothing quantized crosses the model axis)."""
@@ -421,14 +534,22 @@ def test_zeropp_on_pod_meshes_stays_close_and_quantizes_over_data_only(
   assert all(np.isfinite(got)) and got != ref
   np.testing.assert_allclose(got, ref, rtol=3e-3)
   colls = zerojax.diagnostics.collectives(
-      step.lower(state, toy.batches(1)[0]).compile().as_text(), 8)
+    step.lower(state, toy.batches(1)[0]).compile().as_text(), 8
+  )
   quantized = [c for c in colls if c.dtype in ("s8", "u8")]
   assert quantized
-  assert all(zerojax.diagnostics.collective_axes(c, mesh) == ("data",) for c in quantized)
-  if zeropp.hpz_size:         # the per-layer data-axis gathers: one node
-    k = zeropp.hpz_size         # each (a full data gather has all n)
-    inner = [c for c in colls if c.kind == "all-gather" and c.count > 1
-             and zerojax.diagnostics.collective_axes(c, mesh) == ("data",)]
+  assert all(
+    zerojax.diagnostics.collective_axes(c, mesh) == ("data",) for c in quantized
+  )
+  if zeropp.hpz_size:  # the per-layer data-axis gathers: one node
+    k = zeropp.hpz_size  # each (a full data gather has all n)
+    inner = [
+      c
+      for c in colls
+      if c.kind == "all-gather"
+      and c.count > 1
+      and zerojax.diagnostics.collective_axes(c, mesh) == ("data",)
+    ]
     assert inner and all(len(g) == k for c in inner for g in c.groups)
     # the report prices a rank-1 leaf sharded on its only dimension whole
     # (it raised ZeroDivisionError here, dividing it into "layers")
@@ -441,6 +562,7 @@ def test_zeropp_through_the_optax_dropin_with_value_and_grad(stage):
   """The drop-in loop (zerojax.value_and_grad -> tx.update ->
   optax.apply_updates) with qgZ equals train_step with the same tx, and
   its gradients were quantized (it differs from plain)."""
+
   def run(zeropp, dropin):
     tx = zerojax.zero(optax.adamw(1e-2), stage=stage, zeropp=zeropp)
     params = toy.init_params(jax.random.key(0))
@@ -449,7 +571,9 @@ def test_zeropp_through_the_optax_dropin_with_value_and_grad(stage):
       step = zerojax.train_step(toy.loss_fn, tx)
       for b in toy.batches(3):
         state, _ = step(state, b)
-      return [np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))]
+      return [
+        np.asarray(x) for x in jax.tree.leaves(zerojax.gather_params(state))
+      ]
     grad_fn = zerojax.value_and_grad(toy.loss_fn, tx)
     opt_state = tx.init(params)
     for b in toy.batches(3):
@@ -457,6 +581,7 @@ def test_zeropp_through_the_optax_dropin_with_value_and_grad(stage):
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
     return [np.asarray(x) for x in jax.tree.leaves(params)]
+
   q = zerojax.ZeroPP(grad_bits=8, block_size=4)
   got, want, plain = run(q, True), run(q, False), run(None, True)
   # The two loops fuse differently, so a block scale may differ in its last
@@ -479,10 +604,15 @@ def test_hierarchical_qgz_without_hpz_crosses_nodes_as_node_sums(bits, target):
   k = 4
   state0, _, step0, _ = _mesh_run("data=8", 3, None, steps=0)
   state, _, step, _ = _mesh_run(
-      "data=8", 3, zerojax.ZeroPP(grad_bits=bits, node_size=k), steps=1)
+    "data=8", 3, zerojax.ZeroPP(grad_bits=bits, node_size=k), steps=1
+  )
   b = toy.batches(1)[0]
-  plain = zerojax.diagnostics.collectives(step0.lower(state0, b).compile().as_text(), 8)
-  colls = zerojax.diagnostics.collectives(step.lower(state, b).compile().as_text(), 8)
+  plain = zerojax.diagnostics.collectives(
+    step0.lower(state0, b).compile().as_text(), 8
+  )
+  colls = zerojax.diagnostics.collectives(
+    step.lower(state, b).compile().as_text(), 8
+  )
   rs = sum(c.total_bytes for c in plain if c.kind == "reduce-scatter")
   a2a = [c for c in colls if c.kind == "all-to-all"]
   inside = [c for c in a2a if _node_span(c, k) == 1]
@@ -504,11 +634,16 @@ def test_node_size_from_the_process_layout():
   import types
 
   def mesh(procs, names=("data",)):
-    devs = np.vectorize(lambda p: types.SimpleNamespace(process_index=int(p)),
-                        otypes=[object])(np.asarray(procs))
-    return types.SimpleNamespace(axis_names=names, devices=devs,
-                                 shape=dict(zip(names, devs.shape)))
-  assert _settings.process_node_size(mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
+    devs = np.vectorize(
+      lambda p: types.SimpleNamespace(process_index=int(p)), otypes=[object]
+    )(np.asarray(procs))
+    return types.SimpleNamespace(
+      axis_names=names, devices=devs, shape=dict(zip(names, devs.shape))
+    )
+
+  assert (
+    _settings.process_node_size(mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
+  )
   assert _settings.process_node_size(mesh([0] * 8), "data") == 8
   assert _settings.process_node_size(mesh([0, 1, 0, 1]), "data") == 0
   assert _settings.process_node_size(mesh([0, 0, 1, 1, 1, 1]), "data") == 0
@@ -517,9 +652,13 @@ def test_node_size_from_the_process_layout():
   assert _settings.process_node_size(dm, "data") == 2
   q = zerojax.ZeroPP(grad_bits=8)
   assert _settings.qgz_node_size(q, mesh([0, 0, 0, 0, 1, 1, 1, 1]), "data") == 4
-  assert _settings.qgz_node_size(q, mesh([0] * 8), "data") == 0      # one node
-  assert _settings.qgz_node_size(zerojax.ZeroPP(grad_bits=8, node_size=2),
-                               mesh([0] * 8), "data") == 2
+  assert _settings.qgz_node_size(q, mesh([0] * 8), "data") == 0  # one node
+  assert (
+    _settings.qgz_node_size(
+      zerojax.ZeroPP(grad_bits=8, node_size=2), mesh([0] * 8), "data"
+    )
+    == 2
+  )
 
 
 def test_hpz_secondary_is_built_per_model_shard():
@@ -529,16 +668,25 @@ def test_hpz_secondary_is_built_per_model_shard():
   ``model``. Left to XLA, the weights were first gathered over ``model``:
   all-gather elements 1.20x the theory, 0.83 MiB over ``model``."""
   import functools
+
   from zerojax.app import gpt
+
   cfg = gpt.GPTConfig(vocab=64, seq_len=16, width=64, depth=2, heads=4)
   mesh = zerojax.make_mesh("data=4,model=2")
-  tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh,
-                    zeropp=zerojax.ZeroPP(hpz_size=2),
-                    stacked=gpt.is_layer_stack, model_specs=gpt.model_specs())
-  state = zerojax.init_from(functools.partial(gpt.init, cfg), tx,
-                            jax.random.key(0))
-  step = zerojax.train_step(functools.partial(gpt.loss, config=cfg), tx,
-                            gather="model")
+  tx = zerojax.zero(
+    optax.adamw(1e-3),
+    stage=3,
+    mesh=mesh,
+    zeropp=zerojax.ZeroPP(hpz_size=2),
+    stacked=gpt.is_layer_stack,
+    model_specs=gpt.model_specs(),
+  )
+  state = zerojax.init_from(
+    functools.partial(gpt.init, cfg), tx, jax.random.key(0)
+  )
+  step = zerojax.train_step(
+    functools.partial(gpt.loss, config=cfg), tx, gather="model"
+  )
   b = {"x": np.zeros((8, 16), np.int32), "y": np.zeros((8, 16), np.int32)}
   rep = zerojax.report(step, state, b)
   assert abs(rep.ratios()["all-gather"] - 1) <= 0.01, rep.ratios()

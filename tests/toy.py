@@ -22,48 +22,61 @@ VOCAB, WIDTH, LAYERS, CLASSES = 13, 7, 3, 5
 def init_params(key, vocab=VOCAB, width=WIDTH, layers=LAYERS, classes=CLASSES):
   k = jax.random.split(key, 4)
   return {
-      "embed": jax.random.normal(k[0], (vocab, width)) * 0.5,
-      "layers": {
-          "w": jax.random.normal(k[1], (layers, width, width)) * 0.5,
-          "b": jax.random.normal(k[2], (layers, width)) * 0.1,
-      },
-      "head": jax.random.normal(k[3], (width, classes)) * 0.5,
-      "bias3": jnp.zeros((3,)),
-      "scale": jnp.ones(()),
-      "ids": jnp.arange(4, dtype=jnp.int32),   # an integer buffer, not trained
+    "embed": jax.random.normal(k[0], (vocab, width)) * 0.5,
+    "layers": {
+      "w": jax.random.normal(k[1], (layers, width, width)) * 0.5,
+      "b": jax.random.normal(k[2], (layers, width)) * 0.1,
+    },
+    "head": jax.random.normal(k[3], (width, classes)) * 0.5,
+    "bias3": jnp.zeros((3,)),
+    "scale": jnp.ones(()),
+    "ids": jnp.arange(4, dtype=jnp.int32),  # an integer buffer, not trained
   }
 
 
 def loss_fn(params, batch):
   g = zerojax.gather
-  x = g(params["embed"])[batch["x"]]                      # (b, W)
+  x = g(params["embed"])[batch["x"]]  # (b, W)
 
   def body(h, layer):
     layer = g(layer)
     return jnp.tanh(h @ layer["w"] + layer["b"][None, :]), None
 
   h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
-  logits = h @ g(params["head"]) * g(params["scale"])     # (b, C)
+  logits = h @ g(params["head"]) * g(params["scale"])  # (b, C)
   bias = jnp.concatenate([g(params["bias3"]), jnp.zeros((2,), logits.dtype)])
   logits = logits + bias[None, :]
   loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch["y"]).mean()
+    logits.astype(jnp.float32), batch["y"]
+  ).mean()
   return loss + 0.0 * params["ids"].sum()
 
 
 def batches(n, size=32, seed=0, vocab=VOCAB, classes=CLASSES):
   rng = np.random.default_rng(seed)
-  return [{"x": rng.integers(0, vocab, (size,)).astype(np.int32),
-           "y": rng.integers(0, classes, (size,)).astype(np.int32)}
-          for _ in range(n)]
+  return [
+    {
+      "x": rng.integers(0, vocab, (size,)).astype(np.int32),
+      "y": rng.integers(0, classes, (size,)).astype(np.int32),
+    }
+    for _ in range(n)
+  ]
 
 
 def _trained(x):
   return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def reference(params, opt, data, *, param_dtype=None, reduce_dtype=None,
-              devices=1, with_state=False):
+def reference(
+  params,
+  opt,
+  data,
+  *,
+  param_dtype=None,
+  reduce_dtype=None,
+  devices=1,
+  with_state=False,
+):
   """Plain Optax on one device, with the same mixed-precision policy.
 
   With ``devices > 1`` each batch is split in ``devices`` chunks whose
@@ -72,7 +85,8 @@ def reference(params, opt, data, *, param_dtype=None, reduce_dtype=None,
   the policy's arithmetic.
   """
   mask = lambda t: jax.tree.map(
-      lambda x, p: x if _trained(p) else optax.MaskedNode(), t, params)
+    lambda x, p: x if _trained(p) else optax.MaskedNode(), t, params
+  )
   master = mask(params)
   state = opt.init(master)
   frozen = params
@@ -81,16 +95,20 @@ def reference(params, opt, data, *, param_dtype=None, reduce_dtype=None,
   def step(master, state, batch):
     cast = lambda m: m.astype(param_dtype) if param_dtype is not None else m
     compute = jax.tree.map(
-        lambda m, p: cast(m) if _trained(p) else p, master, frozen,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+      lambda m, p: cast(m) if _trained(p) else p,
+      master,
+      frozen,
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
     chunks = jax.tree.map(
-        lambda x: x.reshape((devices, -1) + x.shape[1:]), batch)
+      lambda x: x.reshape((devices, -1) + x.shape[1:]), batch
+    )
     total = None
     for d in range(devices):
       g = jax.grad(loss_fn, allow_int=True)(
-          compute, jax.tree.map(lambda x: x[d], chunks))
-      g = jax.tree.map(
-          lambda x: x.astype(reduce_dtype or x.dtype), mask(g))
+        compute, jax.tree.map(lambda x: x[d], chunks)
+      )
+      g = jax.tree.map(lambda x: x.astype(reduce_dtype or x.dtype), mask(g))
       total = g if total is None else jax.tree.map(jnp.add, total, g)
     g = jax.tree.map(lambda x, m: (x / devices).astype(m.dtype), total, master)
     updates, state = opt.update(g, state, master)
@@ -154,17 +172,22 @@ def assert_same_up_to_summation_order(got, want, *, terms: int, ulps: int = 4):
     bound = ulps * terms * eps32 + (eps if eps > eps32 else 0.0)
     a, b = np.asarray(a, np.complex128), np.asarray(b, np.complex128)
     scale = float(np.max(np.abs(b))) if b.size else 0.0
-    np.testing.assert_allclose(a, b, rtol=0, atol=bound * scale,
-                               err_msg=f"leaf {i}")
+    np.testing.assert_allclose(
+      a, b, rtol=0, atol=bound * scale, err_msg=f"leaf {i}"
+    )
 
 
 def layered_params(layers, width, vocab, key=None):
   """Divisible shapes: an embedding, ``layers`` stacked blocks, a head."""
   k = jax.random.split(jax.random.key(0) if key is None else key, 3)
-  return {"embed": jax.random.normal(k[0], (vocab, width)) * 0.1,
-          "layers": {"w": jax.random.normal(k[1], (layers, width, width)) * 0.1,
-                     "b": jnp.zeros((layers, width))},
-          "head": jax.random.normal(k[2], (width, vocab)) * 0.1}
+  return {
+    "embed": jax.random.normal(k[0], (vocab, width)) * 0.1,
+    "layers": {
+      "w": jax.random.normal(k[1], (layers, width, width)) * 0.1,
+      "b": jnp.zeros((layers, width)),
+    },
+    "head": jax.random.normal(k[2], (width, vocab)) * 0.1,
+  }
 
 
 def layered_loss(params, batch, gather=zerojax.gather):
@@ -179,7 +202,8 @@ def layered_loss(params, batch, gather=zerojax.gather):
   h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
   logits = h @ g(params["head"])
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch["y"]).mean()
+    logits.astype(jnp.float32), batch["y"]
+  ).mean()
 
 
 def plain_layered_loss(params, batch):
@@ -193,8 +217,9 @@ def custom_vjp_linear(x, w):
   return x @ w
 
 
-custom_vjp_linear.defvjp(lambda x, w: (x @ w, (x, w)),
-                         lambda res, ct: (ct @ res[1].T, res[0].T @ ct))
+custom_vjp_linear.defvjp(
+  lambda x, w: (x @ w, (x, w)), lambda res, ct: (ct @ res[1].T, res[0].T @ ct)
+)
 
 
 @jax.custom_vjp
@@ -203,8 +228,9 @@ def custom_vjp_add_bias(h, b):
   return h + b[None, :]
 
 
-custom_vjp_add_bias.defvjp(lambda h, b: (h + b[None, :], None),
-                           lambda _, ct: (ct, jnp.sum(ct, axis=0)))
+custom_vjp_add_bias.defvjp(
+  lambda h, b: (h + b[None, :], None), lambda _, ct: (ct, jnp.sum(ct, axis=0))
+)
 
 
 def layered_loss_with_custom_vjp_bias(params, batch):
@@ -217,7 +243,8 @@ def layered_loss_with_custom_vjp_bias(params, batch):
 
   h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
   return optax.softmax_cross_entropy_with_integer_labels(
-      (h @ params["head"]).astype(jnp.float32), batch["y"]).mean()
+    (h @ params["head"]).astype(jnp.float32), batch["y"]
+  ).mean()
 
 
 def optax_run(loss, opt, params, data):
@@ -235,6 +262,7 @@ def zero_run(loss, tx, params, data, **step_kw):
   """``zerojax.train_step`` over ``data``: ``(gathered params, per-step
   losses, zerojax's warnings)``; every warning is recorded."""
   import warnings
+
   state = zerojax.init(params, tx)
   step = zerojax.train_step(loss, tx, **step_kw)
   losses = []
@@ -257,5 +285,6 @@ def warnings_as_errors():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     warnings.filterwarnings(
-        "default", message="Error reading persistent compilation cache")
+      "default", message="Error reading persistent compilation cache"
+    )
     yield

@@ -17,5 +17,9 @@ from zerojax._src.diagnostics.aot import compiled_report as compiled_report
 from zerojax._src.diagnostics.aot import topology_devices as topology_devices
 from zerojax._src.diagnostics.aot import topology_mesh as topology_mesh
 
-__all__ = ["abstract_batch", "compiled_report", "topology_devices",
-           "topology_mesh"]
+__all__ = [
+  "abstract_batch",
+  "compiled_report",
+  "topology_devices",
+  "topology_mesh",
+]

@@ -12,5 +12,11 @@ from zerojax._src.records.spec import OptLeafSpec as OptLeafSpec
 from zerojax._src.records.spec import StateSpec as StateSpec
 from zerojax._src.records.spec import make_spec as make_spec
 
-__all__ = ["LeafLayout", "LeafSpec", "OptLeafSpec", "StateSpec", "make_spec",
-           "parse_axes"]
+__all__ = [
+  "LeafLayout",
+  "LeafSpec",
+  "OptLeafSpec",
+  "StateSpec",
+  "make_spec",
+  "parse_axes",
+]

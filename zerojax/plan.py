@@ -15,8 +15,14 @@ from zerojax.app.planner import plan_gpt as plan_gpt
 from zerojax.app.planner import predicted_peak as predicted_peak
 from zerojax.app.planner import working_set as working_set
 
-__all__ = ["abstract_gpt", "gpt_activations", "largest_fitting", "plan_gpt",
-           "predicted_peak", "working_set"]
+__all__ = [
+  "abstract_gpt",
+  "gpt_activations",
+  "largest_fitting",
+  "plan_gpt",
+  "predicted_peak",
+  "working_set",
+]
 
 if __name__ == "__main__":
   main()

@@ -28,9 +28,13 @@ from zerojax import aot
 from zerojax.app import gpt
 
 
-def compile_stage(config: gpt.GPTConfig, stage: int, mesh,
-                  batch_per_device: int, predicted: float | None = None
-                  ) -> dict:
+def compile_stage(
+  config: gpt.GPTConfig,
+  stage: int,
+  mesh,
+  batch_per_device: int,
+  predicted: float | None = None,
+) -> dict:
   """Compile the reference GPT's train step at ``stage`` on ``mesh`` (a
   :func:`zerojax.aot.topology_mesh`) for ``batch_per_device`` sequences
   per data-parallel device; returns :func:`zerojax.aot.compiled_report`'s
@@ -42,20 +46,27 @@ def compile_stage(config: gpt.GPTConfig, stage: int, mesh,
   policy = zerojax.Policy(param_dtype=jnp.bfloat16)
   tx = zerojax.zero(optax.adamw(3e-4), stage=stage, mesh=mesh, policy=policy)
   state = jax.eval_shape(
-      lambda k: zerojax.init_from(lambda key: gpt.init(config, key), tx, k),
-      jax.random.key(0))
+    lambda k: zerojax.init_from(lambda key: gpt.init(config, key), tx, k),
+    jax.random.key(0),
+  )
   rows = batch_per_device * mesh.shape["data"] * mesh.shape.get("replica", 1)
-  batch = aot.abstract_batch({k: ((rows, config.seq_len), jnp.int32)
-                              for k in ("x", "y")})
+  batch = aot.abstract_batch(
+    {k: ((rows, config.seq_len), jnp.int32) for k in ("x", "y")}
+  )
   step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
   t0 = time.perf_counter()
   lowered = step.lower(state, batch)
   t1 = time.perf_counter()
   compiled = lowered.compile()
-  out = {"stage": stage, "topology": str(mesh.devices.flat[0].device_kind),
-         "chips": mesh.size, "libtpu": _version("libtpu"),
-         "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
-         "host_peak_rss": _peak_rss()}
+  out = {
+    "stage": stage,
+    "topology": str(mesh.devices.flat[0].device_kind),
+    "chips": mesh.size,
+    "libtpu": _version("libtpu"),
+    "lower_s": t1 - t0,
+    "compile_s": time.perf_counter() - t1,
+    "host_peak_rss": _peak_rss(),
+  }
   out.update(aot.compiled_report(compiled, mesh))
   if predicted is not None:
     out["predicted"] = float(predicted)
@@ -67,15 +78,17 @@ def _peak_rss() -> int | None:
   """This process's peak resident memory in bytes so far (Linux, macOS)."""
   try:
     import resource
-  except ImportError:           # Windows
+  except ImportError:  # Windows
     return None
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   import sys
+
   return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def _version(package: str) -> str | None:
   import importlib.metadata
+
   try:
     return importlib.metadata.version(package)
   except importlib.metadata.PackageNotFoundError:
@@ -85,20 +98,26 @@ def _version(package: str) -> str | None:
 def table(rows: list[dict]) -> str:
   """A markdown table of :func:`compile_stage` results."""
   mib = lambda b: f"{b / 2**20:,.0f}"
-  lines = ["| stage | peak MiB | planner MiB | peak / planner | temp MiB | "
-           "collectives (count, MiB) | async (overlapped) | compile s |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| stage | peak MiB | planner MiB | peak / planner | temp MiB | "
+    "collectives (count, MiB) | async (overlapped) | compile s |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
   for r in rows:
-    kinds = ", ".join(f"{k} {v['count']} ({mib(v['bytes'])})"
-                      for k, v in sorted(r["collectives"].items()))
-    issued = ", ".join(f"{k} {v['async']}/{v['sync'] + v['async']} "
-                       f"({v['overlapped']})"
-                       for k, v in sorted(r["issued"].items()))
+    kinds = ", ".join(
+      f"{k} {v['count']} ({mib(v['bytes'])})"
+      for k, v in sorted(r["collectives"].items())
+    )
+    issued = ", ".join(
+      f"{k} {v['async']}/{v['sync'] + v['async']} ({v['overlapped']})"
+      for k, v in sorted(r["issued"].items())
+    )
     ratio = r.get("peak_vs_predicted")
     lines.append(
-        f"| {r['stage']} | {mib(r['memory']['peak'])} | "
-        f"{mib(r['predicted']) if 'predicted' in r else '-'} | "
-        f"{'-' if ratio is None else f'{ratio:.2f}'} | "
-        f"{mib(r['memory']['temp'])} | {kinds} | {issued} | "
-        f"{r['compile_s']:.0f} |")
+      f"| {r['stage']} | {mib(r['memory']['peak'])} | "
+      f"{mib(r['predicted']) if 'predicted' in r else '-'} | "
+      f"{'-' if ratio is None else f'{ratio:.2f}'} | "
+      f"{mib(r['memory']['temp'])} | {kinds} | {issued} | "
+      f"{r['compile_s']:.0f} |"
+    )
   return "\n".join(lines)

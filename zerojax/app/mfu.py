@@ -10,17 +10,17 @@ from __future__ import annotations
 
 # device_kind substring (lower case) -> peak dense bf16 FLOP/s per device
 _PEAK_BF16 = (
-    ("h200", 989.4e12),
-    ("h100", 989.4e12),     # SXM; the PCIe part is lower, see below
-    ("gh200", 989.4e12),
-    ("a100", 312e12),
-    ("l40s", 362e12),
-    ("a10g", 125e12),
-    ("tpu v6", 918e12),
-    ("tpu v5p", 459e12),
-    ("tpu v5 lite", 197e12),
-    ("tpu v5e", 197e12),
-    ("tpu v4", 275e12),
+  ("h200", 989.4e12),
+  ("h100", 989.4e12),  # SXM; the PCIe part is lower, see below
+  ("gh200", 989.4e12),
+  ("a100", 312e12),
+  ("l40s", 362e12),
+  ("a10g", 125e12),
+  ("tpu v6", 918e12),
+  ("tpu v5p", 459e12),
+  ("tpu v5 lite", 197e12),
+  ("tpu v5e", 197e12),
+  ("tpu v4", 275e12),
 )
 _PCIE = {"h100 pcie": 756e12}
 
@@ -37,7 +37,9 @@ def peak_flops(device) -> float | None:
   return None
 
 
-def mfu(tokens_per_s: float | None, flops_per_token: float, devices) -> float | None:
+def mfu(
+  tokens_per_s: float | None, flops_per_token: float, devices
+) -> float | None:
   """Model flops utilisation over ``devices`` (None where a peak is unknown)."""
   peaks = [peak_flops(d) for d in devices]
   if tokens_per_s is None or not peaks or any(p is None for p in peaks):

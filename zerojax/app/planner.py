@@ -61,30 +61,55 @@ import numpy as np
 import zerojax
 from zerojax import cost
 from zerojax.app import gpt
-from zerojax.cost import (GB, HARDWARE, ZEROPP_ROWS, StagePlan, comm_time,
-                          zeropp_comm)
+from zerojax.cost import (
+  GB,
+  HARDWARE,
+  ZEROPP_ROWS,
+  StagePlan,
+  comm_time,
+  zeropp_comm,
+)
 
 
-def plan_gpt(abstract_params, stage: int, n_devices: int | None = None, *,
-               mesh: dict | None = None, model_specs=None, stacked=None,
-               **kwargs) -> StagePlan:
+def plan_gpt(
+  abstract_params,
+  stage: int,
+  n_devices: int | None = None,
+  *,
+  mesh: dict | None = None,
+  model_specs=None,
+  stacked=None,
+  **kwargs,
+) -> StagePlan:
   """:func:`zerojax.cost.plan_stage` with the reference GPT's tensor-parallel
   rules (:func:`gpt.model_specs`, :func:`gpt.is_layer_stack`) as the
   defaults on a mesh with a model axis."""
   if mesh is not None and mesh.get("model", 1) > 1:
     model_specs = gpt.model_specs() if model_specs is None else model_specs
     stacked = gpt.is_layer_stack if stacked is None else stacked
-  return cost.plan_stage(abstract_params, stage, n_devices, mesh=mesh,
-                         model_specs=model_specs, stacked=stacked, **kwargs)
+  return cost.plan_stage(
+    abstract_params,
+    stage,
+    n_devices,
+    mesh=mesh,
+    model_specs=model_specs,
+    stacked=stacked,
+    **kwargs,
+  )
 
 
 def abstract_gpt(config: gpt.GPTConfig):
   return jax.eval_shape(lambda: gpt.init(config, jax.random.key(0)))
 
 
-def gpt_activations(config: gpt.GPTConfig, batch_per_device: int, *,
-                      model: int = 1, dtype=None,
-                      platform: str | None = None) -> dict | None:
+def gpt_activations(
+  config: gpt.GPTConfig,
+  batch_per_device: int,
+  *,
+  model: int = 1,
+  dtype=None,
+  platform: str | None = None,
+) -> dict | None:
   """Per-device bytes the reference GPT's backward pass keeps from its
   forward pass (ZeRO-R's activation checkpoints), by where they live.
 
@@ -125,9 +150,14 @@ def gpt_activations(config: gpt.GPTConfig, batch_per_device: int, *,
   return {"device": total, "host": 0.0, "per_layer": per_layer}
 
 
-def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
-                policy: zerojax.Policy | None = None, model: int = 1,
-                n_devices: int | None = None) -> float:
+def working_set(
+  config: gpt.GPTConfig,
+  stage: int,
+  batch_per_device: int,
+  policy: zerojax.Policy | None = None,
+  model: int = 1,
+  n_devices: int | None = None,
+) -> float:
   """Per-device bytes a GPT step needs beyond the model state (zerojax's
   layer-scanned GPT): at stage 3 the forward and the backward layer
   gathered in the compute dtype and the layer's full gradient before its
@@ -141,13 +171,15 @@ def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
   all-reduce in place: measured, zerojax and a plain-jit DP step alike).
   Temporary buffers inside a layer come on top. ``n_devices``: the
   data-parallel size, needed for the shards of stages 1-2."""
-  policy = (zerojax.Policy(param_dtype=jnp.bfloat16) if policy is None
-            else policy)
+  policy = (
+    zerojax.Policy(param_dtype=jnp.bfloat16) if policy is None else policy
+  )
   if stage in (1, 2) and not n_devices:
     raise ValueError(
-        f"plan.working_set at stage {stage} needs n_devices (the data-"
-        f"parallel size): the step holds shards of 1/n_devices of the "
-        f"weights; pass n_devices=N")
+      f"plan.working_set at stage {stage} needs n_devices (the data-"
+      f"parallel size): the step holds shards of 1/n_devices of the "
+      f"weights; pass n_devices=N"
+    )
   c = np.dtype(policy.compute(jnp.float32)).itemsize
   r = np.dtype(policy.reduce(jnp.float32)).itemsize
   layer = gpt._block_params(config.width, config.mlp_ratio)
@@ -157,15 +189,25 @@ def working_set(config: gpt.GPTConfig, stage: int, batch_per_device: int,
   reduced = r * psi if stage == 0 else 0
   if stage in (1, 2):
     reduced = (c + (r if stage == 1 else 0)) * psi / n_devices
-  saved = gpt_activations(config, batch_per_device, model=model,
-                            dtype=policy.compute(jnp.float32))
-  saved = (tokens * config.width * 4 * config.depth if saved is None
-           else saved["device"] or saved["per_layer"])
+  saved = gpt_activations(
+    config, batch_per_device, model=model, dtype=policy.compute(jnp.float32)
+  )
+  saved = (
+    tokens * config.width * 4 * config.depth
+    if saved is None
+    else saved["device"] or saved["per_layer"]
+  )
   return float(gathered + reduced + saved + 2 * tokens * config.vocab * 4)
 
 
-def predicted_peak(plan, config: gpt.GPTConfig, batch_per_device: int,
-                   n_devices: int, model: int = 1, plan_stage2=None) -> float:
+def predicted_peak(
+  plan,
+  config: gpt.GPTConfig,
+  batch_per_device: int,
+  n_devices: int,
+  model: int = 1,
+  plan_stage2=None,
+) -> float:
   """The planner's per-device peak of the compiled step: the model state on
   the device (``plan.device``), :func:`working_set`, and the
   one in-layer buffer set that dominates at scale, the backward pass of
@@ -183,27 +225,42 @@ def predicted_peak(plan, config: gpt.GPTConfig, batch_per_device: int,
     plan, stage = plan_stage2, 2
   attention = 0.0
   if config.attention == "einsum":
-    attention = (3 * batch_per_device * (config.heads // model)
-                 * config.seq_len ** 2 * 4)
-  return plan.device + working_set(
-      config, stage, batch_per_device, model=model,
-      n_devices=n_devices) + attention
+    attention = (
+      3 * batch_per_device * (config.heads // model) * config.seq_len**2 * 4
+    )
+  return (
+    plan.device
+    + working_set(
+      config, stage, batch_per_device, model=model, n_devices=n_devices
+    )
+    + attention
+  )
 
 
-def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
-                    seq_len: int = 2048,
-                    offload: bool = False) -> gpt.GPTConfig | None:
+def largest_fitting(
+  memory_bytes: float,
+  stage: int,
+  n_devices: int,
+  seq_len: int = 2048,
+  offload: bool = False,
+) -> gpt.GPTConfig | None:
   """The largest GPT (by the count search) whose model state fits (its
   device-memory part, with ``offload``)."""
-  fits = lambda psi: plan_gpt(abstract_gpt(gpt.config_for_params(
-      psi, seq_len=seq_len)), stage, n_devices,
-      offload=offload).device <= memory_bytes
+  fits = lambda psi: (
+    plan_gpt(
+      abstract_gpt(gpt.config_for_params(psi, seq_len=seq_len)),
+      stage,
+      n_devices,
+      offload=offload,
+    ).device
+    <= memory_bytes
+  )
   lo, hi = 1e7, 1e7
   if not fits(lo):
     return None
   while fits(hi) and hi < 1e16:
     lo, hi = hi, hi * 4
-  for _ in range(40):                    # bisect in log space
+  for _ in range(40):  # bisect in log space
     mid = math.sqrt(lo * hi)
     lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     if hi / lo < 1.002:
@@ -213,36 +270,80 @@ def largest_fitting(memory_bytes: float, stage: int, n_devices: int,
 
 def _table(plans) -> str:
   offload = any(p.offload for p in plans)
-  head = ("stage", "params GB", "master GB", "optimizer GB", "grads GB",
-          "total GB/device",
-          *(("device GB", "host GB", "host<->dev GB/step") if offload else ()),
-          "AR GB/step", "RS GB/step", "AG GB/step")
-  rows = [(str(p.stage), f"{p.params / GB:.2f}", f"{p.master / GB:.2f}",
-           f"{p.optimizer / GB:.2f}", f"{p.grads / GB:.2f}",
-           f"{p.total / GB:.2f}",
-           *((f"{p.device / GB:.2f}", f"{p.host / GB:.2f}",
-              f"{p.host_traffic / GB:.2f}") if offload else ()),
-           *(f"{p.collectives.get(k, 0) / GB:.1f}"
-             for k in ("all-reduce", "reduce-scatter", "all-gather")))
-          for p in plans]
+  head = (
+    "stage",
+    "params GB",
+    "master GB",
+    "optimizer GB",
+    "grads GB",
+    "total GB/device",
+    *(("device GB", "host GB", "host<->dev GB/step") if offload else ()),
+    "AR GB/step",
+    "RS GB/step",
+    "AG GB/step",
+  )
+  rows = [
+    (
+      str(p.stage),
+      f"{p.params / GB:.2f}",
+      f"{p.master / GB:.2f}",
+      f"{p.optimizer / GB:.2f}",
+      f"{p.grads / GB:.2f}",
+      f"{p.total / GB:.2f}",
+      *(
+        (
+          f"{p.device / GB:.2f}",
+          f"{p.host / GB:.2f}",
+          f"{p.host_traffic / GB:.2f}",
+        )
+        if offload
+        else ()
+      ),
+      *(
+        f"{p.collectives.get(k, 0) / GB:.1f}"
+        for k in ("all-reduce", "reduce-scatter", "all-gather")
+      ),
+    )
+    for p in plans
+  ]
   widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-  line = lambda cols: "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
-  return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                   + [line(r) for r in rows])
+  line = lambda cols: (
+    "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
+  )
+  return "\n".join(
+    [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    + [line(r) for r in rows]
+  )
 
 
 def _comm_table(plans, hw) -> str:
-  head = ("stage", "axis", f"{hw['fast_name']} GB/chip",
-          f"{hw['slow_name']} GB/chip", "seconds/step")
+  head = (
+    "stage",
+    "axis",
+    f"{hw['fast_name']} GB/chip",
+    f"{hw['slow_name']} GB/chip",
+    "seconds/step",
+  )
   rows = []
   for p in plans:
     for axis, e in p.comm.items():
-      rows.append((str(p.stage), axis, f"{e['fast_bytes'] / GB:.3f}",
-                   f"{e['slow_bytes'] / GB:.3f}", f"{e['seconds']:.3f}"))
+      rows.append(
+        (
+          str(p.stage),
+          axis,
+          f"{e['fast_bytes'] / GB:.3f}",
+          f"{e['slow_bytes'] / GB:.3f}",
+          f"{e['seconds']:.3f}",
+        )
+      )
   widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-  line = lambda cols: "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
-  return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                   + [line(r) for r in rows])
+  line = lambda cols: (
+    "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
+  )
+  return "\n".join(
+    [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    + [line(r) for r in rows]
+  )
 
 
 def main(argv=None):
@@ -250,40 +351,59 @@ def main(argv=None):
   args = p.parse_args(argv)
   mesh, slices = _mesh(p, args)
   config = _config(p, args, mesh)
-  plans = [plan_gpt(abstract_gpt(config), s, mesh=mesh,
-                      offload=args.offload) for s in range(4)]
+  plans = [
+    plan_gpt(abstract_gpt(config), s, mesh=mesh, offload=args.offload)
+    for s in range(4)
+  ]
   for x in plans:
-    x.comm.update(comm_time(x, slices, args.hardware, args.fast_bw,
-                            args.slow_bw, args.collectives))
+    x.comm.update(
+      comm_time(
+        x, slices, args.hardware, args.fast_bw, args.slow_bw, args.collectives
+      )
+    )
   fitting = {}
   if args.memory_gb:
     for s in range(4):
-      c = largest_fitting(args.memory_gb * GB, s, args.devices, args.seq_len,
-                          offload=args.offload)
+      c = largest_fitting(
+        args.memory_gb * GB, s, args.devices, args.seq_len, offload=args.offload
+      )
       fitting[s] = None if c is None else gpt.num_params(c)
   acts = _activations(p, args, config, mesh)
   if args.zeropp and (len(mesh) > 1 or slices < 2):
     p.error("--zeropp: give --devices N and --slices S >= 2 (nodes)")
   compiled = _compile(p, args, config, mesh, plans) if args.compile else []
   if args.json:
-    print(json.dumps({"config": dataclasses.asdict(config),
-                      "saved_activations": acts,
-                      "plans": [dict(dataclasses.asdict(x), total=x.total,
-                                     device=x.device, host=x.host)
-                                for x in plans],
-                      "largest_fitting": fitting,
-                      "compiled": compiled,
-                      "argv": argv if argv is not None else sys.argv[1:],
-                      "jax_version": jax.__version__}, indent=2))
+    print(
+      json.dumps(
+        {
+          "config": dataclasses.asdict(config),
+          "saved_activations": acts,
+          "plans": [
+            dict(
+              dataclasses.asdict(x), total=x.total, device=x.device, host=x.host
+            )
+            for x in plans
+          ],
+          "largest_fitting": fitting,
+          "compiled": compiled,
+          "argv": argv if argv is not None else sys.argv[1:],
+          "jax_version": jax.__version__,
+        },
+        indent=2,
+      )
+    )
     return
   _print_report(args, config, mesh, slices, plans, acts, fitting)
   if compiled:
     from zerojax.app import compiled as _compiled
-    print(f"\ncompiled for {args.topology} by the TPU compiler, per chip "
-          f"({args.batch} sequence(s) of {config.seq_len} per data device; "
-          f"planner = model state + working set; async n/m: n of the m "
-          f"collectives of a kind issued asynchronously, (k) overlapping a "
-          f"matmul)")
+
+    print(
+      f"\ncompiled for {args.topology} by the TPU compiler, per chip "
+      f"({args.batch} sequence(s) of {config.seq_len} per data device; "
+      f"planner = model state + working set; async n/m: n of the m "
+      f"collectives of a kind issued asynchronously, (k) overlapping a "
+      f"matmul)"
+    )
     print(_compiled.table(compiled))
 
 
@@ -296,78 +416,142 @@ def _compile(p, args, config, mesh: dict, plans) -> list[dict]:
   if not set(stages) <= {0, 1, 2, 3}:
     p.error(f"--stages {args.stages}: stages are 0-3")
   if mesh.get("model", 1) > 1:
-    p.error("--compile: a data (and replica) mesh only; the model axis's "
-            "tensor-parallel step is not compiled here")
+    p.error(
+      "--compile: a data (and replica) mesh only; the model axis's "
+      "tensor-parallel step is not compiled here"
+    )
   from zerojax import aot
   from zerojax.app import compiled as _compiled
-  device_mesh = aot.topology_mesh(args.topology, ",".join(
-      f"{k}={v}" for k, v in mesh.items()))
+
+  device_mesh = aot.topology_mesh(
+    args.topology, ",".join(f"{k}={v}" for k, v in mesh.items())
+  )
   out = []
   for s in stages:
-    predicted = predicted_peak(plans[s], config, args.batch,
-                               n_devices=args.devices, plan_stage2=plans[2])
-    out.append(_compiled.compile_stage(config, s, device_mesh, args.batch,
-                                       predicted))
-    print(f"compiled stage {s} for {args.topology} in "
-          f"{out[-1]['compile_s']:.0f} s", file=sys.stderr, flush=True)
+    predicted = predicted_peak(
+      plans[s], config, args.batch, n_devices=args.devices, plan_stage2=plans[2]
+    )
+    out.append(
+      _compiled.compile_stage(config, s, device_mesh, args.batch, predicted)
+    )
+    print(
+      f"compiled stage {s} for {args.topology} in {out[-1]['compile_s']:.0f} s",
+      file=sys.stderr,
+      flush=True,
+    )
   return out
 
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m zerojax.plan",
-      description="Per-device model-state memory and per-step collective "
-                  "bytes of each ZeRO stage, from zerojax's own layouts "
-                  "(bf16 params and gradients, fp32 master and AdamW moments).",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--params", type=float,
-                 help="parameter count of a GPT-shaped model, e.g. 7.5e9")
+    prog="python -m zerojax.plan",
+    description="Per-device model-state memory and per-step collective "
+    "bytes of each ZeRO stage, from zerojax's own layouts "
+    "(bf16 params and gradients, fp32 master and AdamW moments).",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument(
+    "--params",
+    type=float,
+    help="parameter count of a GPT-shaped model, e.g. 7.5e9",
+  )
   p.add_argument("--width", type=int, help="explicit GPT width (with --depth)")
   p.add_argument("--depth", type=int, help="explicit GPT depth")
-  p.add_argument("--vocab", type=int, default=50257, help="with --width/--depth")
+  p.add_argument(
+    "--vocab", type=int, default=50257, help="with --width/--depth"
+  )
   p.add_argument("--seq-len", type=int, default=2048, help="context length")
-  p.add_argument("--devices", type=int, default=None,
-                 help="data-parallel devices N (a 1-D mesh)")
-  p.add_argument("--mesh", default=None,
-                 help="mesh axes instead of --devices, e.g. "
-                      "replica=4,data=256 or data=64,model=8")
-  p.add_argument("--slices", type=int, default=None,
-                 help="TPU slices / GPU nodes the devices span (default: the "
-                      "replica axis size, else 1)")
-  p.add_argument("--hardware", choices=sorted(HARDWARE), default="tpu-v5p",
-                 help="link bandwidth defaults")
-  p.add_argument("--fast-bw", type=float, default=None,
-                 help="in-slice bytes/s per chip (overrides --hardware)")
-  p.add_argument("--slow-bw", type=float, default=None,
-                 help="cross-slice bytes/s per chip (overrides --hardware)")
-  p.add_argument("--collectives", choices=["hierarchical", "ring"],
-                 default="hierarchical",
-                 help="how a collective spanning slices is priced")
-  p.add_argument("--memory-gb", type=float, default=None,
-                 help="also find the largest GPT whose model state fits this "
-                      "many GB (1e9 bytes) per device, at each stage")
-  p.add_argument("--offload", action="store_true",
-                 help="master copy and optimizer state in host memory "
-                      "(zero(..., offload=True)): device and host GB apart; "
-                      "--memory-gb then bounds device memory")
-  p.add_argument("--zeropp", action="store_true",
-                 help="also stage 3's communication per step with ZeRO++ "
-                      "(qwZ, qgZ, hpZ with nodes = --slices) on a 1-D data "
-                      "mesh of --devices")
-  p.add_argument("--batch", type=int, default=None,
-                 help="also the saved activations per device (ZeRO-R) for "
-                      "this many sequences per data-parallel device, by "
-                      "remat policy, with and without Pa on a model axis")
-  p.add_argument("--topology", default=None,
-                 help="a TPU topology (e.g. v5p:4x4x4, v6e:16x16): its chips "
-                      "are the devices (a data axis over all, or --mesh)")
-  p.add_argument("--compile", action="store_true",
-                 help="with --topology and --batch: also compile the GPT's "
-                      "train step for it with the TPU compiler (pip install "
-                      "'zerojax[tpu]'; no TPU needed) and report each "
-                      "stage's compiled peak, collectives and overlap")
-  p.add_argument("--stages", default="3",
-                 help="with --compile: the stages to compile, e.g. 1,2,3")
+  p.add_argument(
+    "--devices",
+    type=int,
+    default=None,
+    help="data-parallel devices N (a 1-D mesh)",
+  )
+  p.add_argument(
+    "--mesh",
+    default=None,
+    help="mesh axes instead of --devices, e.g. "
+    "replica=4,data=256 or data=64,model=8",
+  )
+  p.add_argument(
+    "--slices",
+    type=int,
+    default=None,
+    help="TPU slices / GPU nodes the devices span (default: the "
+    "replica axis size, else 1)",
+  )
+  p.add_argument(
+    "--hardware",
+    choices=sorted(HARDWARE),
+    default="tpu-v5p",
+    help="link bandwidth defaults",
+  )
+  p.add_argument(
+    "--fast-bw",
+    type=float,
+    default=None,
+    help="in-slice bytes/s per chip (overrides --hardware)",
+  )
+  p.add_argument(
+    "--slow-bw",
+    type=float,
+    default=None,
+    help="cross-slice bytes/s per chip (overrides --hardware)",
+  )
+  p.add_argument(
+    "--collectives",
+    choices=["hierarchical", "ring"],
+    default="hierarchical",
+    help="how a collective spanning slices is priced",
+  )
+  p.add_argument(
+    "--memory-gb",
+    type=float,
+    default=None,
+    help="also find the largest GPT whose model state fits this "
+    "many GB (1e9 bytes) per device, at each stage",
+  )
+  p.add_argument(
+    "--offload",
+    action="store_true",
+    help="master copy and optimizer state in host memory "
+    "(zero(..., offload=True)): device and host GB apart; "
+    "--memory-gb then bounds device memory",
+  )
+  p.add_argument(
+    "--zeropp",
+    action="store_true",
+    help="also stage 3's communication per step with ZeRO++ "
+    "(qwZ, qgZ, hpZ with nodes = --slices) on a 1-D data "
+    "mesh of --devices",
+  )
+  p.add_argument(
+    "--batch",
+    type=int,
+    default=None,
+    help="also the saved activations per device (ZeRO-R) for "
+    "this many sequences per data-parallel device, by "
+    "remat policy, with and without Pa on a model axis",
+  )
+  p.add_argument(
+    "--topology",
+    default=None,
+    help="a TPU topology (e.g. v5p:4x4x4, v6e:16x16): its chips "
+    "are the devices (a data axis over all, or --mesh)",
+  )
+  p.add_argument(
+    "--compile",
+    action="store_true",
+    help="with --topology and --batch: also compile the GPT's "
+    "train step for it with the TPU compiler (pip install "
+    "'zerojax[tpu]'; no TPU needed) and report each "
+    "stage's compiled peak, collectives and overlap",
+  )
+  p.add_argument(
+    "--stages",
+    default="3",
+    help="with --compile: the stages to compile, e.g. 1,2,3",
+  )
   p.add_argument("--json", action="store_true", help="print JSON instead")
   return p
 
@@ -379,12 +563,15 @@ def _mesh(p, args) -> tuple[dict, int]:
   if args.width is not None and args.depth is None:
     p.error("--width needs --depth")
   if args.compile and not (args.topology and args.batch):
-    p.error("--compile needs --topology (the TPU to compile for) and --batch "
-            "(sequences per data-parallel device)")
+    p.error(
+      "--compile needs --topology (the TPU to compile for) and --batch "
+      "(sequences per data-parallel device)"
+    )
   if args.topology is not None:
     if args.devices is not None:
       p.error("--topology gives the devices; drop --devices")
     from zerojax import aot
+
     try:
       args.topology_devices = len(aot.topology_devices(args.topology))
     except ValueError as e:
@@ -405,13 +592,17 @@ def _mesh(p, args) -> tuple[dict, int]:
       p.error(f"--devices={args.devices} must be >= 1")
     mesh = {"data": args.devices}
   if args.topology and math.prod(mesh.values()) != args.topology_devices:
-    p.error(f"--mesh {args.mesh} has {math.prod(mesh.values())} devices; "
-            f"topology {args.topology} has {args.topology_devices} chips")
+    p.error(
+      f"--mesh {args.mesh} has {math.prod(mesh.values())} devices; "
+      f"topology {args.topology} has {args.topology_devices} chips"
+    )
   args.devices = mesh["data"]
   slices = args.slices or mesh.get("replica", 1)
   if math.prod(mesh.values()) % slices:
-    p.error(f"--slices={slices} does not divide the "
-            f"{math.prod(mesh.values())} devices")
+    p.error(
+      f"--slices={slices} does not divide the "
+      f"{math.prod(mesh.values())} devices"
+    )
   return mesh, slices
 
 
@@ -422,22 +613,34 @@ def _config(p, args, mesh: dict) -> gpt.GPTConfig:
   if args.params is not None:
     config = gpt.config_for_params(args.params, seq_len=args.seq_len)
   else:
-    config = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len,
-                           width=args.width, depth=args.depth,
-                           heads=max(1, args.width // 128))
+    config = gpt.GPTConfig(
+      vocab=args.vocab,
+      seq_len=args.seq_len,
+      width=args.width,
+      depth=args.depth,
+      heads=max(1, args.width // 128),
+    )
   m = mesh.get("model", 1)
   if m == 1:
     return config
-  bad = [f"{name} {d}" for name, d in (
-      ("heads", config.heads), ("width", config.width),
-      ("MLP width", config.mlp_ratio * config.width)) if d % m]
+  bad = [
+    f"{name} {d}"
+    for name, d in (
+      ("heads", config.heads),
+      ("width", config.width),
+      ("MLP width", config.mlp_ratio * config.width),
+    )
+    if d % m
+  ]
   if bad:
     g = math.gcd(config.heads, config.width, config.mlp_ratio * config.width)
     fits = max(k for k in range(1, m) if g % k == 0)
-    p.error(f"--mesh {args.mesh}: the model axis ({m}) must divide the "
-            f"block's tensor-parallel dimensions, but not {', '.join(bad)}; "
-            f"pick a model axis that divides them (e.g. model={fits}) or "
-            f"another --width.")
+    p.error(
+      f"--mesh {args.mesh}: the model axis ({m}) must divide the "
+      f"block's tensor-parallel dimensions, but not {', '.join(bad)}; "
+      f"pick a model axis that divides them (e.g. model={fits}) or "
+      f"another --width."
+    )
   return dataclasses.replace(config, vocab=-(-config.vocab // m) * m)
 
 
@@ -450,11 +653,13 @@ def _activations(p, args, config, mesh: dict) -> dict:
   m = mesh.get("model", 1)
   acts = {}
   for remat in ("full", "dots", "offload"):
-    for pa in ((False, True) if m > 1 else (False,)):
-      c = dataclasses.replace(config, remat=remat,
-                              seq_shard="model" if pa else None)
+    for pa in (False, True) if m > 1 else (False,):
+      c = dataclasses.replace(
+        config, remat=remat, seq_shard="model" if pa else None
+      )
       acts[f"{remat}{' + Pa' if pa else ''}"] = gpt_activations(
-          c, args.batch, model=m, dtype=jnp.bfloat16)
+        c, args.batch, model=m, dtype=jnp.bfloat16
+      )
   return acts
 
 
@@ -462,51 +667,68 @@ def _print_report(args, config, mesh, slices, plans, acts, fitting):
   hw = HARDWARE[args.hardware]
   fast = args.fast_bw or hw["fast"]
   slow = args.slow_bw or hw["slow"]
-  print(f"GPT {plans[0].n_params:,} params (width {config.width}, depth "
-        f"{config.depth}, vocab {config.vocab}) on mesh {mesh} (N = "
-        f"{args.devices} data devices); bf16 params/grads, fp32 master + "
-        f"AdamW moments; GB = 1e9 bytes")
+  print(
+    f"GPT {plans[0].n_params:,} params (width {config.width}, depth "
+    f"{config.depth}, vocab {config.vocab}) on mesh {mesh} (N = "
+    f"{args.devices} data devices); bf16 params/grads, fp32 master + "
+    f"AdamW moments; GB = 1e9 bytes"
+  )
   print(_table(plans))
   if acts:
-    print(f"\nsaved activations per device (bf16, {args.batch} sequence(s) "
-          f"of {config.seq_len} per data device, model axis "
-          f"{mesh.get('model', 1)}; logits and in-layer temporaries not "
-          f"included)")
+    print(
+      f"\nsaved activations per device (bf16, {args.batch} sequence(s) "
+      f"of {config.seq_len} per data device, model axis "
+      f"{mesh.get('model', 1)}; logits and in-layer temporaries not "
+      f"included)"
+    )
     print("| remat policy | device GB | host GB | one layer GB |")
     print("|---|---|---|---|")
     for name, a in acts.items():
-      print(f"| {name} | {a['device'] / GB:.3f} | {a['host'] / GB:.3f} | "
-            f"{a['per_layer'] / GB:.4f} |")
+      print(
+        f"| {name} | {a['device'] / GB:.3f} | {a['host'] / GB:.3f} | "
+        f"{a['per_layer'] / GB:.4f} |"
+      )
   if len(mesh) > 1 or slices > 1:
-    print(f"\ncommunication per step and chip, {slices} slice(s); "
-          f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
-          f"{hw['slow_name']} {slow:.3g} B/s per chip ({args.collectives} "
-          f"collectives, no overlap; TP activations not counted)")
+    print(
+      f"\ncommunication per step and chip, {slices} slice(s); "
+      f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
+      f"{hw['slow_name']} {slow:.3g} B/s per chip ({args.collectives} "
+      f"collectives, no overlap; TP activations not counted)"
+    )
     print(_comm_table(plans, hw))
   if args.zeropp:
     _print_zeropp(args, slices, plans[3].n_params, hw, fast, slow)
   if fitting:
-    print(f"\nlargest GPT whose model state fits {args.memory_gb:g} GB per "
-          f"device:")
+    print(
+      f"\nlargest GPT whose model state fits {args.memory_gb:g} GB per device:"
+    )
     for s, n in fitting.items():
-      print(f"  stage {s}: "
-            f"{'nothing fits' if n is None else f'{n / 1e9:,.2f} B params'}")
+      print(
+        f"  stage {s}: "
+        f"{'nothing fits' if n is None else f'{n / 1e9:,.2f} B params'}"
+      )
 
 
 def _print_zeropp(args, slices, n_params, hw, fast, slow):
-  print(f"\nstage 3 with ZeRO++ (zerojax.ZeroPP, default blocks), "
-        f"{args.devices} chips as {slices} nodes of {args.devices // slices}; "
-        f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
-        f"{hw['slow_name']} {slow:.3g} B/s per chip; GB per chip and step")
-  print(f"| setting | {hw['fast_name']} GB | {hw['slow_name']} GB | "
-        f"{hw['slow_name']} vs stage 3 | comm seconds/step |")
+  print(
+    f"\nstage 3 with ZeRO++ (zerojax.ZeroPP, default blocks), "
+    f"{args.devices} chips as {slices} nodes of {args.devices // slices}; "
+    f"{args.hardware}: {hw['fast_name']} {fast:.3g} B/s, "
+    f"{hw['slow_name']} {slow:.3g} B/s per chip; GB per chip and step"
+  )
+  print(
+    f"| setting | {hw['fast_name']} GB | {hw['slow_name']} GB | "
+    f"{hw['slow_name']} vs stage 3 | comm seconds/step |"
+  )
   print("|---|---|---|---|---|")
   base = None
   for name, kw in ZEROPP_ROWS:
     e = zeropp_comm(n_params, args.devices, slices, fast=fast, slow=slow, **kw)
     base = base or e["slow_bytes"]
-    print(f"| {name} | {e['fast_bytes'] / GB:.3f} | {e['slow_bytes'] / GB:.3f} "
-          f"| {e['slow_bytes'] / base:.3f} | {e['seconds']:.3f} |")
+    print(
+      f"| {name} | {e['fast_bytes'] / GB:.3f} | {e['slow_bytes'] / GB:.3f} "
+      f"| {e['slow_bytes'] / base:.3f} | {e['seconds']:.3f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ import pathlib
 
 def loss_curve(records, path, title: str = ""):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   train = [(r["step"], r["loss"]) for r in records if "loss" in r]
   evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
   fig, ax = plt.subplots(figsize=(6, 4))

@@ -34,90 +34,153 @@ def _opt(default, help_text: str):
 class TrainConfig:
   """The main job's settings; each field is a ``--flag`` (``_`` -> ``-``)."""
 
-  stage: int = _opt(3, "ZeRO stage: 0 plain data parallel, 1 shard optimizer "
-                       "state, 2 and gradients, 3 and parameters")
-  devices: int = _opt(0, "devices; 0: every accelerator JAX sees, or 8 fake "
-                         "CPU devices on a CPU-only machine (which creates "
-                         "this many)")
-  mesh: str = _opt("", "mesh axes, e.g. replica=2,data=4 (hybrid sharding: "
-                       "state sharded over data, replicated over replica) or "
-                       "data=4,model=2 (tensor parallelism over model, "
-                       "Megatron layout); empty: data over all devices")
+  stage: int = _opt(
+    3,
+    "ZeRO stage: 0 plain data parallel, 1 shard optimizer "
+    "state, 2 and gradients, 3 and parameters",
+  )
+  devices: int = _opt(
+    0,
+    "devices; 0: every accelerator JAX sees, or 8 fake "
+    "CPU devices on a CPU-only machine (which creates "
+    "this many)",
+  )
+  mesh: str = _opt(
+    "",
+    "mesh axes, e.g. replica=2,data=4 (hybrid sharding: "
+    "state sharded over data, replicated over replica) or "
+    "data=4,model=2 (tensor parallelism over model, "
+    "Megatron layout); empty: data over all devices",
+  )
   width: int = _opt(0, "model width D; 0: 128 on CPU, 1024 on an accelerator")
-  depth: int = _opt(0, "transformer blocks L; 0: 4 on CPU, 24 on an "
-                       "accelerator")
-  heads: int = _opt(0, "attention heads (must divide width); 0: 4 on CPU, "
-                       "width / 128 on an accelerator")
-  seq_len: int = _opt(0, "context length in bytes; 0: 128 on CPU, 1024 on "
-                         "an accelerator")
+  depth: int = _opt(
+    0, "transformer blocks L; 0: 4 on CPU, 24 on an accelerator"
+  )
+  heads: int = _opt(
+    0,
+    "attention heads (must divide width); 0: 4 on CPU, "
+    "width / 128 on an accelerator",
+  )
+  seq_len: int = _opt(
+    0, "context length in bytes; 0: 128 on CPU, 1024 on an accelerator"
+  )
   steps: int = _opt(400, "optimizer steps")
-  batch: int = _opt(0, "global batch (sequences per step); must divide by "
-                       "devices x accum; 0: 32 on CPU, 16 per accelerator")
+  batch: int = _opt(
+    0,
+    "global batch (sequences per step); must divide by "
+    "devices x accum; 0: 32 on CPU, 16 per accelerator",
+  )
   accum: int = _opt(1, "gradient-accumulation micro-batches per step")
-  precision: str = _opt("bf16", "bf16: bf16 params/compute with an fp32 "
-                                "master copy; fp32: everything fp32")
-  lr: float = _opt(3e-3, "peak AdamW learning rate (linear warm-up, cosine "
-                         "decay to 10%%)")
+  precision: str = _opt(
+    "bf16",
+    "bf16: bf16 params/compute with an fp32 master copy; fp32: everything fp32",
+  )
+  lr: float = _opt(
+    3e-3, "peak AdamW learning rate (linear warm-up, cosine decay to 10%%)"
+  )
   warmup: int = _opt(40, "warm-up steps")
   weight_decay: float = _opt(0.1, "AdamW weight decay")
   clip: float = _opt(1.0, "global-norm gradient clipping threshold")
-  attention: str = _opt("auto", "attention kernel: auto (cuDNN's fused kernel "
-                                 "on GPU, the einsum reference elsewhere), "
-                                 "einsum, xla, cudnn")
-  remat: str = _opt("auto", "checkpoint policy of each block: auto (dots on "
-                            "GPU, full elsewhere), full, dots, offload "
-                            "(the block input in pinned host memory), none")
-  seq_shard: str = _opt("", "Pa (ZeRO-R): a mesh axis the residual stream "
-                             "between blocks is split over along the "
-                             "sequence, e.g. model; empty: off")
-  bucket_mb: float = _opt(32.0, "CB (ZeRO-R): MiB per whole-leaf collective "
-                                "(stages 0-2, replica all-reduce); 0: whole "
-                                "leaves")
-  dropout: float = _opt(0.0, "residual dropout rate (0: off); keys come from "
-                             "the training state, distinct per step, device "
-                             "and micro-batch, and are checkpointed")
+  attention: str = _opt(
+    "auto",
+    "attention kernel: auto (cuDNN's fused kernel "
+    "on GPU, the einsum reference elsewhere), "
+    "einsum, xla, cudnn",
+  )
+  remat: str = _opt(
+    "auto",
+    "checkpoint policy of each block: auto (dots on "
+    "GPU, full elsewhere), full, dots, offload "
+    "(the block input in pinned host memory), none",
+  )
+  seq_shard: str = _opt(
+    "",
+    "Pa (ZeRO-R): a mesh axis the residual stream "
+    "between blocks is split over along the "
+    "sequence, e.g. model; empty: off",
+  )
+  bucket_mb: float = _opt(
+    32.0,
+    "CB (ZeRO-R): MiB per whole-leaf collective "
+    "(stages 0-2, replica all-reduce); 0: whole "
+    "leaves",
+  )
+  dropout: float = _opt(
+    0.0,
+    "residual dropout rate (0: off); keys come from "
+    "the training state, distinct per step, device "
+    "and micro-batch, and are checkpointed",
+  )
   eval_every: int = _opt(50, "steps between held-out evaluations")
   eval_batches: int = _opt(4, "held-out batches per evaluation")
   log_every: int = _opt(10, "steps between metrics lines")
   sample_len: int = _opt(200, "bytes of text to sample at the end (0: none)")
   seed: int = _opt(0, "seed for init and data order")
   out: str = _opt("runs/gpt", "output directory")
-  checkpoint_dir: str = _opt("", "save sharded checkpoints (Orbax, "
-                                 "asynchronous) here; empty: no checkpoints")
-  save_every: int = _opt(100, "steps between checkpoints (the last step is "
-                              "always saved)")
-  offload: bool = _opt(False, "keep the fp32 master copy and the optimizer "
-                               "state in host memory (pinned_host)")
-  weight_bits: int = _opt(0, "ZeRO++ qwZ: 8 all-gathers stage-3 weights as "
-                             "int8 blocks + scales; 0: off")
-  grad_bits: int = _opt(0, "ZeRO++ qgZ: 8 or 4 reduce-scatters gradients as "
-                           "int8 / int4 blocks (all-to-all, summed in fp32); "
-                           "0: off")
-  quant_block: int = _opt(0, "elements per quantization block (ZeRO++); "
-                             "0: the default (256, or 64 with --grad-bits 4)")
-  grad_rounding: str = _opt("auto", "ZeRO++ qgZ rounding: nearest, "
-                                    "stochastic, or auto (stochastic for "
-                                    "int4, nearest for int8)")
-  hpz_size: int = _opt(0, "ZeRO++ hpZ: devices per node; a secondary copy "
-                          "of the params is sharded inside each node so the "
-                          "per-layer all-gathers stay there (stage 3); 0: off")
-  resume: bool = _opt(False, "continue from the latest checkpoint in "
-                             "--checkpoint-dir (any stage or device count "
-                             "can restore it)")
+  checkpoint_dir: str = _opt(
+    "",
+    "save sharded checkpoints (Orbax, "
+    "asynchronous) here; empty: no checkpoints",
+  )
+  save_every: int = _opt(
+    100, "steps between checkpoints (the last step is always saved)"
+  )
+  offload: bool = _opt(
+    False,
+    "keep the fp32 master copy and the optimizer "
+    "state in host memory (pinned_host)",
+  )
+  weight_bits: int = _opt(
+    0,
+    "ZeRO++ qwZ: 8 all-gathers stage-3 weights as int8 blocks + scales; 0: off",
+  )
+  grad_bits: int = _opt(
+    0,
+    "ZeRO++ qgZ: 8 or 4 reduce-scatters gradients as "
+    "int8 / int4 blocks (all-to-all, summed in fp32); "
+    "0: off",
+  )
+  quant_block: int = _opt(
+    0,
+    "elements per quantization block (ZeRO++); "
+    "0: the default (256, or 64 with --grad-bits 4)",
+  )
+  grad_rounding: str = _opt(
+    "auto",
+    "ZeRO++ qgZ rounding: nearest, "
+    "stochastic, or auto (stochastic for "
+    "int4, nearest for int8)",
+  )
+  hpz_size: int = _opt(
+    0,
+    "ZeRO++ hpZ: devices per node; a secondary copy "
+    "of the params is sharded inside each node so the "
+    "per-layer all-gathers stay there (stage 3); 0: off",
+  )
+  resume: bool = _opt(
+    False,
+    "continue from the latest checkpoint in "
+    "--checkpoint-dir (any stage or device count "
+    "can restore it)",
+  )
 
 
 def parse_args(argv=None) -> TrainConfig:
   parser = argparse.ArgumentParser(
-      prog="python -m zerojax.train",
-      description="Train a byte-level GPT on CPython's pydoc topics with "
-                  "zerojax (no download needed).",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    prog="python -m zerojax.train",
+    description="Train a byte-level GPT on CPython's pydoc topics with "
+    "zerojax (no download needed).",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   for f in dataclasses.fields(TrainConfig):
     flag = "--" + f.name.replace("_", "-")
     kw = dict(type=type(f.default), default=f.default, help=f.metadata["help"])
     if isinstance(f.default, bool):
-      kw = dict(action=argparse.BooleanOptionalAction, default=f.default,
-                help=f.metadata["help"])
+      kw = dict(
+        action=argparse.BooleanOptionalAction,
+        default=f.default,
+        help=f.metadata["help"],
+      )
     if f.name == "stage":
       kw["choices"] = [0, 1, 2, 3]
     if f.name == "precision":
@@ -128,9 +191,11 @@ def parse_args(argv=None) -> TrainConfig:
       kw["choices"] = [0, 8, 4]
     if f.name == "attention":
       from zerojax.app import gpt
+
       kw["choices"] = list(gpt.ATTENTION)
     if f.name == "remat":
       from zerojax.app import gpt
+
       kw["choices"] = list(gpt.REMAT)
     parser.add_argument(flag, dest=f.name, **kw)
   args = parser.parse_args(argv)
@@ -145,31 +210,51 @@ def check(config: TrainConfig) -> list[str]:
   """What is wrong with ``config``, each with its fix. Fields left at 0
   (auto) are checked once :func:`resolve` has filled them in."""
   problems = []
-  positive = ("steps", "accum", "eval_every", "eval_batches", "log_every",
-              "save_every")
+  positive = (
+    "steps",
+    "accum",
+    "eval_every",
+    "eval_batches",
+    "log_every",
+    "save_every",
+  )
   auto = ("devices", "width", "depth", "heads", "seq_len", "batch")
-  problems += [f"--{n.replace('_', '-')}={getattr(config, n)} must be >= 1"
-               for n in positive if getattr(config, n) < 1]
-  problems += [f"--{n.replace('_', '-')}={getattr(config, n)} must be >= 1 "
-               f"(or 0: automatic)" for n in auto if getattr(config, n) < 0]
+  problems += [
+    f"--{n.replace('_', '-')}={getattr(config, n)} must be >= 1"
+    for n in positive
+    if getattr(config, n) < 1
+  ]
+  problems += [
+    f"--{n.replace('_', '-')}={getattr(config, n)} must be >= 1 "
+    f"(or 0: automatic)"
+    for n in auto
+    if getattr(config, n) < 0
+  ]
   if config.width and config.heads and config.width % config.heads:
-    problems.append(f"--heads={config.heads} does not divide "
-                    f"--width={config.width}")
+    problems.append(
+      f"--heads={config.heads} does not divide --width={config.width}"
+    )
   from zerojax.app import gpt
+
   if config.attention not in gpt.ATTENTION:
-    problems.append(f"--attention={config.attention}: use one of "
-                    f"{', '.join(gpt.ATTENTION)}")
+    problems.append(
+      f"--attention={config.attention}: use one of {', '.join(gpt.ATTENTION)}"
+    )
   if config.remat not in gpt.REMAT:
-    problems.append(f"--remat={config.remat}: use one of {', '.join(gpt.REMAT)}")
+    problems.append(
+      f"--remat={config.remat}: use one of {', '.join(gpt.REMAT)}"
+    )
   if config.bucket_mb < 0:
-    problems.append(f"--bucket-mb={config.bucket_mb} must be >= 0 (0: whole "
-                    f"leaves)")
+    problems.append(
+      f"--bucket-mb={config.bucket_mb} must be >= 0 (0: whole leaves)"
+    )
   splits, over = config.devices, f"--devices={config.devices}"
   axes = {"data": config.devices}
   # with --devices automatic, a mesh that sizes every axis is checked now;
   # one with a -1 size once resolve() knows the device count
   if config.mesh and (config.devices or "-1" not in config.mesh):
     from zerojax.layout import parse_axes
+
     try:
       axes = parse_axes(config.mesh, config.devices or None)
     except ValueError as e:
@@ -181,35 +266,57 @@ def check(config: TrainConfig) -> list[str]:
     over = f"the {splits} replica x data devices of --mesh={config.mesh}"
   elif config.mesh:
     axes = None
-  if axes is not None and config.seq_shard and (
-      config.seq_shard in ("data", "replica") or config.seq_shard not in axes):
+  if (
+    axes is not None
+    and config.seq_shard
+    and (
+      config.seq_shard in ("data", "replica") or config.seq_shard not in axes
+    )
+  ):
     problems.append(
-        f"--seq-shard={config.seq_shard} is not a model axis of the mesh "
-        f"({', '.join(axes)}); e.g. --mesh data=4,model=2 --seq-shard model")
+      f"--seq-shard={config.seq_shard} is not a model axis of the mesh "
+      f"({', '.join(axes)}); e.g. --mesh data=4,model=2 --seq-shard model"
+    )
   if config.batch and splits and config.batch % (splits * config.accum):
     m = splits * config.accum
     problems.append(
-        f"--batch={config.batch} does not split over {over} x "
-        f"--accum={config.accum}; use a multiple of {m} "
-        f"(e.g. {-(-config.batch // m) * m})")
+      f"--batch={config.batch} does not split over {over} x "
+      f"--accum={config.accum}; use a multiple of {m} "
+      f"(e.g. {-(-config.batch // m) * m})"
+    )
   if not 0.0 <= config.dropout < 1.0:
     problems.append(f"--dropout={config.dropout} must be in [0, 1)")
   if config.grad_rounding not in ("auto", "nearest", "stochastic"):
-    problems.append(f"--grad-rounding={config.grad_rounding!r}: use auto, "
-                    f"nearest or stochastic")
+    problems.append(
+      f"--grad-rounding={config.grad_rounding!r}: use auto, "
+      f"nearest or stochastic"
+    )
   if config.quant_block and (config.quant_block < 2 or config.quant_block % 2):
-    problems.append(f"--quant-block={config.quant_block} must be even and >= 2 "
-                    f"(or 0: the default)")
+    problems.append(
+      f"--quant-block={config.quant_block} must be even and >= 2 "
+      f"(or 0: the default)"
+    )
   data = splits // ((axes or {}).get("replica", 1) if config.mesh else 1)
-  if config.hpz_size and data and (
-      config.hpz_size < 2 or data % config.hpz_size
-      or config.hpz_size >= data or config.stage != 3):
-    problems.append(f"--hpz-size={config.hpz_size} must divide the {data} data "
-                    f"devices, be >= 2 and smaller than them, at --stage 3 "
-                    f"(e.g. --hpz-size {max(2, data // 2)} for 2 nodes)")
+  if (
+    config.hpz_size
+    and data
+    and (
+      config.hpz_size < 2
+      or data % config.hpz_size
+      or config.hpz_size >= data
+      or config.stage != 3
+    )
+  ):
+    problems.append(
+      f"--hpz-size={config.hpz_size} must divide the {data} data "
+      f"devices, be >= 2 and smaller than them, at --stage 3 "
+      f"(e.g. --hpz-size {max(2, data // 2)} for 2 nodes)"
+    )
   if config.weight_bits and config.stage != 3:
-    problems.append(f"--weight-bits={config.weight_bits} quantizes stage 3's "
-                    f"weight all-gathers; use --stage 3")
+    problems.append(
+      f"--weight-bits={config.weight_bits} quantizes stage 3's "
+      f"weight all-gathers; use --stage 3"
+    )
   if config.grad_bits and config.stage == 0:
     problems.append(f"--grad-bits={config.grad_bits} needs --stage >= 1")
   if config.resume and not config.checkpoint_dir:
@@ -224,14 +331,17 @@ def resolve(config: TrainConfig, devices) -> TrainConfig:
   n = len(devices)
   width = config.width or (1024 if accel else 128)
   fill = dict(
-      devices=config.devices or n, width=width,
-      depth=config.depth or (24 if accel else 4),
-      heads=config.heads or (max(1, width // 128) if accel else 4),
-      seq_len=config.seq_len or (1024 if accel else 128))
+    devices=config.devices or n,
+    width=width,
+    depth=config.depth or (24 if accel else 4),
+    heads=config.heads or (max(1, width // 128) if accel else 4),
+    seq_len=config.seq_len or (1024 if accel else 128),
+  )
   if not config.batch:
     splits = n
     if config.mesh:
       from zerojax.layout import parse_axes
+
       axes = parse_axes(config.mesh, n)
       splits = axes.get("data", 1) * axes.get("replica", 1)
     fill["batch"] = (16 * splits if accel else max(32, splits)) * config.accum
@@ -243,21 +353,25 @@ def _setup_devices(n: int):
   sees (or the first ``n``), or ``n`` (default 8) fake CPU devices, created
   before JAX's backend starts, when there is no accelerator."""
   import jax
+
   from zerojax import distributed
+
   if distributed.initialize():
     devices = jax.devices()
     if n and len(devices) != n:
       raise SystemExit(
-          f"zerojax.train: --devices={n} but the {jax.process_count()}-process "
-          f"run has {len(devices)} devices; pass --devices {len(devices)}.")
+        f"zerojax.train: --devices={n} but the {jax.process_count()}-process "
+        f"run has {len(devices)} devices; pass --devices {len(devices)}."
+      )
     return devices
   jax.config.update("jax_num_cpu_devices", max(n or 8, 1))
   devices = jax.devices()
   if n and len(devices) < n:
     raise SystemExit(
-        f"zerojax.train: --devices={n} but JAX sees {len(devices)} "
-        f"{devices[0].platform} devices; pass --devices {len(devices)} (or 0: "
-        f"all of them).")
+      f"zerojax.train: --devices={n} but JAX sees {len(devices)} "
+      f"{devices[0].platform} devices; pass --devices {len(devices)} (or 0: "
+      f"all of them)."
+    )
   return devices[:n] if n else devices
 
 
@@ -275,64 +389,105 @@ def main(config: TrainConfig) -> dict:
   devices = _setup_devices(config.devices)
   config = resolve(config, devices)
   problems = check(config)
-  if problems:                  # as argparse reports them: before any work
-    print("python -m zerojax.train: error: " + "; ".join(problems),
-          file=sys.stderr)
+  if problems:  # as argparse reports them: before any work
+    print(
+      "python -m zerojax.train: error: " + "; ".join(problems), file=sys.stderr
+    )
     raise SystemExit(2)
   mesh = zerojax.make_mesh(config.mesh or None, devices=devices)
-  main_process = distributed.is_main()     # logs, plots and prints
+  main_process = distributed.is_main()  # logs, plots and prints
   say = print if main_process else (lambda *a, **k: None)
   out = pathlib.Path(config.out)
   if main_process:
     out.mkdir(parents=True, exist_ok=True)
-  model = gpt.GPTConfig(vocab=256, seq_len=config.seq_len, width=config.width,
-                        depth=config.depth, heads=config.heads,
-                        dropout=config.dropout, attention=config.attention,
-                        remat=config.remat,
-                        seq_shard=config.seq_shard or None
-                        ).resolved(devices[0].platform)
+  model = gpt.GPTConfig(
+    vocab=256,
+    seq_len=config.seq_len,
+    width=config.width,
+    depth=config.depth,
+    heads=config.heads,
+    dropout=config.dropout,
+    attention=config.attention,
+    remat=config.remat,
+    seq_shard=config.seq_shard or None,
+  ).resolved(devices[0].platform)
   tx, schedule = _optimizer(config, mesh)
   state, start, ckpt = _initial_state(config, model, tx, say)
   train_tokens, val_tokens = data.split(data.corpus_bytes())
   batch_at = _batches(config, tx)
-  val_batches = [batch_at(val_tokens, config.seed + 1, i)
-                 for i in range(config.eval_batches)]
+  val_batches = [
+    batch_at(val_tokens, config.seed + 1, i) for i in range(config.eval_batches)
+  ]
   evaluate = zerojax.eval_step(
-      lambda p, b, key=None: gpt.loss(p, b, model), tx)   # eval: no dropout
+    lambda p, b, key=None: gpt.loss(p, b, model), tx
+  )  # eval: no dropout
 
   def eval_loss(state):
     return float(np.mean([_host(evaluate(state, b)) for b in val_batches]))
 
   n_params = gpt.num_params(model)
-  say(f"zerojax.train: GPT {n_params:,} params, stage "
-      f"{config.stage}, {config.precision}, "
-      + (f"{tx.zeropp}, " if tx.zeropp.active else "") + f"{len(devices)} x "
-      f"{devices[0].platform} devices (mesh {dict(mesh.shape)}), batch "
-      f"{config.batch} x "
-      f"{config.seq_len} bytes, attention {model.attention}, remat "
-      f"{model.remat}", flush=True)
-  log = _Log(config, out, main_process, schedule, devices,
-             gpt.flops_per_token(model, n_params))
+  say(
+    f"zerojax.train: GPT {n_params:,} params, stage "
+    f"{config.stage}, {config.precision}, "
+    + (f"{tx.zeropp}, " if tx.zeropp.active else "")
+    + f"{len(devices)} x "
+    f"{devices[0].platform} devices (mesh {dict(mesh.shape)}), batch "
+    f"{config.batch} x "
+    f"{config.seq_len} bytes, attention {model.attention}, remat "
+    f"{model.remat}",
+    flush=True,
+  )
+  log = _Log(
+    config,
+    out,
+    main_process,
+    schedule,
+    devices,
+    gpt.flops_per_token(model, n_params),
+  )
   log.write({"step": start, "eval_loss": eval_loss(state)})
   train_step = zerojax.train_step(
-      functools.partial(gpt.loss, config=model), tx,    # key= when dropout
-      accum_steps=config.accum, gather="model")
-  state, preempted = _train(config, state, start, train_step,
-                            lambda step: batch_at(train_tokens, config.seed,
-                                                  step),
-                            eval_loss, log, ckpt, say)
-  summary = _summary(config, log, mesh, devices, n_params, preempted,
-                     {"attention": model.attention, "remat": model.remat},
-                     jax.__version__)
+    functools.partial(gpt.loss, config=model),
+    tx,  # key= when dropout
+    accum_steps=config.accum,
+    gather="model",
+  )
+  state, preempted = _train(
+    config,
+    state,
+    start,
+    train_step,
+    lambda step: batch_at(train_tokens, config.seed, step),
+    eval_loss,
+    log,
+    ckpt,
+    say,
+  )
+  summary = _summary(
+    config,
+    log,
+    mesh,
+    devices,
+    n_params,
+    preempted,
+    {"attention": model.attention, "remat": model.remat},
+    jax.__version__,
+  )
   if main_process:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     from zerojax.app import plots
-    plots.loss_curve(log.records, out / "loss.png",
-                     title=f"GPT {n_params:,} params, ZeRO-{config.stage}")
-  say(f"done in {summary['wall_s']:.0f}s: held-out loss "
-      f"{summary['first_eval_loss']:.3f} -> {summary['last_eval_loss']:.3f} "
-      f"({100 * summary['eval_drop']:.0f}% lower), "
-      f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; wrote {out}/")
+
+    plots.loss_curve(
+      log.records,
+      out / "loss.png",
+      title=f"GPT {n_params:,} params, ZeRO-{config.stage}",
+    )
+  say(
+    f"done in {summary['wall_s']:.0f}s: held-out loss "
+    f"{summary['first_eval_loss']:.3f} -> {summary['last_eval_loss']:.3f} "
+    f"({100 * summary['eval_drop']:.0f}% lower), "
+    f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; wrote {out}/"
+  )
   if config.sample_len and preempted is None:
     say("sample:\n" + _sample(config, model, state))
   return summary
@@ -342,18 +497,24 @@ def _require_app_dependencies():
   """The main job's own dependencies (the library needs neither), checked
   before any work."""
   import importlib.util
-  missing = [m for m in ("tqdm", "matplotlib")
-             if importlib.util.find_spec(m) is None]
+
+  missing = [
+    m for m in ("tqdm", "matplotlib") if importlib.util.find_spec(m) is None
+  ]
   if missing:
-    print(f"python -m zerojax.train: error: the main job needs "
-          f"{' and '.join(missing)} (not needed by the zerojax library); "
-          f"install them with: pip install 'zerojax[app]'", file=sys.stderr)
+    print(
+      f"python -m zerojax.train: error: the main job needs "
+      f"{' and '.join(missing)} (not needed by the zerojax library); "
+      f"install them with: pip install 'zerojax[app]'",
+      file=sys.stderr,
+    )
     raise SystemExit(2)
 
 
 def _host(x):
   """A replicated value, read from this process's first shard."""
   import numpy as np
+
   return np.asarray(x.addressable_data(0))
 
 
@@ -365,32 +526,50 @@ def _optimizer(config: TrainConfig, mesh):
 
   import zerojax
   from zerojax.app import gpt
+
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.lr, min(config.warmup, config.steps // 2), config.steps,
-      end_value=config.lr * 0.1)
+    0.0,
+    config.lr,
+    min(config.warmup, config.steps // 2),
+    config.steps,
+    end_value=config.lr * 0.1,
+  )
   optimizer = optax.chain(
-      optax.clip_by_global_norm(config.clip),
-      optax.adamw(schedule, weight_decay=config.weight_decay,
-                  mask=lambda p: jax.tree.map(lambda x: x.ndim > 1 and
-                                              x.shape[-1] != 1, p)))
-  policy = (zerojax.Policy(param_dtype=jnp.bfloat16)
-            if config.precision == "bf16" else zerojax.Policy())
-  tp = any(mesh.shape[a] > 1 for a in mesh.axis_names
-           if a not in ("data", "replica"))
+    optax.clip_by_global_norm(config.clip),
+    optax.adamw(
+      schedule,
+      weight_decay=config.weight_decay,
+      mask=lambda p: jax.tree.map(lambda x: x.ndim > 1 and x.shape[-1] != 1, p),
+    ),
+  )
+  policy = (
+    zerojax.Policy(param_dtype=jnp.bfloat16)
+    if config.precision == "bf16"
+    else zerojax.Policy()
+  )
+  tp = any(
+    mesh.shape[a] > 1 for a in mesh.axis_names if a not in ("data", "replica")
+  )
   zeropp = zerojax.ZeroPP(
-      weight_bits=config.weight_bits or None,
-      grad_bits=config.grad_bits or None,
-      block_size=config.quant_block or None,
-      grad_rounding=(None if config.grad_rounding == "auto"
-                     else config.grad_rounding),
-      hpz_size=config.hpz_size or None)
-  tx = zerojax.zero(optimizer, stage=config.stage, mesh=mesh, policy=policy,
-                    model_specs=gpt.model_specs() if tp else None,
-                    stacked=gpt.is_layer_stack if tp else None,
-                    offload=config.offload,
-                    bucket_bytes=(int(config.bucket_mb * 2**20)
-                                  if config.bucket_mb else None),
-                    zeropp=zeropp)
+    weight_bits=config.weight_bits or None,
+    grad_bits=config.grad_bits or None,
+    block_size=config.quant_block or None,
+    grad_rounding=(
+      None if config.grad_rounding == "auto" else config.grad_rounding
+    ),
+    hpz_size=config.hpz_size or None,
+  )
+  tx = zerojax.zero(
+    optimizer,
+    stage=config.stage,
+    mesh=mesh,
+    policy=policy,
+    model_specs=gpt.model_specs() if tp else None,
+    stacked=gpt.is_layer_stack if tp else None,
+    offload=config.offload,
+    bucket_bytes=(int(config.bucket_mb * 2**20) if config.bucket_mb else None),
+    zeropp=zeropp,
+  )
   return tx, schedule
 
 
@@ -403,26 +582,36 @@ def _initial_state(config: TrainConfig, model, tx, say):
   import zerojax
   from zerojax import checkpoint
   from zerojax.app import gpt
+
   init_params = lambda key: gpt.init(model, key)
   key = jax.random.key(config.seed)
   ckpt = None
   if config.checkpoint_dir:
-    ckpt = checkpoint.Checkpointer(config.checkpoint_dir,
-                                   save_every=config.save_every, keep=3)
+    ckpt = checkpoint.Checkpointer(
+      config.checkpoint_dir, save_every=config.save_every, keep=3
+    )
   if not config.resume:
     state = zerojax.init_from(
-        init_params, tx, key,
-        key=jax.random.fold_in(key, 1) if config.dropout else None)
-    zerojax.launch.release_free_heap()      # the init programs ran once
+      init_params,
+      tx,
+      key,
+      key=jax.random.fold_in(key, 1) if config.dropout else None,
+    )
+    zerojax.launch.release_free_heap()  # the init programs ran once
     return state, 0, ckpt
   state, extra = ckpt.restore(jax.eval_shape(init_params, key), tx)
-  if config.dropout and state.key is None:    # saved by a run without
-    state = state.replace(key=jax.device_put(
+  if config.dropout and state.key is None:  # saved by a run without
+    state = state.replace(
+      key=jax.device_put(
         jax.random.fold_in(key, 1),
-        jax.sharding.NamedSharding(tx.mesh, jax.sharding.PartitionSpec())))
+        jax.sharding.NamedSharding(tx.mesh, jax.sharding.PartitionSpec()),
+      )
+    )
   start = int(extra["data_step"])
-  say(f"zerojax.train: resumed from {config.checkpoint_dir} at step "
-      f"{start}", flush=True)
+  say(
+    f"zerojax.train: resumed from {config.checkpoint_dir} at step {start}",
+    flush=True,
+  )
   return state, start, ckpt
 
 
@@ -432,12 +621,20 @@ def _batches(config: TrainConfig, tx):
   import zerojax
   from zerojax import distributed
   from zerojax.app import data
+
   rows = distributed.local_rows(zerojax.batch_sharding(tx), config.batch)
 
   def batch_at(tokens, seed, step):
-    local = data.batch_at(tokens, seed=seed, step=step, batch=config.batch,
-                          seq_len=config.seq_len, rows=rows)
+    local = data.batch_at(
+      tokens,
+      seed=seed,
+      step=step,
+      batch=config.batch,
+      seq_len=config.seq_len,
+      rows=rows,
+    )
     return zerojax.shard_batch(local, tx, config.batch)
+
   return batch_at
 
 
@@ -445,21 +642,30 @@ class _Log:
   """The run's records, ``metrics.jsonl`` (main process) and the progress
   bar; step metrics are read one step late, so the host never stalls."""
 
-  def __init__(self, config, out, main_process, schedule, devices,
-               flops_per_token):
+  def __init__(
+    self, config, out, main_process, schedule, devices, flops_per_token
+  ):
     from tqdm.auto import tqdm
+
     self.config, self.schedule, self.devices = config, schedule, devices
     self.flops_per_token = flops_per_token
     self.main_process = main_process
     self.records = []
     self.tokens_per_step = config.batch * config.seq_len
-    self.file = (open(out / "metrics.jsonl", "a" if config.resume else "w")
-                 if main_process else open(os.devnull, "w"))
+    self.file = (
+      open(out / "metrics.jsonl", "a" if config.resume else "w")
+      if main_process
+      else open(os.devnull, "w")
+    )
     self.t_start = self.t_window = time.perf_counter()
     self.window_steps = 0
-    self.bar = tqdm(total=config.steps, desc="train", unit="step",
-                    disable=None if main_process else True,
-                    dynamic_ncols=True)
+    self.bar = tqdm(
+      total=config.steps,
+      desc="train",
+      unit="step",
+      disable=None if main_process else True,
+      dynamic_ncols=True,
+    )
     self.pending = None
     self.wall_s = None
 
@@ -471,15 +677,21 @@ class _Log:
 
   def step_metrics(self, step_done: int, metrics) -> dict:
     from zerojax.app import mfu
-    rec = {"step": step_done, "loss": float(_host(metrics["loss"])),
-           "grad_norm": float(_host(metrics["grad_norm"])),
-           "lr": float(self.schedule(step_done - 1))}
+
+    rec = {
+      "step": step_done,
+      "loss": float(_host(metrics["loss"])),
+      "grad_norm": float(_host(metrics["grad_norm"])),
+      "lr": float(self.schedule(step_done - 1)),
+    }
     now = time.perf_counter()
     if self.window_steps:
-      rec["tokens_per_s"] = (self.tokens_per_step * self.window_steps
-                             / (now - self.t_window))
-      rec["mfu"] = mfu.mfu(rec["tokens_per_s"], self.flops_per_token,
-                           self.devices)
+      rec["tokens_per_s"] = (
+        self.tokens_per_step * self.window_steps / (now - self.t_window)
+      )
+      rec["mfu"] = mfu.mfu(
+        rec["tokens_per_s"], self.flops_per_token, self.devices
+      )
     self.t_window, self.window_steps = now, 0
     return rec
 
@@ -489,8 +701,9 @@ class _Log:
     if self.pending is not None:
       rec = self.pending()
       self.write(rec)
-      postfix = dict(loss=f"{rec['loss']:.3f}",
-                     tok_s=f"{rec.get('tokens_per_s', 0):,.0f}")
+      postfix = dict(
+        loss=f"{rec['loss']:.3f}", tok_s=f"{rec.get('tokens_per_s', 0):,.0f}"
+      )
       if rec.get("mfu") is not None:
         postfix["mfu"] = f"{100 * rec['mfu']:.1f}%"
       self.bar.set_postfix(**postfix)
@@ -504,9 +717,11 @@ class _Log:
     rec["eval_loss"] = eval_loss
     self.write(rec, flush=True)
     if self.main_process:
-      self.bar.write(f"step {step:5d}  loss "
-                     f"{rec.get('loss', float('nan')):.4f}  "
-                     f"eval_loss {rec['eval_loss']:.4f}")
+      self.bar.write(
+        f"step {step:5d}  loss "
+        f"{rec.get('loss', float('nan')):.4f}  "
+        f"eval_loss {rec['eval_loss']:.4f}"
+      )
     self.t_window, self.window_steps = time.perf_counter(), 0
 
   def close(self):
@@ -514,19 +729,29 @@ class _Log:
     self.bar.close()
 
 
-def _train(config: TrainConfig, state, start: int, train_step, batch_for,
-           eval_loss, log: _Log, ckpt, say):
+def _train(
+  config: TrainConfig,
+  state,
+  start: int,
+  train_step,
+  batch_for,
+  eval_loss,
+  log: _Log,
+  ckpt,
+  say,
+):
   """Steps ``start + 1 .. config.steps``: ``(state, preempted step or
   None)``. Checkpoints asynchronously every ``save_every`` steps; on a
   preemption (SIGTERM on any process) every process saves the same step
   and stops; ``--resume`` continues."""
   import zerojax
   from zerojax import distributed
+
   log.bar.update(start)
   preempted = None
   for step in range(start + 1, config.steps + 1):
     state, metrics = train_step(state, batch_for(step))
-    if step == start + 1:                   # the step compiled on this call
+    if step == start + 1:  # the step compiled on this call
       zerojax.launch.release_free_heap()
     log.bar.update(1)
     extra = {"data_step": step, "seed": config.seed}
@@ -534,13 +759,20 @@ def _train(config: TrainConfig, state, start: int, train_step, batch_for,
       preempted = step
       if ckpt is not None:
         ckpt.save(state, extra=extra, force=True)
-      say(f"zerojax.train: preempted; stopping at step {step}"
-          + (f", saved to {config.checkpoint_dir}" if ckpt is not None else
-             " (no --checkpoint-dir: nothing saved)"), flush=True)
+      say(
+        f"zerojax.train: preempted; stopping at step {step}"
+        + (
+          f", saved to {config.checkpoint_dir}"
+          if ckpt is not None
+          else " (no --checkpoint-dir: nothing saved)"
+        ),
+        flush=True,
+      )
       log.window_steps += 1
       break
-    if ckpt is not None and (step % config.save_every == 0
-                             or step == config.steps):
+    if ckpt is not None and (
+      step % config.save_every == 0 or step == config.steps
+    ):
       ckpt.save(state, extra=extra, force=True)
     is_eval = step % config.eval_every == 0 or step == config.steps
     log.after_step(step, metrics, is_eval)
@@ -548,29 +780,47 @@ def _train(config: TrainConfig, state, start: int, train_step, batch_for,
       log.evaluation(step, eval_loss(state))
   log.close()
   if ckpt is not None:
-    ckpt.close()                    # waits for the last asynchronous save
+    ckpt.close()  # waits for the last asynchronous save
   log.wall_s = time.perf_counter() - log.t_start
   return state, preempted
 
 
-def _summary(config: TrainConfig, log: _Log, mesh, devices, n_params: int,
-             preempted, model: dict, jax_version: str) -> dict:
+def _summary(
+  config: TrainConfig,
+  log: _Log,
+  mesh,
+  devices,
+  n_params: int,
+  preempted,
+  model: dict,
+  jax_version: str,
+) -> dict:
   import numpy as np
+
   from zerojax.app import mfu
+
   evals = [r["eval_loss"] for r in log.records if "eval_loss" in r]
   speeds = [r["tokens_per_s"] for r in log.records if "tokens_per_s" in r]
   speed = float(np.median(speeds)) if speeds else None
   return {
-      "stage": config.stage, "n_devices": len(devices),
-      "mesh": dict(mesh.shape), "preempted_at": preempted,
-      "n_params": n_params, "steps": config.steps,
-      "wall_s": log.wall_s, "first_eval_loss": evals[0],
-      "last_eval_loss": evals[-1], "eval_drop": 1 - evals[-1] / evals[0],
-      "tokens_per_s": speed, "flops_per_token": log.flops_per_token,
-      "mfu": mfu.mfu(speed, log.flops_per_token, devices),
-      "device_kind": devices[0].device_kind, "platform": devices[0].platform,
-      "jax_version": jax_version, "model": model,
-      "config": dataclasses.asdict(config),
+    "stage": config.stage,
+    "n_devices": len(devices),
+    "mesh": dict(mesh.shape),
+    "preempted_at": preempted,
+    "n_params": n_params,
+    "steps": config.steps,
+    "wall_s": log.wall_s,
+    "first_eval_loss": evals[0],
+    "last_eval_loss": evals[-1],
+    "eval_drop": 1 - evals[-1] / evals[0],
+    "tokens_per_s": speed,
+    "flops_per_token": log.flops_per_token,
+    "mfu": mfu.mfu(speed, log.flops_per_token, devices),
+    "device_kind": devices[0].device_kind,
+    "platform": devices[0].platform,
+    "jax_version": jax_version,
+    "model": model,
+    "config": dataclasses.asdict(config),
   }
 
 
@@ -581,6 +831,7 @@ def _sample(config: TrainConfig, model, state) -> str:
 
   import zerojax
   from zerojax.app import data, gpt
+
   # on the host, then one device: the sample needs no mesh, and a model
   # axis's split of the params (typed on an Explicit mesh) would not
   # type-check in a forward written for zerojax's step
@@ -588,7 +839,8 @@ def _sample(config: TrainConfig, model, state) -> str:
   prompt = np.frombuffer(b"The ", dtype=np.uint8).astype(np.int32)
   n = min(config.sample_len, config.seq_len - len(prompt))
   sample = jax.jit(lambda p, x, k: gpt.generate(p, x, n, k, model))(
-      full, prompt, jax.random.key(config.seed))
+    full, prompt, jax.random.key(config.seed)
+  )
   return data.decode(_host(sample))
 
 

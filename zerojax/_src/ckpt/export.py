@@ -9,8 +9,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax._src.records.spec import ZeroState
+from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.gather_state import gather_leaf
-from zerojax._src.step.state import reject_deleted
 
 
 def export_params(state: ZeroState, path=None):
@@ -32,9 +32,12 @@ def export_params(state: ZeroState, path=None):
   """
 
   reject_deleted(state, "zerojax.checkpoint.export_params")
-  full = state.spec.unflatten_params([
+  full = state.spec.unflatten_params(
+    [
       np.asarray(gather_leaf(state, i, master=True))
-      for i in range(len(state.spec.leaves))])
+      for i in range(len(state.spec.leaves))
+    ]
+  )
   if path is not None:
     path = pathlib.Path(path).absolute()
     with ocp.StandardCheckpointer() as ckptr:

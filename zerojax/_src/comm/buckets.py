@@ -38,7 +38,7 @@ splitting would change their numbers and their byte count.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -52,9 +52,14 @@ def rows_per_bucket(shape, itemsize: float, bucket_bytes: int) -> int:
   return max(1, int(bucket_bytes // row)) if row else shape[0]
 
 
-def bucketed(fn: Callable, x: jax.Array, full_itemsize: float,
-             bucket_bytes: int | None, splittable: bool = True,
-             into: jax.Array | None = None) -> jax.Array:
+def bucketed(
+  fn: Callable,
+  x: jax.Array,
+  full_itemsize: float,
+  bucket_bytes: int | None,
+  splittable: bool = True,
+  into: jax.Array | None = None,
+) -> jax.Array:
   """``fn(x)``, run on ``x``'s leading dimension bucket by bucket.
 
   ``fn`` must treat rows independently and keep the leading dimension (a
@@ -82,8 +87,9 @@ def bucketed(fn: Callable, x: jax.Array, full_itemsize: float,
   out = jax.lax.fori_loop(0, whole, body, out)
   if whole * per < rows:
     rest = jax.lax.slice_in_dim(x, whole * per, rows, axis=0)
-    out = jax.lax.dynamic_update_slice_in_dim(out, fn(rest), whole * per,
-                                              axis=0)
+    out = jax.lax.dynamic_update_slice_in_dim(
+      out, fn(rest), whole * per, axis=0
+    )
   return out
 
 
@@ -99,8 +105,7 @@ def _empty_like_result(fn, x, rows: int, per: int):
 def splittable(layout) -> bool:
   """Whether a leaf's leading dimension may be split into buckets: rank >=
   2 and not sharded over the data axis or any model axis."""
-  return (len(layout.shape) >= 2 and layout.dim != 0
-          and not layout.model_axes(0))
+  return len(layout.shape) >= 2 and layout.dim != 0 and not layout.model_axes(0)
 
 
 def itemsize(dtype) -> int:

@@ -63,20 +63,20 @@ class GatherSpec:
   size: int
   stage: int
   reduce_dtype: Any
-  path: str = ""          # the leaf's keystr in the params tree, for errors
-  replica: tuple = ()     # other manual axes the batch splits over (HSDP)
-  padded: int = 0         # size of ``dim`` in storage (0: next multiple)
-  model: tuple = ()       # the leaf's model spec, per dimension (TP axes)
-  weight_bits: int | None = None   # qwZ: quantized stage-3 all-gather
-  grad_bits: int | None = None     # qgZ: quantized reduce-scatter
-  block_size: int = 256            # elements per quantization block
-  hpz: int = 0                     # hpZ: ``src`` is the secondary shard
-                                   # (1/hpz of the leaf), gathered in-node
-  node: int = 0                    # qgZ: hierarchical over nodes of this
-                                   # many devices (0: flat)
-  stochastic: bool = False         # qgZ: stochastic rounding
-  group_bytes: int | None = None   # cap on one grouped collective's full
-                                   # bytes (the tx's bucket_bytes; None: no cap)
+  path: str = ""  # the leaf's keystr in the params tree, for errors
+  replica: tuple = ()  # other manual axes the batch splits over (HSDP)
+  padded: int = 0  # size of ``dim`` in storage (0: next multiple)
+  model: tuple = ()  # the leaf's model spec, per dimension (TP axes)
+  weight_bits: int | None = None  # qwZ: quantized stage-3 all-gather
+  grad_bits: int | None = None  # qgZ: quantized reduce-scatter
+  block_size: int = 256  # elements per quantization block
+  hpz: int = 0  # hpZ: ``src`` is the secondary shard
+  # (1/hpz of the leaf), gathered in-node
+  node: int = 0  # qgZ: hierarchical over nodes of this
+  # many devices (0: flat)
+  stochastic: bool = False  # qgZ: stochastic rounding
+  group_bytes: int | None = None  # cap on one grouped collective's full
+  # bytes (the tx's bucket_bytes; None: no cap)
 
 
 def _entries(model, ndim):
@@ -110,18 +110,23 @@ def over_model_shards(fn, x, model, dim=None):
   another (measured with jax 0.10.2 on the GPT at 4 x 2: "Invalid binary
   instruction opcode copy"; fine once the operand is manual everywhere).
   """
-  entries = _entries(model, np.ndim(x))   # a literal (a constant aux) has no .ndim
+  entries = _entries(
+    model, np.ndim(x)
+  )  # a literal (a constant aux) has no .ndim
   mesh = jax.sharding.get_abstract_mesh()
-  axes = {a for a, t, n in zip(mesh.axis_names, mesh.axis_types,
-                               mesh.axis_sizes)
-          if t != jax.sharding.AxisType.Manual and n > 1}
+  axes = {
+    a
+    for a, t, n in zip(mesh.axis_names, mesh.axis_types, mesh.axis_sizes)
+    if t != jax.sharding.AxisType.Manual and n > 1
+  }
   if not axes:
     return fn(x)
   if dim is not None and entries[dim] is not None:
-    entries[dim] = None      # shared with the data axis: whole over model
+    entries[dim] = None  # shared with the data axis: whole over model
   spec = jax.sharding.PartitionSpec(*entries)
-  region = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
-                         axis_names=axes)
+  region = jax.shard_map(
+    fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=axes
+  )
   # Under ``jax.checkpoint`` (identity here: nothing differentiates this
   # call, it runs inside the gather's custom VJP) so that a scan's partial
   # evaluation keeps the nested region whole: split, its scalar residuals
@@ -165,11 +170,12 @@ class ShardedParam:
 
   def _misuse(self, *args, **kwargs):
     raise UngatheredParamError(
-        f"zerojax: sharded parameter params{self.spec.path} (shape "
-        f"{self.shape}) was used without "
-        f"being gathered. Call zerojax.gather(params) (or on the layer's "
-        f"subtree) before using it, or build the step with "
-        f"zerojax.train_step(..., gather='all').")
+      f"zerojax: sharded parameter params{self.spec.path} (shape "
+      f"{self.shape}) was used without "
+      f"being gathered. Call zerojax.gather(params) (or on the layer's "
+      f"subtree) before using it, or build the step with "
+      f"zerojax.train_step(..., gather='all')."
+    )
 
   def __getattr__(self, name):
     # Only reached for attributes a ShardedParam lacks (astype, T, ...).
@@ -183,8 +189,10 @@ class ShardedParam:
 
   def __repr__(self):
     shape = getattr(self.src, "shape", None)
-    return (f"ShardedParam(stage={self.spec.stage}, local_shape={shape}, "
-            f"dim={self.spec.dim}; call zerojax.gather() before use)")
+    return (
+      f"ShardedParam(stage={self.spec.stage}, local_shape={shape}, "
+      f"dim={self.spec.dim}; call zerojax.gather() before use)"
+    )
 
 
 def _is_sharded(x) -> bool:
@@ -225,11 +233,13 @@ def gather_each(tree):
 def _gather_groups(tree, groups):
   leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
   out = list(leaves)
-  for group in groups([(i, x) for i, x in enumerate(leaves)
-                       if _is_sharded(x)]):
+  for group in groups([(i, x) for i, x in enumerate(leaves) if _is_sharded(x)]):
     specs = tuple(leaves[i].spec for i in group)
-    full = zerojax_gather(specs, tuple(leaves[i].sink for i in group),
-                          tuple(leaves[i].src for i in group))
+    full = zerojax_gather(
+      specs,
+      tuple(leaves[i].sink for i in group),
+      tuple(leaves[i].src for i in group),
+    )
     for i, x in zip(group, full):
       out[i] = x
   return jax.tree.unflatten(treedef, out)
@@ -240,8 +250,11 @@ def _groupable(spec: GatherSpec) -> bool:
   stages 1-2, exact (no ZeRO++), and not split over a model axis (those
   run per model shard, :func:`over_model_shards`)."""
   return spec.stage in (1, 2) and not (
-      spec.weight_bits or spec.grad_bits or spec.hpz
-      or any(_entries(spec.model, len(spec.model))))
+    spec.weight_bits
+    or spec.grad_bits
+    or spec.hpz
+    or any(_entries(spec.model, len(spec.model)))
+  )
 
 
 def _groups(items) -> list[list[int]]:
@@ -255,13 +268,18 @@ def _groups(items) -> list[list[int]]:
     if not _groupable(s):
       groups.append([i])
       continue
-    key = (s.axis_name, s.replica, s.stage, np.dtype(s.reduce_dtype),
-           np.dtype(x.src.dtype))
-    size = math.prod(x.shape) * max(np.dtype(x.src.dtype).itemsize,
-                                    np.dtype(s.reduce_dtype).itemsize)
+    key = (
+      s.axis_name,
+      s.replica,
+      s.stage,
+      np.dtype(s.reduce_dtype),
+      np.dtype(x.src.dtype),
+    )
+    size = math.prod(x.shape) * max(
+      np.dtype(x.src.dtype).itemsize, np.dtype(s.reduce_dtype).itemsize
+    )
     g = open_.get(key)
-    if g is None or (s.group_bytes is not None
-                     and g[1] + size > s.group_bytes):
+    if g is None or (s.group_bytes is not None and g[1] + size > s.group_bytes):
       g = open_[key] = [[], 0]
       groups.append(g[0])
     g[0].append(i)
@@ -272,11 +290,12 @@ def _groups(items) -> list[list[int]]:
 def _check_rank(spec: GatherSpec, x):
   if x.ndim + spec.dim < 0:
     raise ValueError(
-        f"zerojax.gather: a parameter sharded along its leading dimension was "
-        f"sliced to rank {x.ndim} before gathering (a scan over a leaf that "
-        f"is not marked as a layer stack). Mark it as stacked: "
-        f"zerojax.zero(..., stacked=lambda path, shape: ...) returning True "
-        f"for it, or gather it before slicing.")
+      f"zerojax.gather: a parameter sharded along its leading dimension was "
+      f"sliced to rank {x.ndim} before gathering (a scan over a leaf that "
+      f"is not marked as a layer stack). Mark it as stacked: "
+      f"zerojax.zero(..., stacked=lambda path, shape: ...) returning True "
+      f"for it, or gather it before slicing."
+    )
 
 
 def _full_value(spec: GatherSpec, src):
@@ -284,19 +303,24 @@ def _full_value(spec: GatherSpec, src):
   if spec.stage == 3:
     dim = src.ndim + spec.dim
     if spec.hpz:
-      gather_fn = lambda s: _zeropp.gather_in_node(s, spec.axis_name, dim,
-                                                   spec.hpz)
+      gather_fn = lambda s: _zeropp.gather_in_node(
+        s, spec.axis_name, dim, spec.hpz
+      )
     elif spec.weight_bits:
       gather_fn = lambda s: _zeropp.all_gather(
-          s, spec.axis_name, dim, spec.weight_bits, spec.block_size)
+        s, spec.axis_name, dim, spec.weight_bits, spec.block_size
+      )
     else:
       gather_fn = lambda s: jax.lax.all_gather(
-          s, spec.axis_name, axis=dim, tiled=True, to="varying")
+        s, spec.axis_name, axis=dim, tiled=True, to="varying"
+      )
     full = over_model_shards(gather_fn, src, spec.model, dim)
     full = jax.lax.slice_in_dim(full, 0, spec.size, axis=dim)
     # Varying over the replica axis too: otherwise the transpose of the
     # implicit broadcast would all-reduce the full cotangent over replicas.
-    return jax.lax.pcast(full, spec.replica, to="varying") if spec.replica else full
+    return (
+      jax.lax.pcast(full, spec.replica, to="varying") if spec.replica else full
+    )
   return jax.lax.pcast(src, (spec.axis_name,) + spec.replica, to="varying")
 
 
@@ -318,13 +342,17 @@ def _reduce_flat(specs, cts):
     rows.append(jnp.moveaxis(c.astype(dtype), d, 0))
   buf = jnp.concatenate([r.reshape(n, -1) for r in rows], axis=1)
   mine = over_model_shards(
-      lambda b: jax.lax.psum_scatter(b, spec.axis_name, scatter_dimension=0,
-                                     tiled=True),
-      buf, (), 0)
+    lambda b: jax.lax.psum_scatter(
+      b, spec.axis_name, scatter_dimension=0, tiled=True
+    ),
+    buf,
+    (),
+    0,
+  )
   outs, at = [], 0
   for g, r, c in zip(specs, rows, cts):
     width = r.size // n
-    shard = mine[0, at:at + width].reshape((r.shape[0] // n,) + r.shape[1:])
+    shard = mine[0, at : at + width].reshape((r.shape[0] // n,) + r.shape[1:])
     at += width
     outs.append(jnp.moveaxis(shard, 0, c.ndim + g.dim))
   return tuple(outs)
@@ -337,7 +365,7 @@ def zerojax_gather(specs: tuple[GatherSpec, ...], sinks, srcs):
   return zerojax_gather_fwd(specs, sinks, srcs)[0]
 
 
-GATHER_NAME = zerojax_gather.__name__   # read by zerojax._src.jaxpr.audit
+GATHER_NAME = zerojax_gather.__name__  # read by zerojax._src.jaxpr.audit
 
 
 def zerojax_gather_fwd(specs, sinks, srcs):
@@ -355,20 +383,22 @@ def zerojax_gather_bwd(specs, _, cts):
 
 def _reduce_one(spec, ct):
   """One leaf's cotangent reduced on its own (in the reduce dtype)."""
-  if spec.stage == 0:        # replicated: the cotangent summed over the data
+  if spec.stage == 0:  # replicated: the cotangent summed over the data
     # axis, layer by layer, in the reduce dtype (the step scales the loss
     # before differentiating it, so the sum is the mean already)
     return over_model_shards(
-        lambda c: jax.lax.psum(c.astype(spec.reduce_dtype), spec.axis_name),
-        ct, spec.model)
+      lambda c: jax.lax.psum(c.astype(spec.reduce_dtype), spec.axis_name),
+      ct,
+      spec.model,
+    )
   dim = ct.ndim + spec.dim
   n = jax.lax.axis_size(spec.axis_name)
   pad = (spec.padded - ct.shape[dim]) if spec.padded else -ct.shape[dim] % n
   if pad:
     ct = _layout.pad_dim(ct, dim, pad)
   return over_model_shards(
-      lambda c: reduce_scatter(c, spec.axis_name, dim, spec),
-      ct, spec.model, dim)
+    lambda c: reduce_scatter(c, spec.axis_name, dim, spec), ct, spec.model, dim
+  )
 
 
 def on_major_dim(collective, x, dim: int):
@@ -394,14 +424,22 @@ def reduce_scatter(x, axis_name, dim: int, spec: GatherSpec):
   """The gradient reduce-scatter: in ``spec.reduce_dtype``, or with qgZ as
   an all-to-all of quantized blocks summed in fp32 (then cast)."""
   if spec.grad_bits:
-    return _zeropp.reduce_scatter(x, axis_name, dim, spec.grad_bits,
-                                  spec.block_size, node=spec.node,
-                                  stochastic=spec.stochastic
-                                  ).astype(spec.reduce_dtype)
+    return _zeropp.reduce_scatter(
+      x,
+      axis_name,
+      dim,
+      spec.grad_bits,
+      spec.block_size,
+      node=spec.node,
+      stochastic=spec.stochastic,
+    ).astype(spec.reduce_dtype)
   return on_major_dim(
-      lambda y, d: jax.lax.psum_scatter(y, axis_name, scatter_dimension=d,
-                                        tiled=True),
-      x.astype(spec.reduce_dtype), dim)
+    lambda y, d: jax.lax.psum_scatter(
+      y, axis_name, scatter_dimension=d, tiled=True
+    ),
+    x.astype(spec.reduce_dtype),
+    dim,
+  )
 
 
 zerojax_gather.defvjp(zerojax_gather_fwd, zerojax_gather_bwd)
@@ -410,5 +448,6 @@ zerojax_gather.defvjp(zerojax_gather_fwd, zerojax_gather_bwd)
 def sink_like(src_shard_shape, dtype, axes):
   """A zero gradient sink of the local shard's shape, device-varying over
   ``axes`` (the data axis, and the replica axis under hybrid sharding)."""
-  return jax.lax.pcast(jnp.zeros(src_shard_shape, np.dtype(dtype)), axes,
-                       to="varying")
+  return jax.lax.pcast(
+    jnp.zeros(src_shard_shape, np.dtype(dtype)), axes, to="varying"
+  )

@@ -59,14 +59,19 @@ over all N devices into the primary layout. Nodes are consecutive runs of
 k devices along the data axis (``zerojax.make_mesh`` puts each process's
 devices together, so with one process per node, node = process).
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src.records.zeropp import (block_for, cross_groups, node_groups,
-                                         qmax)
+from zerojax._src.records.zeropp import (
+  block_for,
+  cross_groups,
+  node_groups,
+  qmax,
+)
 
 
 def _blocks(x, block: int):
@@ -88,14 +93,15 @@ def _dither(xb):
   u32 = jnp.uint32
   h = jax.lax.bitcast_convert_type(xb, u32)
   idx = jax.lax.broadcasted_iota(u32, xb.shape, xb.ndim - 1)
-  for d in range(xb.ndim - 2, -1, -1):    # a flat position over all dims
+  for d in range(xb.ndim - 2, -1, -1):  # a flat position over all dims
     idx = idx + jax.lax.broadcasted_iota(u32, xb.shape, d) * u32(
-        int(np.prod(xb.shape[d + 1:])) & 0xFFFFFFFF)
+      int(np.prod(xb.shape[d + 1 :])) & 0xFFFFFFFF
+    )
   h = h ^ (idx * u32(0x9E3779B9))
   h = (h ^ (h >> 16)) * u32(0x7FEB352D)
   h = (h ^ (h >> 15)) * u32(0x846CA68B)
   h = h ^ (h >> 16)
-  return (h >> 8).astype(jnp.float32) * np.float32(2.0 ** -24)
+  return (h >> 8).astype(jnp.float32) * np.float32(2.0**-24)
 
 
 def quantize(x, bits: int, block: int, stochastic: bool = False):
@@ -120,7 +126,7 @@ def quantize(x, bits: int, block: int, stochastic: bool = False):
   q = jnp.clip(y, -qmax(bits), qmax(bits))
   q = q.astype(jnp.int8)
   if bits == 4:
-    nib = (q + 8).astype(jnp.uint8)          # [-7, 7] -> [1, 15]
+    nib = (q + 8).astype(jnp.uint8)  # [-7, 7] -> [1, 15]
     q = nib[..., 0::2] | (nib[..., 1::2] << 4)
   return q, scale
 
@@ -143,18 +149,20 @@ def all_gather(x, axis_name, dim: int, bits: int, block: int, groups=None):
   n = len(groups[0]) if groups else jax.lax.axis_size(axis_name)
   m = x.size
   q, scale = quantize(x.reshape(-1), bits, block_for(m, block))
-  gather = lambda v: jax.lax.all_gather(v, axis_name, axis=0, tiled=False,
-                                        axis_index_groups=groups, to="varying")
+  gather = lambda v: jax.lax.all_gather(
+    v, axis_name, axis=0, tiled=False, axis_index_groups=groups, to="varying"
+  )
   q, scale = gather(q), gather(scale)
   shards = dequantize(q, scale, bits, m).reshape((n,) + x.shape)
-  full = jnp.moveaxis(shards, 0, dim)          # (..., n, x.shape[dim], ...)
+  full = jnp.moveaxis(shards, 0, dim)  # (..., n, x.shape[dim], ...)
   shape = list(x.shape)
   shape[dim] *= n
   return full.reshape(shape).astype(x.dtype)
 
 
-def _exchange_sum(x, axis_name, groups, bits: int, block: int,
-                  stochastic: bool):
+def _exchange_sum(
+  x, axis_name, groups, bits: int, block: int, stochastic: bool
+):
   """Row ``j`` of ``x`` ``(p, m)`` goes to member ``j`` of this device's
   group, quantized; the ``p`` rows received are dequantized to fp32 and
   summed: ``(m,)``."""
@@ -165,8 +173,16 @@ def _exchange_sum(x, axis_name, groups, bits: int, block: int,
   return dequantize(q, scale, bits, m).sum(axis=0)
 
 
-def reduce_scatter(x, axis_name, dim: int, bits: int, block: int, *,
-                   node: int = 0, stochastic: bool = False):
+def reduce_scatter(
+  x,
+  axis_name,
+  dim: int,
+  bits: int,
+  block: int,
+  *,
+  node: int = 0,
+  stochastic: bool = False,
+):
   """qgZ: ``psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)``
   as all-to-alls of quantized chunks, summed in fp32 after
   dequantization. ``x.shape[dim]`` must divide by the axis size (callers
@@ -181,21 +197,34 @@ def reduce_scatter(x, axis_name, dim: int, bits: int, block: int, *,
   n = jax.lax.axis_size(axis_name)
   shape = list(x.shape)
   shape[dim : dim + 1] = [n, shape[dim] // n]
-  chunks = jnp.moveaxis(x.reshape(shape), dim, 0)   # (n, ..., shard ...)
+  chunks = jnp.moveaxis(x.reshape(shape), dim, 0)  # (n, ..., shard ...)
   shard_shape = chunks.shape[1:]
   m = int(np.prod(shard_shape))
   chunks = chunks.reshape(n, m)
   if not node:
     # chunk j goes to device j; from every device, its chunk for this one
-    return _exchange_sum(chunks, axis_name, None, bits, block,
-                         stochastic).reshape(shard_shape)
+    return _exchange_sum(
+      chunks, axis_name, None, bits, block, stochastic
+    ).reshape(shard_shape)
   k = node
   # chunk d = g*k + l: to in-node peer l go the chunks [g*k + l for g]
-  by_peer = jnp.swapaxes(chunks.reshape(n // k, k, m), 0, 1)   # (k, n/k, m)
-  node_sum = _exchange_sum(by_peer.reshape(k, -1), axis_name,
-                           node_groups(n, k), bits, block, stochastic)
-  out = _exchange_sum(node_sum.reshape(n // k, m), axis_name,
-                      cross_groups(n, k), bits, block, stochastic)
+  by_peer = jnp.swapaxes(chunks.reshape(n // k, k, m), 0, 1)  # (k, n/k, m)
+  node_sum = _exchange_sum(
+    by_peer.reshape(k, -1),
+    axis_name,
+    node_groups(n, k),
+    bits,
+    block,
+    stochastic,
+  )
+  out = _exchange_sum(
+    node_sum.reshape(n // k, m),
+    axis_name,
+    cross_groups(n, k),
+    bits,
+    block,
+    stochastic,
+  )
   return out.reshape(shard_shape)
 
 
@@ -206,18 +235,25 @@ def secondary(x, axis_name, dim: int, k: int, bits: int | None, block: int):
   groups = cross_groups(n, k)
   if bits:
     return all_gather(x, axis_name, dim, bits, block, groups)
-  return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True,
-                            axis_index_groups=groups, to="varying")
+  return jax.lax.all_gather(
+    x, axis_name, axis=dim, tiled=True, axis_index_groups=groups, to="varying"
+  )
 
 
 def gather_in_node(x, axis_name, dim: int, k: int):
   """hpZ: the full (padded) weight from secondary shards, gathered inside
   the node, reordered from (local index, node) to the primary order."""
   n = jax.lax.axis_size(axis_name)
-  full = jax.lax.all_gather(x, axis_name, axis=dim, tiled=True,
-                            axis_index_groups=node_groups(n, k), to="varying")
+  full = jax.lax.all_gather(
+    x,
+    axis_name,
+    axis=dim,
+    tiled=True,
+    axis_index_groups=node_groups(n, k),
+    to="varying",
+  )
   shape = list(full.shape)
-  c = shape[dim] // n                          # one primary chunk
-  split = shape[:dim] + [k, n // k, c] + shape[dim + 1:]
+  c = shape[dim] // n  # one primary chunk
+  split = shape[:dim] + [k, n // k, c] + shape[dim + 1 :]
   full = jnp.swapaxes(full.reshape(split), dim, dim + 1)
   return full.reshape(shape)

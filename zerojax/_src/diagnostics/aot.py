@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 
 from zerojax._src.diagnostics import hlo as _hlo
+from zerojax._src.diagnostics import hlo_memory as _hlo_memory
 from zerojax._src.diagnostics import schedule as _schedule
 from zerojax._src.records.mesh import make_mesh
 
@@ -29,25 +30,31 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
   ``ValueError`` naming the fix when the TPU compiler is not installed or
   the name is unknown."""
   from jax.experimental import topologies
+
   if num_slices < 1:
     raise ValueError(f"zerojax: num_slices={num_slices} must be >= 1")
   kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
   try:
-    return list(topologies.get_topology_desc(
-        platform="tpu", topology_name=topology, **kwargs).devices)
+    return list(
+      topologies.get_topology_desc(
+        platform="tpu", topology_name=topology, **kwargs
+      ).devices
+    )
   except RuntimeError as e:
     if "lockfile" in str(e):
       raise ValueError(
-          f"zerojax: libtpu is in use by another process on this machine "
-          f"(it holds /tmp/libtpu_lockfile), so TPU topology {topology!r} "
-          f"cannot be loaded here now. Compile for TPU topologies one process "
-          f"at a time (or set ALLOW_MULTIPLE_LIBTPU_LOAD=1 in each). JAX "
-          f"said: {str(e).splitlines()[0]}") from e
+        f"zerojax: libtpu is in use by another process on this machine "
+        f"(it holds /tmp/libtpu_lockfile), so TPU topology {topology!r} "
+        f"cannot be loaded here now. Compile for TPU topologies one process "
+        f"at a time (or set ALLOW_MULTIPLE_LIBTPU_LOAD=1 in each). JAX "
+        f"said: {str(e).splitlines()[0]}"
+      ) from e
     if "not installed" in str(e) or "TPU support" in str(e):
       raise ValueError(
-          f"zerojax: compiling for TPU topology {topology!r} needs the TPU "
-          f"compiler (libtpu), which is not installed: {TPU_EXTRA}. No TPU "
-          f"is needed to compile for one.") from e
+        f"zerojax: compiling for TPU topology {topology!r} needs the TPU "
+        f"compiler (libtpu), which is not installed: {TPU_EXTRA}. No TPU "
+        f"is needed to compile for one."
+      ) from e
     raise _unknown(topology, e) from e
   except Exception as e:  # noqa: BLE001 -- libtpu's own error types
     raise _unknown(topology, e) from e
@@ -55,22 +62,25 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
 
 def _unknown(topology: str, e: Exception) -> ValueError:
   return ValueError(
-      f"zerojax: libtpu does not know TPU topology {topology!r} "
-      f"({str(e).splitlines()[0]}). Name a generation and the chips per "
-      f"dimension: 'v5e:2x2', 'v5e:4x8', 'v5p:2x2x2', 'v5p:4x4x4', "
-      f"'v6e:2x2', 'v6e:16x16' (v5p is 3-D).")
+    f"zerojax: libtpu does not know TPU topology {topology!r} "
+    f"({str(e).splitlines()[0]}). Name a generation and the chips per "
+    f"dimension: 'v5e:2x2', 'v5e:4x8', 'v5p:2x2x2', 'v5p:4x4x4', "
+    f"'v6e:2x2', 'v6e:16x16' (v5p is 3-D)."
+  )
 
 
-def topology_mesh(topology: str, axes=None, *, num_slices: int = 1,
-                  **mesh_kwargs):
+def topology_mesh(
+  topology: str, axes=None, *, num_slices: int = 1, **mesh_kwargs
+):
   """A mesh over TPU topology ``topology``'s devices (``num_slices`` of
   them), as :func:`zerojax.make_mesh` builds one (``axes`` such as
   ``"replica=2,data=32"``, the outer axes across slices; default one
   ``data`` axis over every chip; Explicit axes unless ``axis_types=`` says
   otherwise). Its devices belong to no process here: lower abstract values
   on it, never place data."""
-  return make_mesh(axes, devices=topology_devices(topology, num_slices),
-                   **mesh_kwargs)
+  return make_mesh(
+    axes, devices=topology_devices(topology, num_slices), **mesh_kwargs
+  )
 
 
 def compiled_report(compiled, mesh) -> dict:
@@ -94,16 +104,19 @@ def compiled_report(compiled, mesh) -> dict:
   as megascale transfers; ``bytes``: the buffers each chip hands over,
   ``wire``: what it sends between slices, :func:`_dcn_wire`);
   ``host_transfers`` the copies between host and device memory per step
-  (:func:`zerojax._src.diagnostics.hlo.host_transfers`; ``memory`` then
+  (:func:`zerojax._src.diagnostics.hlo_memory.host_transfers`; ``memory`` then
   also has the host bytes); ``issued`` from the
   scheduled program (:mod:`zerojax._src.diagnostics.schedule`), a loop
   body's collective once."""
   m = compiled.memory_analysis()
-  memory = {name: int(getattr(m, f"{name}_size_in_bytes"))
-            for name in ("argument", "output", "temp", "alias")}
-  memory["peak"] = (memory["argument"] + memory["output"] + memory["temp"]
-                    - memory["alias"])
-  for name in ("argument", "output", "temp"):       # host memory (offload)
+  memory = {
+    name: int(getattr(m, f"{name}_size_in_bytes"))
+    for name in ("argument", "output", "temp", "alias")
+  }
+  memory["peak"] = (
+    memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+  )
+  for name in ("argument", "output", "temp"):  # host memory (offload)
     host = getattr(m, f"host_{name}_size_in_bytes", 0)
     if host:
       memory[f"host_{name}"] = int(host)
@@ -114,8 +127,10 @@ def compiled_report(compiled, mesh) -> dict:
   across: dict = {}
   for c in _hlo.collectives(text, mesh.size):
     groups = c.groups or (tuple(range(mesh.size)),)
-    if c.across_slices or (len(set(slice_of)) > 1 and any(
-        len({slice_of[i] for i in g}) > 1 for g in groups)):
+    if c.across_slices or (
+      len(set(slice_of)) > 1
+      and any(len({slice_of[i] for i in g}) > 1 for g in groups)
+    ):
       row = across.setdefault(c.kind, {"count": 0, "bytes": 0, "wire": 0.0})
       row["count"] += c.count
       row["bytes"] += c.total_bytes
@@ -125,16 +140,26 @@ def compiled_report(compiled, mesh) -> dict:
     row["bytes"] += c.total_bytes
     row["wire"] += _ring_wire(c)
     if c.written_for:
-      row = written_as.setdefault(f"{c.written_for} as {c.kind}",
-                                  {"count": 0, "bytes": 0})
+      row = written_as.setdefault(
+        f"{c.written_for} as {c.kind}", {"count": 0, "bytes": 0}
+      )
       row["count"] += c.count
       row["bytes"] += c.total_bytes
-  by_axis = {f"{kind}@{axes}": n for (kind, axes), n in   # axes: "a+b"
-             sorted(_hlo.bytes_by_axis(text, mesh).items())}
-  return {"memory": memory, "collectives": kinds, "bytes_by_axis": by_axis,
-          "written_as": written_as, "across_slices": across,
-          "host_transfers": _hlo.host_transfers(text),
-          "issued": _schedule.summary(text)}
+  by_axis = {
+    f"{kind}@{axes}": n
+    for (kind, axes), n in sorted(  # axes: "a+b"
+      _hlo.bytes_by_axis(text, mesh).items()
+    )
+  }
+  return {
+    "memory": memory,
+    "collectives": kinds,
+    "bytes_by_axis": by_axis,
+    "written_as": written_as,
+    "across_slices": across,
+    "host_transfers": _hlo_memory.host_transfers(text),
+    "issued": _schedule.summary(text),
+  }
 
 
 def _ring_wire(c) -> float:
@@ -147,8 +172,10 @@ def _ring_wire(c) -> float:
     return 0.0
   g = max(c.group_size, 1)
   share = (g - 1) / g
-  return c.total_bytes * {"all-reduce": 2 * share,
-                          "collective-permute": 1.0}.get(c.kind, share)
+  return c.total_bytes * {
+    "all-reduce": 2 * share,
+    "collective-permute": 1.0,
+  }.get(c.kind, share)
 
 
 def _dcn_wire(c, slices: int) -> float:
@@ -159,8 +186,12 @@ def _dcn_wire(c, slices: int) -> float:
   slice's share leaves), and for an all-reduce both of those phases.
   (The planner's ``slow_bytes`` is the same count, :func:`zerojax.cost.comm_time`.)"""
   share = (slices - 1) / slices
-  factor = {"all-gather": slices - 1, "reduce-scatter": share,
-            "all-to-all": share, "all-reduce": 2 * share}.get(c.kind, 1.0)
+  factor = {
+    "all-gather": slices - 1,
+    "reduce-scatter": share,
+    "all-to-all": share,
+    "all-reduce": 2 * share,
+  }.get(c.kind, 1.0)
   return c.total_bytes * factor
 
 

@@ -36,8 +36,11 @@ REPLICA_ALL_REDUCE = "all-reduce over replica"
 
 def layout_bytes(layout, n: int, model_sizes: dict, itemsize: int) -> float:
   """Bytes of one device's stored shard of a leaf laid out as ``layout``."""
-  return (math.prod(layout.shard_shape(n)) / layout.model_shards(model_sizes)
-          * itemsize)
+  return (
+    math.prod(layout.shard_shape(n))
+    / layout.model_shards(model_sizes)
+    * itemsize
+  )
 
 
 def stage_state_bytes(spec, *, ideal: bool) -> dict[str, float]:
@@ -51,10 +54,15 @@ def stage_state_bytes(spec, *, ideal: bool) -> dict[str, float]:
   def add(category, layout, size, dtype, sharded_at: int):
     itemsize = np.dtype(dtype).itemsize
     if ideal:
-      out[category] += (size / layout.model_shards(sizes) * itemsize
-                        / (n if stage >= sharded_at else 1))
+      out[category] += (
+        size
+        / layout.model_shards(sizes)
+        * itemsize
+        / (n if stage >= sharded_at else 1)
+      )
     else:
       out[category] += layout_bytes(layout, n, sizes, itemsize)
+
   for r in spec.leaves:
     add("params", r.param, r.size, r.compute_dtype, 3)
     if not r.trainable:
@@ -63,18 +71,20 @@ def stage_state_bytes(spec, *, ideal: bool) -> dict[str, float]:
       add("master", r.shard, r.size, r.master_dtype, 1)
     if ideal or stage >= 2:
       add("grads", r.shard, r.size, r.reduce_dtype, 2)
-    else:                       # a full gradient at stages 0-1
-      out["grads"] += (r.size / r.shard.model_shards(sizes)
-                       * np.dtype(r.reduce_dtype).itemsize)
+    else:  # a full gradient at stages 0-1
+      out["grads"] += (
+        r.size / r.shard.model_shards(sizes) * np.dtype(r.reduce_dtype).itemsize
+      )
   for o in spec.opt_leaves:
     size = math.prod(o.aval.shape)
-    sharded_at = 1 if o.aval.shape else 4      # scalars (count) stay whole
+    sharded_at = 1 if o.aval.shape else 4  # scalars (count) stay whole
     add(f"opt_state.{o.field}", o.layout, size, o.aval.dtype, sharded_at)
   return dict(out)
 
 
-def stage_collectives(spec, accum_steps: int = 1, *,
-                ideal: bool) -> dict[str, tuple[int, int]]:
+def stage_collectives(
+  spec, accum_steps: int = 1, *, ideal: bool
+) -> dict[str, tuple[int, int]]:
   """The step's collectives: ``{kind: (elements, bytes)}`` per step, with
   ``accum_steps`` micro-batches. Kinds: ``all-reduce``, ``reduce-scatter``,
   ``all-gather``, ``all-to-all`` (qgZ) and, with a replica axis,
@@ -102,9 +112,11 @@ def _ideal_collectives(spec, k: int) -> dict:
     return {"all-reduce": (elems, rbytes)}
   rs = 1 if stage == 1 else k
   ag = {1: 1, 2: 1, 3: 2 * k}[stage]
-  out = {"reduce-scatter": (rs * elems, rs * rbytes),
-         "all-gather": (ag * elems, ag * cbytes)}
-  if spec.tx.replica_axis:     # hybrid: the shard, summed over replicas once
+  out = {
+    "reduce-scatter": (rs * elems, rs * rbytes),
+    "all-gather": (ag * elems, ag * cbytes),
+  }
+  if spec.tx.replica_axis:  # hybrid: the shard, summed over replicas once
     n = spec.tx.num_shards
     out[REPLICA_ALL_REDUCE] = (elems // n, rbytes // n)
   return out
@@ -167,27 +179,33 @@ def _laid_out_collectives(spec, k: int) -> dict:
     out[kind][0] += times * elems
     out[kind][1] += times * nbytes
 
-  def plain(kind, elems, dtype, times=1):     # a full-precision collective
+  def plain(kind, elems, dtype, times=1):  # a full-precision collective
     add(kind, elems, elems * np.dtype(dtype).itemsize, times)
+
   for r in spec.leaves:
     if not r.trainable:
       continue
-    if not r.shard.sharded:        # replicated: all-reduced, full precision
-      plain("all-reduce", r.size // r.shard.model_shards(tx.model_axes),
-            r.reduce_dtype)
+    if not r.shard.sharded:  # replicated: all-reduced, full precision
+      plain(
+        "all-reduce",
+        r.size // r.shard.model_shards(tx.model_axes),
+        r.reduce_dtype,
+      )
       continue
     per_layer = stage >= 2 and r.stacked and r.shard.dim != 0
     layers = r.shard.storage_shape[0] if per_layer else 1
-    m = local_elements(spec, r) // layers       # one call's local shard
+    m = local_elements(spec, r) // layers  # one call's local shard
     calls = k * layers if stage >= 2 else 1
     # gathered again in the backward where rematerialised (the layer scan)
     gathers = k * layers * (2 if per_layer else 1)
-    if stage < 3:                   # stages 1-2: the new params, gathered
+    if stage < 3:  # stages 1-2: the new params, gathered
       plain("all-gather", n * m * layers, r.compute_dtype)
-    elif hpz:                       # the secondary once, then in-node
+    elif hpz:  # the secondary once, then in-node
       if zpp.weight_bits:
-        add("all-gather", *quantized(n // hpz, m * layers, zpp.weight_bits,
-                                     zpp.block))
+        add(
+          "all-gather",
+          *quantized(n // hpz, m * layers, zpp.weight_bits, zpp.block),
+        )
       else:
         plain("all-gather", n // hpz * m * layers, r.compute_dtype)
       plain("all-gather", n * m, r.compute_dtype, gathers)
@@ -196,10 +214,14 @@ def _laid_out_collectives(spec, k: int) -> dict:
     else:
       plain("all-gather", n * m, r.compute_dtype, gathers)
     if zpp.grad_bits and node:
-      add("all-to-all", *quantized(node, n // node * m, zpp.grad_bits,
-                                   zpp.block), calls)
-      add("all-to-all", *quantized(n // node, m, zpp.grad_bits,
-                                   zpp.block), calls)
+      add(
+        "all-to-all",
+        *quantized(node, n // node * m, zpp.grad_bits, zpp.block),
+        calls,
+      )
+      add(
+        "all-to-all", *quantized(n // node, m, zpp.grad_bits, zpp.block), calls
+      )
     elif zpp.grad_bits:
       add("all-to-all", *quantized(n, m, zpp.grad_bits, zpp.block), calls)
     else:

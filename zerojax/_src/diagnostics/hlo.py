@@ -19,26 +19,63 @@ import re
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-         "collective-permute")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-          "f64": 8, "c64": 8, "c128": 16}
+KINDS = (
+  "all-reduce",
+  "all-gather",
+  "reduce-scatter",
+  "all-to-all",
+  "collective-permute",
+)
+
+_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
+
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+"
-                       r"([a-z][\w\-]*)\((.*)$")
-_SHAPE_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+
+INSTR_RE = re.compile(
+  r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+"
+  r"([a-z][\w\-]*)\((.*)$"
+)
+
+SHAPE_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+
 _CALLEE_RE = re.compile(
-    r"\b(body|condition|to_apply|calls|branch_computations)="
-    r"(\{[^}]*\}|%?[\w.\-]+)")
+  r"\b(body|condition|to_apply|calls|branch_computations)="
+  r"(\{[^}]*\}|%?[\w.\-]+)"
+)
+
 _CHAIN_RE = re.compile(r'chain_id="(\d+)"')
 # a multi-slice TPU program moves data between slices with host-transfer
 # sends the megascale runtime turns into the collective named here; the
 # sent buffer is the collective's operand
+
 _DCN_RE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
-_OP_NAME_RE = re.compile(r'op_name="[^"]*?(all_gather|reduce_scatter|psum_scatter)"')
-_ASKED = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-          "psum_scatter": "reduce-scatter"}
+
+_OP_NAME_RE = re.compile(
+  r'op_name="[^"]*?(all_gather|reduce_scatter|psum_scatter)"'
+)
+
+_ASKED = {
+  "all_gather": "all-gather",
+  "reduce_scatter": "reduce-scatter",
+  "psum_scatter": "reduce-scatter",
+}
+
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
@@ -46,23 +83,23 @@ _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 class Collective:
   """One collective instruction of the compiled program."""
 
-  kind: str            # all-reduce, all-gather, reduce-scatter, ...
-  dtype: str           # element type communicated (first operand's)
-  shape: tuple         # full-buffer shape of the first buffer
-  group_size: int      # devices per replica group
-  elements: int        # full-buffer elements of one execution (all buffers)
-  bytes: int           # full-buffer bytes of one execution (all buffers)
-  count: int           # executions per step (loop trip counts applied)
-  computation: str     # HLO computation it sits in
-  groups: tuple = ()   # device ids of each replica group (partition ids)
-  written_for: str = ""   # the collective the program asked for, where the
-                          # compiler wrote it as another (an all-reduce of a
-                          # zero-padded buffer for an all-gather): from the
-                          # instruction's op_name; "" when the same or unknown
-  across_slices: bool = False   # over the data-center network between TPU
-                                # slices (a multi-slice program's megascale
-                                # transfer), group_size = 0: not in the
-                                # program's partitions
+  kind: str  # all-reduce, all-gather, reduce-scatter, ...
+  dtype: str  # element type communicated (first operand's)
+  shape: tuple  # full-buffer shape of the first buffer
+  group_size: int  # devices per replica group
+  elements: int  # full-buffer elements of one execution (all buffers)
+  bytes: int  # full-buffer bytes of one execution (all buffers)
+  count: int  # executions per step (loop trip counts applied)
+  computation: str  # HLO computation it sits in
+  groups: tuple = ()  # device ids of each replica group (partition ids)
+  written_for: str = ""  # the collective the program asked for, where the
+  # compiler wrote it as another (an all-reduce of a
+  # zero-padded buffer for an all-gather): from the
+  # instruction's op_name; "" when the same or unknown
+  across_slices: bool = False  # over the data-center network between TPU
+  # slices (a multi-slice program's megascale
+  # transfer), group_size = 0: not in the
+  # program's partitions
 
   @property
   def total_bytes(self) -> int:
@@ -73,13 +110,15 @@ class Collective:
     return self.elements * self.count
 
 
-def _dtype_bytes(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> int:
   if dtype in _BYTES:
     return _BYTES[dtype]
   m = re.match(r"f8|s4|u4", dtype)
   if m:
     return 1
-  raise ValueError(f"zerojax._src.diagnostics.hlo: unknown HLO element type {dtype!r}")
+  raise ValueError(
+    f"zerojax._src.diagnostics.hlo: unknown HLO element type {dtype!r}"
+  )
 
 
 def _iota(dims, perm, n):
@@ -96,22 +135,30 @@ def replica_groups(rest: str, num_devices: int) -> tuple:
   (every device in one group)."""
   m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", rest)
   if m and m.group(1).strip():
-    return tuple(tuple(int(x) for x in g.split(",") if x.strip())
-                 for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
+    return tuple(
+      tuple(int(x) for x in g.split(",") if x.strip())
+      for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
+    )
   m = re.search(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}", rest)
   if m:
-    return tuple(tuple(int(x) for x in g.split(","))
-                 for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
-  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
-                rest)
+    return tuple(
+      tuple(int(x) for x in g.split(","))
+      for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
+    )
+  m = re.search(
+    r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest
+  )
   if m:
     shape = [int(x) for x in m.group(1).split(",")]
     dims = [int(x) for x in m.group(2).split(",")]
     perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else None
     ids = _iota(dims, perm, math.prod(dims)).reshape(shape)
     return tuple(tuple(int(x) for x in g) for g in ids.reshape(shape[0], -1))
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
-                r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", rest)
+  m = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
+    r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}",
+    rest,
+  )
   if m:
     sizes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
     names = [n for n, _ in sizes]
@@ -126,7 +173,8 @@ def replica_groups(rest: str, num_devices: int) -> tuple:
     over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
     keep = [i for i in range(len(shape)) if i not in over]
     ids = ids.transpose(keep + over).reshape(
-        -1, math.prod(shape[i] for i in over) if over else 1)
+      -1, math.prod(shape[i] for i in over) if over else 1
+    )
     return tuple(tuple(int(x) for x in g) for g in ids)
   return ()
 
@@ -166,7 +214,9 @@ def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
       else:
         comps[current].append(line)
   if entry is None:
-    raise ValueError("zerojax._src.diagnostics.hlo: no ENTRY computation in the HLO text.")
+    raise ValueError(
+      "zerojax._src.diagnostics.hlo: no ENTRY computation in the HLO text."
+    )
   return comps, entry
 
 
@@ -174,7 +224,7 @@ def _defs(lines) -> dict:
   """``{name: (op, operand text)}`` of one computation's instructions."""
   out = {}
   for line in lines:
-    m = _INSTR_RE.match(line)
+    m = INSTR_RE.match(line)
     if m:
       out[m.group(1)] = (m.group(3), m.group(4))
   return out
@@ -208,9 +258,11 @@ def _trip_count(rest: str, comps: dict, caller: str) -> int:
   if not cond or cond.group(1) not in comps:
     return 1
   defs = _defs(comps[cond.group(1)])
-  root = next((line for line in comps[cond.group(1)]
-               if line.lstrip().startswith("ROOT")), "")
-  m = _INSTR_RE.match(root)
+  root = next(
+    (line for line in comps[cond.group(1)] if line.lstrip().startswith("ROOT")),
+    "",
+  )
+  m = INSTR_RE.match(root)
   direction = re.search(r"direction=(LT|LE)\b", root)
   if not m or m.group(3) != "compare" or not direction:
     return 1
@@ -232,7 +284,7 @@ def _trip_count(rest: str, comps: dict, caller: str) -> int:
   return max(n, 1)
 
 
-def _multipliers(comps: dict, entry: str) -> dict[str, int]:
+def multipliers(comps: dict, entry: str) -> dict[str, int]:
   """How many times each computation runs per step (loop trip counts
   applied, nested loops multiplied)."""
   mult: dict[str, int] = collections.defaultdict(int)
@@ -242,7 +294,7 @@ def _multipliers(comps: dict, entry: str) -> dict[str, int]:
       return
     mult[name] += factor
     for line in comps[name]:
-      m = _INSTR_RE.match(line)
+      m = INSTR_RE.match(line)
       if not m:
         continue
       op, rest = m.group(3), m.group(4)
@@ -252,74 +304,47 @@ def _multipliers(comps: dict, entry: str) -> dict[str, int]:
       for key, callee in _CALLEE_RE.findall(rest):
         names = re.findall(r"%?([\w.\-]+)", callee.strip("{}"))
         for c in names:
-          visit(c, factor * (trip if key in ("body", "condition") else 1),
-                depth + 1)
+          visit(
+            c, factor * (trip if key in ("body", "condition") else 1), depth + 1
+          )
+
   visit(entry, 1)
   return mult
-
-
-_HOST_SPACE = re.compile(r"S\(5\)")
-
-
-def host_transfers(hlo_text: str) -> dict[str, dict]:
-  """Copies between device and host memory per step (offloaded state,
-  activations): ``{"host-to-device" | "device-to-host": {"count",
-  "bytes"}}``, loop trip counts applied. A transfer is a ``copy-start``
-  (asynchronous) whose source or destination layout is in host memory
-  (``S(5)``; its result is (destination, source, context)), or a
-  synchronous ``copy`` into host memory (a ``copy``'s operand layout is not
-  written beside it, so a synchronous load from the host is not seen)."""
-  comps, entry = split_computations(hlo_text)
-  out: dict = {}
-  for name, factor in _multipliers(comps, entry).items():
-    for line in comps[name]:
-      m = _INSTR_RE.match(line)
-      if not m or m.group(3) not in ("copy-start", "copy"):
-        continue
-      shapes = re.findall(r"\b[a-z]+\d*\[[\d,]*\]\{[^}]*\}", m.group(2))
-      if m.group(3) == "copy-start" and len(shapes) >= 2:
-        dst, src = shapes[0], shapes[1]
-      elif m.group(3) == "copy" and shapes:
-        dst, src = shapes[0], ""       # the operand's layout is not inline
-        if not _HOST_SPACE.search(dst):
-          continue
-      else:
-        continue
-      to_host, from_host = bool(_HOST_SPACE.search(dst)), bool(
-          _HOST_SPACE.search(src))
-      if to_host == from_host:
-        continue
-      dt, dims = _SHAPE_RE.search(dst).groups()
-      nbytes = math.prod(int(d) for d in dims.split(",") if d) * _dtype_bytes(dt)
-      row = out.setdefault("device-to-host" if to_host else "host-to-device",
-                           {"count": 0, "bytes": 0})
-      row["count"] += factor
-      row["bytes"] += nbytes * factor
-  return out
 
 
 def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
   """All collectives of an optimized HLO module, with per-step counts."""
   comps, entry = split_computations(hlo_text)
-  mult = _multipliers(comps, entry)
+  mult = multipliers(comps, entry)
   out = []
   chains = set()
   for name, factor in mult.items():
     for line in comps[name]:
-      m = _INSTR_RE.match(line)
+      m = INSTR_RE.match(line)
       if not m:
         continue
       result, op, rest = m.group(2), m.group(3), m.group(4)
       kind = op[:-5] if op.endswith("-done") else op
       dcn = _DCN_RE.search(rest) if op == "send" else None
       if dcn:
-        shapes = [(dt, tuple(int(d) for d in dims.split(",") if d))
-                  for dt, dims in _SHAPE_RE.findall(result)[:1]]
-        nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes)
-        out.append(Collective(
-            dcn.group(1).lower().replace("_", "-"), shapes[0][0],
-            shapes[0][1], 0, math.prod(shapes[0][1]), nbytes, factor, name,
-            across_slices=True))
+        shapes = [
+          (dt, tuple(int(d) for d in dims.split(",") if d))
+          for dt, dims in SHAPE_RE.findall(result)[:1]
+        ]
+        nbytes = sum(math.prod(s) * dtype_bytes(dt) for dt, s in shapes)
+        out.append(
+          Collective(
+            dcn.group(1).lower().replace("_", "-"),
+            shapes[0][0],
+            shapes[0][1],
+            0,
+            math.prod(shapes[0][1]),
+            nbytes,
+            factor,
+            name,
+            across_slices=True,
+          )
+        )
         continue
       if kind not in KINDS:
         continue
@@ -331,24 +356,42 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         if chain.group(1) in chains:
           continue
         chains.add(chain.group(1))
-      shapes = [(dt, tuple(int(d) for d in dims.split(",") if d))
-                for dt, dims in _SHAPE_RE.findall(result)]
+      shapes = [
+        (dt, tuple(int(d) for d in dims.split(",") if d))
+        for dt, dims in SHAPE_RE.findall(result)
+      ]
       if not shapes:
         continue
       groups = replica_groups(rest, num_devices)
-      group = (len(groups[0]) if groups and kind != "collective-permute"
-               else _group_size(rest, num_devices))
+      group = (
+        len(groups[0])
+        if groups and kind != "collective-permute"
+        else _group_size(rest, num_devices)
+      )
       scale = group if kind == "reduce-scatter" else 1
-      nbytes = sum(math.prod(s) * _dtype_bytes(dt) for dt, s in shapes) * scale
+      nbytes = sum(math.prod(s) * dtype_bytes(dt) for dt, s in shapes) * scale
       nelems = sum(math.prod(s) for _, s in shapes) * scale
       dt0, s0 = shapes[0]
       if kind == "reduce-scatter" and s0:
-        s0 = (s0[0] * group,) + s0[1:]  # the dimension is unknown; size is right
+        s0 = (s0[0] * group,) + s0[
+          1:
+        ]  # the dimension is unknown; size is right
       asked = _OP_NAME_RE.search(rest)
       asked = _ASKED[asked.group(1)] if asked else ""
-      out.append(Collective(kind, dt0, s0, group, nelems, nbytes, factor,
-                            name, groups,
-                            asked if asked and asked != kind else ""))
+      out.append(
+        Collective(
+          kind,
+          dt0,
+          s0,
+          group,
+          nelems,
+          nbytes,
+          factor,
+          name,
+          groups,
+          asked if asked and asked != kind else "",
+        )
+      )
   return out
 
 
@@ -381,7 +424,9 @@ def bytes_by_axis(hlo_text: str, mesh) -> dict[tuple[str, str], int]:
   moves these over the data-center network, outside its partitions."""
   totals: dict[tuple[str, str], int] = collections.defaultdict(int)
   for c in collectives(hlo_text, mesh.devices.size):
-    axes = "slices" if c.across_slices else "+".join(collective_axes(c, mesh)) or "-"
+    axes = (
+      "slices" if c.across_slices else "+".join(collective_axes(c, mesh)) or "-"
+    )
     totals[(c.kind, axes)] += c.total_bytes
   return dict(totals)
 
@@ -392,38 +437,3 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, int]:
   for c in collectives(hlo_text, num_devices):
     totals[c.kind] += c.total_bytes
   return dict(totals)
-
-
-_ENTRY_LAYOUT_RE = re.compile(r"entry_computation_layout=\{(.*?)\}(?:,\s*\w+=|\s*$)",
-                              re.M)
-_LAYOUT_SHAPE_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]"
-                              r"(?:\{([^}]*)\})?")
-# XLA's memory-space numbers as they appear in layouts: S(5) is host memory
-# (JAX's ``pinned_host``); no annotation is the device's own memory.
-_MEMORY_SPACES = {None: "device", "5": "pinned_host"}
-
-
-def entry_bytes_by_memory(hlo_text: str) -> dict[str, dict[str, int]]:
-  """Per-device bytes of the compiled program's arguments and outputs, by
-  the memory space XLA placed them in (``S(n)`` in the entry layout):
-  ``{"arguments": {"device": b, "pinned_host": b}, "outputs": {...}}``.
-
-  On CPU, ``compiled.memory_analysis()`` reports host-space bytes as 0 and
-  counts host arguments with the device's; the entry layout is where XLA
-  records which buffers are host-resident."""
-  m = _ENTRY_LAYOUT_RE.search(hlo_text)
-  if not m:
-    raise ValueError("entry_bytes_by_memory: no entry_computation_layout in "
-                     "the HLO text; pass compiled.as_text().")
-  args, _, outs = m.group(1).partition("->")
-  out = {}
-  for name, part in (("arguments", args), ("outputs", outs)):
-    sums: dict[str, int] = collections.defaultdict(int)
-    for dtype, dims, layout in _LAYOUT_SHAPE_RE.findall(part):
-      space = re.search(r"S\((\d+)\)", layout or "")
-      kind = _MEMORY_SPACES.get(space.group(1) if space else None,
-                                f"S({space.group(1)})" if space else "device")
-      n = math.prod(int(d) for d in dims.split(",") if d)
-      sums[kind] += n * _dtype_bytes(dtype)
-    out[name] = dict(sums)
-  return out

@@ -13,7 +13,7 @@ import jax
 
 from zerojax._src.diagnostics import cost
 from zerojax._src.records.spec import ZeroState, leaf_dtype
-from zerojax._src.step.state import reject_deleted
+from zerojax._src.step.deleted import reject_deleted
 
 
 def _shard_nbytes(x) -> int:
@@ -32,11 +32,14 @@ def layout_rows(state: ZeroState) -> list[dict]:
   reject_deleted(state, "zerojax.diagnostics.layout_rows")
   spec = state.spec
   rows = []
-  sections = [("params", [(r.param, "params") for r in spec.leaves]),
-              ("master", [(r.shard, "master") for r in spec.leaves
-                          if r.trainable]),
-              ("opt_state", [(o.layout, f"opt_state.{o.field}")
-                             for o in spec.opt_leaves])]
+  sections = [
+    ("params", [(r.param, "params") for r in spec.leaves]),
+    ("master", [(r.shard, "master") for r in spec.leaves if r.trainable]),
+    (
+      "opt_state",
+      [(o.layout, f"opt_state.{o.field}") for o in spec.opt_leaves],
+    ),
+  ]
   for section, records in sections:
     tree = getattr(state, section)
     if tree is None:
@@ -49,20 +52,35 @@ def layout_rows(state: ZeroState) -> list[dict]:
           how += f" (padded {layout.shape[layout.dim]}->{layout.padded})"
       else:
         how = "replicated" + (f" ({layout.reason})" if layout.reason else "")
-      model = [f"dim {d} over {'+'.join(map(repr, m))}"
-               for d, m in enumerate(layout.model) if m]
+      model = [
+        f"dim {d} over {'+'.join(map(repr, m))}"
+        for d, m in enumerate(layout.model)
+        if m
+      ]
       if model:
         how += "; model: " + ", ".join(model)
-      rows.append(dict(
-          category=category, section=section,
+      rows.append(
+        dict(
+          category=category,
+          section=section,
           path=section + jax.tree_util.keystr(path),
-          shape=tuple(layout.shape), dtype=str(leaf_dtype(x.dtype)),
-          storage_shape=tuple(x.shape), sharded=layout.sharded, how=how,
-          dim=layout.dim, placement=str(layout.spec(spec.tx.axis_name)),
+          shape=tuple(layout.shape),
+          dtype=str(leaf_dtype(x.dtype)),
+          storage_shape=tuple(x.shape),
+          sharded=layout.sharded,
+          how=how,
+          dim=layout.dim,
+          placement=str(layout.spec(spec.tx.axis_name)),
           memory=_memory_kind(x),
-          bytes_per_device=_shard_nbytes(x) if hasattr(x, "addressable_shards")
-          else int(cost.layout_bytes(layout, spec.tx.num_shards,
-                                     spec.tx.model_axes, x.dtype.itemsize))))
+          bytes_per_device=_shard_nbytes(x)
+          if hasattr(x, "addressable_shards")
+          else int(
+            cost.layout_bytes(
+              layout, spec.tx.num_shards, spec.tx.model_axes, x.dtype.itemsize
+            )
+          ),
+        )
+      )
   return rows
 
 
@@ -71,20 +89,32 @@ def layout_table(state: ZeroState) -> str:
   reject_deleted(state, "zerojax.diagnostics.layout_table")
   rows = layout_rows(state)
   head = ("path", "shape", "dtype", "sharding", "bytes/device")
-  body = [(r["path"], "x".join(map(str, r["shape"])) or "()", r["dtype"],
-           r["how"], f"{r['bytes_per_device']:,}") for r in rows]
+  body = [
+    (
+      r["path"],
+      "x".join(map(str, r["shape"])) or "()",
+      r["dtype"],
+      r["how"],
+      f"{r['bytes_per_device']:,}",
+    )
+    for r in rows
+  ]
   widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-  fmt = lambda cols: "  ".join(c.ljust(w) if i < 4 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(cols, widths)))
+  fmt = lambda cols: "  ".join(
+    c.ljust(w) if i < 4 else c.rjust(w)
+    for i, (c, w) in enumerate(zip(cols, widths))
+  )
   tx = state.spec.tx
   where = f"devices ({tx.axis_name!r})"
   if len(tx.mesh.axis_names) > 1:
-    where += (f" of mesh {dict(tx.mesh.shape)}"
-              + (f", replicated over {tx.replica_axis!r}" if tx.replica_axis
-                 else ""))
-  lines = [f"zerojax stage {state.spec.stage} over {tx.num_shards} "
-           f"{where}", fmt(head),
-           fmt(["-" * w for w in widths])]
+    where += f" of mesh {dict(tx.mesh.shape)}" + (
+      f", replicated over {tx.replica_axis!r}" if tx.replica_axis else ""
+    )
+  lines = [
+    f"zerojax stage {state.spec.stage} over {tx.num_shards} {where}",
+    fmt(head),
+    fmt(["-" * w for w in widths]),
+  ]
   lines += [fmt(b) for b in body]
   lines.append("")
   for cat, nbytes in state_bytes(state).items():

@@ -37,12 +37,20 @@ GB = 1e9
 
 # Bytes per second per chip and direction (stated in the output).
 HARDWARE = {
-    # TPU v5p: ICI ~1.8e11 B/s per axis; DCN ~6e9 B/s per chip
-    "tpu-v5p": {"fast": 1.8e11, "slow": 6e9, "fast_name": "ICI",
-                "slow_name": "DCN"},
-    # H100 SXM: NVLink 900 GB/s bidirectional; one 400 Gb/s NDR NIC per GPU
-    "h100": {"fast": 4.5e11, "slow": 5e10, "fast_name": "NVLink",
-             "slow_name": "InfiniBand"},
+  # TPU v5p: ICI ~1.8e11 B/s per axis; DCN ~6e9 B/s per chip
+  "tpu-v5p": {
+    "fast": 1.8e11,
+    "slow": 6e9,
+    "fast_name": "ICI",
+    "slow_name": "DCN",
+  },
+  # H100 SXM: NVLink 900 GB/s bidirectional; one 400 Gb/s NDR NIC per GPU
+  "h100": {
+    "fast": 4.5e11,
+    "slow": 5e10,
+    "fast_name": "NVLink",
+    "slow_name": "InfiniBand",
+  },
 }
 
 
@@ -51,20 +59,22 @@ class StagePlan:
   stage: int
   n_params: int
   n_devices: int
-  params: float            # bytes per device, by category
+  params: float  # bytes per device, by category
   master: float
   optimizer: float
   grads: float
-  collectives: dict        # kind -> bytes per step (full-buffer convention)
+  collectives: dict  # kind -> bytes per step (full-buffer convention)
   mesh: dict = dataclasses.field(default_factory=dict)
-  comm: dict = dataclasses.field(default_factory=dict)   # per axis, see comm_time
-  offload: bool = False    # master + optimizer state in host memory
+  comm: dict = dataclasses.field(
+    default_factory=dict
+  )  # per axis, see comm_time
+  offload: bool = False  # master + optimizer state in host memory
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
   # saved activations per device (saved_activations(); 0: not planned)
-  activations: float = 0.0          # in the device's memory
-  activations_host: float = 0.0     # offloaded to pinned host memory
+  activations: float = 0.0  # in the device's memory
+  activations_host: float = 0.0  # offloaded to pinned host memory
 
   @property
   def working_set(self) -> float:
@@ -102,11 +112,19 @@ class StagePlan:
     return self.total - self.host + self.update_transient
 
 
-def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
-               mesh: dict | None = None, optimizer=None,
-               policy: Policy | None = None, model_specs=None,
-               stacked=None, offload: bool = False,
-               activations: dict | None = None) -> StagePlan:
+def plan_stage(
+  abstract_params,
+  stage: int,
+  n_devices: int | None = None,
+  *,
+  mesh: dict | None = None,
+  optimizer=None,
+  policy: Policy | None = None,
+  model_specs=None,
+  stacked=None,
+  offload: bool = False,
+  activations: dict | None = None,
+) -> StagePlan:
   """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
 
   ``offload``: the master copy and optimizer state in host memory
@@ -121,38 +139,64 @@ def plan_stage(abstract_params, stage: int, n_devices: int | None = None, *,
   ``activations``: :func:`saved_activations`'s figure, added to
   :attr:`StagePlan.working_set`."""
   mesh = {"data": n_devices} if mesh is None else dict(mesh)
-  amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh),
-                       axis_types=(AxisType.Auto,) * len(mesh))
+  amesh = AbstractMesh(
+    tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh)
+  )
   optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
   policy = Policy(param_dtype=jnp.bfloat16) if policy is None else policy
   tp = mesh.get("model", 1) > 1
   if tp and model_specs is None:
     raise ValueError(
-        f"plan_stage: the mesh has a model axis of {mesh['model']} but no "
-        f"model_specs; pass model_specs= (a tree of PartitionSpec for the "
-        f"params, as zerojax.zero takes) so the planner knows which leaves "
-        f"the model axis splits.")
-  tx = zero(optimizer, stage=stage, mesh=amesh, policy=policy,
-            model_specs=model_specs if tp else None,
-            stacked=stacked if tp else None)
+      f"plan_stage: the mesh has a model axis of {mesh['model']} but no "
+      f"model_specs; pass model_specs= (a tree of PartitionSpec for the "
+      f"params, as zerojax.zero takes) so the planner knows which leaves "
+      f"the model axis splits."
+    )
+  tx = zero(
+    optimizer,
+    stage=stage,
+    mesh=amesh,
+    policy=policy,
+    model_specs=model_specs if tp else None,
+    stacked=stacked if tp else None,
+  )
   spec = make_spec(abstract_params, tx)
   state = cost.stage_state_bytes(spec, ideal=False)
-  optimizer_bytes = sum(v for k, v in state.items()
-                        if k.startswith("opt_state."))
+  optimizer_bytes = sum(
+    v for k, v in state.items() if k.startswith("opt_state.")
+  )
   n_params = sum(leaf.size for leaf in spec.leaves)
-  colls = {k: v[1] for k, v in cost.stage_collectives(spec, ideal=False).items()}
+  colls = {
+    k: v[1] for k, v in cost.stage_collectives(spec, ideal=False).items()
+  }
   chunk = _offload.describe(spec)["largest_chunk_fraction"] if offload else 1.0
-  return StagePlan(stage, n_params, tx.num_shards, state["params"],
-                   state.get("master", 0.0), optimizer_bytes,
-                   state.get("grads", 0.0), colls, mesh, offload=offload,
-                   chunk_fraction=chunk,
-                   activations=float((activations or {}).get("device", 0)),
-                   activations_host=float((activations or {}).get("host", 0)))
+  return StagePlan(
+    stage,
+    n_params,
+    tx.num_shards,
+    state["params"],
+    state.get("master", 0.0),
+    optimizer_bytes,
+    state.get("grads", 0.0),
+    colls,
+    mesh,
+    offload=offload,
+    chunk_fraction=chunk,
+    activations=float((activations or {}).get("device", 0)),
+    activations_host=float((activations or {}).get("host", 0)),
+  )
 
 
-def saved_activations(loss_fn, params, batch, *, mesh: dict | None = None,
-                      compute_dtype=None, key=None,
-                      model_state=None) -> dict:
+def saved_activations(
+  loss_fn,
+  params,
+  batch,
+  *,
+  mesh: dict | None = None,
+  compute_dtype=None,
+  key=None,
+  model_state=None,
+) -> dict:
   """Per-device bytes ``loss_fn``'s backward pass keeps from its forward
   pass, traced abstractly (nothing is allocated or compiled).
 
@@ -177,27 +221,30 @@ def saved_activations(loss_fn, params, batch, *, mesh: dict | None = None,
     each one's ``(shape, itemsize, "device" | "host", in a scan)``.
     Tensor parallelism's splits of a block's inside are not applied.
   """
+
   def abstract(x):
     dtype = getattr(x, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-      return jax.ShapeDtypeStruct(np.shape(x), dtype)     # e.g. NNX RNG state
+      return jax.ShapeDtypeStruct(np.shape(x), dtype)  # e.g. NNX RNG state
     dtype = np.dtype(dtype) if dtype is not None else np.result_type(x)
     if compute_dtype is not None and np.issubdtype(dtype, np.floating):
       dtype = np.dtype(compute_dtype)
     return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
-  call = LossCall(has_key=key is not None,
-                  has_model_state=model_state is not None)
+  call = LossCall(
+    has_key=key is not None, has_model_state=model_state is not None
+  )
   out = _activations.saved_residuals(
-      lambda p, b, ms: call(loss_fn, p, b, key, ms)[0],
-      jax.tree.map(abstract, params), jax.tree.map(abstract, batch),
-      None if model_state is None else jax.tree.map(abstract, model_state),
-      axes=dict(mesh or {}))
+    lambda p, b, ms: call(loss_fn, p, b, key, ms)[0],
+    jax.tree.map(abstract, params),
+    jax.tree.map(abstract, batch),
+    None if model_state is None else jax.tree.map(abstract, model_state),
+    axes=dict(mesh or {}),
+  )
   if "error" in out:
     raise ValueError(f"zerojax.cost.saved_activations: {out['error']}")
   out.pop("unread", None)
   return out
-
 
 
 def _slices_spanned(mesh: dict, axes: tuple, slices: int) -> tuple[int, int]:
@@ -214,9 +261,14 @@ def _slices_spanned(mesh: dict, axes: tuple, slices: int) -> tuple[int, int]:
   return size, max(1, min(slices, extent // chips))
 
 
-def comm_time(p: StagePlan, slices: int = 1, hardware: str = "tpu-v5p",
-              fast: float | None = None, slow: float | None = None,
-              algorithm: str = "hierarchical") -> dict:
+def comm_time(
+  p: StagePlan,
+  slices: int = 1,
+  hardware: str = "tpu-v5p",
+  fast: float | None = None,
+  slow: float | None = None,
+  algorithm: str = "hierarchical",
+) -> dict:
   """Per mesh axis: bytes per chip over fast and slow links, and seconds.
 
   See the module docstring for the model; ``algorithm="ring"``: one flat
@@ -232,22 +284,25 @@ def comm_time(p: StagePlan, slices: int = 1, hardware: str = "tpu-v5p",
     a, s = _slices_spanned(mesh, axes, slices)
     if a <= 1 or not buffer:
       return
-    inside = a // s                   # the group's chips in one slice
+    inside = a // s  # the group's chips in one slice
     if algorithm == "ring" and s > 1:
       sl = kind_factor * (a - 1) / a * buffer
-      f = sl if inside > 1 else 0.0     # every hop crosses when inside = 1
+      f = sl if inside > 1 else 0.0  # every hop crosses when inside = 1
     else:
       f = kind_factor * (inside - 1) / inside * buffer
       sl = kind_factor * (s - 1) / s * buffer / inside if s > 1 else 0.0
     e = out.setdefault(label, {"fast_bytes": 0.0, "slow_bytes": 0.0})
     e["fast_bytes"] += f
     e["slow_bytes"] += sl
+
   c = p.collectives
   if p.stage == 0:
     add("+".join(batch_axes), batch_axes, 2, c.get("all-reduce", 0))
   else:
-    add("data", ("data",), 1, c.get("reduce-scatter", 0) + c.get("all-gather", 0))
-    add("data", ("data",), 2, c.get("all-reduce", 0))   # replicated leaves
+    add(
+      "data", ("data",), 1, c.get("reduce-scatter", 0) + c.get("all-gather", 0)
+    )
+    add("data", ("data",), 2, c.get("all-reduce", 0))  # replicated leaves
     if "replica" in mesh:
       add("replica", ("replica",), 2, c.get("all-reduce over replica", 0))
   for e in out.values():
@@ -256,21 +311,31 @@ def comm_time(p: StagePlan, slices: int = 1, hardware: str = "tpu-v5p",
 
 
 ZEROPP_ROWS = (
-    ("stage 3", {}),
-    ("qwZ", dict(weight_bits=8)),
-    ("qgZ int8", dict(grad_bits=8)),
-    ("qgZ int4", dict(grad_bits=4)),
-    ("qgZ int8, flat (nodes unknown)", dict(grad_bits=8, nodes_known=False)),
-    ("hpZ", dict(hpz=True)),
-    ("qwZ + hpZ + qgZ int8", dict(weight_bits=8, grad_bits=8, hpz=True)),
-    ("qwZ + hpZ + qgZ int4", dict(weight_bits=8, grad_bits=4, hpz=True)),
+  ("stage 3", {}),
+  ("qwZ", dict(weight_bits=8)),
+  ("qgZ int8", dict(grad_bits=8)),
+  ("qgZ int4", dict(grad_bits=4)),
+  ("qgZ int8, flat (nodes unknown)", dict(grad_bits=8, nodes_known=False)),
+  ("hpZ", dict(hpz=True)),
+  ("qwZ + hpZ + qgZ int8", dict(weight_bits=8, grad_bits=8, hpz=True)),
+  ("qwZ + hpZ + qgZ int4", dict(weight_bits=8, grad_bits=4, hpz=True)),
 )
 
 
-def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
-                weight_bits=None, grad_bits=None, hpz=False, block=None,
-                param_bytes=2, fast=1.8e11, slow=6e9,
-                nodes_known=True) -> dict:
+def zeropp_comm(
+  n_params: int,
+  n_devices: int,
+  slices: int,
+  *,
+  weight_bits=None,
+  grad_bits=None,
+  hpz=False,
+  block=None,
+  param_bytes=2,
+  fast=1.8e11,
+  slow=6e9,
+  nodes_known=True,
+) -> dict:
   """Stage 3's bytes per chip and step over fast and slow links, with
   ZeRO++ settings (``zerojax.ZeroPP``) on a data axis of ``n_devices``
   spanning ``slices`` nodes of ``k = n_devices / slices`` chips.
@@ -292,28 +357,32 @@ def zeropp_comm(n_params: int, n_devices: int, slices: int, *,
   n, s = n_devices, slices
   k = n // s
   block = block or ZeroPP(weight_bits=weight_bits, grad_bits=grad_bits).block
-  w = (cost.wire_bytes_per_element(weight_bits, block) if weight_bits
-       else param_bytes)
-  g = (cost.wire_bytes_per_element(grad_bits, block) if grad_bits
-       else param_bytes)
+  w = (
+    cost.wire_bytes_per_element(weight_bits, block)
+    if weight_bits
+    else param_bytes
+  )
+  g = (
+    cost.wire_bytes_per_element(grad_bits, block) if grad_bits else param_bytes
+  )
   f = sl = 0.0
 
-  def hier(buffer, times=1):        # gather / reduce-scatter over all n
+  def hier(buffer, times=1):  # gather / reduce-scatter over all n
     nonlocal f, sl
     f += times * (k - 1) / k * buffer
     sl += times * ((s - 1) / s * buffer / k if s > 1 else 0.0)
+
   if hpz and s > 1:
-    sl += (s - 1) / s * n_params * w / k          # the secondary, once
+    sl += (s - 1) / s * n_params * w / k  # the secondary, once
     f += 2 * (k - 1) / k * n_params * param_bytes  # in-node gathers
   else:
     hier(n_params * w, 2)
   if grad_bits and nodes_known and s > 1:
     f += (k - 1) / k * n_params * g
     sl += (s - 1) / s * n_params * g / k
-  elif grad_bits:                                  # flat all-to-all
+  elif grad_bits:  # flat all-to-all
     f += (k - 1) / n * n_params * g
     sl += (n - k) / n * n_params * g
   else:
     hier(n_params * param_bytes)
-  return {"fast_bytes": f, "slow_bytes": sl,
-          "seconds": f / fast + sl / slow}
+  return {"fast_bytes": f, "slow_bytes": sl, "seconds": f / fast + sl / slow}

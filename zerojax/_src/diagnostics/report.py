@@ -38,17 +38,17 @@ import dataclasses
 import json
 import math
 
-import numpy as np
-
 import jax
+import numpy as np
 
 from zerojax._src.diagnostics import cost
 from zerojax._src.diagnostics import hlo as _hlo
+from zerojax._src.diagnostics import hlo_memory as _hlo_memory
 from zerojax._src.diagnostics import measure as _measure
 from zerojax._src.jaxpr import activations as _activations
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.step import offload as _offload
-from zerojax._src.step.state import reject_deleted
+from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.steps import loss_call
 
 
@@ -100,8 +100,9 @@ class Report:
     (``kind``) and bytes (``"kind bytes"``) of ZeRO's collectives, those
     over the data and replica axes (a model axis's own collectives are
     tensor parallelism's, in :attr:`bytes_by_axis`)."""
-    persistent = sum(v for k, v in self.theory_state_bytes.items()
-                     if k != "grads")          # gradients are transient
+    persistent = sum(
+      v for k, v in self.theory_state_bytes.items() if k != "grads"
+    )  # gradients are transient
     out = {"state_bytes": sum(self.state_bytes.values()) / max(persistent, 1)}
     elems = self.zero_collective_elements or self.collective_elements
     nbytes = self.zero_collective_bytes or self.collective_bytes
@@ -112,76 +113,108 @@ class Report:
     return out
 
   def __str__(self) -> str:
-    lines = [f"zerojax stage {self.stage}: {self.n_params:,} params over "
-             f"{self.n_devices} devices", "",
-             "state bytes per device      measured        theory"]
-    cats = list(self.state_bytes) + [c for c in self.theory_state_bytes
-                                     if c not in self.state_bytes]
+    lines = [
+      f"zerojax stage {self.stage}: {self.n_params:,} params over "
+      f"{self.n_devices} devices",
+      "",
+      "state bytes per device      measured        theory",
+    ]
+    cats = list(self.state_bytes) + [
+      c for c in self.theory_state_bytes if c not in self.state_bytes
+    ]
     for c in cats:
       m = self.state_bytes.get(c)
       t = self.theory_state_bytes.get(c)
-      lines.append(f"  {c:<24}{'' if m is None else f'{m:>12,}':>12}  "
-                   f"{'' if t is None else f'{t:>12,.0f}':>12}"
-                   + ("  (transient)" if c == "grads" else ""))
+      lines.append(
+        f"  {c:<24}{'' if m is None else f'{m:>12,}':>12}  "
+        f"{'' if t is None else f'{t:>12,.0f}':>12}"
+        + ("  (transient)" if c == "grads" else "")
+      )
     elems = self.zero_collective_elements or self.collective_elements
-    lines += ["", "ZeRO's collectives per step (compiled HLO, over the "
-              "batch axes)   elements        theory"]
+    lines += [
+      "",
+      "ZeRO's collectives per step (compiled HLO, over the "
+      "batch axes)   elements        theory",
+    ]
     kinds = sorted(set(elems) | set(self.theory_collective_elements))
     for kind in kinds:
       m = elems.get(kind, 0)
       t = self.theory_collective_elements.get(kind, 0)
       lines.append(f"  {kind:<38}{m:>10,}  {t:>12,}")
     if self.bytes_by_axis:
-      lines += ["", f"collective bytes per step by mesh axis (mesh "
-                f"{self.mesh})"]
+      lines += [
+        "",
+        f"collective bytes per step by mesh axis (mesh {self.mesh})",
+      ]
       for key, b in sorted(self.bytes_by_axis.items()):
         lines.append(f"  {key:<38}{b:>14,}")
-      lines.append(f"  {'crossing processes':<38}{self.cross_process_bytes:>14,}")
+      lines.append(
+        f"  {'crossing processes':<38}{self.cross_process_bytes:>14,}"
+      )
     if self.offload:
       o = self.offload
-      how = (f"streamed in {o['chunks']} chunks (largest "
-             f"{o['largest_chunk_fraction']:.1%} of the offloaded state)"
-             if o["streamed"] else f"whole state at once ({o['reason']})")
-      lines += ["", f"offload: update {how}",
-                f"  host->device bytes/step per device   "
-                f"{o['host_to_device_bytes']:>14,}  theory "
-                f"{o['theory_streamed_bytes']:>14,}",
-                f"  device->host bytes/step per device   "
-                f"{o['device_to_host_bytes']:>14,}  theory "
-                f"{o['theory_streamed_bytes']:>14,}",
-                f"  (ZeRO-Offload's host-side update would move "
-                f"{o['theory_host_compute_bytes']:,}: compute-dtype "
-                f"gradients down, params up)"]
+      how = (
+        f"streamed in {o['chunks']} chunks (largest "
+        f"{o['largest_chunk_fraction']:.1%} of the offloaded state)"
+        if o["streamed"]
+        else f"whole state at once ({o['reason']})"
+      )
+      lines += [
+        "",
+        f"offload: update {how}",
+        f"  host->device bytes/step per device   "
+        f"{o['host_to_device_bytes']:>14,}  theory "
+        f"{o['theory_streamed_bytes']:>14,}",
+        f"  device->host bytes/step per device   "
+        f"{o['device_to_host_bytes']:>14,}  theory "
+        f"{o['theory_streamed_bytes']:>14,}",
+        f"  (ZeRO-Offload's host-side update would move "
+        f"{o['theory_host_compute_bytes']:,}: compute-dtype "
+        f"gradients down, params up)",
+      ]
     a = self.activations
     if a.get("error"):
       lines += ["", f"saved activations: {a['error']}"]
     elif a:
-      pa = (f"; Pa took off {a['partitioned']:,}"
-            if a.get("partitioned") else "")
-      lines += ["", "saved activations per device (the loss on one device's "
-                "batch; Pa's splits applied, tensor parallelism's not)",
-                f"  device {a['device']:>14,}   host {a['host']:>14,}   "
-                f"(layer scans {a['scan']:,}{pa})"]
-    lines += ["", "XLA memory analysis per device (temp misses loop-body "
-              "buffers on CPU): " + ", ".join(
-                  f"{k} {v:,}" for k, v in self.xla_memory.items())]
+      pa = f"; Pa took off {a['partitioned']:,}" if a.get("partitioned") else ""
+      lines += [
+        "",
+        "saved activations per device (the loss on one device's "
+        "batch; Pa's splits applied, tensor parallelism's not)",
+        f"  device {a['device']:>14,}   host {a['host']:>14,}   "
+        f"(layer scans {a['scan']:,}{pa})",
+      ]
+    lines += [
+      "",
+      "XLA memory analysis per device (temp misses loop-body "
+      "buffers on CPU): "
+      + ", ".join(f"{k} {v:,}" for k, v in self.xla_memory.items()),
+    ]
     return "\n".join(lines)
 
   def _repr_markdown_(self) -> str:
     rows = ["| category | measured bytes/device | theory |", "|---|---|---|"]
     for c in sorted(set(self.state_bytes) | set(self.theory_state_bytes)):
       m, t = self.state_bytes.get(c), self.theory_state_bytes.get(c)
-      rows.append(f"| {c} | {'' if m is None else f'{m:,}'} | "
-                  f"{'' if t is None else f'{t:,.0f}'} |")
-    rows += ["", "| collective | count | elements/step | theory |", "|---|---|---|---|"]
+      rows.append(
+        f"| {c} | {'' if m is None else f'{m:,}'} | "
+        f"{'' if t is None else f'{t:,.0f}'} |"
+      )
+    rows += [
+      "",
+      "| collective | count | elements/step | theory |",
+      "|---|---|---|---|",
+    ]
     counts = collections.Counter()
     for c in self.collectives:
       counts[c["kind"]] += c["count"]
     elems = self.zero_collective_elements or self.collective_elements
     for kind in sorted(set(elems) | set(self.theory_collective_elements)):
-      rows.append(f"| {kind} | {counts[kind]} | "
-                  f"{elems.get(kind, 0):,} | "
-                  f"{self.theory_collective_elements.get(kind, 0):,} |")
+      rows.append(
+        f"| {kind} | {counts[kind]} | "
+        f"{elems.get(kind, 0):,} | "
+        f"{self.theory_collective_elements.get(kind, 0):,} |"
+      )
     return "\n".join(rows)
 
 
@@ -206,8 +239,9 @@ def report(step, state: ZeroState, batch) -> Report:
   by_axis = collections.Counter()
   crossing = 0
   for c in colls:
-    by_axis[f"{c.kind} over {'+'.join(_hlo.collective_axes(c, mesh)) or '-'}"] += (
-        c.total_bytes)
+    by_axis[
+      f"{c.kind} over {'+'.join(_hlo.collective_axes(c, mesh)) or '-'}"
+    ] += c.total_bytes
     if _hlo.crosses_processes(c, mesh):
       crossing += c.total_bytes
   by_kind_b, by_kind_e = collections.Counter(), collections.Counter()
@@ -222,23 +256,30 @@ def report(step, state: ZeroState, batch) -> Report:
   theory = theory_collectives(state, step.accum_steps)
   mem = compiled.memory_analysis()
   return Report(
-      stage=spec.stage, n_devices=n,
-      n_params=sum(r.size for r in spec.leaves if r.trainable),
-      state_bytes=_measure.state_bytes(state),
-      theory_state_bytes=_measure.theory_bytes(state),
-      collectives=[dataclasses.asdict(c) for c in colls],
-      collective_bytes=dict(by_kind_b), collective_elements=dict(by_kind_e),
-      theory_collective_elements={k: v[0] for k, v in theory.items()},
-      theory_collective_bytes={k: v[1] for k, v in theory.items()},
-      xla_memory={"argument": mem.argument_size_in_bytes,
-                  "output": mem.output_size_in_bytes,
-                  "temp": mem.temp_size_in_bytes,
-                  "alias": mem.alias_size_in_bytes},
-      mesh={a: int(s) for a, s in mesh.shape.items()},
-      bytes_by_axis=dict(by_axis), cross_process_bytes=crossing,
-      zero_collective_bytes=dict(zero_b), zero_collective_elements=dict(zero_e),
-      offload=_offload_traffic(state, hlo) if spec.place.offload else {},
-      activations=_saved_activations(step, state, batch))
+    stage=spec.stage,
+    n_devices=n,
+    n_params=sum(r.size for r in spec.leaves if r.trainable),
+    state_bytes=_measure.state_bytes(state),
+    theory_state_bytes=_measure.theory_bytes(state),
+    collectives=[dataclasses.asdict(c) for c in colls],
+    collective_bytes=dict(by_kind_b),
+    collective_elements=dict(by_kind_e),
+    theory_collective_elements={k: v[0] for k, v in theory.items()},
+    theory_collective_bytes={k: v[1] for k, v in theory.items()},
+    xla_memory={
+      "argument": mem.argument_size_in_bytes,
+      "output": mem.output_size_in_bytes,
+      "temp": mem.temp_size_in_bytes,
+      "alias": mem.alias_size_in_bytes,
+    },
+    mesh={a: int(s) for a, s in mesh.shape.items()},
+    bytes_by_axis=dict(by_axis),
+    cross_process_bytes=crossing,
+    zero_collective_bytes=dict(zero_b),
+    zero_collective_elements=dict(zero_e),
+    offload=_offload_traffic(state, hlo) if spec.place.offload else {},
+    activations=_saved_activations(step, state, batch),
+  )
 
 
 def _saved_activations(step, state: ZeroState, batch) -> dict:
@@ -247,24 +288,37 @@ def _saved_activations(step, state: ZeroState, batch) -> dict:
   spec = state.spec
   shards = math.prod(spec.tx.mesh.shape[a] for a in spec.tx.batch_axes)
   rows = shards * step.accum_steps
-  params = spec.unflatten_params([
-      jax.ShapeDtypeStruct(r.aval.shape,
-                           r.compute_dtype if r.trainable else r.aval.dtype)
-      for r in spec.leaves])
-  def local(x):                  # one device's rows; scalars as they are
+  params = spec.unflatten_params(
+    [
+      jax.ShapeDtypeStruct(
+        r.aval.shape, r.compute_dtype if r.trainable else r.aval.dtype
+      )
+      for r in spec.leaves
+    ]
+  )
+
+  def local(x):  # one device's rows; scalars as they are
     shape = np.shape(x)
     if not shape:
       return x
-    return jax.ShapeDtypeStruct((shape[0] // rows,) + shape[1:],
-                                np.result_type(x))
+    return jax.ShapeDtypeStruct(
+      (shape[0] // rows,) + shape[1:], np.result_type(x)
+    )
+
   local = jax.tree.map(local, batch)
   call = loss_call(state)
   key = None if state.key is None else jax.random.key(0)
-  model_axes = {a: int(n) for a, n in spec.tx.mesh.shape.items()
-                if a not in spec.tx.batch_axes}
+  model_axes = {
+    a: int(n)
+    for a, n in spec.tx.mesh.shape.items()
+    if a not in spec.tx.batch_axes
+  }
   return _activations.saved_residuals(
-      lambda p, b: call(step.loss_fn, p, b, key, state.model_state)[0],
-      params, local, axes=model_axes)
+    lambda p, b: call(step.loss_fn, p, b, key, state.model_state)[0],
+    params,
+    local,
+    axes=model_axes,
+  )
 
 
 def _offload_traffic(state: ZeroState, hlo: str) -> dict:
@@ -274,13 +328,22 @@ def _offload_traffic(state: ZeroState, hlo: str) -> dict:
   (the offloaded state, each way) and to ZeRO-Offload's host-side update
   (compute-dtype gradients down and params up)."""
   spec = state.spec
-  spaces = _hlo.entry_bytes_by_memory(hlo)
+  spaces = _hlo_memory.entry_bytes_by_memory(hlo)
   host = _measure.memory_bytes(state).get("pinned_host", 0)
-  compute = sum(r.size * np.dtype(r.compute_dtype).itemsize
-                // r.shard.model_shards(spec.tx.model_axes)
-                for r in spec.leaves if r.trainable) / spec.tx.num_shards
-  return {**_offload.describe(spec),
-          "host_to_device_bytes": spaces["arguments"].get("pinned_host", 0),
-          "device_to_host_bytes": spaces["outputs"].get("pinned_host", 0),
-          "theory_streamed_bytes": host,
-          "theory_host_compute_bytes": int(2 * compute)}
+  compute = (
+    sum(
+      r.size
+      * np.dtype(r.compute_dtype).itemsize
+      // r.shard.model_shards(spec.tx.model_axes)
+      for r in spec.leaves
+      if r.trainable
+    )
+    / spec.tx.num_shards
+  )
+  return {
+    **_offload.describe(spec),
+    "host_to_device_bytes": spaces["arguments"].get("pinned_host", 0),
+    "device_to_host_bytes": spaces["outputs"].get("pinned_host", 0),
+    "theory_streamed_bytes": host,
+    "theory_host_compute_bytes": int(2 * compute),
+  }

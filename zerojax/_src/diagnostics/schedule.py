@@ -46,10 +46,10 @@ _CHAIN = re.compile(r'chain_id="(\d+)"')
 class Issued:
   """How one collective instruction is issued in the schedule."""
 
-  kind: str            # all-gather, reduce-scatter, all-reduce, ...
-  mode: str            # "sync" or "async"
-  computation: str     # the scheduled computation it runs in
-  overlapped_matmuls: int   # matmuls that run while it moves
+  kind: str  # all-gather, reduce-scatter, all-reduce, ...
+  mode: str  # "sync" or "async"
+  computation: str  # the scheduled computation it runs in
+  overlapped_matmuls: int  # matmuls that run while it moves
 
 
 def _matmuls(comps, name, seen=None) -> int:
@@ -70,7 +70,8 @@ def _matmuls(comps, name, seen=None) -> int:
 def _line_matmuls(comps, line) -> int:
   callee = _CALLS.search(line)
   return (1 if _MATMUL.search(line) else 0) + (
-      _matmuls(comps, callee.group(1)) if callee else 0)
+    _matmuls(comps, callee.group(1)) if callee else 0
+  )
 
 
 def _collectives_in(comps, name):
@@ -89,14 +90,23 @@ def issued(hlo_text: str) -> list[Issued]:
   the module docstring). A TPU collective split into a start, continuation
   fusions and a done (one ``chain_id``) is one collective."""
   comps, _ = split_computations(hlo_text)
-  fused = {c for lines in comps.values() for line in lines
-           if " fusion(" in line for c in _CALLS.findall(line)}
+  fused = {
+    c
+    for lines in comps.values()
+    for line in lines
+    if " fusion(" in line
+    for c in _CALLS.findall(line)
+  }
   out = []
   for comp, lines in comps.items():
     if comp in fused:
-      continue                      # read where its fusion is scheduled
-    instrs = [(m.group(1), m.group(2), line) for line in lines
-              for m in [_INSTR.match(line)] if m]
+      continue  # read where its fusion is scheduled
+    instrs = [
+      (m.group(1), m.group(2), line)
+      for line in lines
+      for m in [_INSTR.match(line)]
+      if m
+    ]
     position = {name: i for i, (name, _, _) in enumerate(instrs)}
     chains: dict = {}
     for i, (name, op, line) in enumerate(instrs):
@@ -108,9 +118,18 @@ def issued(hlo_text: str) -> list[Issued]:
         found = [(op, chain.group(1) if chain else None)]
       elif op.endswith("-start") and (op[:-6] in KINDS or _host_copy(line)):
         done = _first_done(instrs, position, name)
-        out.append(Issued(_host_copy(line) or op[:-6], "async", comp,
-                          0 if done is None else sum(
-            _line_matmuls(comps, l) for _, _, l in instrs[i + 1:done])))
+        out.append(
+          Issued(
+            _host_copy(line) or op[:-6],
+            "async",
+            comp,
+            0
+            if done is None
+            else sum(
+              _line_matmuls(comps, l) for _, _, l in instrs[i + 1 : done]
+            ),
+          )
+        )
         continue
       else:
         continue
@@ -121,9 +140,12 @@ def issued(hlo_text: str) -> list[Issued]:
           chains.setdefault(chain, (kind, []))[1].append(i)
     for kind, at in chains.values():
       first, last = min(at), max(at)
-      between = sum(_line_matmuls(comps, l) for _, _, l in instrs[first + 1:last])
-      out.append(Issued(kind, "async" if last > first else "sync", comp,
-                        between))
+      between = sum(
+        _line_matmuls(comps, l) for _, _, l in instrs[first + 1 : last]
+      )
+      out.append(
+        Issued(kind, "async" if last > first else "sync", comp, between)
+      )
   return out
 
 

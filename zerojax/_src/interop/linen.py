@@ -35,8 +35,14 @@ def gathered(module_cls):
   return nn.map_variables(module_cls, "params", trans_in_fn=gather, init=True)
 
 
-def scan_layers(block_cls, length: int, *, remat: bool | Remat = True,
-                partition_name: str = "layers", **scan_kwargs):
+def scan_layers(
+  block_cls,
+  length: int,
+  *,
+  remat: bool | Remat = True,
+  partition_name: str = "layers",
+  **scan_kwargs,
+):
   """``length`` copies of ``block_cls`` in an ``nn.scan``, gathered per layer.
 
   ``block_cls.__call__(carry, x) -> (carry, y)`` as for ``nn.scan``. Params
@@ -54,10 +60,14 @@ def scan_layers(block_cls, length: int, *, remat: bool | Remat = True,
     remat = Remat()
   if remat:
     block = _remat(block, remat)
-  return nn.scan(block, variable_axes={"params": 0},
-                 split_rngs={"params": True}, length=length,
-                 metadata_params={nn.PARTITION_NAME: partition_name},
-                 **scan_kwargs)
+  return nn.scan(
+    block,
+    variable_axes={"params": 0},
+    split_rngs={"params": True},
+    length=length,
+    metadata_params={nn.PARTITION_NAME: partition_name},
+    **scan_kwargs,
+  )
 
 
 def model_specs(variables, rules=None):
@@ -76,12 +86,20 @@ def model_specs(variables, rules=None):
   """
   import jax
   from jax.sharding import PartitionSpec as P
-  params = variables.get("params", variables) if hasattr(variables, "get") else variables
+
+  params = (
+    variables.get("params", variables)
+    if hasattr(variables, "get")
+    else variables
+  )
   logical = nn.get_partition_spec(params)
   if rules is None:
     return logical
-  return jax.tree.map(lambda s: nn.logical_to_mesh_axes(tuple(s), rules),
-                      logical, is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(
+    lambda s: nn.logical_to_mesh_axes(tuple(s), rules),
+    logical,
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def _remat(block_cls, r: Remat):
@@ -89,28 +107,34 @@ def _remat(block_cls, r: Remat):
   inside the remat (so the policy may offload it) and split / restored by
   ``r`` outside it (so the saved input is the split one). Subclasses keep
   their base's name, so the params tree is the one ``nn.remat`` gives."""
+
   def subclass(base, call):
     cls = type(base.__name__, (base,), {"__call__": call})
     cls.__qualname__ = base.__qualname__
     return cls
 
   if r.saves == "all":
+
     def whole_call(self, carry, *args, **kwargs):
       call = super(inner, self).__call__
       return r.on_whole_input(call)(carry, *args, **kwargs)
+
     inner = subclass(block_cls, whole_call)
   else:
+
     def named_call(self, carry, *args, **kwargs):
       call = super(named, self).__call__
       if not self.is_initializing() and not self.scope.mutable:
         # re-traced from a jaxpr: no variable may be written inside
         call = r.split_kept(call)
       return name_input(r.on_whole_input(call))(carry, *args, **kwargs)
+
     named = subclass(block_cls, named_call)
     inner = nn.remat(named, policy=r.policy)
 
   def split_call(self, carry, *args, **kwargs):
     out = super(outer, self).__call__(r.split(carry), *args, **kwargs)
     return r.restore(out, carry)
+
   outer = subclass(inner, split_call)
   return outer

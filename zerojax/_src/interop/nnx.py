@@ -41,9 +41,13 @@ def gathered(module: nnx.Module) -> nnx.Module:
   return nnx.merge(graphdef, gather(params), rest)
 
 
-def scan_layers(stacked: nnx.Module, carry, *,
-         call: Callable = lambda layer, carry: layer(carry),
-         remat: bool | Remat = True):
+def scan_layers(
+  stacked: nnx.Module,
+  carry,
+  *,
+  call: Callable = lambda layer, carry: layer(carry),
+  remat: bool | Remat = True,
+):
   """Runs ``carry = call(layer_i, carry)`` over the stacked layers.
 
   Args:
@@ -66,14 +70,14 @@ def scan_layers(stacked: nnx.Module, carry, *,
     layer_params, layer_rest = layer
     module = nnx.merge(graphdef, gather(layer_params), layer_rest)
     out = call(module, carry)
-    return out, nnx.state(module, nnx.Not(nnx.Param))   # updated stats
+    return out, nnx.state(module, nnx.Not(nnx.Param))  # updated stats
 
   if remat is True:
     remat = Remat()
   if remat:
     body = remat(body)
   carry, new_rest = jax.lax.scan(body, carry, (params, rest))
-  nnx.update(stacked, new_rest)        # e.g. each layer's BatchNorm averages
+  nnx.update(stacked, new_rest)  # e.g. each layer's BatchNorm averages
   return carry
 
 
@@ -93,11 +97,13 @@ def model_specs(params, rules=None):
     ``jax.set_mesh`` already carry these shardings, and zerojax reads them
     without this.
   """
-  from jax.sharding import PartitionSpec as P
   from flax.linen import logical_to_mesh_axes
+  from jax.sharding import PartitionSpec as P
+
   specs = nnx.get_partition_spec(params)
   leaf = lambda x: isinstance(x, P)
   if rules is None:
     return specs
-  return jax.tree.map(lambda s: logical_to_mesh_axes(tuple(s), rules), specs,
-                      is_leaf=leaf)
+  return jax.tree.map(
+    lambda s: logical_to_mesh_axes(tuple(s), rules), specs, is_leaf=leaf
+  )

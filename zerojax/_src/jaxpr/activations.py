@@ -28,6 +28,7 @@ import jax
 from jax import ad_checkpoint
 
 from zerojax._src.remat import remat as _remat
+from zerojax._src.remat.recording import recording
 
 # "f32[2,32,64]", "bf16<host>[3,2,32,64]", "bool[]"
 _AVAL = re.compile(r"^(bool|bf16|[fiuc]\d+(?:_\w+)?)(?:<(\w+)>)?\[([\d,]*)\]\s")
@@ -45,8 +46,14 @@ def parse(text: str) -> dict:
   """Totals of ``print_saved_residuals`` output: bytes on the device and in
   host memory, the part that layer scans stack (``scan``), the count, and
   the lines that could not be read (``unread``, e.g. PRNG keys)."""
-  out = {"device": 0, "host": 0, "scan": 0, "count": 0, "unread": [],
-         "lines": []}
+  out = {
+    "device": 0,
+    "host": 0,
+    "scan": 0,
+    "count": 0,
+    "unread": [],
+    "lines": [],
+  }
   for line in text.splitlines():
     line = line.strip()
     if not line or "from the argument" in line:
@@ -63,8 +70,9 @@ def parse(text: str) -> dict:
     out["count"] += 1
     if "output of scan" in line:
       out["scan"] += nbytes
-    out["lines"].append((tuple(shape), _itemsize(short), where,
-                         "output of scan" in line))
+    out["lines"].append(
+      (tuple(shape), _itemsize(short), where, "output of scan" in line)
+    )
   return out
 
 
@@ -77,9 +85,16 @@ def apply_splits(out: dict, splits) -> dict:
   out["partitioned"] = 0
   for split in splits:
     item = split.dtype.itemsize
-    match = next((ln for ln in lines if ln[3] and ln[0][1:] == split.shape
-                  and ln[1] == item), None) or next(
-        (ln for ln in lines if ln[0] == split.shape and ln[1] == item), None)
+    match = next(
+      (
+        ln
+        for ln in lines
+        if ln[3] and ln[0][1:] == split.shape and ln[1] == item
+      ),
+      None,
+    ) or next(
+      (ln for ln in lines if ln[0] == split.shape and ln[1] == item), None
+    )
     if match is None:
       continue
     lines.remove(match)
@@ -101,19 +116,23 @@ def saved_residuals(fn, *args, axes: dict | None = None) -> dict:
   with no mesh in context."""
   buf = io.StringIO()
   try:
-    with contextlib.redirect_stdout(buf), _remat.recording(axes) as splits:
+    with contextlib.redirect_stdout(buf), recording(axes) as splits:
       ad_checkpoint.print_saved_residuals(fn, *args)
   except _remat.RematError:
-    raise                        # the model's own setting: said as it is
+    raise  # the model's own setting: said as it is
   except Exception as e:  # noqa: BLE001 -- a figure of the report, not the step
     # e.g. a loss that calls collectives over the mesh's axes: it runs
     # inside zerojax's step, not on its own.
-    return {"error": f"the loss could not be traced on its own for its "
-                     f"saved activations ({type(e).__name__}: "
-                     f"{str(e)[:200]})"}
+    return {
+      "error": f"the loss could not be traced on its own for its "
+      f"saved activations ({type(e).__name__}: "
+      f"{str(e)[:200]})"
+    }
   out = parse(buf.getvalue())
   if out["count"] == 0 and out["unread"]:
-    return {"error": f"zerojax cannot read jax.ad_checkpoint."
-                     f"print_saved_residuals on JAX {jax.__version__} "
-                     f"(first line: {out['unread'][0]!r})"}
+    return {
+      "error": f"zerojax cannot read jax.ad_checkpoint."
+      f"print_saved_residuals on JAX {jax.__version__} "
+      f"(first line: {out['unread'][0]!r})"
+    }
   return apply_splits(out, splits)

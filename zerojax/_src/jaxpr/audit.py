@@ -49,10 +49,25 @@ from zerojax._src.comm.gather import GATHER_NAME
 _PASS_THROUGH = frozenset({"pvary", "pcast"})
 # Equations that call one sub-program once, its inputs and outputs 1:1 with
 # the equation's (jit, remat, custom derivatives, shard_map, ...).
-_CALL_LIKE = frozenset({
-    "pjit", "jit", "closed_call", "core_call", "named_call", "remat", "remat2",
-    "checkpoint", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-    "custom_lin", "shard_map", "xla_call", "custom_transpose_call"})
+_CALL_LIKE = frozenset(
+  {
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "named_call",
+    "remat",
+    "remat2",
+    "checkpoint",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "custom_lin",
+    "shard_map",
+    "xla_call",
+    "custom_transpose_call",
+  }
+)
 
 
 class AuditUnreadable(Exception):
@@ -62,12 +77,13 @@ class AuditUnreadable(Exception):
   def __init__(self, primitive: str, detail: str):
     self.primitive = primitive
     super().__init__(
-        f"zerojax could not read a '{primitive}' equation of the loss's "
-        f"traced program ({detail}; JAX {jax.__version__})")
+      f"zerojax could not read a '{primitive}' equation of the loss's "
+      f"traced program ({detail}; JAX {jax.__version__})"
+    )
 
 
 def _jaxpr(j):
-  return getattr(j, "jaxpr", j)         # ClosedJaxpr -> Jaxpr
+  return getattr(j, "jaxpr", j)  # ClosedJaxpr -> Jaxpr
 
 
 def _subprograms(params) -> list:
@@ -93,26 +109,36 @@ def scan_counts(eqn, body) -> tuple[int, int]:
   value; consts and carry have the same."""
   ins, outs = list(eqn.invars), list(eqn.outvars)
   if len(body.invars) != len(ins) or len(body.outvars) != len(outs):
-    raise AuditUnreadable("scan", f"{len(ins)} inputs / {len(outs)} outputs "
-                          f"against a body of {len(body.invars)} / "
-                          f"{len(body.outvars)}")
+    raise AuditUnreadable(
+      "scan",
+      f"{len(ins)} inputs / {len(outs)} outputs "
+      f"against a body of {len(body.invars)} / "
+      f"{len(body.outvars)}",
+    )
   same_in = [_ndim(a) == _ndim(b) for a, b in zip(ins, body.invars)]
   same_out = [_ndim(a) == _ndim(b) for a, b in zip(outs, body.outvars)]
   n_unscanned = same_in.index(False) if False in same_in else len(ins)
   ncarry = same_out.index(False) if False in same_out else len(outs)
-  ok = (all(not s for s in same_in[n_unscanned:])
-        and all(not s for s in same_out[ncarry:])
-        and ncarry <= n_unscanned
-        and all(_ndim(a) == _ndim(b) + 1 for a, b in
-                zip(ins[n_unscanned:], body.invars[n_unscanned:])))
+  ok = (
+    all(not s for s in same_in[n_unscanned:])
+    and all(not s for s in same_out[ncarry:])
+    and ncarry <= n_unscanned
+    and all(
+      _ndim(a) == _ndim(b) + 1
+      for a, b in zip(ins[n_unscanned:], body.invars[n_unscanned:])
+    )
+  )
   nconsts = n_unscanned - ncarry
   if ok:
     carry_in = body.invars[nconsts:n_unscanned]
-    ok = all(a.aval.shape == b.aval.shape for a, b in
-             zip(carry_in, body.outvars[:ncarry]))
+    ok = all(
+      a.aval.shape == b.aval.shape
+      for a, b in zip(carry_in, body.outvars[:ncarry])
+    )
   if not ok:
-    raise AuditUnreadable("scan", "carry and scanned operands do not line up "
-                          "by shape")
+    raise AuditUnreadable(
+      "scan", "carry and scanned operands do not line up by shape"
+    )
   return nconsts, ncarry
 
 
@@ -120,7 +146,7 @@ class _Walker:
   """Propagates 'derived from sharded param i' through a jaxpr."""
 
   def __init__(self):
-    self.misuse: dict[int, str] = {}     # leaf index -> first offending use
+    self.misuse: dict[int, str] = {}  # leaf index -> first offending use
 
   def flag(self, tags, what):
     for t in tags:
@@ -133,7 +159,9 @@ class _Walker:
     for v, t in zip(jaxpr.invars, in_tags):
       if t:
         env[v] = t
-    get = lambda v: env.get(v, frozenset()) if not _is_literal(v) else frozenset()
+    get = lambda v: (
+      env.get(v, frozenset()) if not _is_literal(v) else frozenset()
+    )
     for eqn in jaxpr.eqns:
       tags = [get(v) for v in eqn.invars]
       if not any(tags):
@@ -147,11 +175,11 @@ class _Walker:
   def _eqn(self, eqn, name, tags):
     none = [frozenset()] * len(eqn.outvars)
     if name == "custom_vjp_call" and is_gather(eqn.params):
-      return none                                   # the one proper use
+      return none  # the one proper use
     if name in _PASS_THROUGH:
       return [frozenset().union(*tags)] * len(eqn.outvars)
     subs = _subprograms(eqn.params)
-    if not subs:                  # arithmetic on a shard: a misuse
+    if not subs:  # arithmetic on a shard: a misuse
       self.flag(frozenset().union(*tags), name)
       return none
     if name == "scan" and len(subs) == 1:
@@ -164,14 +192,20 @@ class _Walker:
       body = _call_body(eqn, subs)
       if body is not None:
         return self.run(body, tags)
-    raise AuditUnreadable(name, f"{len(subs)} sub-program(s) that do not "
-                          f"line up with its {len(eqn.invars)} inputs")
+    raise AuditUnreadable(
+      name,
+      f"{len(subs)} sub-program(s) that do not "
+      f"line up with its {len(eqn.invars)} inputs",
+    )
 
   def _cond(self, eqn, branches, tags):
-    if any(len(b.invars) != len(eqn.invars) - 1 or
-           len(b.outvars) != len(eqn.outvars) for b in branches):
-      raise AuditUnreadable("cond", "branches do not take the operands after "
-                            "the index")
+    if any(
+      len(b.invars) != len(eqn.invars) - 1 or len(b.outvars) != len(eqn.outvars)
+      for b in branches
+    ):
+      raise AuditUnreadable(
+        "cond", "branches do not take the operands after the index"
+      )
     self.flag(tags[0], "cond (as the branch index)")
     outs = [self.run(b, tags[1:]) for b in branches]
     return [frozenset().union(*ts) for ts in zip(*outs)]
@@ -179,21 +213,27 @@ class _Walker:
   def _scan(self, eqn, body, tags):
     nc, ncarry = scan_counts(eqn, body)
     tags = list(tags)
-    while True:                        # carries: iterate to a fixed point
+    while True:  # carries: iterate to a fixed point
       out = self.run(body, tags)
-      carry = [a | b for a, b in zip(tags[nc:nc + ncarry], out[:ncarry])]
-      if carry == tags[nc:nc + ncarry]:
+      carry = [a | b for a, b in zip(tags[nc : nc + ncarry], out[:ncarry])]
+      if carry == tags[nc : nc + ncarry]:
         return out
-      tags[nc:nc + ncarry] = carry
+      tags[nc : nc + ncarry] = carry
 
   def _while(self, eqn, subs, tags):
     cond, body = _while_parts(eqn, subs)
     ncarry = len(eqn.outvars)
     bn, cn = len(body.invars) - ncarry, len(cond.invars) - ncarry
-    cconsts, bconsts, carry = tags[:cn], tags[cn:cn + bn], list(tags[cn + bn:])
+    cconsts, bconsts, carry = (
+      tags[:cn],
+      tags[cn : cn + bn],
+      list(tags[cn + bn :]),
+    )
     while True:
-      self.flag(frozenset().union(*self.run(cond, cconsts + carry)),
-                "while (in the loop condition)")
+      self.flag(
+        frozenset().union(*self.run(cond, cconsts + carry)),
+        "while (in the loop condition)",
+      )
       out = self.run(body, bconsts + carry)
       new = [a | b for a, b in zip(carry, out)]
       if new == carry:
@@ -206,14 +246,20 @@ def _while_parts(eqn, subs):
   consts, carry; the body returns the carry, the cond one boolean."""
   ncarry = len(eqn.outvars)
   shapes = [v.aval.shape for v in eqn.outvars]
+
   def fits(cond, body):
     cn, bn = len(cond.invars) - ncarry, len(body.invars) - ncarry
-    return (cn >= 0 and bn >= 0 and cn + bn + ncarry == len(eqn.invars)
-            and len(cond.outvars) == 1
-            and str(cond.outvars[0].aval.dtype) == "bool"
-            and [v.aval.shape for v in body.outvars] == shapes
-            and [v.aval.shape for v in body.invars[bn:]] == shapes
-            and [v.aval.shape for v in cond.invars[cn:]] == shapes)
+    return (
+      cn >= 0
+      and bn >= 0
+      and cn + bn + ncarry == len(eqn.invars)
+      and len(cond.outvars) == 1
+      and str(cond.outvars[0].aval.dtype) == "bool"
+      and [v.aval.shape for v in body.outvars] == shapes
+      and [v.aval.shape for v in body.invars[bn:]] == shapes
+      and [v.aval.shape for v in cond.invars[cn:]] == shapes
+    )
+
   for cond, body in ((subs[0], subs[1]), (subs[1], subs[0])):
     if fits(cond, body):
       return cond, body
@@ -263,16 +309,21 @@ def ungathered_uses(fn, args, tagged) -> dict[int, str]:
   closed = jax.make_jaxpr(fn)(*args)
   jaxpr = closed.jaxpr
   if len(jaxpr.invars) != len(tagged):
-    raise AuditUnreadable("(the loss itself)", f"{len(jaxpr.invars)} traced "
-                          f"inputs for {len(tagged)} argument leaves")
+    raise AuditUnreadable(
+      "(the loss itself)",
+      f"{len(jaxpr.invars)} traced inputs for {len(tagged)} argument leaves",
+    )
   walker = _Walker()
   try:
-    outs = walker.run(jaxpr, [frozenset() if t is None else frozenset({t})
-                              for t in tagged])
+    outs = walker.run(
+      jaxpr, [frozenset() if t is None else frozenset({t}) for t in tagged]
+    )
   except AuditUnreadable:
     raise
   except Exception as e:  # noqa: BLE001 -- an internal failure, named as such
     raise AuditUnreadable("?", f"{type(e).__name__}: {e}") from e
-  walker.flag(frozenset().union(*outs) if outs else frozenset(),
-              "the loss's output (returned without gathering)")
+  walker.flag(
+    frozenset().union(*outs) if outs else frozenset(),
+    "the loss's output (returned without gathering)",
+  )
   return walker.misuse

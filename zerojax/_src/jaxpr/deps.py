@@ -50,9 +50,21 @@ def input_dependencies(fn, *flat_args) -> list[frozenset[int]] | None:
   return _propagate(jaxpr, [frozenset((i,)) for i in range(len(flat_args))])
 
 
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat",
-                    "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
-                    "custom_vjp_call_jaxpr", "custom_lin"})
+_CALLS = frozenset(
+  {
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "remat",
+    "remat2",
+    "checkpoint",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "custom_lin",
+  }
+)
 _NONE = frozenset()
 
 
@@ -79,9 +91,12 @@ def _call_body(eqn):
   if getattr(eqn.primitive, "name", None) not in _CALLS:
     return None
   for value in getattr(eqn, "params", {}).values():
-    body = getattr(value, "jaxpr", value)      # ClosedJaxpr -> Jaxpr
-    if (hasattr(body, "eqns") and hasattr(body, "invars")
-        and len(body.invars) == len(eqn.invars)
-        and len(body.outvars) == len(eqn.outvars)):
+    body = getattr(value, "jaxpr", value)  # ClosedJaxpr -> Jaxpr
+    if (
+      hasattr(body, "eqns")
+      and hasattr(body, "invars")
+      and len(body.invars) == len(eqn.invars)
+      and len(body.outvars) == len(eqn.outvars)
+    ):
       return body
   return None

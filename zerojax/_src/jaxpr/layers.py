@@ -106,9 +106,14 @@ def gather_where_used(fn, params, *args):
 
   def traced(sinks, srcs, others, args):
     it = iter(others)
-    full = [_gather.ShardedParam(sinks[held.index(i)], srcs[held.index(i)],
-                                 leaves[i].spec) if i in held else next(it)
-            for i in range(len(leaves))]
+    full = [
+      _gather.ShardedParam(
+        sinks[held.index(i)], srcs[held.index(i)], leaves[i].spec
+      )
+      if i in held
+      else next(it)
+      for i in range(len(leaves))
+    ]
     return fn(_gather.gather_each(jax.tree.unflatten(treedef, full)), *args)
 
   flat_args = (sinks, srcs, others, args)
@@ -116,8 +121,9 @@ def gather_where_used(fn, params, *args):
   jaxpr = closed.jaxpr
   flat = jax.tree.leaves(flat_args)
   if len(flat) != len(jaxpr.invars):
-    raise LayersUnreadable(f"{len(jaxpr.invars)} traced inputs for "
-                           f"{len(flat)} argument leaves")
+    raise LayersUnreadable(
+      f"{len(jaxpr.invars)} traced inputs for {len(flat)} argument leaves"
+    )
   n = len(held)
   walker = _Walker({held[k]: leaves[held[k]] for k in range(n)})
   sink_of = {jaxpr.invars[k]: held[k] for k in range(n)}
@@ -128,16 +134,18 @@ def gather_where_used(fn, params, *args):
     raise
   except Exception as e:  # noqa: BLE001 -- an internal failure, named as such
     raise LayersUnreadable(f"{type(e).__name__}: {e}") from e
-  return (jax.tree.unflatten(jax.tree.structure(out_shape), out),
-          walker.placement)
+  return (
+    jax.tree.unflatten(jax.tree.structure(out_shape), out),
+    walker.placement,
+  )
 
 
 class _Walker:
   """Evaluates a jaxpr with sharded leaves held back (:class:`_Held`)."""
 
   def __init__(self, params: dict):
-    self.params = params                 # leaf index -> ShardedParam
-    self.whole = {}                      # leaf index -> its gathered value
+    self.params = params  # leaf index -> ShardedParam
+    self.whole = {}  # leaf index -> its gathered value
     self.placement = Placement()
 
   # -- values ---------------------------------------------------------------
@@ -167,20 +175,31 @@ class _Walker:
       ins = [read(v) for v in eqn.invars]
       outs = self.held_gather(eqn, sink_of, src_of)
       if outs is None:
-        outs = (self.eqn(eqn, ins) if any(isinstance(x, _Held) for x in ins)
-                else _bind(eqn, ins))
+        outs = (
+          self.eqn(eqn, ins)
+          if any(isinstance(x, _Held) for x in ins)
+          else _bind(eqn, ins)
+        )
       env.update(zip(eqn.outvars, outs))
     return [self.value(read(v)) for v in jaxpr.outvars]
 
   def held_gather(self, eqn, sink_of, src_of):
     """The trace's own gather of one leaf, from its sink and source
     inputs: held back instead of run."""
-    if not sink_of or eqn.primitive.name != "custom_vjp_call" or \
-        not _audit.is_gather(eqn.params) or len(eqn.outvars) != 1:
+    if (
+      not sink_of
+      or eqn.primitive.name != "custom_vjp_call"
+      or not _audit.is_gather(eqn.params)
+      or len(eqn.outvars) != 1
+    ):
       return None
     ins = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
-    if len(ins) != 2 or ins[0] not in sink_of or ins[1] not in src_of or \
-        sink_of[ins[0]] != src_of[ins[1]]:
+    if (
+      len(ins) != 2
+      or ins[0] not in sink_of
+      or ins[1] not in src_of
+      or sink_of[ins[0]] != src_of[ins[1]]
+    ):
       return None
     return [_Held(sink_of[ins[0]])]
 
@@ -199,39 +218,55 @@ class _Walker:
     body, bconsts = sub
     nc, ncarry = _audit.scan_counts(eqn, body)
     start = nc + ncarry
-    layered = {j: ins[j].i for j in range(start, len(ins))
-               if isinstance(ins[j], _Held) and self.sliceable(ins[j].i)}
+    layered = {
+      j: ins[j].i
+      for j in range(start, len(ins))
+      if isinstance(ins[j], _Held) and self.sliceable(ins[j].i)
+    }
     if not layered:
       return _bind(eqn, [self.value(x) for x in ins])
     try:
       length, reverse = eqn.params["length"], eqn.params["reverse"]
     except KeyError as e:
-      raise LayersUnreadable(f"scan without a '{e.args[0]}' parameter "
-                             f"(JAX {jax.__version__})") from e
+      raise LayersUnreadable(
+        f"scan without a '{e.args[0]}' parameter (JAX {jax.__version__})"
+      ) from e
     unroll = eqn.params.get("unroll", 1)
     ins = [x if j in layered else self.value(x) for j, x in enumerate(ins)]
     consts, init = ins[:nc], ins[nc:start]
-    xs = [(self.params[layered[j]].sink, self.params[layered[j]].src)
-          if j in layered else ins[j] for j in range(start, len(ins))]
+    xs = [
+      (self.params[layered[j]].sink, self.params[layered[j]].src)
+      if j in layered
+      else ins[j]
+      for j in range(start, len(ins))
+    ]
     specs = {j: self.params[i].spec for j, i in layered.items()}
-    closed = jax.extend.core.ClosedJaxpr(_without_cse_barriers(body),
-                                         list(bconsts))
+    closed = jax.extend.core.ClosedJaxpr(
+      _without_cse_barriers(body), list(bconsts)
+    )
 
     def step(carry, xs_t):
       # one gather call for the layer's leaves: at stages 1-2 their
       # gradients are reduced in one collective, as a model's own
       # ``zerojax.gather(layer)`` does (comm/gather.py)
       vals = dict(zip(range(start, len(ins)), xs_t))
-      layer = {j: _gather.ShardedParam(vals[j][0], vals[j][1], specs[j])
-               for j in specs}
+      layer = {
+        j: _gather.ShardedParam(vals[j][0], vals[j][1], specs[j]) for j in specs
+      }
       vals.update(_gather.gather(layer))
       outs = jax.extend.core.jaxpr_as_fun(closed)(
-          *consts, *carry, *(vals[j] for j in range(start, len(ins))))
+        *consts, *carry, *(vals[j] for j in range(start, len(ins)))
+      )
       return list(outs[:ncarry]), list(outs[ncarry:])
 
-    carry, ys = jax.lax.scan(jax.checkpoint(step, prevent_cse=False),
-                             list(init), xs, length=length, reverse=reverse,
-                             unroll=unroll)
+    carry, ys = jax.lax.scan(
+      jax.checkpoint(step, prevent_cse=False),
+      list(init),
+      xs,
+      length=length,
+      reverse=reverse,
+      unroll=unroll,
+    )
     self.placement.per_layer.update(layered.values())
     return list(carry) + list(ys)
 
@@ -251,9 +286,12 @@ def _without_cse_barriers(body):
   ``jax.checkpoint(prevent_cse=False)``, the barrier is not needed (JAX's
   ``jax.checkpoint`` documentation: CSE is already prevented in a scan);
   the policy and the numbers are unchanged."""
-  eqns = [e.replace(params=dict(e.params, prevent_cse=False))
-          if e.primitive.name in _REMAT and e.params.get("prevent_cse")
-          else e for e in body.eqns]
+  eqns = [
+    e.replace(params=dict(e.params, prevent_cse=False))
+    if e.primitive.name in _REMAT and e.params.get("prevent_cse")
+    else e
+    for e in body.eqns
+  ]
   return body.replace(eqns=eqns)
 
 

@@ -65,6 +65,7 @@ def rewrite_for_dots(fn, *, sums: bool = True, barriers: bool = False):
       closed = jax.extend.core.ClosedJaxpr(jaxpr, closed.consts)
     outs = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
   return wrapped
 
 
@@ -90,8 +91,10 @@ def _count_fed(jaxpr, consumers, producer_name: str) -> int:
     if e.primitive.name in consumers and e.invars:
       src = producer.get(e.invars[0])
       n += src is not None and src.primitive.name == producer_name
-    n += sum(_count_fed(s, consumers, producer_name)
-             for s in jax.extend.core.jaxprs_in_params(e.params))
+    n += sum(
+      _count_fed(s, consumers, producer_name)
+      for s in jax.extend.core.jaxprs_in_params(e.params)
+    )
   return n
 
 
@@ -118,12 +121,18 @@ class _Rules:
         uses[v] = uses.get(v, 0) + 1
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
     only_use = lambda e, name: (
-        len(e.invars) == 1 and isinstance(e.invars[0], jax.extend.core.Var)
-        and uses[e.invars[0]] == 1 and e.invars[0] in producer
-        and producer[e.invars[0]].primitive.name == name)
-    summed_after = lambda e: (self.sums and e.primitive.name in _SUMS
-                              and len(e.outvars) == 1
-                              and only_use(e, "transpose"))
+      len(e.invars) == 1
+      and isinstance(e.invars[0], jax.extend.core.Var)
+      and uses[e.invars[0]] == 1
+      and e.invars[0] in producer
+      and producer[e.invars[0]].primitive.name == name
+    )
+    summed_after = lambda e: (
+      self.sums
+      and e.primitive.name in _SUMS
+      and len(e.outvars) == 1
+      and only_use(e, "transpose")
+    )
     # transposes placed after the sum they feed, not where they were
     moved = {id(producer[e.invars[0]]) for e in jaxpr.eqns if summed_after(e)}
     out: list = []
@@ -137,19 +146,33 @@ class _Rules:
         changed = True
       if summed_after(e):
         t = producer[e.invars[0]]
-        summed = jax.extend.core.Var(_untransposed(e.outvars[0].aval,
-                                                   t.params["permutation"]))
-        out += [e.replace(invars=list(t.invars), outvars=[summed]),
-                t.replace(invars=[summed], outvars=list(e.outvars))]
+        summed = jax.extend.core.Var(
+          _untransposed(e.outvars[0].aval, t.params["permutation"])
+        )
+        out += [
+          e.replace(invars=list(t.invars), outvars=[summed]),
+          t.replace(invars=[summed], outvars=list(e.outvars)),
+        ]
         changed = True
-      elif (self.barriers and e.primitive.name == "transpose"
-            and only_use(e, "dot_general")):
+      elif (
+        self.barriers
+        and e.primitive.name == "transpose"
+        and only_use(e, "dot_general")
+      ):
         prim, bparams = self.barrier_primitive()
         held = jax.extend.core.Var(e.invars[0].aval)
-        out += [jax.extend.core.new_jaxpr_eqn(
-                    list(e.invars), [held], prim, dict(bparams),
-                    jax.extend.core.no_effects, e.source_info, e.ctx),
-                e.replace(invars=[held])]
+        out += [
+          jax.extend.core.new_jaxpr_eqn(
+            list(e.invars),
+            [held],
+            prim,
+            dict(bparams),
+            jax.extend.core.no_effects,
+            e.source_info,
+            e.ctx,
+          ),
+          e.replace(invars=[held]),
+        ]
         changed = True
       else:
         out.append(e)
@@ -163,8 +186,10 @@ class _Rules:
       many = isinstance(value, (tuple, list))
       new = [self.rewrite_program(v) for v in (value if many else (value,))]
       if any(n is not None for n in new):
-        kept = [v if n is None else n
-                for v, n in zip(value if many else (value,), new)]
+        kept = [
+          v if n is None else n
+          for v, n in zip(value if many else (value,), new)
+        ]
         out[name] = type(value)(kept) if many else kept[0]
         changed = True
     return out if changed else None
@@ -172,8 +197,11 @@ class _Rules:
   def rewrite_program(self, value):
     if isinstance(value, jax.extend.core.ClosedJaxpr):
       jaxpr = self.rewrite(value.jaxpr)
-      return None if jaxpr is None else jax.extend.core.ClosedJaxpr(
-          jaxpr, value.consts)
+      return (
+        None
+        if jaxpr is None
+        else jax.extend.core.ClosedJaxpr(jaxpr, value.consts)
+      )
     if isinstance(value, jax.extend.core.Jaxpr):
       return self.rewrite(value)
     return None
@@ -194,5 +222,7 @@ def _untransposed(aval, perm):
   back = [None] * len(perm)
   for i, p in enumerate(perm):
     back[p] = spec[i]
-  return aval.update(shape=tuple(shape), sharding=sharding.update(
-      spec=jax.sharding.PartitionSpec(*back)))
+  return aval.update(
+    shape=tuple(shape),
+    sharding=sharding.update(spec=jax.sharding.PartitionSpec(*back)),
+  )

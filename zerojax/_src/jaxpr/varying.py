@@ -49,10 +49,18 @@ from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import deps as _deps
 
 # results the same on every device by construction
-_COLLECTIVES = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "all_gather_invariant",
-    "pbroadcast", "psum_invariant_start", "pbroadcast_start",
-})
+_COLLECTIVES = frozenset(
+  {
+    "psum",
+    "psum_invariant",
+    "pmax",
+    "pmin",
+    "all_gather_invariant",
+    "pbroadcast",
+    "psum_invariant_start",
+    "pbroadcast_start",
+  }
+)
 
 UNREADABLE = "(types not readable)"
 
@@ -85,7 +93,8 @@ def _invariant_operands(e, axes):
   for v in e.invars:
     aval = v.aval
     if not hasattr(aval, "shape") or not jnp.issubdtype(
-        aval.dtype, jnp.inexact):
+      aval.dtype, jnp.inexact
+    ):
       continue
     t = varying_axes(aval)
     if t is None:
@@ -102,8 +111,11 @@ def custom_vjp_reach(jaxpr, axes) -> frozenset[int] | None:
   operand's cotangent typed as the sum, which autodiff never makes for
   it. ``None`` when a type cannot be read."""
   try:
-    return _reach(jaxpr, frozenset(axes),
-                  [frozenset((i,)) for i in range(len(jaxpr.invars))])[1]
+    return _reach(
+      jaxpr,
+      frozenset(axes),
+      [frozenset((i,)) for i in range(len(jaxpr.invars))],
+    )[1]
   except _Unreadable:
     return None
 
@@ -163,9 +175,9 @@ def _reach_scan(e, axes, ins):
   takes what the body's carry out reaches until nothing is added."""
   body = e.params["jaxpr"].jaxpr
   nc, nk = _scan_counts(e)
-  carry = list(ins[nc:nc + nk])
+  carry = list(ins[nc : nc + nk])
   while True:
-    outs, hit = _reach(body, axes, ins[:nc] + carry + ins[nc + nk:])
+    outs, hit = _reach(body, axes, ins[:nc] + carry + ins[nc + nk :])
     grown = [c | o for c, o in zip(carry, outs[:nk])]
     if grown == carry:
       return carry + outs[nk:], hit
@@ -182,8 +194,7 @@ def _walk(jaxpr, axes, found):
     if e.primitive.name in _COLLECTIVES:
       continue
     ins = [varying_axes(v.aval) for v in e.invars if hasattr(v.aval, "shape")]
-    outs = [varying_axes(v.aval) for v in e.outvars
-            if hasattr(v.aval, "shape")]
+    outs = [varying_axes(v.aval) for v in e.outvars if hasattr(v.aval, "shape")]
     if any(t is None for t in ins + outs):
       if UNREADABLE not in found:
         found.append(UNREADABLE)

@@ -19,8 +19,7 @@ from jax.sharding import AbstractMesh, Mesh
 from zerojax._src.records import layout as _layout
 from zerojax._src.records import model_axes as _model_axes
 from zerojax._src.records import zeropp as _zeropp
-from zerojax._src.records.mesh import (DEFAULT_AXIS, compute_mesh,
-                                       data_axis_size)
+from zerojax._src.records.mesh import DEFAULT_AXIS, compute_mesh, data_axis_size
 from zerojax._src.records.policy import Policy
 from zerojax._src.records.zeropp import ZeroPP
 
@@ -71,53 +70,71 @@ class ZeroConfig:
     the fix."""
     inner = self.inner
     if not isinstance(inner, optax.GradientTransformation) and not (
-        hasattr(inner, "init") and hasattr(inner, "update")):
+      hasattr(inner, "init") and hasattr(inner, "update")
+    ):
       raise TypeError(
-          f"zerojax.zero: expected an optax.GradientTransformation, got "
-          f"{type(inner).__name__}. Pass e.g. optax.adamw(3e-4).")
+        f"zerojax.zero: expected an optax.GradientTransformation, got "
+        f"{type(inner).__name__}. Pass e.g. optax.adamw(3e-4)."
+      )
     if type(self.stage) is not int or self.stage not in STAGES:
       raise ValueError(
-          f"zerojax.zero: stage={self.stage!r} is not a ZeRO stage; use 0 "
-          f"(plain data parallel), 1 (shard optimizer state), 2 (and "
-          f"gradients) or 3 (and parameters).")
+        f"zerojax.zero: stage={self.stage!r} is not a ZeRO stage; use 0 "
+        f"(plain data parallel), 1 (shard optimizer state), 2 (and "
+        f"gradients) or 3 (and parameters)."
+      )
     if not isinstance(self.mesh, (Mesh, AbstractMesh)):
-      raise TypeError(f"zerojax.zero: mesh={self.mesh!r}; pass a "
-                      f"jax.sharding.Mesh (jax.make_mesh or "
-                      f"zerojax.make_mesh).")
-    if (not isinstance(self.min_shard_size, int)
-        or isinstance(self.min_shard_size, bool) or self.min_shard_size < 0):
-      raise ValueError(f"zerojax.zero: min_shard_size={self.min_shard_size!r} "
-                       f"must be an int >= 0.")
+      raise TypeError(
+        f"zerojax.zero: mesh={self.mesh!r}; pass a "
+        f"jax.sharding.Mesh (jax.make_mesh or "
+        f"zerojax.make_mesh)."
+      )
+    if (
+      not isinstance(self.min_shard_size, int)
+      or isinstance(self.min_shard_size, bool)
+      or self.min_shard_size < 0
+    ):
+      raise ValueError(
+        f"zerojax.zero: min_shard_size={self.min_shard_size!r} "
+        f"must be an int >= 0."
+      )
     stacked = self.stacked
     if not (stacked is None or isinstance(stacked, bool) or callable(stacked)):
-      raise TypeError(f"zerojax.zero: stacked={stacked!r}; pass None, a bool, "
-                      f"or a function (path, shape) -> bool.")
+      raise TypeError(
+        f"zerojax.zero: stacked={stacked!r}; pass None, a bool, "
+        f"or a function (path, shape) -> bool."
+      )
     data_axis_size(self.mesh, self.axis_name)
     self._check_replica_axis()
-    object.__setattr__(self, "model_specs",
-                       _model_axes.as_lookup(self.model_specs))
+    object.__setattr__(
+      self, "model_specs", _model_axes.as_lookup(self.model_specs)
+    )
     _check_policy(self.policy)
     if not isinstance(self.offload, bool):
-      raise TypeError(f"zerojax.zero: offload={self.offload!r}; pass True "
-                      f"(master copy and optimizer state in host memory) or "
-                      f"False.")
-    if self.offload and isinstance(self.mesh, Mesh):   # abstract: no devices
+      raise TypeError(
+        f"zerojax.zero: offload={self.offload!r}; pass True "
+        f"(master copy and optimizer state in host memory) or "
+        f"False."
+      )
+    if self.offload and isinstance(self.mesh, Mesh):  # abstract: no devices
       _check_host_memory(self.mesh)
     _check_zeropp(self.zeropp, self.stage, self.mesh, self.axis_name)
     b = self.bucket_bytes
-    if b is not None and (isinstance(b, bool)
-                          or not isinstance(b, numbers.Integral) or b <= 0):
+    if b is not None and (
+      isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0
+    ):
       raise ValueError(
-          f"zerojax.zero: bucket_bytes={b!r} must be a positive int (bytes "
-          f"per collective, e.g. 32 * 2**20) or None (whole leaves).")
+        f"zerojax.zero: bucket_bytes={b!r} must be a positive int (bytes "
+        f"per collective, e.g. 32 * 2**20) or None (whole leaves)."
+      )
 
   def _check_replica_axis(self):
     r, names = self.replica_axis, tuple(self.mesh.axis_names)
     if r is not None and (r not in names or r == self.axis_name):
       raise ValueError(
-          f"zerojax.zero: replica_axis={r!r} is not a mesh axis other than "
-          f"the data axis {self.axis_name!r} (the mesh has {names}). Build "
-          f"the mesh with zerojax.make_mesh('replica=2,data=4').")
+        f"zerojax.zero: replica_axis={r!r} is not a mesh axis other than "
+        f"the data axis {self.axis_name!r} (the mesh has {names}). Build "
+        f"the mesh with zerojax.make_mesh('replica=2,data=4')."
+      )
 
   @property
   def num_shards(self) -> int:
@@ -139,7 +156,8 @@ class ZeroConfig:
     """The axes the batch splits over (and ``shard_map`` is manual over):
     replica, then data."""
     return ((self.replica_axis,) if self.replica_axis else ()) + (
-        self.axis_name,)
+      self.axis_name,
+    )
 
   @property
   def batch_shards(self) -> int:
@@ -154,20 +172,29 @@ class ZeroConfig:
   @property
   def model_axes(self) -> dict[str, int]:
     """Mesh axes left to XLA (tensor parallelism), with their sizes."""
-    return {a: int(s) for a, s in self.mesh.shape.items()
-            if a not in self.batch_axes}
+    return {
+      a: int(s) for a, s in self.mesh.shape.items() if a not in self.batch_axes
+    }
 
-  def plan(self, shape, dtype, stacked: bool = True,
-           model: tuple = ()) -> _layout.LeafLayout:
+  def plan(
+    self, shape, dtype, stacked: bool = True, model: tuple = ()
+  ) -> _layout.LeafLayout:
     """The layout of a master/optimizer/gradient leaf at this stage."""
     if self.stage == 0:
       return _layout.replicated(shape, model)
-    return _layout.plan_leaf(shape, dtype, self.num_shards,
-                             self.min_shard_size, stacked=stacked,
-                             model=model, model_sizes=self.model_axes)
+    return _layout.plan_leaf(
+      shape,
+      dtype,
+      self.num_shards,
+      self.min_shard_size,
+      stacked=stacked,
+      model=model,
+      model_sizes=self.model_axes,
+    )
 
-  def plan_param(self, shape, dtype, stacked: bool = True,
-                 model: tuple = ()) -> _layout.LeafLayout:
+  def plan_param(
+    self, shape, dtype, stacked: bool = True, model: tuple = ()
+  ) -> _layout.LeafLayout:
     """The layout of a parameter leaf: sharded only at stage 3."""
     if self.stage < 3:
       return _layout.replicated(shape, model, reason=f"stage {self.stage}")
@@ -176,50 +203,60 @@ class ZeroConfig:
 
 def _check_policy(policy):
   if not isinstance(policy, Policy):
-    raise TypeError(f"zerojax.zero: policy must be a zerojax.Policy, got "
-                    f"{type(policy).__name__}.")
+    raise TypeError(
+      f"zerojax.zero: policy must be a zerojax.Policy, got "
+      f"{type(policy).__name__}."
+    )
   for name in ("param_dtype", "master_dtype", "reduce_dtype"):
     dt = getattr(policy, name)
     if dt is not None and not jnp.issubdtype(dt, jnp.floating):
-      raise ValueError(f"zerojax.Policy: {name}={dt!r} is not a floating "
-                       f"dtype.")
+      raise ValueError(
+        f"zerojax.Policy: {name}={dt!r} is not a floating dtype."
+      )
 
 
 def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str):
   """Where each ZeRO++ setting applies; errors name the setting and fix."""
   if not isinstance(zeropp, ZeroPP):
-    raise TypeError(f"zerojax.zero: zeropp must be a zerojax.ZeroPP, got "
-                    f"{type(zeropp).__name__}; e.g. zeropp=zerojax.ZeroPP("
-                    f"weight_bits=8, grad_bits=8).")
+    raise TypeError(
+      f"zerojax.zero: zeropp must be a zerojax.ZeroPP, got "
+      f"{type(zeropp).__name__}; e.g. zeropp=zerojax.ZeroPP("
+      f"weight_bits=8, grad_bits=8)."
+    )
   stage3_only = {
-      "weight_bits": "quantizes stage 3's weight all-gathers (none in the "
-                     "model when the params are replicated)",
-      "hpz_size": "keeps a secondary copy of stage 3's sharded params "
-                  "inside each node"}
+    "weight_bits": "quantizes stage 3's weight all-gathers (none in the "
+    "model when the params are replicated)",
+    "hpz_size": "keeps a secondary copy of stage 3's sharded params "
+    "inside each node",
+  }
   for name, what in stage3_only.items():
     value = getattr(zeropp, name)
     if value is not None and stage != 3:
       raise ValueError(
-          f"zerojax.zero: ZeroPP({name}={value}) {what}, but stage={stage} "
-          f"keeps the params replicated. Use stage=3, or {name}=None.")
+        f"zerojax.zero: ZeroPP({name}={value}) {what}, but stage={stage} "
+        f"keeps the params replicated. Use stage=3, or {name}=None."
+      )
   if zeropp.grad_bits is not None and stage == 0:
     raise ValueError(
-        f"zerojax.zero: ZeroPP(grad_bits={zeropp.grad_bits}) quantizes the "
-        f"gradient reduce-scatter of stages 1-3; stage 0 all-reduces "
-        f"instead. Use stage >= 1, or grad_bits=None.")
+      f"zerojax.zero: ZeroPP(grad_bits={zeropp.grad_bits}) quantizes the "
+      f"gradient reduce-scatter of stages 1-3; stage 0 all-reduces "
+      f"instead. Use stage >= 1, or grad_bits=None."
+    )
   n = data_axis_size(mesh, axis_name)
   for name in ("hpz_size", "node_size"):
     k = getattr(zeropp, name)
     if k is not None and n % k:
       raise ValueError(
-          f"zerojax.zero: ZeroPP({name}={k}) must divide the data axis "
-          f"({axis_name!r} has {n} devices): the devices of one node, e.g. "
-          f"{name}={n // 2} for 2 nodes.")
+        f"zerojax.zero: ZeroPP({name}={k}) must divide the data axis "
+        f"({axis_name!r} has {n} devices): the devices of one node, e.g. "
+        f"{name}={n // 2} for 2 nodes."
+      )
   if zeropp.hpz_size is not None and zeropp.hpz_size >= n:
     raise ValueError(
-        f"zerojax.zero: ZeroPP(hpz_size={zeropp.hpz_size}) must be smaller "
-        f"than the data axis ({axis_name!r} has {n} devices): the devices "
-        f"of one node, e.g. hpz_size={n // 2} for 2 nodes.")
+      f"zerojax.zero: ZeroPP(hpz_size={zeropp.hpz_size}) must be smaller "
+      f"than the data axis ({axis_name!r} has {n} devices): the devices "
+      f"of one node, e.g. hpz_size={n // 2} for 2 nodes."
+    )
 
 
 def _check_host_memory(mesh: Mesh):
@@ -235,7 +272,8 @@ def _check_host_memory(mesh: Mesh):
       kinds = set()
     if HOST_MEMORY not in kinds:
       raise ValueError(
-          f"zerojax.zero(offload=True): device {d} has memories "
-          f"{sorted(kinds) or 'of no named kind'}, no {HOST_MEMORY!r}; this "
-          f"backend cannot hold the optimizer state in host memory. Use "
-          f"offload=False (or a higher stage to shrink it).")
+        f"zerojax.zero(offload=True): device {d} has memories "
+        f"{sorted(kinds) or 'of no named kind'}, no {HOST_MEMORY!r}; this "
+        f"backend cannot hold the optimizer state in host memory. Use "
+        f"offload=False (or a higher stage to shrink it)."
+      )

@@ -51,7 +51,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._src.records.mesh import named
 
@@ -117,8 +118,9 @@ class LeafLayout:
     axis)."""
     entries = []
     for d in range(len(self.shape)):
-      axes = ((axis_name,) if d == self.dim and not self.pad else ()
-              ) + self.model_axes(d)
+      axes = (
+        (axis_name,) if d == self.dim and not self.pad else ()
+      ) + self.model_axes(d)
       axes = tuple(a for a in axes if a in explicit)
       entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*entries)
@@ -157,9 +159,16 @@ def pad_dim(x, dim: int, amount: int):
   return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
 
 
-def plan_leaf(shape, dtype, n: int, min_shard_size: int, *,
-              stacked: bool = True, model: tuple = (),
-              model_sizes: dict | None = None) -> LeafLayout:
+def plan_leaf(
+  shape,
+  dtype,
+  n: int,
+  min_shard_size: int,
+  *,
+  stacked: bool = True,
+  model: tuple = (),
+  model_sizes: dict | None = None,
+) -> LeafLayout:
   """The layout of a leaf of ``shape``/``dtype`` over ``n`` devices.
 
   ``stacked``: the leaf's leading dimension is a layer axis (a scan slices
@@ -177,19 +186,23 @@ def plan_leaf(shape, dtype, n: int, min_shard_size: int, *,
   if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
     return LeafLayout(shape, reason=f"{dtype} (carried)", model=model)
   if not jnp.issubdtype(dtype, jnp.inexact):
-    return LeafLayout(shape, reason=f"{np.dtype(dtype).name} (not trained)",
-                      model=model)
+    return LeafLayout(
+      shape, reason=f"{np.dtype(dtype).name} (not trained)", model=model
+    )
   size = math.prod(shape)
   if size < min_shard_size:
-    return LeafLayout(shape, reason=f"{size} < min_shard_size={min_shard_size}",
-                      model=model)
+    return LeafLayout(
+      shape, reason=f"{size} < min_shard_size={min_shard_size}", model=model
+    )
   if size == 0:
     return LeafLayout(shape, reason="empty", model=model)
   sizes = model_sizes or {}
   msize = lambda d: math.prod(
-      sizes[a] for a in (model[d] if d < len(model) else ()))
-  candidates = (range(1, len(shape)) if len(shape) >= 2 and stacked
-                else range(len(shape)))
+    sizes[a] for a in (model[d] if d < len(model) else ())
+  )
+  candidates = (
+    range(1, len(shape)) if len(shape) >= 2 and stacked else range(len(shape))
+  )
   free = [d for d in candidates if msize(d) == 1]
   candidates = free or list(candidates)
   padded = lambda d: -(-shape[d] // (n * msize(d))) * n * msize(d)
@@ -213,8 +226,9 @@ def convert(x, src: LeafLayout, dst: LeafLayout, dtype=None):
 
 def replicated(shape, model: tuple = (), reason: str = "stage 0") -> LeafLayout:
   model = tuple(tuple(m) for m in model)
-  return LeafLayout(tuple(shape), reason=reason,
-                    model=model if any(model) else ())
+  return LeafLayout(
+    tuple(shape), reason=reason, model=model if any(model) else ()
+  )
 
 
 def sharding(mesh, layout: LeafLayout, axis_name: str) -> NamedSharding:

@@ -26,18 +26,18 @@ it composes with the caller's own Explicit-sharding code. See
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DEFAULT_AXIS = "data"
+
 REPLICA_AXIS = "replica"
 
 
@@ -53,22 +53,30 @@ def parse_axes(axes, n_devices: int | None = None) -> dict[str, int]:
         continue
       name, eq, size = part.partition("=")
       if not eq or not name:
-        raise ValueError(f"zerojax mesh {axes!r}: write axes as name=size, "
-                         f"comma-separated, e.g. 'replica=2,data=4'.")
+        raise ValueError(
+          f"zerojax mesh {axes!r}: write axes as name=size, "
+          f"comma-separated, e.g. 'replica=2,data=4'."
+        )
       try:
         out[name] = int(size)
       except ValueError:
-        raise ValueError(f"zerojax mesh {axes!r}: size {size!r} of axis "
-                         f"{name!r} is not an integer.") from None
+        raise ValueError(
+          f"zerojax mesh {axes!r}: size {size!r} of axis "
+          f"{name!r} is not an integer."
+        ) from None
     axes = out
   if not isinstance(axes, Mapping) or not axes:
-    raise ValueError(f"zerojax mesh: expected axes like 'replica=2,data=4' "
-                     f"or a dict of sizes, got {axes!r}.")
+    raise ValueError(
+      f"zerojax mesh: expected axes like 'replica=2,data=4' "
+      f"or a dict of sizes, got {axes!r}."
+    )
   sizes = {str(k): int(v) for k, v in axes.items()}
   free = [k for k, v in sizes.items() if v == -1]
   if len(free) > 1 or any(v < 1 and v != -1 for v in sizes.values()):
-    raise ValueError(f"zerojax mesh {axes}: sizes must be >= 1, with at most "
-                     f"one -1 (the rest of the devices).")
+    raise ValueError(
+      f"zerojax mesh {axes}: sizes must be >= 1, with at most "
+      f"one -1 (the rest of the devices)."
+    )
   known = math.prod(v for v in sizes.values() if v != -1)
   if n_devices is None:
     if free:
@@ -76,14 +84,17 @@ def parse_axes(axes, n_devices: int | None = None) -> dict[str, int]:
     return sizes
   if free:
     if n_devices % known:
-      raise ValueError(f"zerojax mesh {axes}: {n_devices} devices do not "
-                       f"split into {known} x something.")
+      raise ValueError(
+        f"zerojax mesh {axes}: {n_devices} devices do not "
+        f"split into {known} x something."
+      )
     sizes[free[0]] = n_devices // known
   if math.prod(sizes.values()) != n_devices:
     raise ValueError(
-        f"zerojax mesh {sizes}: {math.prod(sizes.values())} devices, but "
-        f"there are {n_devices}. Make the sizes multiply to {n_devices} (or "
-        f"give one axis -1).")
+      f"zerojax mesh {sizes}: {math.prod(sizes.values())} devices, but "
+      f"there are {n_devices}. Make the sizes multiply to {n_devices} (or "
+      f"give one axis -1)."
+    )
   return sizes
 
 
@@ -95,9 +106,13 @@ def _granules(devices) -> tuple[int, bool]:
   return len({d.process_index for d in devices}), False
 
 
-def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
-              devices: Sequence[jax.Device] | None = None,
-              axis_types=None) -> Mesh:
+def make_mesh(
+  axes=None,
+  *,
+  axis_name: str = DEFAULT_AXIS,
+  devices: Sequence[jax.Device] | None = None,
+  axis_types=None,
+) -> Mesh:
   """A mesh over every device of every process, laid out as pods want it.
 
   Args:
@@ -137,35 +152,45 @@ def make_mesh(axes=None, *, axis_name: str = DEFAULT_AXIS,
   if n_gran > 1 and (replica or by_slice):
     # across slices: the replica axis, else the data axis (the outermost
     # axis when there is none); jax.make_mesh refuses multi-slice devices
-    across = (REPLICA_AXIS if replica else
-              axis_name if axis_name in sizes else
-              DEFAULT_AXIS if DEFAULT_AXIS in sizes else names[0])
+    across = (
+      REPLICA_AXIS
+      if replica
+      else axis_name
+      if axis_name in sizes
+      else DEFAULT_AXIS
+      if DEFAULT_AXIS in sizes
+      else names[0]
+    )
     r = sizes[across]
     if r % n_gran:
       raise ValueError(
-          f"zerojax.make_mesh: the devices span {n_gran} "
-          f"{'slices' if by_slice else 'processes'}; a {across} axis of {r} "
-          f"cannot go across them. Make the {across} size a multiple of "
-          f"{n_gran}.")
+        f"zerojax.make_mesh: the devices span {n_gran} "
+        f"{'slices' if by_slice else 'processes'}; a {across} axis of {r} "
+        f"cannot go across them. Make the {across} size a multiple of "
+        f"{n_gran}."
+      )
     from jax.experimental import mesh_utils
+
     dcn = tuple(n_gran if n == across else 1 for n in names)
     ici = tuple(s // d for s, d in zip(shape, dcn))
     arr = mesh_utils.create_hybrid_device_mesh(
-        ici, dcn, devices, process_is_granule=not by_slice)
+      ici, dcn, devices, process_is_granule=not by_slice
+    )
     return Mesh(arr, names, axis_types=types)
   if len(names) == 1:
     return jax.make_mesh(shape, names, axis_types=types, devices=devices)
-  return Mesh(np.asarray(devices, dtype=object).reshape(shape), names,
-              axis_types=types)
+  return Mesh(
+    np.asarray(devices, dtype=object).reshape(shape), names, axis_types=types
+  )
 
 
 def data_axis_size(mesh: Mesh, axis_name: str) -> int:
   """Size of ``axis_name`` in ``mesh``, with an error that says the fix."""
   if axis_name not in mesh.axis_names:
     raise ValueError(
-        f"zerojax: the mesh has axes {mesh.axis_names} but no {axis_name!r} "
-        f"axis to shard over. Build one with zerojax.make_mesh(), or pass "
-        f"axis_name= naming the data-parallel axis of your mesh."
+      f"zerojax: the mesh has axes {mesh.axis_names} but no {axis_name!r} "
+      f"axis to shard over. Build one with zerojax.make_mesh(), or pass "
+      f"axis_name= naming the data-parallel axis of your mesh."
     )
   return int(mesh.shape[axis_name])
 
@@ -176,21 +201,29 @@ def _axis_types(axis_types, names) -> tuple:
   if isinstance(axis_types, AxisType):
     return (axis_types,) * len(names)
   types = tuple(axis_types)
-  if len(types) != len(names) or not all(isinstance(t, AxisType)
-                                         for t in types):
+  if len(types) != len(names) or not all(
+    isinstance(t, AxisType) for t in types
+  ):
     raise ValueError(
-        f"zerojax.make_mesh: axis_types={axis_types!r} for axes {names}; "
-        f"give one jax.sharding.AxisType, or a tuple of {len(names)}.")
+      f"zerojax.make_mesh: axis_types={axis_types!r} for axes {names}; "
+      f"give one jax.sharding.AxisType, or a tuple of {len(names)}."
+    )
   return types
 
 
 # --------------------------------------------------------------------------
 # Explicit axes: zerojax computes on an Auto view, hands back typed arrays
+
 # --------------------------------------------------------------------------
+
+
 def explicit_names(mesh) -> tuple[str, ...]:
   """The mesh's ``Explicit`` axes (sharding in types), in mesh order."""
-  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-               if t == AxisType.Explicit)
+  return tuple(
+    a
+    for a, t in zip(mesh.axis_names, mesh.axis_types)
+    if t == AxisType.Explicit
+  )
 
 
 def compute_mesh(mesh: Mesh) -> Mesh | AbstractMesh:
@@ -218,20 +251,24 @@ def compute_mesh(mesh: Mesh) -> Mesh | AbstractMesh:
 
 
 # set while a region is traced with no other source of devices (above)
-_CONCRETE_VIEW = contextvars.ContextVar("zerojax_concrete_view",
-                                        default=False)
+
+_CONCRETE_VIEW = contextvars.ContextVar("zerojax_concrete_view", default=False)
 
 
 @functools.lru_cache(maxsize=32)
 def _abstract_auto(mesh: Mesh) -> AbstractMesh:
   return mesh.abstract_mesh.update_axis_types(
-      {a: AxisType.Auto for a in mesh.axis_names})
+    {a: AxisType.Auto for a in mesh.axis_names}
+  )
 
 
 @functools.lru_cache(maxsize=32)
 def _concrete_auto(mesh: Mesh) -> Mesh:
-  return Mesh(mesh.devices, mesh.axis_names,
-              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+  return Mesh(
+    mesh.devices,
+    mesh.axis_names,
+    axis_types=(AxisType.Auto,) * len(mesh.axis_names),
+  )
 
 
 def _typed_on(mesh: Mesh, tree) -> bool:
@@ -265,9 +302,13 @@ def typed(sharding: NamedSharding) -> NamedSharding:
   def keep(entry):
     if entry is None:
       return None
-    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry)
-                 if a in explicit)
+    axes = tuple(
+      a
+      for a in ((entry,) if isinstance(entry, str) else entry)
+      if a in explicit
+    )
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
   return NamedSharding(sharding.mesh, P(*(keep(e) for e in sharding.spec)))
 
 
@@ -284,13 +325,15 @@ def in_caller_types(mesh: Mesh, fn: Callable) -> Callable:
   def call(*args, **kwargs):
     current = jax.sharding.get_abstract_mesh()
     if current.empty or current != compute_mesh(mesh).abstract_mesh:
-      return fn(*args, **kwargs)                 # not inside a region
+      return fn(*args, **kwargs)  # not inside a region
     return call_in_caller_types(mesh, fn, args, kwargs)
+
   return call
 
 
-def call_in_caller_types(mesh: Mesh, fn: Callable, args: tuple,
-                         kwargs: dict | None = None, specs=None):
+def call_in_caller_types(
+  mesh: Mesh, fn: Callable, args: tuple, kwargs: dict | None = None, specs=None
+):
   """``fn(*args, **kwargs)`` from inside :func:`auto_region`, run back on
   the caller's axis types (``jax.sharding.explicit_axes`` over the mesh's
   Explicit axes), so that arrays ``fn`` closes over, typed on the caller's
@@ -306,8 +349,9 @@ def call_in_caller_types(mesh: Mesh, fn: Callable, args: tuple,
   arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
   specs = [None] * len(leaves) if specs is None else list(specs)
   if len(specs) != len(leaves):
-    raise ValueError(f"zerojax internal: {len(specs)} specs for "
-                     f"{len(leaves)} leaves")
+    raise ValueError(
+      f"zerojax internal: {len(specs)} specs for {len(leaves)} leaves"
+    )
 
   def body(*xs):
     ls = list(leaves)
@@ -315,10 +359,11 @@ def call_in_caller_types(mesh: Mesh, fn: Callable, args: tuple,
       ls[i] = x
     a, k = jax.tree.unflatten(tree, ls)
     return fn(*a, **k)
+
   in_sharding = tuple(P() if specs[i] is None else specs[i] for i in arrays)
-  return jax.sharding.explicit_axes(body, axes=explicit,
-                                    in_sharding=in_sharding)(
-      *[leaves[i] for i in arrays])
+  return jax.sharding.explicit_axes(
+    body, axes=explicit, in_sharding=in_sharding
+  )(*[leaves[i] for i in arrays])
 
 
 def closes_over_caller_types(error: Exception) -> bool:
@@ -328,80 +373,12 @@ def closes_over_caller_types(error: Exception) -> bool:
   hyperparameter an optimizer was built with inside the caller's ``jit``)
   and combines it with the region's arrays."""
   msg = str(error).lower()
-  return (isinstance(error, ValueError) and "context mesh" in msg
-          and "should match" in msg and "explicit" in msg)
-
-
-def _restate_a_constraint(msg: str, where: str) -> str | None:
-  """What to say for JAX's refusal of a sharding constraint or reshard in
-  the loss, where zerojax's batch axes are manual and the mesh's other
-  axes Auto; ``None`` for any other error."""
-  spec = re.search(r"P\([^)]*\)", msg)
-  spec = "" if spec is None else f" {spec.group(0)}"
-  per_device = (f"zerojax runs the loss once per device (jax.shard_map over "
-                f"the batch axes, each device's value already its own rows), "
-                f"and the mesh's other axes are Auto there (GSPMD places "
-                f"them)")
-  if ("passed to with_sharding_constraint can only refer to Auto axes" in msg
-      and "Manual" in msg):
-    return (f"{where}: the loss constrains a value's sharding over a batch "
-            f"axis (jax.lax.with_sharding_constraint with{spec}). "
-            f"{per_device}, so a spec cannot name a batch axis. Put None in "
-            f"its place (other mesh axes may stay), or drop the constraint: "
-            f"the numbers are the same.")
-  if ("passed to reshard cannot contain axis names" in msg
-      and ("AxisType.Manual" in msg or "AxisType.Auto" in msg)):
-    return (f"{where}: the loss calls jax.sharding.reshard with{spec}. "
-            f"{per_device}, so reshard can name no axis there. Use "
-            f"jax.lax.with_sharding_constraint with None in place of the "
-            f"batch axes (other mesh axes may stay), or drop it: the numbers "
-            f"are the same.")
-  return None
-
-
-@contextlib.contextmanager
-def explain_per_device_errors(mesh: Mesh, where: str):
-  """JAX's refusals of a loss inside ``jax.shard_map`` (where zerojax runs
-  it per device), re-raised saying which function and what to do: a
-  closed-over array typed on ``Explicit`` axes, a sharding constraint
-  naming a batch axis or a reshard (:func:`_restate_a_constraint`), and an
-  output shape (a Pallas kernel's ``out_shape``) that does not say how it
-  varies across devices. All are raised while tracing, so before any state
-  is donated."""
-  try:
-    yield
-  except ValueError as e:
-    msg = str(e)
-    said = _restate_a_constraint(msg, where)
-    if said is not None:
-      raise ValueError(f"{said} JAX said: {msg.splitlines()[0]}") from e
-    if not ("manual_axis_type" in msg and "ShapeDtypeStruct" in msg
-            and "must not be" in msg):
-      raise
-    raise ValueError(
-        f"{where}: the loss gives an output shape (a Pallas kernel's "
-        f"out_shape, say) as a jax.ShapeDtypeStruct with no "
-        f"manual_axis_type. zerojax runs the loss once per device "
-        f"(jax.shard_map over the batch axes, JAX's per-device types "
-        f"checked), where JAX must be told how such an output varies "
-        f"across devices. Give it the type of the per-device input it is "
-        f"computed from: jax.ShapeDtypeStruct(shape, dtype, "
-        f"manual_axis_type=jax.typeof(x).manual_axis_type) -- empty outside "
-        f"a per-device program, so the same code runs unsharded. JAX said: "
-        f"{msg.splitlines()[0]}") from e
-  except NotImplementedError as e:
-    msg = str(e)
-    if "Closing over inputs to shard_map" not in msg:
-      raise
-    got = msg[msg.find("Got input"):].split("\n")[0] if "Got input" in msg else ""
-    raise ValueError(
-        f"{where}: the loss closes over a jax.Array typed on the mesh's "
-        f"Explicit axes {explicit_names(mesh)} ({got.rstrip('.')}). zerojax "
-        f"runs the loss per device inside jax.shard_map, and JAX cannot "
-        f"close over such arrays there. Pass the array to the loss as part "
-        f"of the batch or the model_state, build it inside the loss, or "
-        f"keep it as a NumPy array (np.asarray(x)) -- or build the mesh "
-        f"with axis_types=jax.sharding.AxisType.Auto.") from e
+  return (
+    isinstance(error, ValueError)
+    and "context mesh" in msg
+    and "should match" in msg
+    and "explicit" in msg
+  )
 
 
 def auto_region(mesh: Mesh, fn: Callable, out_shardings) -> Callable:
@@ -420,24 +397,27 @@ def auto_region(mesh: Mesh, fn: Callable, out_shardings) -> Callable:
     return fn
   current = jax.sharding.get_abstract_mesh()
   if not current.empty and current == compute_mesh(mesh).abstract_mesh:
-    return fn                      # already inside a region on this mesh
+    return fn  # already inside a region on this mesh
   if not current.empty and current != mesh.abstract_mesh:
     raise ValueError(
-        f"zerojax: the mesh set with jax.set_mesh ({current}) is not the "
-        f"mesh this ZeroTransformation shards over ({mesh}). Build the "
-        f"transformation under the same jax.set_mesh, or pass mesh= the "
-        f"mesh you set.")
-  outs = jax.tree.map(lambda s: typed(s) if isinstance(s, NamedSharding)
-                      else s, out_shardings)
+      f"zerojax: the mesh set with jax.set_mesh ({current}) is not the "
+      f"mesh this ZeroTransformation shards over ({mesh}). Build the "
+      f"transformation under the same jax.set_mesh, or pass mesh= the "
+      f"mesh you set."
+    )
+  outs = jax.tree.map(
+    lambda s: typed(s) if isinstance(s, NamedSharding) else s, out_shardings
+  )
   region = jax.sharding.auto_axes(fn, axes=explicit, out_sharding=outs)
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
     if not current.empty or _typed_on(mesh, (args, kwargs)):
       return region(*args, **kwargs)
-    token = _CONCRETE_VIEW.set(True)          # compute_mesh: no devices else
+    token = _CONCRETE_VIEW.set(True)  # compute_mesh: no devices else
     try:
       return region(*args, **kwargs)
     finally:
       _CONCRETE_VIEW.reset(token)
+
   return call

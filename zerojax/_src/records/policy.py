@@ -37,8 +37,9 @@ class Policy:
   reduce_dtype: Any = None
 
   def compute(self, dtype) -> np.dtype:
-    return _like(self.param_dtype if self.param_dtype is not None else dtype,
-                 dtype)
+    return _like(
+      self.param_dtype if self.param_dtype is not None else dtype, dtype
+    )
 
   def master(self, dtype) -> np.dtype:
     return _like(self.master_dtype if self.has_master else dtype, dtype)
@@ -61,29 +62,34 @@ class Policy:
         continue
       if np.dtype(dt) not in _COMPLEX:
         raise ValueError(
-            f"zerojax: param leaf {path} is {np.dtype(dtype).name}, and "
-            f"Policy({name}={np.dtype(dt).name}) has no complex counterpart "
-            f"(JAX's complex dtypes are complex64 and complex128: float32 "
-            f"and float64 parts). Use a float32 or float64 policy for a "
-            f"model with complex weights, or keep them in their dtype with "
-            f"Policy() (the default).")
+          f"zerojax: param leaf {path} is {np.dtype(dtype).name}, and "
+          f"Policy({name}={np.dtype(dt).name}) has no complex counterpart "
+          f"(JAX's complex dtypes are complex64 and complex128: float32 "
+          f"and float64 parts). Use a float32 or float64 policy for a "
+          f"model with complex weights, or keep them in their dtype with "
+          f"Policy() (the default)."
+        )
 
   @property
   def has_master(self) -> bool:
-    return (self.param_dtype is not None
-            and np.dtype(self.param_dtype) != np.dtype(self.master_dtype))
+    return self.param_dtype is not None and np.dtype(
+      self.param_dtype
+    ) != np.dtype(self.master_dtype)
 
 
 # a complex leaf under a real policy dtype: the complex dtype of its precision
-_COMPLEX = {np.dtype(np.float32): np.dtype(np.complex64),
-            np.dtype(np.float64): np.dtype(np.complex128)}
+_COMPLEX = {
+  np.dtype(np.float32): np.dtype(np.complex64),
+  np.dtype(np.float64): np.dtype(np.complex128),
+}
 
 
 def _like(policy_dtype, leaf_dtype) -> np.dtype:
   """``policy_dtype`` for a leaf of ``leaf_dtype``: its complex counterpart
   for a complex leaf (see :meth:`Policy.check_leaf`)."""
   dt = np.dtype(policy_dtype)
-  if (jnp.issubdtype(leaf_dtype, jnp.complexfloating)
-      and not jnp.issubdtype(dt, jnp.complexfloating)):
+  if jnp.issubdtype(leaf_dtype, jnp.complexfloating) and not jnp.issubdtype(
+    dt, jnp.complexfloating
+  ):
     return _COMPLEX.get(dt, dt)
   return dt

@@ -33,14 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._src.records import layout as _layout
 from zerojax._src.records import model_axes as _model_axes
 from zerojax._src.records.config import HOST_MEMORY, ZeroConfig
-from zerojax._src.records.mesh import (auto_region, compute_mesh,
-                                      named)
-
+from zerojax._src.records.mesh import auto_region, compute_mesh, named
 
 
 def is_trainable(dtype) -> bool:
@@ -51,7 +50,8 @@ def is_trainable(dtype) -> bool:
 def is_key_dtype(dtype) -> bool:
   """A typed PRNG key's dtype (``jax.random.key``); ``None`` is not."""
   return dtype is not None and bool(
-      jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  )
 
 
 def leaf_dtype(dtype):
@@ -71,8 +71,9 @@ def tree_difference(got, want):
   if got_def != want_def:
     return ("structure", got_def, want_def)
   for (path, g), (_, w) in zip(got_l, want_l):
-    if (tuple(g.shape) != tuple(w.shape)
-        or leaf_dtype(g.dtype) != leaf_dtype(w.dtype)):
+    if tuple(g.shape) != tuple(w.shape) or leaf_dtype(g.dtype) != leaf_dtype(
+      w.dtype
+    ):
       return ("leaf", jax.tree_util.keystr(path), g, w)
   return None
 
@@ -105,7 +106,6 @@ class Placement:
   def constrain(self, x, layout):
     """``x`` (logical or storage shape) constrained to ``layout``'s sharding."""
     return jax.lax.with_sharding_constraint(x, self.compute_sharding(layout))
-
 
 
 def gathered(layout):
@@ -242,8 +242,11 @@ class StateSpec:
   def optimizer_view(self, leaves):
     """A params-shaped tree, ``MaskedNode`` at frozen leaves."""
     return self.unflatten_params(
-        [x if r.trainable else optax.MaskedNode()
-         for x, r in zip(leaves, self.leaves)])
+      [
+        x if r.trainable else optax.MaskedNode()
+        for x, r in zip(leaves, self.leaves)
+      ]
+    )
 
   def from_optimizer_view(self, tree):
     """Per-param list of an optimizer-view tree's leaves (None if frozen)."""
@@ -264,37 +267,53 @@ class StateSpec:
   def shardings_like(self, state: ZeroState) -> ZeroState:
     """:meth:`shardings` for ``state``, its key and model state replicated."""
     return self.shardings().replace(
-        key=None if state.key is None else self.replicated(),
-        model_state=jax.tree.map(lambda x: self.replicated(np.ndim(x)),
-                                 state.model_state))
+      key=None if state.key is None else self.replicated(),
+      model_state=jax.tree.map(
+        lambda x: self.replicated(np.ndim(x)), state.model_state
+      ),
+    )
 
   def abstract(self) -> ZeroState:
     """The state as ``jax.ShapeDtypeStruct`` with shardings; allocates nothing."""
-    return self._build(lambda layout, dtype, host: jax.ShapeDtypeStruct(
-        layout.storage_shape, dtype, sharding=self.sharding(layout, host)))
+    return self._build(
+      lambda layout, dtype, host: jax.ShapeDtypeStruct(
+        layout.storage_shape, dtype, sharding=self.sharding(layout, host)
+      )
+    )
 
   def _build(self, make) -> ZeroState:
     params = self.unflatten_params(
-        [make(r.param, r.compute_dtype, False) for r in self.leaves])
+      [make(r.param, r.compute_dtype, False) for r in self.leaves]
+    )
     master = None
     if self.policy.has_master:
       master = self.optimizer_view(
-          [make(r.shard, r.master_dtype, True) if r.trainable else None
-           for r in self.leaves])
-    opt = jax.tree.unflatten(self.opt_def, [
-        make(o.layout, o.aval.dtype, True) for o in self.opt_leaves])
+        [
+          make(r.shard, r.master_dtype, True) if r.trainable else None
+          for r in self.leaves
+        ]
+      )
+    opt = jax.tree.unflatten(
+      self.opt_def,
+      [make(o.layout, o.aval.dtype, True) for o in self.opt_leaves],
+    )
     step = make(_layout.LeafLayout(()), jnp.int32, False)
-    return ZeroState(step=step, params=params, master=master, opt_state=opt,
-                     spec=self)
+    return ZeroState(
+      step=step, params=params, master=master, opt_state=opt, spec=self
+    )
 
   def with_layouts(self, param, shard, opt) -> StateSpec:
     """The same records with other layouts (a checkpoint's saved ones)."""
     return dataclasses.replace(
-        self,
-        leaves=tuple(dataclasses.replace(r, param=p, shard=s)
-                     for r, p, s in zip(self.leaves, param, shard)),
-        opt_leaves=tuple(dataclasses.replace(o, layout=l)
-                         for o, l in zip(self.opt_leaves, opt)))
+      self,
+      leaves=tuple(
+        dataclasses.replace(r, param=p, shard=s)
+        for r, p, s in zip(self.leaves, param, shard)
+      ),
+      opt_leaves=tuple(
+        dataclasses.replace(o, layout=l) for o, l in zip(self.opt_leaves, opt)
+      ),
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -327,7 +346,9 @@ class ZeroState:
     return dataclasses.replace(self, **kw)
 
 
-def make_spec(params, tx: optax.GradientTransformationExtraArgs, models=None) -> StateSpec:
+def make_spec(
+  params, tx: optax.GradientTransformationExtraArgs, models=None
+) -> StateSpec:
   """Plans every leaf's layout from shapes alone (no allocation).
 
   What :func:`zerojax.init` lays out, before anything is allocated: e.g.
@@ -342,18 +363,20 @@ def make_spec(params, tx: optax.GradientTransformationExtraArgs, models=None) ->
   """
   if not isinstance(getattr(tx, "config", None), ZeroConfig):
     raise TypeError(
-        f"zerojax: expected the ZeroTransformation returned by zerojax.zero(), "
-        f"got {type(tx).__name__}. Wrap your optimizer: "
-        f"tx = zerojax.zero(optax.adamw(3e-4), stage=1).")
+      f"zerojax: expected the ZeroTransformation returned by zerojax.zero(), "
+      f"got {type(tx).__name__}. Wrap your optimizer: "
+      f"tx = zerojax.zero(optax.adamw(3e-4), stage=1)."
+    )
   paths_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
   avals, paths = [], []
   for path, x in paths_leaves:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(
-          f"zerojax: param leaf {jax.tree_util.keystr(path)} is a "
-          f"{type(x).__name__}, not an array. Params must be a pytree of "
-          f"arrays (convert Python scalars with jnp.asarray; for an Equinox "
-          f"module pass eqx.filter(model, eqx.is_inexact_array)).")
+        f"zerojax: param leaf {jax.tree_util.keystr(path)} is a "
+        f"{type(x).__name__}, not an array. Params must be a pytree of "
+        f"arrays (convert Python scalars with jnp.asarray; for an Equinox "
+        f"module pass eqx.filter(model, eqx.is_inexact_array))."
+      )
     avals.append(jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype)))
     paths.append(jax.tree_util.keystr(path))
   if models is None:
@@ -366,24 +389,42 @@ def make_spec(params, tx: optax.GradientTransformationExtraArgs, models=None) ->
     trainable = is_trainable(aval.dtype)
     if trainable:
       policy.check_leaf(path, aval.dtype)
-      if config.zeropp.active and jnp.issubdtype(aval.dtype, jnp.complexfloating):
+      if config.zeropp.active and jnp.issubdtype(
+        aval.dtype, jnp.complexfloating
+      ):
         raise ValueError(
-            f"zerojax: param leaf {path} is {aval.dtype}, and ZeRO++ "
-            f"({config.zeropp}) quantizes real values blockwise; complex leaves "
-            f"are not supported there. Drop zeropp= for a model with complex "
-            f"weights.")
+          f"zerojax: param leaf {path} is {aval.dtype}, and ZeRO++ "
+          f"({config.zeropp}) quantizes real values blockwise; complex leaves "
+          f"are not supported there. Drop zeropp= for a model with complex "
+          f"weights."
+        )
     stacked = _is_stack(config.stacked, path, aval.shape)
-    leaves.append(LeafSpec(
-        path, aval, trainable, stacked, tuple(model),
+    leaves.append(
+      LeafSpec(
+        path,
+        aval,
+        trainable,
+        stacked,
+        tuple(model),
         param=config.plan_param(aval.shape, aval.dtype, stacked, model),
         shard=config.plan(aval.shape, aval.dtype, stacked, model),
-        compute_dtype=(policy.compute(aval.dtype) if trainable
-                       else np.dtype(aval.dtype)),
+        compute_dtype=(
+          policy.compute(aval.dtype) if trainable else np.dtype(aval.dtype)
+        ),
         master_dtype=policy.master(aval.dtype),
-        reduce_dtype=policy.reduce(aval.dtype), place=place))
-  view = jax.tree.unflatten(params_def, [
-      jax.ShapeDtypeStruct(r.aval.shape, r.master_dtype) if r.trainable
-      else optax.MaskedNode() for r in leaves])
+        reduce_dtype=policy.reduce(aval.dtype),
+        place=place,
+      )
+    )
+  view = jax.tree.unflatten(
+    params_def,
+    [
+      jax.ShapeDtypeStruct(r.aval.shape, r.master_dtype)
+      if r.trainable
+      else optax.MaskedNode()
+      for r in leaves
+    ],
+  )
   opt_shape = jax.eval_shape(config.inner.init, view)
   opt_paths_leaves, opt_def = jax.tree_util.tree_flatten_with_path(opt_shape)
   opt_leaves = []
@@ -391,9 +432,15 @@ def make_spec(params, tx: optax.GradientTransformationExtraArgs, models=None) ->
     path = jax.tree_util.keystr(p)
     aval = jax.ShapeDtypeStruct(tuple(o.shape), leaf_dtype(o.dtype))
     stacked, model = _param_like(leaves, path, aval.shape)
-    opt_leaves.append(OptLeafSpec(
-        path, _field(p), aval,
-        config.plan(aval.shape, aval.dtype, stacked, model), place))
+    opt_leaves.append(
+      OptLeafSpec(
+        path,
+        _field(p),
+        aval,
+        config.plan(aval.shape, aval.dtype, stacked, model),
+        place,
+      )
+    )
   return StateSpec(tx, params_def, tuple(leaves), opt_def, tuple(opt_leaves))
 
 
@@ -420,9 +467,10 @@ def model_axes_of(params, tx: optax.GradientTransformationExtraArgs) -> tuple:
   """Each param leaf's model spec (from ``tx``'s model_specs or the leaf's
   own ``NamedSharding``), in ``jax.tree.leaves`` order. Read it outside a
   ``jit``: a tracer has no sharding to read."""
-  return tuple(_model_axes.leaf_model_axes(tx.config,
-                                           jax.tree_util.keystr(p), x)
-               for p, x in jax.tree_util.tree_flatten_with_path(params)[0])
+  return tuple(
+    _model_axes.leaf_model_axes(tx.config, jax.tree_util.keystr(p), x)
+    for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+  )
 
 
 def _is_stack(stacked, path: str, shape) -> bool:
@@ -433,6 +481,8 @@ def _is_stack(stacked, path: str, shape) -> bool:
     return False
   out = stacked(path, tuple(shape))
   if not isinstance(out, (bool, np.bool_)):
-    raise TypeError(f"zerojax.zero: stacked({path!r}, {tuple(shape)}) returned "
-                    f"{out!r}; it must return True (a layer stack) or False.")
+    raise TypeError(
+      f"zerojax.zero: stacked({path!r}, {tuple(shape)}) returned "
+      f"{out!r}; it must return True (a layer stack) or False."
+    )
   return bool(out)

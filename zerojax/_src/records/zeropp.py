@@ -79,37 +79,58 @@ class ZeroPP:
 
   def __post_init__(self):
     if self.weight_bits not in WEIGHT_BITS:
-      raise ValueError(f"zerojax.ZeroPP: weight_bits={self.weight_bits!r}; use "
-                       f"8 (int8 weight all-gather, qwZ) or None.")
+      raise ValueError(
+        f"zerojax.ZeroPP: weight_bits={self.weight_bits!r}; use "
+        f"8 (int8 weight all-gather, qwZ) or None."
+      )
     if self.grad_bits not in GRAD_BITS:
-      raise ValueError(f"zerojax.ZeroPP: grad_bits={self.grad_bits!r}; use 8 "
-                       f"or 4 (quantized gradient reduce-scatter, qgZ) or None.")
+      raise ValueError(
+        f"zerojax.ZeroPP: grad_bits={self.grad_bits!r}; use 8 "
+        f"or 4 (quantized gradient reduce-scatter, qgZ) or None."
+      )
     if self.block_size is not None and (
-        type(self.block_size) is not int or self.block_size < 2
-        or self.block_size % 2):
-      raise ValueError(f"zerojax.ZeroPP: block_size={self.block_size!r} must be "
-                       f"an even int >= 2 (int4 packs two values a byte), or "
-                       f"None for the default ({DEFAULT_BLOCK}; "
-                       f"{DEFAULT_BLOCK_INT4} with int4 gradients).")
+      type(self.block_size) is not int
+      or self.block_size < 2
+      or self.block_size % 2
+    ):
+      raise ValueError(
+        f"zerojax.ZeroPP: block_size={self.block_size!r} must be "
+        f"an even int >= 2 (int4 packs two values a byte), or "
+        f"None for the default ({DEFAULT_BLOCK}; "
+        f"{DEFAULT_BLOCK_INT4} with int4 gradients)."
+      )
 
-    if self.hpz_size is not None and (type(self.hpz_size) is not int
-                                      or self.hpz_size < 2):
-      raise ValueError(f"zerojax.ZeroPP: hpz_size={self.hpz_size!r} must be "
-                       f"an int >= 2 (devices per node) or None.")
-    if self.node_size is not None and (type(self.node_size) is not int
-                                       or self.node_size < 1):
-      raise ValueError(f"zerojax.ZeroPP: node_size={self.node_size!r} must "
-                       f"be an int >= 1 (devices per node along the data "
-                       f"axis) or None.")
+    if self.hpz_size is not None and (
+      type(self.hpz_size) is not int or self.hpz_size < 2
+    ):
+      raise ValueError(
+        f"zerojax.ZeroPP: hpz_size={self.hpz_size!r} must be "
+        f"an int >= 2 (devices per node) or None."
+      )
+    if self.node_size is not None and (
+      type(self.node_size) is not int or self.node_size < 1
+    ):
+      raise ValueError(
+        f"zerojax.ZeroPP: node_size={self.node_size!r} must "
+        f"be an int >= 1 (devices per node along the data "
+        f"axis) or None."
+      )
     if self.grad_rounding not in ROUNDINGS:
-      raise ValueError(f"zerojax.ZeroPP: grad_rounding={self.grad_rounding!r}; "
-                       f"use 'nearest', 'stochastic' or None (stochastic for "
-                       f"int4 gradients, nearest for int8).")
-    if (self.node_size is not None and self.hpz_size is not None
-        and self.node_size != self.hpz_size):
-      raise ValueError(f"zerojax.ZeroPP: hpz_size={self.hpz_size} and "
-                       f"node_size={self.node_size} both give the devices "
-                       f"of one node; set one, or the same value.")
+      raise ValueError(
+        f"zerojax.ZeroPP: grad_rounding={self.grad_rounding!r}; "
+        f"use 'nearest', 'stochastic' or None (stochastic for "
+        f"int4 gradients, nearest for int8)."
+      )
+    if (
+      self.node_size is not None
+      and self.hpz_size is not None
+      and self.node_size != self.hpz_size
+    ):
+      raise ValueError(
+        f"zerojax.ZeroPP: hpz_size={self.hpz_size} and "
+        f"node_size={self.node_size} both give the devices "
+        f"of one node; set one, or the same value."
+      )
 
   @property
   def block(self) -> int:
@@ -130,8 +151,11 @@ class ZeroPP:
 
   @property
   def active(self) -> bool:
-    return (self.weight_bits is not None or self.grad_bits is not None
-            or self.hpz_size is not None)
+    return (
+      self.weight_bits is not None
+      or self.grad_bits is not None
+      or self.hpz_size is not None
+    )
 
 
 def process_node_size(mesh, axis_name: str) -> int:
@@ -142,13 +166,14 @@ def process_node_size(mesh, axis_name: str) -> int:
   if isinstance(mesh, AbstractMesh):
     return 0
   axis = mesh.axis_names.index(axis_name)
-  lines = np.moveaxis(np.vectorize(lambda d: d.process_index)(mesh.devices),
-                      axis, -1).reshape(-1, mesh.devices.shape[axis])
+  lines = np.moveaxis(
+    np.vectorize(lambda d: d.process_index)(mesh.devices), axis, -1
+  ).reshape(-1, mesh.devices.shape[axis])
   sizes = set()
   for line in lines:
     runs = [len(list(g)) for _, g in itertools.groupby(line)]
     if len(runs) != len(set(line)) or len(set(runs)) != 1:
-      return 0                  # a process in two runs, or unequal runs
+      return 0  # a process in two runs, or unequal runs
     sizes.add(runs[0])
   return sizes.pop() if len(sizes) == 1 else 0
 

@@ -43,12 +43,15 @@ def split_kept(fn: Callable, keeps: Callable, keep: Callable) -> Callable:
   ``fn(*args, **kwargs)`` may take and return any pytrees; the numbers are
   those of ``fn`` (``keep`` must not change values, only their layout).
   """
+
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     closed, out_shape = jax.make_jaxpr(
-        lambda *a: fn(*a, **kwargs), return_shape=True)(*args)
-    flat = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args),
-                 keeps, keep)
+      lambda *a: fn(*a, **kwargs), return_shape=True
+    )(*args)
+    flat = _eval(
+      closed.jaxpr, closed.consts, jax.tree.leaves(args), keeps, keep
+    )
     return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
 
   return wrapped
@@ -70,9 +73,10 @@ def _eval(jaxpr, consts, args, keeps, keep) -> list:
     if inner is not None and _has_kept(inner[0], keeps):
       outs = _eval(*inner, ins, keeps, keep)
     else:
-      with eqn.ctx.manager:       # e.g. jax.experimental.compute_on
+      with eqn.ctx.manager:  # e.g. jax.experimental.compute_on
         outs = eqn.primitive.bind(
-            *ins, **eqn.primitive.get_bind_params(eqn.params))
+          *ins, **eqn.primitive.get_bind_params(eqn.params)
+        )
       if not eqn.primitive.multiple_results:
         outs = [outs]
       if keeps(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params):

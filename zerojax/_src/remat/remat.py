@@ -44,8 +44,6 @@ those of the block without the call, up to the order XLA sums in.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -58,6 +56,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src.remat import kept
+from zerojax._src.remat.recording import RECORDER, Split
 
 # The name of each block's input (the layer-boundary checkpoint) in the
 # traced program, for checkpoint policies.
@@ -68,37 +67,6 @@ SAVES = ("input", "dots", "all")
 
 class RematError(ValueError):
   """A :class:`Remat` setting the model or the mesh cannot honour."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Split:
-  """One tensor Pa splits (a block input or a tensor the block keeps),
-  seen while tracing (for the saved-activation figures: the traced program
-  carries the whole tensor, the compiled one ``1/shards`` of it per
-  device)."""
-
-  shape: tuple
-  dtype: Any
-  shards: int
-
-
-_RECORDER: contextvars.ContextVar = contextvars.ContextVar(
-    "zerojax_remat_recorder", default=None)
-
-
-@contextlib.contextmanager
-def recording(axes: dict[str, int] | None = None):
-  """Collects the :class:`Split` of every :class:`Remat` block traced inside.
-
-  ``axes``: mesh axis sizes to split over when the trace has no mesh in
-  context (the report and the planner trace one device's program with no
-  mesh); with one in context, its sizes are used."""
-  splits: list[Split] = []
-  token = _RECORDER.set((dict(axes or {}), splits))
-  try:
-    yield splits
-  finally:
-    _RECORDER.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +82,12 @@ class _Policy:
 
   def __call__(self, prim, *avals, **params) -> Any:
     keep = bool(self.names) and jax.checkpoint_policies.save_only_these_names(
-        *self.names)(prim, *avals, **params)
+      *self.names
+    )(prim, *avals, **params)
     if not keep and self.dots:
       keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable(
-          prim, *avals, **params)
+        prim, *avals, **params
+      )
     if not keep:
       return jax.ad_checkpoint.Recompute
     if self.offload:
@@ -160,27 +130,32 @@ class Remat:
       saves = tuple(saves)
       object.__setattr__(self, "saves", saves)
     names_ok = isinstance(saves, tuple) and all(
-        isinstance(n, str) and n for n in saves)
+      isinstance(n, str) and n for n in saves
+    )
     if saves not in SAVES and not names_ok:
       raise RematError(
-          f"zerojax.remat: saves={self.saves!r}; use 'input' (the block input "
-          f"only), 'dots' (also the matmul outputs), 'all' (no "
-          f"rematerialisation) or a tuple of names the block tags with "
-          f"jax.ad_checkpoint.checkpoint_name.")
+        f"zerojax.remat: saves={self.saves!r}; use 'input' (the block input "
+        f"only), 'dots' (also the matmul outputs), 'all' (no "
+        f"rematerialisation) or a tuple of names the block tags with "
+        f"jax.ad_checkpoint.checkpoint_name."
+      )
     if saves == "all" and self.offload:
       raise RematError(
-          "zerojax.remat: saves='all' keeps every intermediate of the block "
-          "on the device; offload=True moves kept tensors to host memory, "
-          "so name what to keep (saves='input', 'dots' or names).")
+        "zerojax.remat: saves='all' keeps every intermediate of the block "
+        "on the device; offload=True moves kept tensors to host memory, "
+        "so name what to keep (saves='input', 'dots' or names)."
+      )
     if self.partition is not None and not isinstance(self.partition, str):
       raise RematError(
-          f"zerojax.remat: partition={self.partition!r} must be a mesh axis "
-          f"name (e.g. 'model') or None.")
+        f"zerojax.remat: partition={self.partition!r} must be a mesh axis "
+        f"name (e.g. 'model') or None."
+      )
     if not isinstance(self.dim, int) or isinstance(self.dim, bool):
       raise RematError(f"zerojax.remat: dim={self.dim!r} must be an int.")
     if not isinstance(self.offload, bool):
       raise RematError(
-          f"zerojax.remat: offload={self.offload!r} must be True or False.")
+        f"zerojax.remat: offload={self.offload!r} must be True or False."
+      )
 
   @property
   def policy(self) -> Callable:
@@ -204,8 +179,11 @@ class Remat:
 
   def __call__(self, fn: Callable) -> Callable:
     fn = self.on_whole_input(self.split_kept(fn))
-    checkpointed = fn if self.saves == "all" else jax.checkpoint(
-        name_input(fn), policy=self.policy)
+    checkpointed = (
+      fn
+      if self.saves == "all"
+      else jax.checkpoint(name_input(fn), policy=self.policy)
+    )
 
     @functools.wraps(fn)
     def block(x, *args, **kwargs):
@@ -230,14 +208,16 @@ class Remat:
 
   def _keeps(self, prim, *avals, **params) -> bool:
     """Whether the block's policy keeps this equation's output."""
-    return self._kept_policy(offload=False)(
-        prim, *avals, **params) is not jax.ad_checkpoint.Recompute
+    return (
+      self._kept_policy(offload=False)(prim, *avals, **params)
+      is not jax.ad_checkpoint.Recompute
+    )
 
   def _keep(self, v):
     """A kept tensor split over ``partition`` (see :meth:`_kept_dim`) and
     named :data:`kept.KEPT`; on an Explicit axis the block goes on with
     the tensor's own type (the split is what is saved)."""
-    mesh, axes, recorder = self._where()   # split_kept runs with a mesh
+    mesh, axes, recorder = self._where()  # split_kept runs with a mesh
     shards = self._shards(axes, mesh)
     dim = self._kept_dim(v, shards, mesh)
     if dim is None:
@@ -266,8 +246,9 @@ class Remat:
         return None
     first = self.dim % v.ndim if -v.ndim <= self.dim < v.ndim else None
     order = sorted(range(v.ndim), key=lambda d: (d != first, -v.shape[d]))
-    return next((d for d in order
-                 if spec[d] is None and v.shape[d] % shards == 0), None)
+    return next(
+      (d for d in order if spec[d] is None and v.shape[d] % shards == 0), None
+    )
 
   def split(self, x, *, record: bool = True):
     """``x``'s array leaves split over ``partition`` along ``dim`` (Pa);
@@ -290,7 +271,9 @@ class Remat:
         out.append(leaf)
         continue
       if record and recorder is not None:
-        recorder[1].append(Split(tuple(leaf.shape), np.dtype(leaf.dtype), shards))
+        recorder[1].append(
+          Split(tuple(leaf.shape), np.dtype(leaf.dtype), shards)
+        )
       out.append(leaf if mesh.empty else self._constrain(leaf, dim, mesh, path))
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -305,8 +288,11 @@ class Remat:
     @functools.wraps(fn)
     def whole(x, *args, **kwargs):
       mesh = jax.sharding.get_abstract_mesh()
-      if (mesh.empty or self.partition not in mesh.axis_names
-          or _axis_type(mesh, self.partition) != AxisType.Explicit):
+      if (
+        mesh.empty
+        or self.partition not in mesh.axis_names
+        or _axis_type(mesh, self.partition) != AxisType.Explicit
+      ):
         return fn(x, *args, **kwargs)
       return fn(jax.tree.map(self._unsplit, x), *args, **kwargs)
 
@@ -329,11 +315,14 @@ class Remat:
     if self.partition is None:
       return None
     mesh = jax.sharding.get_abstract_mesh()
-    recorder = _RECORDER.get()
-    axes = (dict(recorder[0]) if recorder else {}) if mesh.empty else dict(
-        zip(mesh.axis_names, mesh.axis_sizes))
+    recorder = RECORDER.get()
+    axes = (
+      (dict(recorder[0]) if recorder else {})
+      if mesh.empty
+      else dict(zip(mesh.axis_names, mesh.axis_sizes))
+    )
     if mesh.empty and not axes:
-      return None               # no mesh: nothing to split over
+      return None  # no mesh: nothing to split over
     return mesh, axes, recorder
 
   def restore(self, out, x):
@@ -346,9 +335,13 @@ class Remat:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or self.partition not in mesh.axis_names:
       return out
-    same = lambda a: jax.tree.structure(a) == jax.tree.structure(x) and all(
+    same = lambda a: (
+      jax.tree.structure(a) == jax.tree.structure(x)
+      and all(
         getattr(u, "shape", None) == getattr(v, "shape", None)
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(x)))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(x))
+      )
+    )
     if same(out):
       return self._like(out, x, mesh)
     if isinstance(out, tuple) and len(out) == 2 and same(out[0]):
@@ -358,23 +351,31 @@ class Remat:
   def _like(self, out, x, mesh):
     if _axis_type(mesh, self.partition) == AxisType.Explicit:
       return jax.tree.map(
-          lambda o, i: jax.sharding.reshard(o, jax.typeof(i).sharding.spec)
-          if hasattr(o, "shape") else o, out, x)
+        lambda o, i: (
+          jax.sharding.reshard(o, jax.typeof(i).sharding.spec)
+          if hasattr(o, "shape")
+          else o
+        ),
+        out,
+        x,
+      )
     return self.split(out, record=False)
 
   def _shards(self, axes: dict, mesh) -> int:
     axis = self.partition
     if axis not in axes:
       raise RematError(
-          f"zerojax.remat: partition={axis!r} names no axis of the mesh "
-          f"{axes}; use one of {tuple(axes)} (usually the tensor-parallel "
-          f"'model' axis), or partition=None.")
+        f"zerojax.remat: partition={axis!r} names no axis of the mesh "
+        f"{axes}; use one of {tuple(axes)} (usually the tensor-parallel "
+        f"'model' axis), or partition=None."
+      )
     if not mesh.empty and _axis_type(mesh, axis) == AxisType.Manual:
       raise RematError(
-          f"zerojax.remat: partition={axis!r} is a manual axis here (the "
-          f"batch is split over it by a shard_map, e.g. zerojax's step over "
-          f"its data axes), so each device already holds only its rows; "
-          f"partition over another axis (usually 'model').")
+        f"zerojax.remat: partition={axis!r} is a manual axis here (the "
+        f"batch is split over it by a shard_map, e.g. zerojax's step over "
+        f"its data axes), so each device already holds only its rows; "
+        f"partition over another axis (usually 'model')."
+      )
     return int(axes[axis])
 
   def _check_leaf(self, path, leaf, shards: int) -> int:
@@ -382,16 +383,18 @@ class Remat:
     ndim = len(leaf.shape)
     if not -ndim <= self.dim < ndim:
       raise RematError(
-          f"zerojax.remat: {where} has shape {tuple(leaf.shape)}, no dimension "
-          f"{self.dim} to split over {self.partition!r}; pass dim= one of its "
-          f"dimensions (e.g. the sequence).")
+        f"zerojax.remat: {where} has shape {tuple(leaf.shape)}, no dimension "
+        f"{self.dim} to split over {self.partition!r}; pass dim= one of its "
+        f"dimensions (e.g. the sequence)."
+      )
     dim = self.dim % ndim
     if leaf.shape[dim] % shards:
       raise RematError(
-          f"zerojax.remat: {where} has {leaf.shape[dim]} along dimension "
-          f"{dim} (shape {tuple(leaf.shape)}), which {self.partition!r}'s "
-          f"{shards} devices do not divide; use a size divisible by {shards} "
-          f"or split another dimension (dim=).")
+        f"zerojax.remat: {where} has {leaf.shape[dim]} along dimension "
+        f"{dim} (shape {tuple(leaf.shape)}), which {self.partition!r}'s "
+        f"{shards} devices do not divide; use a size divisible by {shards} "
+        f"or split another dimension (dim=)."
+      )
     return dim
 
   def _constrain(self, leaf, dim: int, mesh, path):
@@ -399,19 +402,24 @@ class Remat:
     if _axis_type(mesh, axis) == AxisType.Explicit:
       spec = list(jax.typeof(leaf).sharding.spec)
       spec += [None] * (leaf.ndim - len(spec))
-      used = [i for i, e in enumerate(spec)
-              if e == axis or (isinstance(e, tuple) and axis in e)]
+      used = [
+        i
+        for i, e in enumerate(spec)
+        if e == axis or (isinstance(e, tuple) and axis in e)
+      ]
       if used and used != [dim]:
         raise RematError(
-            f"zerojax.remat: the block input{jax.tree_util.keystr(path)} is "
-            f"already split over {axis!r} along dimension {used[0]} (type "
-            f"{jax.typeof(leaf)}); Pa splits dimension {dim}: pass dim={used[0]} "
-            f"or partition another axis.")
+          f"zerojax.remat: the block input{jax.tree_util.keystr(path)} is "
+          f"already split over {axis!r} along dimension {used[0]} (type "
+          f"{jax.typeof(leaf)}); Pa splits dimension {dim}: pass dim={used[0]} "
+          f"or partition another axis."
+        )
       if spec[dim] is not None and spec[dim] != axis:
         raise RematError(
-            f"zerojax.remat: the block input{jax.tree_util.keystr(path)}'s "
-            f"dimension {dim} is already split over {spec[dim]!r} (type "
-            f"{jax.typeof(leaf)}); pick another dim= for Pa.")
+          f"zerojax.remat: the block input{jax.tree_util.keystr(path)}'s "
+          f"dimension {dim} is already split over {spec[dim]!r} (type "
+          f"{jax.typeof(leaf)}); pick another dim= for Pa."
+        )
       spec[dim] = axis
       return jax.sharding.reshard(leaf, P(*spec))
     spec = [P.UNCONSTRAINED] * leaf.ndim
@@ -427,6 +435,7 @@ def name_input(fn: Callable) -> Callable:
   """``fn`` with the floating array leaves of its first argument passed
   through ``checkpoint_name(..., LAYER_INPUT)`` (every use of the input
   goes through the name, so a policy may offload it)."""
+
   def tag(v):
     dtype = getattr(v, "dtype", None)
     if dtype is None or not np.issubdtype(dtype, np.inexact):
@@ -440,9 +449,14 @@ def name_input(fn: Callable) -> Callable:
   return named
 
 
-def remat(fn: Callable | None = None, *, saves: str | tuple[str, ...] = "input",
-          partition: str | None = None, dim: int = 1,
-          offload: bool = False):
+def remat(
+  fn: Callable | None = None,
+  *,
+  saves: str | tuple[str, ...] = "input",
+  partition: str | None = None,
+  dim: int = 1,
+  offload: bool = False,
+):
   """ZeRO-R's activation checkpoints around a layer function.
 
   ``zerojax.remat(block, partition="model", offload=True)`` returns the

@@ -23,7 +23,7 @@ def _malloc_trim():
   if not sys.platform.startswith("linux"):
     return None
   try:
-    libc = ctypes.CDLL(None)              # the C library this process runs on
+    libc = ctypes.CDLL(None)  # the C library this process runs on
   except OSError:
     return None
   trim = getattr(libc, "malloc_trim", None)

@@ -33,25 +33,40 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(command, processes: int, devices: int, *, log_dir=None,
-           timeout_s: float | None = None, grace_s: float = 10.0,
-           stream=True) -> int:
+def launch(
+  command,
+  processes: int,
+  devices: int,
+  *,
+  log_dir=None,
+  timeout_s: float | None = None,
+  grace_s: float = 10.0,
+  stream=True,
+) -> int:
   """Runs ``command`` as ``processes`` local processes; returns an exit code."""
   log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="zerojax_launch_"))
   log_dir.mkdir(parents=True, exist_ok=True)
   port = free_port()
   procs, logs = [], []
   for i in range(processes):
-    env = dict(os.environ, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
-               ZEROJAX_NUM_PROCESSES=str(processes), ZEROJAX_PROCESS_ID=str(i),
-               XLA_FLAGS=cpu_device_flags(devices), JAX_PLATFORMS="cpu")
+    env = dict(
+      os.environ,
+      ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
+      ZEROJAX_NUM_PROCESSES=str(processes),
+      ZEROJAX_PROCESS_ID=str(i),
+      XLA_FLAGS=cpu_device_flags(devices),
+      JAX_PLATFORMS="cpu",
+    )
     if i == 0 and stream:
       out = None
     else:
       out = open(log_dir / f"process_{i}.log", "w")
       logs.append(out)
-    procs.append(subprocess.Popen(command, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT if out else None))
+    procs.append(
+      subprocess.Popen(
+        command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None
+      )
+    )
   start = time.monotonic()
   failed = None
   try:
@@ -79,7 +94,9 @@ def launch(command, processes: int, devices: int, *, log_dir=None,
     print(f"zerojax.launch: {who}; stopped the others.", file=sys.stderr)
     if i not in (None, 0):
       tail = (log_dir / f"process_{i}.log").read_text()[-3000:]
-      print(f"--- end of {log_dir}/process_{i}.log ---\n{tail}", file=sys.stderr)
+      print(
+        f"--- end of {log_dir}/process_{i}.log ---\n{tail}", file=sys.stderr
+      )
     return code if isinstance(code, int) and code > 0 else 1
   finally:
     for p in procs:
@@ -91,26 +108,41 @@ def launch(command, processes: int, devices: int, *, log_dir=None,
 
 def main(argv=None):
   p = argparse.ArgumentParser(
-      prog="python -m zerojax.launch",
-      description="Run a command as P local JAX processes with D fake CPU "
-                  "devices each (coordinator on 127.0.0.1).")
+    prog="python -m zerojax.launch",
+    description="Run a command as P local JAX processes with D fake CPU "
+    "devices each (coordinator on 127.0.0.1).",
+  )
   p.add_argument("-n", "--processes", type=int, default=2)
-  p.add_argument("-d", "--devices", type=int, default=4,
-                 help="fake CPU devices per process")
-  p.add_argument("--log-dir", default=None,
-                 help="where processes 1..P-1 write their logs")
-  p.add_argument("--timeout", type=float, default=None,
-                 help="stop everything after this many seconds")
-  p.add_argument("command", nargs=argparse.REMAINDER,
-                 help="the command, after --")
+  p.add_argument(
+    "-d", "--devices", type=int, default=4, help="fake CPU devices per process"
+  )
+  p.add_argument(
+    "--log-dir", default=None, help="where processes 1..P-1 write their logs"
+  )
+  p.add_argument(
+    "--timeout",
+    type=float,
+    default=None,
+    help="stop everything after this many seconds",
+  )
+  p.add_argument(
+    "command", nargs=argparse.REMAINDER, help="the command, after --"
+  )
   args = p.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
     p.error("give the command to run after --")
   if args.processes < 1 or args.devices < 1:
     p.error("--processes and --devices must be >= 1")
-  sys.exit(launch(command, args.processes, args.devices, log_dir=args.log_dir,
-                  timeout_s=args.timeout))
+  sys.exit(
+    launch(
+      command,
+      args.processes,
+      args.devices,
+      log_dir=args.log_dir,
+      timeout_s=args.timeout,
+    )
+  )
 
 
 if __name__ == "__main__":

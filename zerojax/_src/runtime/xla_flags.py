@@ -21,18 +21,27 @@ def combine_threshold_flags(bucket_bytes: int) -> str:
 
   CPU and TPU ignore these flags (the CPU backend has no such threshold).
   """
-  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or (
-      bucket_bytes <= 0):
-    raise ValueError(f"combine_threshold_flags: bucket_bytes={bucket_bytes!r} "
-                     f"must be a positive int (bytes).")
+  if (
+    isinstance(bucket_bytes, bool)
+    or not isinstance(bucket_bytes, int)
+    or (bucket_bytes <= 0)
+  ):
+    raise ValueError(
+      f"combine_threshold_flags: bucket_bytes={bucket_bytes!r} "
+      f"must be a positive int (bytes)."
+    )
   kinds = ("all_reduce", "all_gather", "reduce_scatter")
-  return " ".join(f"--xla_gpu_{k}_combine_threshold_bytes={bucket_bytes}"
-                  for k in kinds)
+  return " ".join(
+    f"--xla_gpu_{k}_combine_threshold_bytes={bucket_bytes}" for k in kinds
+  )
 
 
 def cpu_device_flags(devices: int) -> str:
   """The caller's ``XLA_FLAGS`` (e.g. combine thresholds, optimisation
   level) with the fake device count set to ``devices``."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags = [
+    f
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count")
+  ]
   return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])

@@ -35,7 +35,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 class RowDims:
@@ -62,7 +63,8 @@ def row_dims(aux, aux_on, mb) -> tuple:
   if not any(np.ndim(a) for _, a in flat):
     return none
   doubled = jax.tree.map(
-      lambda x: jnp.concatenate([x, x]) if np.ndim(x) else x, mb)
+    lambda x: jnp.concatenate([x, x]) if np.ndim(x) else x, mb
+  )
   try:
     probe = jax.eval_shape(aux_on, doubled)
   except Exception:  # noqa: BLE001 -- a fixed batch size in the loss
@@ -77,16 +79,20 @@ def row_dims(aux, aux_on, mb) -> tuple:
       dims.append(None)
       continue
     moved = [d for d, (m, n) in enumerate(zip(shape, grown)) if m != n]
-    if (len(shape) != len(grown) or len(moved) != 1
-        or grown[moved[0]] != 2 * shape[moved[0]]):
+    if (
+      len(shape) != len(grown)
+      or len(moved) != 1
+      or grown[moved[0]] != 2 * shape[moved[0]]
+    ):
       raise ValueError(
-          f"zerojax: the loss's aux{jax.tree_util.keystr(path)} has shape "
-          f"{shape} on each device, and {grown} when the device's rows "
-          f"double: it changes with the batch, but not as one dimension of "
-          f"rows. zerojax can combine a per-example leaf (one dimension "
-          f"follows the rows), a batch mean (floats) or a count (integers). "
-          f"Return the per-example values, or reduce them over the batch "
-          f"inside the loss.")
+        f"zerojax: the loss's aux{jax.tree_util.keystr(path)} has shape "
+        f"{shape} on each device, and {grown} when the device's rows "
+        f"double: it changes with the batch, but not as one dimension of "
+        f"rows. zerojax can combine a per-example leaf (one dimension "
+        f"follows the rows), a batch mean (floats) or a count (integers). "
+        f"Return the per-example values, or reduce them over the batch "
+        f"inside the loss."
+      )
     dims.append(moved[0])
   return tuple(dims)
 
@@ -107,9 +113,13 @@ def per_device(rows, dims):
   per-example leaf with a leading axis of one (its device's entry), each
   placeholder as one zero, so every leaf is sharded by that axis."""
   leaves, tree = jax.tree.flatten(rows)
-  return jax.tree.unflatten(tree, [
+  return jax.tree.unflatten(
+    tree,
+    [
       a[None] if d is not None else jnp.zeros((1,), jnp.float32)
-      for a, d in zip(leaves, dims)])
+      for a, d in zip(leaves, dims)
+    ],
+  )
 
 
 def rows_spec(batch_axes) -> P:
@@ -138,6 +148,7 @@ def merge(reduced, stacked, dims):
       continue
     moved = jnp.moveaxis(s, 0, d)
     shape = moved.shape
-    out.append(moved.reshape(shape[:d] + (shape[d] * shape[d + 1],)
-                             + shape[d + 2:]))
+    out.append(
+      moved.reshape(shape[:d] + (shape[d] * shape[d + 1],) + shape[d + 2 :])
+    )
   return jax.tree.unflatten(tree, out)

@@ -26,10 +26,11 @@ def direct_where_typed(jaxpr, axes, direct, diff_in) -> list[bool]:
     return [False] * len(direct)
   if len(jaxpr.invars) != sum(x is not None for x in diff_in):
     return [False] * len(direct)
-  position = [None] * len(direct)       # jaxpr input of each leaf
+  position = [None] * len(direct)  # jaxpr input of each leaf
   for p, i in enumerate(i for i, x in enumerate(diff_in) if x is not None):
     position[i] = p
   return [d and position[i] not in reach for i, d in enumerate(direct)]
+
 
 def restate_custom_vjp_types(err: ValueError, axes) -> None:
   """JAX's refusal of a ``custom_vjp`` backward rule whose output's
@@ -39,37 +40,56 @@ def restate_custom_vjp_types(err: ValueError, axes) -> None:
   msg = str(err)
   if not ("Custom VJP bwd rule" in msg and "manual axis types" in msg):
     return
-  found = re.search(r"output of type (\S+) corresponding to an input of "
-                    r"type (\S+?),\s+so", msg)
-  out_varies, in_varies = (None, None) if found is None else (
-      "{V:" in found.group(1), "{V:" in found.group(2))
-  where = (f"In a zerojax step the loss runs once per device (jax.shard_map "
-           f"over the batch axes {tuple(axes)}), and JAX requires each "
-           f"cotangent typed as its input is: per device, or the same on "
-           f"every device.")
+  found = re.search(
+    r"output of type (\S+) corresponding to an input of "
+    r"type (\S+?),\s+so",
+    msg,
+  )
+  out_varies, in_varies = (
+    (None, None)
+    if found is None
+    else ("{V:" in found.group(1), "{V:" in found.group(2))
+  )
+  where = (
+    f"In a zerojax step the loss runs once per device (jax.shard_map "
+    f"over the batch axes {tuple(axes)}), and JAX requires each "
+    f"cotangent typed as its input is: per device, or the same on "
+    f"every device."
+  )
   if in_varies and not out_varies:
-    what = ("returns a gradient typed the same on every device for an "
-            "input that varies per device: a value made by jax.pure_callback "
-            "or an FFI call is typed so whatever it holds, and each device's "
-            "gradient is its own rows' share until zerojax sums it.")
-    fix = ("type it per device like its input: `g = jax.lax.pcast(g, "
-           "tuple(jax.typeof(x).manual_axis_type.varying - "
-           "jax.typeof(g).manual_axis_type.varying), to='varying')`")
+    what = (
+      "returns a gradient typed the same on every device for an "
+      "input that varies per device: a value made by jax.pure_callback "
+      "or an FFI call is typed so whatever it holds, and each device's "
+      "gradient is its own rows' share until zerojax sums it."
+    )
+    fix = (
+      "type it per device like its input: `g = jax.lax.pcast(g, "
+      "tuple(jax.typeof(x).manual_axis_type.varying - "
+      "jax.typeof(g).manual_axis_type.varying), to='varying')`"
+    )
   elif out_varies and not in_varies:
-    what = ("returns a per-device gradient for an input every device holds "
-            "the same (an array the loss closes over, say): its gradient is "
-            "the sum of the devices' shares.")
-    fix = ("sum it over the devices it varies over: `g = jax.lax.psum(g, "
-           "tuple(jax.typeof(g).manual_axis_type.varying - "
-           "jax.typeof(x).manual_axis_type.varying))`, or return "
-           "`jnp.zeros_like(x)` if the input needs no gradient")
+    what = (
+      "returns a per-device gradient for an input every device holds "
+      "the same (an array the loss closes over, say): its gradient is "
+      "the sum of the devices' shares."
+    )
+    fix = (
+      "sum it over the devices it varies over: `g = jax.lax.psum(g, "
+      "tuple(jax.typeof(g).manual_axis_type.varying - "
+      "jax.typeof(x).manual_axis_type.varying))`, or return "
+      "`jnp.zeros_like(x)` if the input needs no gradient"
+    )
   else:
     what = "returns a gradient typed otherwise than its input."
-    fix = ("type it as its input: jax.lax.pcast(..., to='varying') for an "
-           "input that varies per device, jax.lax.psum over the extra axes "
-           "for one that does not")
+    fix = (
+      "type it as its input: jax.lax.pcast(..., to='varying') for an "
+      "input that varies per device, jax.lax.psum over the extra axes "
+      "for one that does not"
+    )
   raise ValueError(
-      f"zerojax: a jax.custom_vjp in the loss has a backward rule that "
-      f"{what} {where} In the backward rule, for input x and its gradient "
-      f"g, {fix} (each a no-op outside a per-device program). JAX said: "
-      f"{msg.splitlines()[0]}") from err
+    f"zerojax: a jax.custom_vjp in the loss has a backward rule that "
+    f"{what} {where} In the backward rule, for input x and its gradient "
+    f"g, {fix} (each a no-op outside a per-device program). JAX said: "
+    f"{msg.splitlines()[0]}"
+  ) from err

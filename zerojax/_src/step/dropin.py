@@ -39,49 +39,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.mesh import explicit_names, named
-from zerojax._src.step.leaf_ops import WeightSource, grad_view
-from zerojax._src.records.spec import (StateSpec, gathered,
-                                      make_spec)
+from zerojax._src.records.spec import StateSpec, gathered, make_spec
 from zerojax._src.step import update as _update
-from zerojax._src.step.state import reject_deleted, warn_untrained
+from zerojax._src.step.deleted import reject_deleted
+from zerojax._src.step.leaf_ops import WeightSource, grad_view
+from zerojax._src.step.state import warn_untrained
 
 
 def _check_config(config, where: str):
   if config.stage == 3:
     raise ValueError(
-        f"{where}: at stage 3 zerojax stores the parameters sharded, but in "
-        f"an Optax loop you hold them full. Use stage 1 or 2 as a drop-in, "
-        f"or zerojax.init + zerojax.train_step for stage 3.")
+      f"{where}: at stage 3 zerojax stores the parameters sharded, but in "
+      f"an Optax loop you hold them full. Use stage 1 or 2 as a drop-in, "
+      f"or zerojax.init + zerojax.train_step for stage 3."
+    )
   if config.policy.has_master:
     raise ValueError(
-        f"{where}: the policy keeps a {config.policy.master_dtype} master "
-        f"copy, but in an Optax loop the params you hold are the weights the "
-        f"optimizer updates. Drop the policy (cast params yourself), or use "
-        f"zerojax.init + zerojax.train_step for bf16 params with an fp32 "
-        f"master.")
+      f"{where}: the policy keeps a {config.policy.master_dtype} master "
+      f"copy, but in an Optax loop the params you hold are the weights the "
+      f"optimizer updates. Drop the policy (cast params yourself), or use "
+      f"zerojax.init + zerojax.train_step for bf16 params with an fp32 "
+      f"master."
+    )
   explicit = set(explicit_names(config.mesh))
-  untyped = {a: s for a, s in config.model_axes.items()
-             if s > 1 and a not in explicit}
+  untyped = {
+    a: s for a, s in config.model_axes.items() if s > 1 and a not in explicit
+  }
   if config.model_specs is None and untyped:
     raise ValueError(
-        f"{where}: the mesh has model axes {untyped} but zero() got no "
-        f"model_specs; inside jit the params' shardings over Auto axes are "
-        f"not part of their types, so the drop-in cannot read them. Pass "
-        f"zerojax.zero(..., model_specs=...) (a tree of PartitionSpec, e.g. "
-        f"zerojax.linen.model_specs(...)), or make the model axes Explicit "
-        f"(jax.make_mesh's default).")
+      f"{where}: the mesh has model axes {untyped} but zero() got no "
+      f"model_specs; inside jit the params' shardings over Auto axes are "
+      f"not part of their types, so the drop-in cannot read them. Pass "
+      f"zerojax.zero(..., model_specs=...) (a tree of PartitionSpec, e.g. "
+      f"zerojax.linen.model_specs(...)), or make the model axes Explicit "
+      f"(jax.make_mesh's default)."
+    )
 
 
 def _spec(config, params, where: str) -> StateSpec:
   _check_config(config, where)
   if params is None:
-    raise ValueError(f"{where}: zerojax needs params in update "
-                     f"(tx.update(grads, opt_state, params)) to know each "
-                     f"leaf's layout.")
+    raise ValueError(
+      f"{where}: zerojax needs params in update "
+      f"(tx.update(grads, opt_state, params)) to know each "
+      f"leaf's layout."
+    )
   return make_spec(params, from_config(config))
 
 
@@ -97,13 +104,18 @@ def init(config, params):
 
   def build(leaves):
     leaves = _hold(spec, leaves)
-    view = spec.optimizer_view([
-        x if r.trainable else None for x, r in zip(leaves, spec.leaves)])
+    view = spec.optimizer_view(
+      [x if r.trainable else None for x, r in zip(leaves, spec.leaves)]
+    )
     state = spec.tx.inner.init(view)
-    return [o.layout.to_storage(x) for x, o in zip(jax.tree.leaves(state),
-                                                    spec.opt_leaves)]
-  stored = jax.jit(spec.region(build, shardings),
-                   out_shardings=shardings)(leaves)
+    return [
+      o.layout.to_storage(x)
+      for x, o in zip(jax.tree.leaves(state), spec.opt_leaves)
+    ]
+
+  stored = jax.jit(spec.region(build, shardings), out_shardings=shardings)(
+    leaves
+  )
   return jax.tree.unflatten(spec.opt_def, stored)
 
 
@@ -112,30 +124,44 @@ def _hold(spec: StateSpec, p_leaves):
   over the data axis, sharded over model axes as the model says. (Left
   free under an outer ``jit``, XLA may pick an input layout for them that
   JAX cannot express, e.g. a (2,) leaf tiled 2 x 4 over 8 devices.)"""
-  return [r.place.constrain(p, gathered(r.param))
-          for p, r in zip(p_leaves, spec.leaves)]
+  return [
+    r.place.constrain(p, gathered(r.param))
+    for p, r in zip(p_leaves, spec.leaves)
+  ]
 
 
 def _warn_off_mesh(spec: StateSpec, leaves):
   """Params not on the mesh come back from the first step on it, so a
   user's jitted step compiles a second time: say how to place them."""
   mesh_devices = set(spec.tx.mesh.devices.flat)
-  off = [r.path for x, r in zip(leaves, spec.leaves)
-         if not (isinstance(x, jax.Array) and x.committed
-                 and set(x.sharding.device_set) == mesh_devices)]
+  off = [
+    r.path
+    for x, r in zip(leaves, spec.leaves)
+    if not (
+      isinstance(x, jax.Array)
+      and x.committed
+      and set(x.sharding.device_set) == mesh_devices
+    )
+  ]
   if off and len(mesh_devices) > 1:
-    what = (f"params{off[0]}" + (f" and {len(off) - 1} more leaves"
-                                 if len(off) > 1 else "")) if off[0] else (
-        "the params")
+    what = (
+      (
+        f"params{off[0]}"
+        + (f" and {len(off) - 1} more leaves" if len(off) > 1 else "")
+      )
+      if off[0]
+      else ("the params")
+    )
     verb = "is" if len(off) == 1 and off[0] else "are"
     warnings.warn(
-        f"ZeroTransformation.init: {what} "
-        f"{verb} not placed on the mesh's {len(mesh_devices)} devices, so the "
-        f"first update returns them there and a jitted step compiles a "
-        f"second time. Create the params under jax.set_mesh(tx.mesh), or "
-        f"place them first: params = jax.device_put(params, "
-        f"jax.sharding.NamedSharding(tx.mesh, jax.sharding.PartitionSpec())).",
-        stacklevel=4)
+      f"ZeroTransformation.init: {what} "
+      f"{verb} not placed on the mesh's {len(mesh_devices)} devices, so the "
+      f"first update returns them there and a jitted step compiles a "
+      f"second time. Create the params under jax.set_mesh(tx.mesh), or "
+      f"place them first: params = jax.device_put(params, "
+      f"jax.sharding.NamedSharding(tx.mesh, jax.sharding.PartitionSpec())).",
+      stacklevel=4,
+    )
 
 
 def update(config, grads, state, params, **extra_args):
@@ -145,19 +171,25 @@ def update(config, grads, state, params, **extra_args):
   that is not: the sharding constraints need a ``jit`` around them. Extra
   arguments that are arrays are traced; any others (callables, strings,
   Python numbers) reach the inner optimizer as they are."""
-  _check_config(config, "ZeroTransformation.update")     # cheap, eager
-  for tree, what in ((state, "opt_state"), (params, "params"),
-                     (grads, "grads")):          # before the jitted call
+  _check_config(config, "ZeroTransformation.update")  # cheap, eager
+  for tree, what in (
+    (state, "opt_state"),
+    (params, "params"),
+    (grads, "grads"),
+  ):  # before the jitted call
     reject_deleted(tree, "ZeroTransformation.update", what)
   if params is None:
-    _spec(config, params, "ZeroTransformation.update")   # raises the fix
+    _spec(config, params, "ZeroTransformation.update")  # raises the fix
   # Called eagerly with uncommitted gradients (jax.grad outside jit), let
   # them be replicated, as they are: left free, XLA may pick an input
   # layout JAX cannot express. Traced or committed values are left alone
   # (a gradient sharded by zerojax.value_and_grad stays sharded).
-  commit = lambda x: (x if isinstance(x, jax.core.Tracer) or (
-      isinstance(x, jax.Array) and x.committed) else jax.device_put(
-          x, named(config.mesh, P(), np.ndim(x))))
+  commit = lambda x: (
+    x
+    if isinstance(x, jax.core.Tracer)
+    or (isinstance(x, jax.Array) and x.committed)
+    else jax.device_put(x, named(config.mesh, P(), np.ndim(x)))
+  )
   grads = jax.tree.map(commit, grads)
   arrays, static = _update.split_extra_args(extra_args)
   return _update_jitted(config, static)(grads, state, params, arrays)
@@ -174,18 +206,24 @@ def _update_body(config, static, grads, state, params, arrays):
   g_leaves, g_def = jax.tree.flatten(grads)
   p_leaves = jax.tree.leaves(params)
   if len(g_leaves) != len(p_leaves):
-    raise ValueError(f"{where}: the gradients have {len(g_leaves)} leaves, "
-                     f"the params {len(p_leaves)}; pass gradients with the "
-                     f"params' structure.")
+    raise ValueError(
+      f"{where}: the gradients have {len(g_leaves)} leaves, "
+      f"the params {len(p_leaves)}; pass gradients with the "
+      f"params' structure."
+    )
   # (frozen leaves' gradients -- float0 -- never enter the region)
   g_leaves = [g if r.trainable else None for g, r in zip(g_leaves, spec.leaves)]
-  outs = ([_typed_like(p, r) for p, r in zip(p_leaves, spec.leaves)],
-          [spec.sharding(o.layout, host=True) for o in spec.opt_leaves])
+  outs = (
+    [_typed_like(p, r) for p, r in zip(p_leaves, spec.leaves)],
+    [spec.sharding(o.layout, host=True) for o in spec.opt_leaves],
+  )
   updates, new_opt = spec.region(
-      functools.partial(_update_region, spec, static), outs)(
-          g_leaves, jax.tree.leaves(state), p_leaves, arrays)
-  return (jax.tree.unflatten(g_def, updates),
-          jax.tree.unflatten(jax.tree.structure(state), new_opt))
+    functools.partial(_update_region, spec, static), outs
+  )(g_leaves, jax.tree.leaves(state), p_leaves, arrays)
+  return (
+    jax.tree.unflatten(g_def, updates),
+    jax.tree.unflatten(jax.tree.structure(state), new_opt),
+  )
 
 
 def _typed_like(p, r):
@@ -193,8 +231,11 @@ def _typed_like(p, r):
   on the transformation's mesh (an Explicit mesh), else the param's layout."""
   mesh = r.place.mesh
   s = getattr(jax.typeof(p), "sharding", None)
-  if (isinstance(s, NamedSharding) and not s.mesh.empty
-      and s.mesh == mesh.abstract_mesh):
+  if (
+    isinstance(s, NamedSharding)
+    and not s.mesh.empty
+    and s.mesh == mesh.abstract_mesh
+  ):
     return NamedSharding(mesh, s.spec)
   return r.place.sharding(gathered(r.param))
 
@@ -214,18 +255,31 @@ def _update_region(spec, static, g_leaves, state, p_leaves, arrays):
       g_view.append(None)
       w_src.append(None)
       continue
-    if (tuple(np.shape(g)) == tuple(r.aval.shape)
-        and r.aval.shape != r.shard.storage_shape):
+    if (
+      tuple(np.shape(g)) == tuple(r.aval.shape)
+      and r.aval.shape != r.shard.storage_shape
+    ):
       g = r.place.constrain(g, gathered(r.param))
     g_view.append(grad_view(r, g, spec.stage, where))
-    w_src.append(WeightSource(p, functools.partial(
-        lambda x, r: r.place.constrain(x, r.shard), r=r)))
+    w_src.append(
+      WeightSource(
+        p, functools.partial(lambda x, r: r.place.constrain(x, r.shard), r=r)
+      )
+    )
   updates, new_opt = _update.run_update(
-      spec, g_view, w_src, state, _update.join_extra_args(arrays, static),
-      finish=lambda i, w, u: u)
-  out = [jnp.zeros_like(p) if u is None else
-         spec.leaves[i].place.constrain(u, gathered(spec.leaves[i].param))
-         for i, (u, p) in enumerate(zip(updates, p_leaves))]
+    spec,
+    g_view,
+    w_src,
+    state,
+    _update.join_extra_args(arrays, static),
+    finish=lambda i, w, u: u,
+  )
+  out = [
+    jnp.zeros_like(p)
+    if u is None
+    else spec.leaves[i].place.constrain(u, gathered(spec.leaves[i].param))
+    for i, (u, p) in enumerate(zip(updates, p_leaves))
+  ]
   return out, new_opt
 
 
@@ -276,17 +330,24 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
 
   def __getattr__(self, name):
     # only reached when normal lookup fails: the config's public attributes
-    if not name.startswith("_") and hasattr(ZeroConfig, name) or (
-        name in _CONFIG_FIELDS):
+    if (
+      not name.startswith("_")
+      and hasattr(ZeroConfig, name)
+      or (name in _CONFIG_FIELDS)
+    ):
       return getattr(self.config, name)
-    raise AttributeError(f"{type(self).__name__!r} object has no attribute "
-                         f"{name!r}")
+    raise AttributeError(
+      f"{type(self).__name__!r} object has no attribute {name!r}"
+    )
 
   def __dir__(self):
-    return sorted(set(super().__dir__()) | _CONFIG_FIELDS | {
-        n for n in dir(ZeroConfig) if not n.startswith("_")})
+    return sorted(
+      set(super().__dir__())
+      | _CONFIG_FIELDS
+      | {n for n in dir(ZeroConfig) if not n.startswith("_")}
+    )
 
-  def replace(self, **changes) -> "ZeroTransformation":
+  def replace(self, **changes) -> ZeroTransformation:
     """The same transformation with some configuration fields changed."""
     return from_config(dataclasses.replace(self.config, **changes))
 
@@ -301,8 +362,10 @@ class ZeroTransformation(optax.GradientTransformationExtraArgs):
       extra += ", offload=True"
     if c.zeropp.active:
       extra += f", zeropp={c.zeropp}"
-    return (f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
-            f"num_shards={c.num_shards}{extra}, policy={c.policy})")
+    return (
+      f"ZeroTransformation(stage={c.stage}, axis_name={c.axis_name!r}, "
+      f"num_shards={c.num_shards}{extra}, policy={c.policy})"
+    )
 
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))

@@ -29,35 +29,49 @@ from zerojax._src.records.spec import StateSpec
 from zerojax._src.step.loss_call import LossArgs, LossOutputError, LossProgram
 
 
-def gather_spec(spec: StateSpec, r, quantized: bool = True) -> _gather.GatherSpec:
+def gather_spec(
+  spec: StateSpec, r, quantized: bool = True
+) -> _gather.GatherSpec:
   """Param record ``r``'s gather; ``quantized``: with the tx's ZeRO++
   settings (training), else exact (evaluation)."""
   zeropp = spec.tx.zeropp
   dim = r.shard.dim if r.shard.dim is not None else len(r.aval.shape) - 1
   return _gather.GatherSpec(
-      axis_name=spec.tx.axis_name, dim=dim - len(r.aval.shape),
-      size=r.aval.shape[dim], stage=spec.stage,
-      reduce_dtype=r.reduce_dtype, path=r.path,
-      replica=tuple(a for a in spec.tx.batch_axes if a != spec.tx.axis_name),
-      padded=r.shard.padded, model=r.shard.model,
-      weight_bits=zeropp.weight_bits if quantized else None,
-      grad_bits=zeropp.grad_bits if quantized else None,
-      block_size=zeropp.block,
-      hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
-      node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
-      stochastic=quantized and zeropp.stochastic_grads,
-      group_bytes=spec.tx.bucket_bytes)
+    axis_name=spec.tx.axis_name,
+    dim=dim - len(r.aval.shape),
+    size=r.aval.shape[dim],
+    stage=spec.stage,
+    reduce_dtype=r.reduce_dtype,
+    path=r.path,
+    replica=tuple(a for a in spec.tx.batch_axes if a != spec.tx.axis_name),
+    padded=r.shard.padded,
+    model=r.shard.model,
+    weight_bits=zeropp.weight_bits if quantized else None,
+    grad_bits=zeropp.grad_bits if quantized else None,
+    block_size=zeropp.block,
+    hpz=(zeropp.hpz_size or 0) if quantized and spec.stage == 3 else 0,
+    node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
+    stochastic=quantized and zeropp.stochastic_grads,
+    group_bytes=spec.tx.bucket_bytes,
+  )
+
 
 def hooked_leaves(spec: StateSpec) -> list[bool]:
   """Which params reach a stage 2-3 loss as ShardedParam."""
   return [spec.stage >= 2 and r.hooked for r in spec.leaves]
 
+
 def model_params(spec: StateSpec, leaves, sinks, gspecs):
   """The params tree the loss sees: ShardedParam where gathered."""
-  return spec.unflatten_params([
-      _gather.ShardedParam(sink, x, g) if g is not None else
-      (sink if sink is not None else x)
-      for x, sink, g in zip(leaves, sinks, gspecs)])
+  return spec.unflatten_params(
+    [
+      _gather.ShardedParam(sink, x, g)
+      if g is not None
+      else (sink if sink is not None else x)
+      for x, sink, g in zip(leaves, sinks, gspecs)
+    ]
+  )
+
 
 class GatherMode(NamedTuple):
   """How the loss is run (:func:`resolve_gather`): ``mode`` is ``"model"``,
@@ -67,8 +81,10 @@ class GatherMode(NamedTuple):
   mode: str
   reason: str = ""
 
-def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
-                   what: str) -> GatherMode:
+
+def resolve_gather(
+  spec: StateSpec, mode: str, probe, args, tagged, what: str
+) -> GatherMode:
   """How to run this loss (:class:`GatherMode`); raises or warns as the mode says.
 
   ``mode``: ``"model"`` (the loss gathers what it uses), ``"all"`` (the
@@ -90,10 +106,11 @@ def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
     # zerojax's limitation, not the loss's: said as such, never as a misuse
     if mode == "model":
       raise RuntimeError(
-          f"zerojax {what}, gather='model': {e}. zerojax cannot prove the "
-          f"loss only gathers its sharded parameters, so it will not run it "
-          f"on shards. Use gather='all' (the whole tree gathered first: "
-          f"exact, not lean) and report the primitive to zerojax.") from e
+        f"zerojax {what}, gather='model': {e}. zerojax cannot prove the "
+        f"loss only gathers its sharded parameters, so it will not run it "
+        f"on shards. Use gather='all' (the whole tree gathered first: "
+        f"exact, not lean) and report the primitive to zerojax."
+      ) from e
     warn_unreadable(spec, str(e), what)
     return GatherMode("all")
   except _gather.UngatheredParamError as e:
@@ -120,48 +137,63 @@ def resolve_gather(spec: StateSpec, mode: str, probe, args, tagged,
   else:
     if not misuse:
       return GatherMode("model")
-    uses = "; ".join(f"params{spec.leaves[i].path} by {prim}"
-                     for i, prim in sorted(misuse.items())[:5])
+    uses = "; ".join(
+      f"params{spec.leaves[i].path} by {prim}"
+      for i, prim in sorted(misuse.items())[:5]
+    )
     more = f" (and {len(misuse) - 5} more)" if len(misuse) > 5 else ""
     reason = f"used without zerojax.gather: {uses}{more}"
     if mode == "model":
       raise _gather.UngatheredParamError(
-          f"zerojax {what}, gather='model': sharded parameters are {reason}. "
-          f"Their shards are not the parameter: call zerojax.gather on "
-          f"them first, or use gather='auto' (default: each gathered where "
-          f"the loss uses it, one layer at a time inside a lax.scan over "
-          f"stacked weights) or 'all' (the whole tree at the start of the "
-          f"loss).")
+        f"zerojax {what}, gather='model': sharded parameters are {reason}. "
+        f"Their shards are not the parameter: call zerojax.gather on "
+        f"them first, or use gather='auto' (default: each gathered where "
+        f"the loss uses it, one layer at a time inside a lax.scan over "
+        f"stacked weights) or 'all' (the whole tree at the start of the "
+        f"loss)."
+      )
   return GatherMode("layers", reason)
 
+
 def _whole_tree_cost(spec: StateSpec) -> str:
-  full = sum(int(np.prod(r.aval.shape)) * np.dtype(r.compute_dtype).itemsize
-             for r in spec.leaves)
-  return (f"all {full / 2**20:.1f} MiB of full weights are live per device "
-          f"at once, instead of one layer's" if spec.stage == 3 else
-          f"the full gradient ({full / 2**20:.1f} MiB per device in compute "
-          f"dtype) is produced before it is reduce-scattered")
+  full = sum(
+    int(np.prod(r.aval.shape)) * np.dtype(r.compute_dtype).itemsize
+    for r in spec.leaves
+  )
+  return (
+    f"all {full / 2**20:.1f} MiB of full weights are live per device "
+    f"at once, instead of one layer's"
+    if spec.stage == 3
+    else f"the full gradient ({full / 2**20:.1f} MiB per device in compute "
+    f"dtype) is produced before it is reduce-scattered"
+  )
+
 
 def warn_unreadable(spec: StateSpec, reason: str, what: str):
   warnings.warn(
-      f"zerojax stage {spec.stage} {what}: {reason}, so it cannot prove that "
-      f"the loss uses its sharded parameters only through zerojax.gather. "
-      f"To stay exact it gathers the whole parameter tree at the start of "
-      f"the loss (not lean): {_whole_tree_cost(spec)}. This is a limitation "
-      f"of zerojax with this JAX release, not a fault in your loss; please "
-      f"report it. gather='all' silences this warning.", stacklevel=3)
+    f"zerojax stage {spec.stage} {what}: {reason}, so it cannot prove that "
+    f"the loss uses its sharded parameters only through zerojax.gather. "
+    f"To stay exact it gathers the whole parameter tree at the start of "
+    f"the loss (not lean): {_whole_tree_cost(spec)}. This is a limitation "
+    f"of zerojax with this JAX release, not a fault in your loss; please "
+    f"report it. gather='all' silences this warning.",
+    stacklevel=3,
+  )
+
 
 def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
   cost = _whole_tree_cost(spec)
   warnings.warn(
-      f"zerojax stage {spec.stage} {what}: loss_fn does not only gather its "
-      f"parameters ({reason}), so zerojax gathers the whole parameter tree "
-      f"at the start of the loss (exact, not lean): {cost}. To gather per "
-      f"layer, run the layers in a lax.scan over their stacked weights "
-      f"(zerojax then gathers one layer per iteration), or call "
-      f"zerojax.gather(layer_params) in the (jax.checkpoint-ed) body; pass "
-      f"gather='all' to silence this, gather='model' to make it an error.",
-      stacklevel=3)
+    f"zerojax stage {spec.stage} {what}: loss_fn does not only gather its "
+    f"parameters ({reason}), so zerojax gathers the whole parameter tree "
+    f"at the start of the loss (exact, not lean): {cost}. To gather per "
+    f"layer, run the layers in a lax.scan over their stacked weights "
+    f"(zerojax then gathers one layer per iteration), or call "
+    f"zerojax.gather(layer_params) in the (jax.checkpoint-ed) body; pass "
+    f"gather='all' to silence this, gather='model' to make it an error.",
+    stacklevel=3,
+  )
+
 
 def warn_placement(spec: StateSpec, placed, reason: str, what: str):
   """After a ``"layers"`` run (stages 2-3): the whole-tree warning when no
@@ -176,13 +208,16 @@ def warn_placement(spec: StateSpec, placed, reason: str, what: str):
     names = ", ".join(f"params{spec.leaves[i].path}" for i in both[:5])
     more = f" (and {len(both) - 5} more)" if len(both) > 5 else ""
     warnings.warn(
-        f"zerojax stage {spec.stage} {what}: {names}{more} are gathered per "
-        f"layer inside the loss's lax.scan and also whole, because the loss "
-        f"uses them outside the scan too (e.g. a penalty over the whole "
-        f"tree), so their full "
-        f"{'values are' if spec.stage == 3 else 'gradients are'} live per "
-        f"device at once (exact, not lean). Use them only inside the scan to "
-        f"keep them per layer; gather='all' silences this.", stacklevel=3)
+      f"zerojax stage {spec.stage} {what}: {names}{more} are gathered per "
+      f"layer inside the loss's lax.scan and also whole, because the loss "
+      f"uses them outside the scan too (e.g. a penalty over the whole "
+      f"tree), so their full "
+      f"{'values are' if spec.stage == 3 else 'gradients are'} live per "
+      f"device at once (exact, not lean). Use them only inside the scan to "
+      f"keep them per layer; gather='all' silences this.",
+      stacklevel=3,
+    )
+
 
 def diff_inputs(spec: StateSpec, leaves, hooked, direct=None):
   """What the loss is differentiated with respect to: a gradient sink per
@@ -200,13 +235,20 @@ def diff_inputs(spec: StateSpec, leaves, hooked, direct=None):
     elif h:
       # the cotangent arrives reduced over the data axis (stage 0: summed,
       # replicated over it; stages 1-3: reduce-scattered, one shard each)
-      axes = tx.batch_axes if tx.stage >= 1 else tuple(
-          a for a in tx.batch_axes if a != tx.axis_name)
-      out.append(_gather.sink_like(r.shard.shard_shape(tx.num_shards),
-                                   r.reduce_dtype, axes))
+      axes = (
+        tx.batch_axes
+        if tx.stage >= 1
+        else tuple(a for a in tx.batch_axes if a != tx.axis_name)
+      )
+      out.append(
+        _gather.sink_like(
+          r.shard.shard_shape(tx.num_shards), r.reduce_dtype, axes
+        )
+      )
     else:
       out.append(jax.lax.pcast(x, tx.batch_axes, to="varying"))
   return out
+
 
 def secondary_shards(spec: StateSpec, leaves, hooked):
   """hpZ: each sharded param's secondary shard, gathered across nodes once
@@ -216,15 +258,31 @@ def secondary_shards(spec: StateSpec, leaves, hooked):
   1.20x the theory's on a 4 x 2 mesh)."""
   tx = spec.tx
   zpp = tx.zeropp
-  return [_gather.over_model_shards(
-              lambda y, r=r: _zeropp.secondary(
-                  y, tx.axis_name, r.shard.dim, zpp.hpz_size,
-                  zpp.weight_bits, zpp.block),
-              x, r.shard.model, r.shard.dim)
-          if h else x for x, h, r in zip(leaves, hooked, spec.leaves)]
+  return [
+    _gather.over_model_shards(
+      lambda y, r=r: _zeropp.secondary(
+        y, tx.axis_name, r.shard.dim, zpp.hpz_size, zpp.weight_bits, zpp.block
+      ),
+      x,
+      r.shard.model,
+      r.shard.dim,
+    )
+    if h
+    else x
+    for x, h, r in zip(leaves, hooked, spec.leaves)
+  ]
 
-def run_loss(prog: LossProgram, leaves, diff, gspecs, how: GatherMode,
-             args: LossArgs, *, what: str = "train step"):
+
+def run_loss(
+  prog: LossProgram,
+  leaves,
+  diff,
+  gspecs,
+  how: GatherMode,
+  args: LossArgs,
+  *,
+  what: str = "train step",
+):
   """The user's loss on the params the model sees (:func:`model_params`:
   :class:`~zerojax.ShardedParam` for gathered leaves): ``(loss,
   new_model_state, aux)``. ``mode`` (:func:`resolve_gather`): ``"model"``
@@ -237,8 +295,9 @@ def run_loss(prog: LossProgram, leaves, diff, gspecs, how: GatherMode,
   if mode == "layers":
     call = lambda p, *a: prog.call(prog.loss_fn, p, *a)
     try:
-      out, placed = _layers.gather_where_used(call, params, mb, key,
-                                              model_state)
+      out, placed = _layers.gather_where_used(
+        call, params, mb, key, model_state
+      )
     except _layers.LayersUnreadable as e:
       if prog.spec.stage >= 2:
         warn_unreadable(prog.spec, str(e), what)
@@ -250,6 +309,7 @@ def run_loss(prog: LossProgram, leaves, diff, gspecs, how: GatherMode,
   if mode == "all":
     params = _gather.gather_each(params)
   return prog.call(prog.loss_fn, params, mb, key, model_state)
+
 
 def _probe(prog: LossProgram, leaves, diff, gspecs, args: LossArgs):
   """``(probe, args, tagged)`` for the audit: the loss on
@@ -263,25 +323,31 @@ def _probe(prog: LossProgram, leaves, diff, gspecs, args: LossArgs):
   def probe(sinks, srcs, mb, k, ms, gather_all=False):
     d = [s if h else d for s, d, h in zip(sinks, diff, hooked)]
     ls = [s if h else x for s, x, h in zip(srcs, leaves, hooked)]
-    return run_loss(prog, ls, d, gspecs,
-                    GatherMode("all" if gather_all else "model"),
-                    LossArgs(mb, k, ms))
+    return run_loss(
+      prog,
+      ls,
+      d,
+      gspecs,
+      GatherMode("all" if gather_all else "model"),
+      LossArgs(mb, k, ms),
+    )
 
   probe_args = (sinks, srcs, *args)
   n_rest = len(jax.tree.leaves(probe_args)) - len(tags)
   return probe, probe_args, tags + [None] * n_rest
 
-def gather_mode(prog: LossProgram, leaves, diff, gspecs, args: LossArgs,
-                what: str) -> GatherMode:
+
+def gather_mode(
+  prog: LossProgram, leaves, diff, gspecs, args: LossArgs, what: str
+) -> GatherMode:
   """Whether the traced loss gathers what it uses
   (:func:`resolve_gather` on a probe of one micro-batch, the gathered
   leaves' sinks and sources tagged). Training and evaluation alike."""
   probe, probe_args, tagged = _probe(prog, leaves, diff, gspecs, args)
-  return resolve_gather(prog.spec, prog.gather, probe, probe_args, tagged,
-                        what)
+  return resolve_gather(prog.spec, prog.gather, probe, probe_args, tagged, what)
 
-def reduce_in_backward(spec: StateSpec, k: int, gather: str,
-                        direct) -> bool:
+
+def reduce_in_backward(spec: StateSpec, k: int, gather: str, direct) -> bool:
   """Whether a stage 0-1 step with one micro-batch asks the audit which
   leaves the loss gathers (:func:`gathered_by_the_loss`): at stage 0 for
   the leaves :func:`reduced_where_used` leaves out, at stage 1 for its
@@ -292,8 +358,10 @@ def reduce_in_backward(spec: StateSpec, k: int, gather: str,
     return not all(d or not r.trainable for d, r in zip(direct, spec.leaves))
   return spec.stage == 1 and spec.tx.zeropp.grad_bits is None
 
-def gathered_by_the_loss(prog: LossProgram, leaves,
-                         args: LossArgs) -> tuple[list[bool], str]:
+
+def gathered_by_the_loss(
+  prog: LossProgram, leaves, args: LossArgs
+) -> tuple[list[bool], str]:
   """Stages 0-1, one micro-batch: ``(hooked, mode)``, the trainable leaves
   (at stage 1 the sharded ones) whose gradients are reduced inside the
   backward pass, and how the loss is run (:func:`run_loss`).
@@ -317,12 +385,17 @@ def gathered_by_the_loss(prog: LossProgram, leaves,
   With several micro-batches stage 1 keeps the full local gradient and
   reduces once per step instead."""
   spec = prog.spec
-  cand = [r.trainable and len(r.aval.shape) >= 1
-          and (spec.stage == 0 or r.shard.sharded) for r in spec.leaves]
+  cand = [
+    r.trainable
+    and len(r.aval.shape) >= 1
+    and (spec.stage == 0 or r.shard.sharded)
+    for r in spec.leaves
+  ]
   if not any(cand):
     return cand, "model"
-  gspecs = [gather_spec(spec, r) if h else None
-            for r, h in zip(spec.leaves, cand)]
+  gspecs = [
+    gather_spec(spec, r) if h else None for r, h in zip(spec.leaves, cand)
+  ]
   diff = diff_inputs(spec, leaves, cand)
   probe, probe_args, tagged = _probe(prog, leaves, diff, gspecs, args)
   try:

@@ -9,8 +9,8 @@ import jax
 
 from zerojax._src.records.mesh import auto_region
 from zerojax._src.records.spec import ZeroState, gathered
+from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.leaf_ops import fetch, weights
-from zerojax._src.step.state import reject_deleted
 
 
 def gather_params(state: ZeroState, *, master: bool = False):
@@ -25,13 +25,17 @@ def gather_params(state: ZeroState, *, master: bool = False):
     A pytree shaped like the params given to :func:`init`.
   """
   if not isinstance(state, ZeroState):
-    raise TypeError(f"zerojax.gather_params: expected a ZeroState, got "
-                    f"{type(state).__name__}.")
+    raise TypeError(
+      f"zerojax.gather_params: expected a ZeroState, got "
+      f"{type(state).__name__}."
+    )
   spec = state.spec
   masters = spec.masters(state.master if master else None)
   reject_deleted(state, "zerojax.gather_params")
-  return spec.unflatten_params(_gather_weights(
-      jax.tree.leaves(state.params), masters, tuple(spec.leaves)))
+  return spec.unflatten_params(
+    _gather_weights(jax.tree.leaves(state.params), masters, tuple(spec.leaves))
+  )
+
 
 @functools.partial(jax.jit, static_argnums=2)
 def _gather_weights(params, masters, records):
@@ -43,10 +47,14 @@ def _gather_weights(params, masters, records):
     return []
 
   def body(params, masters):
-    return [r.place.constrain(weights(r, p, m), gathered(r.param))
-            for p, m, r in zip(params, masters, records)]
+    return [
+      r.place.constrain(weights(r, p, m), gathered(r.param))
+      for p, m, r in zip(params, masters, records)
+    ]
+
   outs = [r.place.sharding(gathered(r.param)) for r in records]
   return auto_region(records[0].place.mesh, body, outs)(params, masters)
+
 
 def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
   """Param leaf ``index`` (``jax.tree.leaves`` order) full and unpadded,
@@ -57,23 +65,32 @@ def gather_leaf(state: ZeroState, index: int, *, master: bool = False):
   reject_deleted([p, m], f"zerojax.gather_leaf({index})", "leaf")
   return _gather_weights([p], [m], (spec.leaves[index],))[0]
 
+
 def gather_opt_state(state: ZeroState):
   """The inner optimizer's state, full and unpadded (replicated): what
   unsharded Optax would hold, e.g. to inspect moments or compare runs."""
   if not isinstance(state, ZeroState):
-    raise TypeError(f"zerojax.gather_opt_state: expected a ZeroState, got "
-                    f"{type(state).__name__}.")
+    raise TypeError(
+      f"zerojax.gather_opt_state: expected a ZeroState, got "
+      f"{type(state).__name__}."
+    )
   reject_deleted(state, "zerojax.gather_opt_state")
   return _gather_opt_jit(state.replace(key=None, model_state=None))
+
 
 @jax.jit
 def _gather_opt_jit(state: ZeroState):
   spec = state.spec
 
   def body(leaves):
-    return [o.place.constrain(o.layout.to_logical(fetch(o.place, x, o.layout)),
-                              gathered(o.layout))
-            for x, o in zip(leaves, spec.opt_leaves)]
+    return [
+      o.place.constrain(
+        o.layout.to_logical(fetch(o.place, x, o.layout)), gathered(o.layout)
+      )
+      for x, o in zip(leaves, spec.opt_leaves)
+    ]
+
   outs = [spec.sharding(gathered(o.layout)) for o in spec.opt_leaves]
-  return jax.tree.unflatten(spec.opt_def, spec.region(body, outs)(
-      jax.tree.leaves(state.opt_state)))
+  return jax.tree.unflatten(
+    spec.opt_def, spec.region(body, outs)(jax.tree.leaves(state.opt_state))
+  )

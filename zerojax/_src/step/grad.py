@@ -36,26 +36,47 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src.jaxpr import transposes as _transposes
-from zerojax._src.records.mesh import explain_per_device_errors
+from zerojax._src.records.mesh_errors import explain_per_device_errors
 from zerojax._src.records.spec import ZeroState, make_spec, model_axes_of
 from zerojax._src.step import aux as _aux
 from zerojax._src.step.batch import place_batch
-from zerojax._src.step.custom_vjp import (direct_where_typed,
-                                          restate_custom_vjp_types)
-from zerojax._src.step.gather_mode import (GatherMode, diff_inputs,
-                                           gather_mode, gather_spec,
-                                           gathered_by_the_loss, hooked_leaves,
-                                           reduce_in_backward, run_loss,
-                                           secondary_shards)
-from zerojax._src.step.loss_call import (LossArgs, LossCall, LossProgram,
-                                         check_options)
-from zerojax._src.step.reduce import (reduce_grads, reduce_outputs,
-                                      reduced_where_used)
-from zerojax._src.step.state import reject_deleted
+from zerojax._src.step.custom_vjp import (
+  direct_where_typed,
+  restate_custom_vjp_types,
+)
+from zerojax._src.step.deleted import reject_deleted
+from zerojax._src.step.gather_mode import (
+  GatherMode,
+  diff_inputs,
+  gather_mode,
+  gather_spec,
+  gathered_by_the_loss,
+  hooked_leaves,
+  reduce_in_backward,
+  run_loss,
+  secondary_shards,
+)
+from zerojax._src.step.loss_call import (
+  LossArgs,
+  LossCall,
+  LossProgram,
+  check_options,
+)
+from zerojax._src.step.reduce import (
+  reduce_grads,
+  reduce_outputs,
+  reduced_where_used,
+)
 
 
-def local_grads(prog: LossProgram, leaves, batch, key, model_state,
-                found: _aux.RowDims | None = None):
+def local_grads(
+  prog: LossProgram,
+  leaves,
+  batch,
+  key,
+  model_state,
+  found: _aux.RowDims | None = None,
+):
   """Per-device body: ``(grads, loss, aux_reduced, aux_rows,
   new_model_state)``, reduced.
 
@@ -66,30 +87,36 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state,
   ``found`` learns which leaves are per-example.
   """
   spec, tx = prog.spec, prog.spec.tx
-  axes = tx.batch_axes               # every axis the batch splits over
+  axes = tx.batch_axes  # every axis the batch splits over
   k = prog.accum_steps
-  micro = (batch if k == 1 else
-           jax.tree.map(lambda x: _split_micro(x, k), batch))
+  micro = batch if k == 1 else jax.tree.map(lambda x: _split_micro(x, k), batch)
   first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   hooked = hooked_leaves(spec)
   direct = reduced_where_used(spec, k)
   how = GatherMode("model")
   if reduce_in_backward(spec, k, prog.gather, direct):
-    gathered, mode = gathered_by_the_loss(prog, leaves,
-                                          LossArgs(first, key, model_state))
+    gathered, mode = gathered_by_the_loss(
+      prog, leaves, LossArgs(first, key, model_state)
+    )
     how = GatherMode(mode)
     hooked = [h and not d for h, d in zip(gathered, direct)]
-  gspecs = [gather_spec(spec, r) if h else None
-            for r, h in zip(spec.leaves, hooked)]
+  gspecs = [
+    gather_spec(spec, r) if h else None for r, h in zip(spec.leaves, hooked)
+  ]
   if tx.stage == 3 and tx.zeropp.hpz_size:
     leaves = secondary_shards(spec, leaves, hooked)
   if key is not None:
     key = jax.random.fold_in(key, jax.lax.axis_index(axes))
   micro_key = lambda i: None if key is None else jax.random.fold_in(key, i)
   if tx.stage >= 2:
-    how = gather_mode(prog, leaves, diff_inputs(spec, leaves, hooked),
-                      gspecs, LossArgs(first, micro_key(0), model_state),
-                      "train step")
+    how = gather_mode(
+      prog,
+      leaves,
+      diff_inputs(spec, leaves, hooked),
+      gspecs,
+      LossArgs(first, micro_key(0), model_state),
+      "train step",
+    )
   diff_in = diff_inputs(spec, leaves, hooked, direct)
 
   scale = 1.0 / (tx.batch_shards * k)
@@ -99,20 +126,27 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state,
   # of the gradient made after it.
   seed = scale if tx.stage == 0 and k == 1 else 1.0
 
-  def objective(mb, key, ms):        # what one micro-batch differentiates
+  def objective(mb, key, ms):  # what one micro-batch differentiates
     def f(diff):
-      loss, new_ms, aux = run_loss(prog, leaves, diff, gspecs, how,
-                                   LossArgs(mb, key, ms))
+      loss, new_ms, aux = run_loss(
+        prog, leaves, diff, gspecs, how, LossArgs(mb, key, ms)
+      )
       return loss * seed, (loss, new_ms, aux)
+
     return f
 
   if any(direct):
     direct = direct_where_typed(
-        jax.make_jaxpr(objective(first, micro_key(0), model_state))(
-            diff_in).jaxpr, axes, direct, diff_in)
+      jax.make_jaxpr(objective(first, micro_key(0), model_state))(
+        diff_in
+      ).jaxpr,
+      axes,
+      direct,
+      diff_in,
+    )
     diff_in = diff_inputs(spec, leaves, hooked, direct)
 
-  def one(mb, key, ms):              # one micro-batch's loss and gradients
+  def one(mb, key, ms):  # one micro-batch's loss and gradients
     f = objective(mb, key, ms)
     # stage 0 (one micro-batch: the sums are in the backward) sums each
     # weight gradient before autodiff's transpose, as GSPMD does; on XLA
@@ -120,33 +154,44 @@ def local_grads(prog: LossProgram, leaves, batch, key, model_state,
     # YNNPACK fusion (jaxpr/transposes.py; GPU and TPU dots take
     # transposed operands as they are)
     grad_fn = _transposes.rewrite_for_dots(
-        jax.value_and_grad(f, has_aux=True), sums=tx.stage == 0 and k == 1,
-        barriers=tx.stage >= 1 and _on_cpu(tx.mesh))
+      jax.value_and_grad(f, has_aux=True),
+      sums=tx.stage == 0 and k == 1,
+      barriers=tx.stage >= 1 and _on_cpu(tx.mesh),
+    )
     try:
       (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
     except ValueError as err:
       restate_custom_vjp_types(err, axes)
       raise
-    g = [None if x is None else x.astype(r.reduce_dtype)
-         for x, r in zip(g, spec.leaves)]
+    g = [
+      None if x is None else x.astype(r.reduce_dtype)
+      for x, r in zip(g, spec.leaves)
+    ]
     return g, loss, aux, new_ms
 
   dims_of = lambda aux: _aux.row_dims(
-      aux, lambda mb: objective(mb, micro_key(0), model_state)(diff_in)[1][2],
-      first)
+    aux,
+    lambda mb: objective(mb, micro_key(0), model_state)(diff_in)[1][2],
+    first,
+  )
   if k == 1:
     grads, loss, aux, new_ms = one(micro, micro_key(0), model_state)
     dims = dims_of(aux)
   else:
     grads, loss, aux, new_ms, dims = _accumulate(
-        one, micro, micro_key, model_state, axes=axes, dims_of=dims_of)
+      one, micro, micro_key, model_state, axes=axes, dims_of=dims_of
+    )
   if found is not None:
     found.set(dims)
-  return (reduce_grads(spec, grads, hooked, scale / seed, direct),
-          *reduce_outputs(loss, aux, new_ms, axes, scale, dims))
+  return (
+    reduce_grads(spec, grads, hooked, scale / seed, direct),
+    *reduce_outputs(loss, aux, new_ms, axes, scale, dims),
+  )
+
 
 def _split_micro(x, k):
   return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+
 
 def _accumulate(one, micro, micro_key, model_state, *, axes, dims_of):
   """``one`` over ``k`` micro-batches in a ``lax.scan``: gradients, loss
@@ -156,12 +201,14 @@ def _accumulate(one, micro, micro_key, model_state, *, axes, dims_of):
   k = jax.tree.leaves(micro)[0].shape[0]
   first = jax.tree.map(lambda x: x[0], micro)
   g_shape, l_shape, a_shape, _ = jax.eval_shape(
-      lambda mb: one(mb, micro_key(0), model_state), first)
+    lambda mb: one(mb, micro_key(0), model_state), first
+  )
   dims = dims_of(a_shape)
   s_shape = jax.eval_shape(lambda a: _aux.split(a, dims)[0], a_shape)
   zeros = jax.tree.map(
-      lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"),
-      (g_shape, l_shape, s_shape))
+    lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"),
+    (g_shape, l_shape, s_shape),
+  )
 
   def body(carry, xs):
     acc, ms = carry
@@ -169,12 +216,19 @@ def _accumulate(one, micro, micro_key, model_state, *, axes, dims_of):
     g, loss, aux, ms = one(mb, micro_key(i), ms)
     summed, rows = _aux.split(aux, dims)
     return (jax.tree.map(jnp.add, acc, (g, loss, summed)), ms), rows
-  ms0 = (None if model_state is None else
-         jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"),
-                      model_state))
+
+  ms0 = (
+    None
+    if model_state is None
+    else jax.tree.map(
+      lambda x: jax.lax.pcast(x, axes, to="varying"), model_state
+    )
+  )
   ((grads, loss, summed), new_ms), rows = jax.lax.scan(
-      body, (zeros, ms0), (micro, jnp.arange(k)))
+    body, (zeros, ms0), (micro, jnp.arange(k))
+  )
   return grads, loss, _aux.merge(summed, rows, dims), new_ms, dims
+
 
 def _on_cpu(mesh) -> bool:
   """Whether ``mesh``'s devices are CPUs (an abstract mesh, which has no
@@ -183,13 +237,14 @@ def _on_cpu(mesh) -> bool:
     return mesh.devices.flat[0].platform == "cpu"
   return jax.default_backend() == "cpu"
 
+
 # --------------------------------------------------------------------------
 # global: the shard_map around it
 
 # --------------------------------------------------------------------------
 
-def over_batch_axes(prog: LossProgram, body, out_specs, params,
-                    args: LossArgs):
+
+def over_batch_axes(prog: LossProgram, body, out_specs, params, args: LossArgs):
   """``body(prog, param_leaves, batch, key, model_state)`` per device in a
   ``shard_map`` manual over the batch axes only: model (tensor-parallel)
   axes stay automatic, so XLA partitions the loss over them as the params
@@ -201,13 +256,22 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params,
   batch_specs = jax.tree.map(lambda _: P(tx.batch_axes), batch)
   rep = lambda t: jax.tree.map(lambda _: P(), t)
   return jax.shard_map(
-      functools.partial(body, prog), mesh=tx.compute_mesh,
-      in_specs=(param_specs, batch_specs, rep(key), rep(model_state)),
-      out_specs=out_specs, axis_names=set(tx.batch_axes))(
-          jax.tree.leaves(params), batch, key, model_state)
+    functools.partial(body, prog),
+    mesh=tx.compute_mesh,
+    in_specs=(param_specs, batch_specs, rep(key), rep(model_state)),
+    out_specs=out_specs,
+    axis_names=set(tx.batch_axes),
+  )(jax.tree.leaves(params), batch, key, model_state)
 
-def sharded_grads(prog: LossProgram, params, batch, key, model_state,
-                  found: _aux.RowDims | None = None):
+
+def sharded_grads(
+  prog: LossProgram,
+  params,
+  batch,
+  key,
+  model_state,
+  found: _aux.RowDims | None = None,
+):
   """Runs :func:`local_grads` per device; grads as global arrays.
 
   Returns ``(grads, loss, (aux_reduced, aux_rows), new_model_state)``: the
@@ -215,17 +279,30 @@ def sharded_grads(prog: LossProgram, params, batch, key, model_state,
   :func:`zerojax._src.step.aux.merge` with ``found`` (filled while
   tracing) once out of the Auto region."""
   tx = prog.spec.tx
-  grad_specs = [None if not r.trainable else
-                (r.shard.manual_spec(tx.axis_name) if tx.stage >= 1 else P())
-                for r in prog.spec.leaves]
+  grad_specs = [
+    None
+    if not r.trainable
+    else (r.shard.manual_spec(tx.axis_name) if tx.stage >= 1 else P())
+    for r in prog.spec.leaves
+  ]
   grads, loss, reduced, rows, new_ms = over_batch_axes(
-      prog, functools.partial(local_grads, found=found),
-      (grad_specs, P(), P(), _aux.rows_spec(tx.batch_axes), P()),
-      params, LossArgs(batch, key, model_state))
+    prog,
+    functools.partial(local_grads, found=found),
+    (grad_specs, P(), P(), _aux.rows_spec(tx.batch_axes), P()),
+    params,
+    LossArgs(batch, key, model_state),
+  )
   return grads, loss, (reduced, rows), new_ms
 
-def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
-                   accum_steps: int = 1, gather: str = "auto") -> Callable:
+
+def value_and_grad(
+  loss_fn: Callable,
+  tx,
+  *,
+  has_aux: bool = False,
+  accum_steps: int = 1,
+  gather: str = "auto",
+) -> Callable:
   """Sharded ``jax.value_and_grad`` for ``tx``'s stage, returning gradients
   in the stage's layout.
 
@@ -275,52 +352,77 @@ def value_and_grad(loss_fn: Callable, tx, *, has_aux: bool = False,
         key = jax.random.fold_in(params.key, params.step)
     else:
       spec, model, ms = make_spec(params, tx, models), params, None
-    call = LossCall(has_key=key is not None, has_model_state=False,
-                    has_aux=has_aux)
+    call = LossCall(
+      has_key=key is not None, has_model_state=False, has_aux=has_aux
+    )
 
     found = _aux.RowDims()
 
     def body(model, batch, key, ms):
       if not isinstance(params, ZeroState):
-        model = spec.unflatten_params([
+        model = spec.unflatten_params(
+          [
             r.place.constrain(x, r.param)
-            for x, r in zip(jax.tree.leaves(model), spec.leaves)])
+            for x, r in zip(jax.tree.leaves(model), spec.leaves)
+          ]
+        )
       grads, loss, (reduced, rows), _ = sharded_grads(
-          LossProgram(spec, loss_fn, call, accum_steps, gather), model,
-          batch, key, ms, found)
+        LossProgram(spec, loss_fn, call, accum_steps, gather),
+        model,
+        batch,
+        key,
+        ms,
+        found,
+      )
       return [g for g in grads if g is not None], loss, reduced, rows
-    outs = ([spec.sharding(r.shard) for r in spec.leaves if r.trainable],
-            spec.replicated(), spec.replicated(),
-            _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes))
+
+    outs = (
+      [spec.sharding(r.shard) for r in spec.leaves if r.trainable],
+      spec.replicated(),
+      spec.replicated(),
+      _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes),
+    )
     grads, loss, reduced, rows = spec.region(body, outs)(model, batch, key, ms)
     aux = _aux.merge(reduced, rows, found.dims)
     grads = iter(grads)
     grads = [next(grads) if r.trainable else None for r in spec.leaves]
-    grads = spec.unflatten_params([
+    grads = spec.unflatten_params(
+      [
         g if g is not None else np.zeros(r.aval.shape, jax.dtypes.float0)
-        for g, r in zip(grads, spec.leaves)])
+        for g, r in zip(grads, spec.leaves)
+      ]
+    )
     return ((loss, aux) if has_aux else loss), grads
 
   def fn(params, batch, *, key=None):
     if isinstance(params, ZeroState):
       if params.model_state is not None:
         raise ValueError(
-            "zerojax.value_and_grad: this state carries model_state, whose "
-            "update value_and_grad cannot return; use zerojax.train_step.")
+          "zerojax.value_and_grad: this state carries model_state, whose "
+          "update value_and_grad cannot return; use zerojax.train_step."
+        )
       if params.spec.tx.config != tx.config:
-        raise ValueError("zerojax.value_and_grad: the state was laid out by "
-                         "another ZeroTransformation than this one.")
+        raise ValueError(
+          "zerojax.value_and_grad: the state was laid out by "
+          "another ZeroTransformation than this one."
+        )
     elif tx.stage == 3:
       raise ValueError(
-          "zerojax.value_and_grad at stage 3: the parameters are stored "
-          "sharded, so pass the ZeroState from zerojax.init (not a params "
-          "tree): grad_fn(state, batch).")
-    reject_deleted(params, "zerojax.value_and_grad",
-                   "state" if isinstance(params, ZeroState) else "params")
+        "zerojax.value_and_grad at stage 3: the parameters are stored "
+        "sharded, so pass the ZeroState from zerojax.init (not a params "
+        "tree): grad_fn(state, batch)."
+      )
+    reject_deleted(
+      params,
+      "zerojax.value_and_grad",
+      "state" if isinstance(params, ZeroState) else "params",
+    )
     # A params tree's model shardings are read here, outside the jit.
-    models = (None if isinstance(params, ZeroState)
-              else model_axes_of(params, tx))
+    models = (
+      None if isinstance(params, ZeroState) else model_axes_of(params, tx)
+    )
     batch = place_batch(batch, tx, accum_steps)
     with explain_per_device_errors(tx.mesh, "zerojax.value_and_grad"):
       return run(params, batch, key, models)
+
   return fn

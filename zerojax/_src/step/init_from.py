@@ -9,12 +9,22 @@ import optax
 
 from zerojax._src.records import layout as _layout
 from zerojax._src.records.spec import StateSpec, ZeroState, make_spec
-from zerojax._src.step.state import (assemble, build_group, build_plan,
-                                     group_shardings, with_extras)
+from zerojax._src.step.state import (
+  assemble,
+  build_group,
+  build_plan,
+  group_shardings,
+  with_extras,
+)
 
 
-def init_from(init_fn, tx: optax.GradientTransformationExtraArgs, *args, key=None,
-              model_state=None) -> ZeroState:
+def init_from(
+  init_fn,
+  tx: optax.GradientTransformationExtraArgs,
+  *args,
+  key=None,
+  model_state=None,
+) -> ZeroState:
   """Builds params with ``init_fn(*args)`` already sharded, then the state.
 
   Shapes come from ``jax.eval_shape``; then ``jit`` with sharded
@@ -36,14 +46,20 @@ def init_from(init_fn, tx: optax.GradientTransformationExtraArgs, *args, key=Non
     ...                           jax.random.key(0), key=jax.random.key(1))
   """
   if not callable(init_fn):
-    raise TypeError(f"zerojax.init_from: init_fn must be callable, got "
-                    f"{type(init_fn).__name__}; for a params tree use "
-                    f"zerojax.init(params, tx).")
+    raise TypeError(
+      f"zerojax.init_from: init_fn must be callable, got "
+      f"{type(init_fn).__name__}; for a params tree use "
+      f"zerojax.init(params, tx)."
+    )
   spec = make_spec(jax.eval_shape(init_fn, *args), tx)
-  parts = [((group, owned), program(*args))
-           for (group, owned), program in init_programs(spec, init_fn)]
-  return with_extras(assemble(spec, parts), key, model_state,
-                      "zerojax.init_from")
+  parts = [
+    ((group, owned), program(*args))
+    for (group, owned), program in init_programs(spec, init_fn)
+  ]
+  return with_extras(
+    assemble(spec, parts), key, model_state, "zerojax.init_from"
+  )
+
 
 def init_programs(spec: StateSpec, init_fn) -> list:
   """``init_from``'s programs: ``((group, owned), jitted)`` per group of
@@ -65,16 +81,24 @@ def init_programs(spec: StateSpec, init_fn) -> list:
   split = spec.stage == 0 and not spec.place.offload
   programs = []
   for group, owned in zip(*build_plan(spec, grouped=grouped)):
+
     def build(*a, group=group, owned=owned):
       leaves = jax.tree.leaves(init_fn(*a))
       if split:
         leaves = [_drawn_split(spec, r, x) for r, x in zip(spec.leaves, leaves)]
-      return build_group([spec.leaves[i].shard.to_storage(leaves[i])
-                           for i in group], spec, group, owned)
+      return build_group(
+        [spec.leaves[i].shard.to_storage(leaves[i]) for i in group],
+        spec,
+        group,
+        owned,
+      )
+
     outs = group_shardings(spec, group, owned)
-    programs.append(((group, owned), jax.jit(spec.region(build, outs),
-                                             out_shardings=outs)))
+    programs.append(
+      ((group, owned), jax.jit(spec.region(build, outs), out_shardings=outs))
+    )
   return programs
+
 
 def _drawn_split(spec: StateSpec, record, x):
   """A stage-0 param leaf as ``init_fn`` makes it, split over the data
@@ -84,9 +108,15 @@ def _drawn_split(spec: StateSpec, record, x):
   the values are the same either way), where a replicated initialiser has
   every device draw every leaf, with every device's temporaries live at
   once."""
-  layout = _layout.plan_leaf(x.shape, x.dtype, spec.tx.num_shards, 0,
-                             stacked=False, model=record.shard.model,
-                             model_sizes=spec.tx.model_axes)
+  layout = _layout.plan_leaf(
+    x.shape,
+    x.dtype,
+    spec.tx.num_shards,
+    0,
+    stacked=False,
+    model=record.shard.model,
+    model_sizes=spec.tx.model_axes,
+  )
   if not layout.sharded or layout.pad:
     return x
   return record.place.constrain(x, layout)

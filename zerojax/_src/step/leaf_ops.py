@@ -16,11 +16,19 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from zerojax._src.records.mesh import (call_in_caller_types,
-                                      closes_over_caller_types, compute_mesh,
-                                      explicit_names)
-from zerojax._src.records.spec import (LeafSpec, OptLeafSpec, Placement,
-                                      StateSpec, ZeroState)
+from zerojax._src.records.mesh import (
+  call_in_caller_types,
+  closes_over_caller_types,
+  compute_mesh,
+  explicit_names,
+)
+from zerojax._src.records.spec import (
+  LeafSpec,
+  OptLeafSpec,
+  Placement,
+  StateSpec,
+  ZeroState,
+)
 
 
 @functools.lru_cache(maxsize=8)
@@ -34,7 +42,9 @@ def fresh_copy(sharding):
 def fetch(place: Placement, x, layout):
   """A master / optimizer leaf -> device memory (under ``jit``; a no-op
   without offload). XLA computes only on device-memory operands."""
-  return _move(place, x, layout, jax.memory.Space.Device) if place.offload else x
+  return (
+    _move(place, x, layout, jax.memory.Space.Device) if place.offload else x
+  )
 
 
 def stash(place: Placement, x, layout):
@@ -53,7 +63,8 @@ def _move(place: Placement, x, layout, space):
   if isinstance(mesh, Mesh):
     return jax.device_put(x, place.sharding_on(mesh, layout, host))
   x = jax.lax.with_sharding_constraint(
-      x, place.sharding_on(mesh, layout, False))
+    x, place.sharding_on(mesh, layout, False)
+  )
   return jax.device_put(x, space)
 
 
@@ -90,9 +101,11 @@ def weight_source(r: LeafSpec, param, master) -> WeightSource:
   x, _ = r.kept(param, master)
   if master is None:
     return WeightSource(
-        x, lambda p: r.place.constrain(weights(r, p, None), r.shard))
+      x, lambda p: r.place.constrain(weights(r, p, None), r.shard)
+    )
   return WeightSource(
-      x, lambda m: r.place.constrain(weights(r, None, m), r.shard))
+    x, lambda m: r.place.constrain(weights(r, None, m), r.shard)
+  )
 
 
 def grad_view(r: LeafSpec, g, stage: int, where: str):
@@ -107,11 +120,12 @@ def grad_view(r: LeafSpec, g, stage: int, where: str):
     logical = r.shard.to_logical(g)
   else:
     raise ValueError(
-        f"{where}: gradient{r.path} has shape {list(shape)}; the param "
-        f"is {list(r.aval.shape)} (stored as "
-        f"{list(r.shard.storage_shape)} at stage {stage}). Pass "
-        f"gradients shaped like the params, or as returned by "
-        f"zerojax.value_and_grad.")
+      f"{where}: gradient{r.path} has shape {list(shape)}; the param "
+      f"is {list(r.aval.shape)} (stored as "
+      f"{list(r.shard.storage_shape)} at stage {stage}). Pass "
+      f"gradients shaped like the params, or as returned by "
+      f"zerojax.value_and_grad."
+    )
   return r.place.constrain(logical.astype(r.master_dtype), r.shard)
 
 
@@ -125,8 +139,11 @@ def apply_update(r: LeafSpec, w, u, keep_master: bool):
 
 def master_storage(r: LeafSpec, w):
   """Updated logical weights -> the master copy as stored."""
-  return stash(r.place, r.place.constrain(
-      r.shard.to_storage(w.astype(r.master_dtype)), r.shard), r.shard)
+  return stash(
+    r.place,
+    r.place.constrain(r.shard.to_storage(w.astype(r.master_dtype)), r.shard),
+    r.shard,
+  )
 
 
 # --- one optimizer-state leaf ----------------------------------------------
@@ -135,8 +152,8 @@ def opt_logical(o: OptLeafSpec, x):
   device memory)."""
   place, layout = o.place, o.layout
   return place.constrain(
-      layout.to_logical(place.constrain(fetch(place, x, layout), layout)),
-      layout)
+    layout.to_logical(place.constrain(fetch(place, x, layout), layout)), layout
+  )
 
 
 def opt_storage(o: OptLeafSpec, x):
@@ -145,8 +162,9 @@ def opt_storage(o: OptLeafSpec, x):
   left as they are)."""
   if x.dtype != o.aval.dtype:
     x = x.astype(o.aval.dtype)
-  return stash(o.place, o.place.constrain(o.layout.to_storage(x), o.layout),
-               o.layout)
+  return stash(
+    o.place, o.place.constrain(o.layout.to_storage(x), o.layout), o.layout
+  )
 
 
 # --- one optimizer update --------------------------------------------------
@@ -157,8 +175,12 @@ def update_inputs(spec: StateSpec, state: ZeroState, grads, where: str):
   is conjugated: Optax's convention, under which every optimizer descends
   on ``jax.grad``'s gradient of a complex leaf."""
   g_view, w_src = [], []
-  for g, p, m, r in zip(grads, jax.tree.leaves(state.params),
-                        spec.masters(state.master), spec.leaves):
+  for g, p, m, r in zip(
+    grads,
+    jax.tree.leaves(state.params),
+    spec.masters(state.master),
+    spec.leaves,
+  ):
     if not r.trainable:
       g_view.append(None)
       w_src.append(None)
@@ -190,18 +212,20 @@ def inner_update(spec: StateSpec, g_tree, opt_state, w_tree, extra_args):
   args = (g_tree, opt_state, w_tree, extra_args)
   mesh = spec.config.mesh
   try:
-    return call_in_caller_types(mesh, run, args,
-                                specs=_caller_specs(spec, *args))
+    return call_in_caller_types(
+      mesh, run, args, specs=_caller_specs(spec, *args)
+    )
   except ValueError as e:
     if not closes_over_caller_types(e):
       raise
     raise ValueError(
-        f"zerojax: the inner optimizer closes over an array typed on "
-        f"another mesh than this ZeroTransformation's ({mesh}), so its "
-        f"update cannot run on either. Build the optimizer's "
-        f"hyperparameters under jax.set_mesh of the transformation's "
-        f"mesh (or pass mesh= the mesh they are typed on). JAX said: "
-        f"{str(e).splitlines()[0]}") from e
+      f"zerojax: the inner optimizer closes over an array typed on "
+      f"another mesh than this ZeroTransformation's ({mesh}), so its "
+      f"update cannot run on either. Build the optimizer's "
+      f"hyperparameters under jax.set_mesh of the transformation's "
+      f"mesh (or pass mesh= the mesh they are typed on). JAX said: "
+      f"{str(e).splitlines()[0]}"
+    ) from e
 
 
 def _inner_update(inner, g_tree, opt_state, w_tree, extra_args):
@@ -218,21 +242,24 @@ def _caller_specs(spec: StateSpec, g_tree, opt_state, w_tree, extra_args):
   the data axis, so it is gathered for the update."""
   explicit = set(explicit_names(spec.config.mesh))
   axis = spec.config.axis_name
-  trained = [r.shard.typed_spec(axis, explicit) for r in spec.leaves
-             if r.trainable]
+  trained = [
+    r.shard.typed_spec(axis, explicit) for r in spec.leaves if r.trainable
+  ]
   opt = [o.layout.typed_spec(axis, explicit) for o in spec.opt_leaves]
   n_g, n_o = len(jax.tree.leaves(g_tree)), len(jax.tree.leaves(opt_state))
-  if n_g != len(trained) or n_o != len(opt):    # not this spec's trees
+  if n_g != len(trained) or n_o != len(opt):  # not this spec's trees
     trained, opt = [None] * n_g, [None] * n_o
-  return (trained + opt + trained
-          + [None] * len(jax.tree.leaves(extra_args)))
+  return trained + opt + trained + [None] * len(jax.tree.leaves(extra_args))
 
 
-def after_update(spec: StateSpec, state: ZeroState, masters, params,
-                 opt_leaves) -> ZeroState:
+def after_update(
+  spec: StateSpec, state: ZeroState, masters, params, opt_leaves
+) -> ZeroState:
   """``state`` one step on: its new master leaves (per param, None where
   frozen), params (as stored) and optimizer-state leaves (as stored)."""
   return state.replace(
-      step=state.step + 1, params=spec.unflatten_params(params),
-      master=None if state.master is None else spec.optimizer_view(masters),
-      opt_state=jax.tree.unflatten(spec.opt_def, opt_leaves))
+    step=state.step + 1,
+    params=spec.unflatten_params(params),
+    master=None if state.master is None else spec.optimizer_view(masters),
+    opt_state=jax.tree.unflatten(spec.opt_def, opt_leaves),
+  )

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 
 from zerojax._src.records.spec import StateSpec, tree_difference
 
-
 GATHER_MODES = ("auto", "model", "all")
+
 
 class LossOutputError(ValueError):
   """``loss_fn`` returned something other than what its signature promises."""
+
 
 @dataclasses.dataclass(frozen=True)
 class LossCall:
@@ -51,47 +52,58 @@ class LossCall:
     if self.has_model_state:
       if not isinstance(out, tuple) or len(out) not in (2, 3):
         raise LossOutputError(
-            "zerojax: with model_state, loss_fn must return "
-            "(loss, new_model_state) or (loss, new_model_state, aux); got "
-            f"{_describe(out)}.")
+          "zerojax: with model_state, loss_fn must return "
+          "(loss, new_model_state) or (loss, new_model_state, aux); got "
+          f"{_describe(out)}."
+        )
       loss, new_state = out[0], out[1]
       aux = out[2] if len(out) == 3 else None
       _check_same_tree(model_state, new_state)
     elif self.has_aux is None:
-      loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+      loss, aux = (
+        out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+      )
       new_state = None
     elif self.has_aux:
       if not isinstance(out, tuple) or len(out) != 2:
-        raise LossOutputError(f"zerojax: has_aux=True, so loss_fn must return "
-                              f"(loss, aux); got {_describe(out)}.")
+        raise LossOutputError(
+          f"zerojax: has_aux=True, so loss_fn must return "
+          f"(loss, aux); got {_describe(out)}."
+        )
       (loss, aux), new_state = out, None
     else:
       loss, aux, new_state = out, None, None
     if not hasattr(loss, "shape") or jnp.shape(loss) != ():
       raise LossOutputError(
-          f"zerojax: loss_fn must return a scalar loss (or a tuple starting "
-          f"with one); got loss of shape {jnp.shape(loss)}.")
+        f"zerojax: loss_fn must return a scalar loss (or a tuple starting "
+        f"with one); got loss of shape {jnp.shape(loss)}."
+      )
     return jnp.asarray(loss).astype(jnp.float32), new_state, aux
+
 
 def _describe(out) -> str:
   if isinstance(out, tuple):
     return f"a tuple of {len(out)}"
   return f"{type(out).__name__} of shape {jnp.shape(out)}"
 
+
 def _check_same_tree(old, new):
   diff = tree_difference(new, old)
   if diff and diff[0] == "structure":
     raise LossOutputError(
-        f"zerojax: the model state returned by loss_fn has tree structure "
-        f"{diff[1]}, the state given to it {diff[2]}. Return the updated "
-        f"model state with the same structure (e.g. nnx.state(model, ...) "
-        f"with the same filters).")
+      f"zerojax: the model state returned by loss_fn has tree structure "
+      f"{diff[1]}, the state given to it {diff[2]}. Return the updated "
+      f"model state with the same structure (e.g. nnx.state(model, ...) "
+      f"with the same filters)."
+    )
   if diff:
     _, path, b, a = diff
     raise LossOutputError(
-        f"zerojax: model_state{path} went from {a.dtype}{list(a.shape)} to "
-        f"{b.dtype}{list(b.shape)} in loss_fn; model state must keep its "
-        f"shapes and dtypes (cast it back).")
+      f"zerojax: model_state{path} went from {a.dtype}{list(a.shape)} to "
+      f"{b.dtype}{list(b.shape)} in loss_fn; model state must keep its "
+      f"shapes and dtypes (cast it back)."
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class LossProgram:
@@ -105,6 +117,7 @@ class LossProgram:
   accum_steps: int = 1
   gather: str = "auto"
 
+
 class LossArgs(NamedTuple):
   """A loss call's traced arguments besides the params: one (micro-)batch
   of this device's rows, the key folded for it, the model state."""
@@ -113,13 +126,17 @@ class LossArgs(NamedTuple):
   key: Any
   model_state: Any
 
+
 def check_options(loss_fn, gather, accum_steps, where):
   if gather not in GATHER_MODES:
-    raise ValueError(f"{where}: gather={gather!r}; use 'auto', "
-                     f"'model' (the loss calls zerojax.gather per layer) or "
-                     f"'all' (zerojax gathers the whole tree first).")
+    raise ValueError(
+      f"{where}: gather={gather!r}; use 'auto', "
+      f"'model' (the loss calls zerojax.gather per layer) or "
+      f"'all' (zerojax gathers the whole tree first)."
+    )
   if not isinstance(accum_steps, int) or accum_steps < 1:
-    raise ValueError(f"{where}: accum_steps={accum_steps!r} must be "
-                     f"an int >= 1.")
+    raise ValueError(
+      f"{where}: accum_steps={accum_steps!r} must be an int >= 1."
+    )
   if not callable(loss_fn):
     raise TypeError(f"{where}: loss_fn must be callable.")

@@ -34,7 +34,7 @@ update) gets the whole-state update instead: exact, not bounded.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -124,41 +124,62 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
   n_g, n_o = len(train), len(opt_avals)
 
   def flat_update(*flat):
-    g, o = flat[:n_g], flat[n_g:n_g + n_o]
-    w, e = flat[n_g + n_o:2 * n_g + n_o], iter(flat[2 * n_g + n_o:])
-    extra = [next(e) if isinstance(x, jax.ShapeDtypeStruct) else x
-             for x in e_all]
+    g, o = flat[:n_g], flat[n_g : n_g + n_o]
+    w, e = flat[n_g + n_o : 2 * n_g + n_o], iter(flat[2 * n_g + n_o :])
+    extra = [
+      next(e) if isinstance(x, jax.ShapeDtypeStruct) else x for x in e_all
+    ]
     updates, new = _ops.inner_update(
-        spec, _view(spec, train, g), jax.tree.unflatten(opt_def, list(o)),
-        _view(spec, train, w), jax.tree.unflatten(e_def, extra))
+      spec,
+      _view(spec, train, g),
+      jax.tree.unflatten(opt_def, list(o)),
+      _view(spec, train, w),
+      jax.tree.unflatten(e_def, extra),
+    )
     return jax.tree.leaves(updates), jax.tree.leaves(new)
 
   deps = _deps.input_dependencies(
-      flat_update, *[g_avals[i] for i in train], *opt_avals,
-      *[w_avals[i] for i in train], *e_leaves)
+    flat_update,
+    *[g_avals[i] for i in train],
+    *opt_avals,
+    *[w_avals[i] for i in train],
+    *e_leaves,
+  )
   if deps is None:
     return None, "the inner update could not be traced to a jaxpr here"
   if len(deps) != n_g + n_o:
     return None, "the inner update returned a state of another structure"
   shared = tuple(j for j, p in enumerate(own) if p is None)
-  always = (frozenset(range(n_g)) | {n_g + j for j in shared}
-            | frozenset(range(2 * n_g + n_o, 2 * n_g + n_o + len(e_leaves))))
+  always = (
+    frozenset(range(n_g))
+    | {n_g + j for j in shared}
+    | frozenset(range(2 * n_g + n_o, 2 * n_g + n_o + len(e_leaves)))
+  )
   slot = {i: k for k, i in enumerate(train)}
-  allowed = {i: always | {n_g + n_o + slot[i]}
-             | {n_g + j for j, p in enumerate(own) if p == i} for i in train}
+  allowed = {
+    i: always
+    | {n_g + n_o + slot[i]}
+    | {n_g + j for j, p in enumerate(own) if p == i}
+    for i in train
+  }
   for i in train:
     if not deps[slot[i]] <= allowed[i]:
-      return None, (f"the update of params{spec.leaves[i].path} reads other "
-                    f"leaves' weights or state")
+      return None, (
+        f"the update of params{spec.leaves[i].path} reads other "
+        f"leaves' weights or state"
+      )
   for j, p in enumerate(own):
     if not deps[n_g + j] <= (always if p is None else allowed[p]):
-      return None, (f"optimizer state{spec.opt_leaves[j].path} reads other "
-                    f"leaves' weights or state")
-  sizes = [_nbytes(w_avals[i]) + sum(_nbytes(opt_avals[j])
-                                     for j, p in enumerate(own) if p == i)
-           for i in train]
-  chunks = tuple(tuple(train[k] for k in g)
-                 for g in byte_groups(sizes, CHUNKS))
+      return None, (
+        f"optimizer state{spec.opt_leaves[j].path} reads other "
+        f"leaves' weights or state"
+      )
+  sizes = [
+    _nbytes(w_avals[i])
+    + sum(_nbytes(opt_avals[j]) for j, p in enumerate(own) if p == i)
+    for i in train
+  ]
+  chunks = tuple(tuple(train[k] for k in g) for g in byte_groups(sizes, CHUNKS))
   owned = tuple(tuple(j for j, p in enumerate(own) if p in c) for c in chunks)
   return Plan(chunks, owned, shared), None
 
@@ -175,8 +196,17 @@ def _view(spec, train, leaves):
   return spec.optimizer_view(scatter(len(spec.leaves), train, leaves))
 
 
-def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args, *,
-           finish: Callable, opt_def=None):
+def stream(
+  spec: StateSpec,
+  p: Plan,
+  g_view,
+  w_src,
+  opt_raw,
+  extra_args,
+  *,
+  finish: Callable,
+  opt_def=None,
+):
   """Runs the inner update chunk by chunk (see the module docstring).
 
   Args:
@@ -198,7 +228,9 @@ def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args, *,
   g_flat = [g_view[i] for i in train]
   results = [None] * len(w_src)
   new_opt = [None] * len(opt_raw)
-  shared = {j: _ops.opt_logical(spec.opt_leaves[j], opt_raw[j]) for j in p.shared}
+  shared = {
+    j: _ops.opt_logical(spec.opt_leaves[j], opt_raw[j]) for j in p.shared
+  }
   previous = None
   for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
     raw_w = [w_src[i].raw for i in chunk]
@@ -206,19 +238,30 @@ def stream(spec: StateSpec, p: Plan, g_view, w_src, opt_raw, extra_args, *,
     if previous is not None:
       # this chunk's loads wait for the previous chunk's results
       (raw_w, raw_o), _ = jax.lax.optimization_barrier(
-          ((raw_w, raw_o), previous))
+        ((raw_w, raw_o), previous)
+      )
     w = {i: w_src[i].load(x) for i, x in zip(chunk, raw_w)}
     o = dict(shared)
-    o.update({j: _ops.opt_logical(spec.opt_leaves[j], x) for j, x in zip(owned, raw_o)})
+    o.update(
+      {j: _ops.opt_logical(spec.opt_leaves[j], x) for j, x in zip(owned, raw_o)}
+    )
     # the other chunks' leaves: zeros, which no output kept here reads
     # (checked by plan); typed keys have no zeros and are read as they are
-    opt_in = [o[j] if j in o else _zeros(spec.opt_leaves[j], opt_raw[j])
-              for j in range(len(opt_raw))]
-    w_in = [w[i] if i in w else jnp.zeros(a.shape, a.dtype)
-            for i, a in ((i, w_src[i].aval) for i in train)]
+    opt_in = [
+      o[j] if j in o else _zeros(spec.opt_leaves[j], opt_raw[j])
+      for j in range(len(opt_raw))
+    ]
+    w_in = [
+      w[i] if i in w else jnp.zeros(a.shape, a.dtype)
+      for i, a in ((i, w_src[i].aval) for i in train)
+    ]
     updates, new = _ops.inner_update(
-        spec, _view(spec, train, g_flat), jax.tree.unflatten(opt_def, opt_in),
-        _view(spec, train, w_in), extra_args)
+      spec,
+      _view(spec, train, g_flat),
+      jax.tree.unflatten(opt_def, opt_in),
+      _view(spec, train, w_in),
+      extra_args,
+    )
     u_flat = spec.from_optimizer_view(updates)
     new_leaves = jax.tree.leaves(new)
     outs = []
@@ -254,14 +297,24 @@ def describe(spec: StateSpec, extra_avals=None) -> dict:
     g_avals.append(jax.ShapeDtypeStruct(r.aval.shape, r.master_dtype))
   p, reason = plan(spec, g_avals, w_avals, extra_avals)
   if p is None:
-    return {"streamed": False, "chunks": 1, "largest_chunk_fraction": 1.0,
-            "reason": reason}
+    return {
+      "streamed": False,
+      "chunks": 1,
+      "largest_chunk_fraction": 1.0,
+      "reason": reason,
+    }
   own = owners(spec)
-  sizes = [sum(_nbytes(w_avals[i]) for i in c)
-           + sum(_nbytes(spec.opt_leaves[j].aval) for j in o)
-           for c, o in zip(p.chunks, p.owned)]
+  sizes = [
+    sum(_nbytes(w_avals[i]) for i in c)
+    + sum(_nbytes(spec.opt_leaves[j].aval) for j in o)
+    for c, o in zip(p.chunks, p.owned)
+  ]
   total = sum(_nbytes(a) for a in w_avals if a is not None) + sum(
-      _nbytes(spec.opt_leaves[j].aval) for j, q in enumerate(own)
-      if q is not None)
-  return {"streamed": True, "chunks": len(p.chunks),
-          "largest_chunk_fraction": max(sizes) / max(total, 1), "reason": None}
+    _nbytes(spec.opt_leaves[j].aval) for j, q in enumerate(own) if q is not None
+  )
+  return {
+    "streamed": True,
+    "chunks": len(p.chunks),
+    "largest_chunk_fraction": max(sizes) / max(total, 1),
+    "reason": None,
+  }

@@ -42,11 +42,16 @@ def reduced_where_used(spec: StateSpec, accum_steps: int) -> list[bool]:
   if spec.stage != 0 or accum_steps != 1:
     return [False] * len(spec.leaves)
   tx = spec.tx
-  model_axis = any(n > 1 for a, n in tx.mesh.shape.items()
-                   if a not in tx.batch_axes)
-  return [r.trainable and np.dtype(r.reduce_dtype) == np.dtype(r.compute_dtype)
-          and not (model_axis and np.dtype(r.reduce_dtype).itemsize < 4)
-          for r in spec.leaves]
+  model_axis = any(
+    n > 1 for a, n in tx.mesh.shape.items() if a not in tx.batch_axes
+  )
+  return [
+    r.trainable
+    and np.dtype(r.reduce_dtype) == np.dtype(r.compute_dtype)
+    and not (model_axis and np.dtype(r.reduce_dtype).itemsize < 4)
+    for r in spec.leaves
+  ]
+
 
 def reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
   """Each leaf's gradient reduced over the batch axes and scaled to the
@@ -62,42 +67,64 @@ def reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
   def psum(g, over, layout):
     if not over:
       return g
-    return _gather.over_model_shards(lambda x: jax.lax.psum(x, over), g,
-                                     layout.model)
+    return _gather.over_model_shards(
+      lambda x: jax.lax.psum(x, over), g, layout.model
+    )
+
   out = []
   for g, r, h, d in zip(grads, spec.leaves, hooked, direct):
     if g is None:
       out.append(None)
       continue
     size = _buckets.itemsize(g.dtype)
-    if d:                                 # summed where the loss used it
+    if d:  # summed where the loss used it
       out.append(g if scale == 1.0 else g * scale)
-    elif h and tx.stage == 0:               # all-reduced and scaled already
-      out.append(_buckets.bucketed(
-          lambda x, r=r: psum(x, replica, r.param), g, size,
-          bucket if replica else None, _buckets.splittable(r.param)))
-    elif h:                               # already reduce-scattered
+    elif h and tx.stage == 0:  # all-reduced and scaled already
+      out.append(
+        _buckets.bucketed(
+          lambda x, r=r: psum(x, replica, r.param),
+          g,
+          size,
+          bucket if replica else None,
+          _buckets.splittable(r.param),
+        )
+      )
+    elif h:  # already reduce-scattered
       fn = lambda x, r=r: psum(x, replica, r.shard) * scale
-      out.append(_buckets.bucketed(fn, g, size, bucket if replica else None,
-                                   _buckets.splittable(r.shard)))
+      out.append(
+        _buckets.bucketed(
+          fn, g, size, bucket if replica else None, _buckets.splittable(r.shard)
+        )
+      )
     elif tx.stage >= 1 and r.shard.sharded:
       gs = gather_spec(spec, r)
 
       def fn(x, r=r, gs=gs):
         x = _gather.over_model_shards(
-            lambda y, dim=r.shard.dim: _gather.reduce_scatter(y, axis, dim,
-                                                             gs),
-            r.shard.to_storage(x), r.shard.model, r.shard.dim)
+          lambda y, dim=r.shard.dim: _gather.reduce_scatter(y, axis, dim, gs),
+          r.shard.to_storage(x),
+          r.shard.model,
+          r.shard.dim,
+        )
         return psum(x, replica, r.shard) * scale
+
       # qgZ's blocks span the destination shard: not split (``buckets``)
-      out.append(_buckets.bucketed(fn, g, size,
-                                   None if gs.grad_bits else bucket,
-                                   _buckets.splittable(r.shard)))
-    else:                                 # stage 0, or a replicated leaf
+      out.append(
+        _buckets.bucketed(
+          fn,
+          g,
+          size,
+          None if gs.grad_bits else bucket,
+          _buckets.splittable(r.shard),
+        )
+      )
+    else:  # stage 0, or a replicated leaf
       fn = lambda x, r=r: psum(x, axes, r.param) * scale
-      out.append(_buckets.bucketed(fn, g, size, bucket,
-                                   _buckets.splittable(r.param)))
+      out.append(
+        _buckets.bucketed(fn, g, size, bucket, _buckets.splittable(r.param))
+      )
   return out
+
 
 def reduce_outputs(loss, aux, new_ms, axes, scale: float, dims):
   """The loss and float aux as means over devices and micro-batches,
@@ -107,19 +134,28 @@ def reduce_outputs(loss, aux, new_ms, axes, scale: float, dims):
   loss = jax.lax.psum(loss, axes) * scale
   reduced, rows = _aux.split(aux, dims)
   leaves, tree = jax.tree.flatten(reduced)
-  reduced = jax.tree.unflatten(tree, [
-      a if d is not None else
-      _psum(a, axes) * scale if jnp.issubdtype(a.dtype, jnp.inexact)
-      else _psum(a, axes) for a, d in zip(leaves, dims or (None,) * len(leaves))])
+  reduced = jax.tree.unflatten(
+    tree,
+    [
+      a
+      if d is not None
+      else _psum(a, axes) * scale
+      if jnp.issubdtype(a.dtype, jnp.inexact)
+      else _psum(a, axes)
+      for a, d in zip(leaves, dims or (None,) * len(leaves))
+    ],
+  )
   if new_ms is not None:
     new_ms = jax.tree.map(lambda x: sync_model_state(x, axes), new_ms)
   return loss, reduced, _aux.per_device(rows, dims), new_ms
+
 
 def _psum(x, axes):
   """``psum`` over manual ``axes``, run manual over any automatic (model)
   axes too: see ``comm/gather.over_model_shards`` (XLA CPU aborts on bf16
   collectives in partially automatic regions)."""
   return _gather.over_model_shards(lambda v: jax.lax.psum(v, axes), x, ())
+
 
 def sync_model_state(x, axis):
   """Floating state: mean over the batch axes (synchronised batch norm);
@@ -128,7 +164,8 @@ def sync_model_state(x, axis):
     return _psum(x, axis) / jax.lax.axis_size(axis)
   if is_key_dtype(x.dtype):
     impl = jax.random.key_impl(x)
-    return jax.random.wrap_key_data(sync_model_state(jax.random.key_data(x), axis),
-                                    impl=impl)
+    return jax.random.wrap_key_data(
+      sync_model_state(jax.random.key_data(x), axis), impl=impl
+    )
   first = jax.lax.axis_index(axis) == 0
   return _psum(jnp.where(first, x, jnp.zeros_like(x)), axis)

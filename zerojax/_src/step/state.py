@@ -13,21 +13,26 @@ import sys
 import warnings
 
 import jax
-import optax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._src.comm import buckets as _buckets
 from zerojax._src.comm import gather as _gather
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.records import layout as _layout
-from zerojax._src.step.leaf_ops import fresh_copy
-from zerojax._src.records.spec import (StateSpec, ZeroState,
-                                       is_key_dtype, leaf_dtype,
-                                       make_spec)
+from zerojax._src.records.spec import (
+  StateSpec,
+  ZeroState,
+  is_key_dtype,
+  leaf_dtype,
+  make_spec,
+)
 from zerojax._src.step import offload as _offload
-
+from zerojax._src.step.deleted import is_concrete, reject_deleted
+from zerojax._src.step.leaf_ops import fresh_copy
 
 
 def place_leaf(x, layout, spec: StateSpec):
@@ -44,6 +49,7 @@ def place_leaf(x, layout, spec: StateSpec):
   if jax.process_count() == 1:
     return jax.device_put(host, sharding)
   return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
 
 def build_plan(spec: StateSpec, grouped: bool = True):
   """``(groups, owned)``: the param leaves each init program builds (about
@@ -63,10 +69,18 @@ def build_plan(spec: StateSpec, grouped: bool = True):
   train = [i for i, r in enumerate(spec.leaves) if r.trainable]
   slot = {i: k for k, i in enumerate(train)}
   deps = _deps.input_dependencies(
-      lambda *w: jax.tree.leaves(spec.tx.inner.init(spec.optimizer_view(
-          _offload.scatter(len(spec.leaves), train, w)))),
-      *[jax.ShapeDtypeStruct(spec.leaves[i].aval.shape,
-                             spec.leaves[i].master_dtype) for i in train])
+    lambda *w: jax.tree.leaves(
+      spec.tx.inner.init(
+        spec.optimizer_view(_offload.scatter(len(spec.leaves), train, w))
+      )
+    ),
+    *[
+      jax.ShapeDtypeStruct(
+        spec.leaves[i].aval.shape, spec.leaves[i].master_dtype
+      )
+      for i in train
+    ],
+  )
   if deps is None or len(deps) != len(own):
     return whole
   for j, p in enumerate(own):
@@ -77,6 +91,7 @@ def build_plan(spec: StateSpec, grouped: bool = True):
   for j, p in enumerate(own):
     owned[0 if p is None else where[p]].append(j)
   return groups, owned
+
 
 def stored_params(spec: StateSpec, weights, old=None) -> list:
   """Weights (logical shapes, any float dtype) -> the params as stored.
@@ -116,24 +131,46 @@ def stored_params(spec: StateSpec, weights, old=None) -> list:
   def all_gather(shards, into):
     full = []
     for s, o, l, i in zip(shards, into, layouts, gather_idx):
+
       def one(x, l=l):
-        return l.to_logical(_gather.over_model_shards(
+        return l.to_logical(
+          _gather.over_model_shards(
             lambda x, d=l.dim: _gather.on_major_dim(
-                lambda y, d: jax.lax.all_gather(y, axis, axis=d, tiled=True,
-                                                to="invarying"), x, d),
-            x, l.model, l.dim))
-      full.append(_buckets.bucketed(
-          one, s, n * _buckets.itemsize(spec.leaves[i].compute_dtype),
-          tx.bucket_bytes, _buckets.splittable(l), into=o))
+              lambda y, d: jax.lax.all_gather(
+                y, axis, axis=d, tiled=True, to="invarying"
+              ),
+              x,
+              d,
+            ),
+            x,
+            l.model,
+            l.dim,
+          )
+        )
+
+      full.append(
+        _buckets.bucketed(
+          one,
+          s,
+          n * _buckets.itemsize(spec.leaves[i].compute_dtype),
+          tx.bucket_bytes,
+          _buckets.splittable(l),
+          into=o,
+        )
+      )
     return full
+
   full = jax.shard_map(
-      all_gather, mesh=tx.compute_mesh,
-      in_specs=([l.manual_spec(axis) for l in layouts], [P()] * len(layouts)),
-      out_specs=[P()] * len(layouts), axis_names={axis})(
-          [out[i] for i in gather_idx], [old[i] for i in gather_idx])
+    all_gather,
+    mesh=tx.compute_mesh,
+    in_specs=([l.manual_spec(axis) for l in layouts], [P()] * len(layouts)),
+    out_specs=[P()] * len(layouts),
+    axis_names={axis},
+  )([out[i] for i in gather_idx], [old[i] for i in gather_idx])
   for i, f in zip(gather_idx, full):
     out[i] = f
   return out
+
 
 def build_group(stored, spec: StateSpec, group, owned):
   """One init program's outputs: the params, master copy (where the
@@ -142,33 +179,54 @@ def build_group(stored, spec: StateSpec, group, owned):
   their shard layouts (under ``jit``)."""
   convert = _layout.convert
   recs = [spec.leaves[i] for i in group]
-  weights = {i: convert(x, r.shard, r.shard, r.master_dtype)
-             for i, x, r in zip(group, stored, recs) if r.trainable}
-  view = [None if not r.trainable else
-          r.shard.to_logical(weights[i]) if i in weights else
-          jnp.zeros(r.aval.shape, r.master_dtype)
-          for i, r in enumerate(spec.leaves)]
+  weights = {
+    i: convert(x, r.shard, r.shard, r.master_dtype)
+    for i, x, r in zip(group, stored, recs)
+    if r.trainable
+  }
+  view = [
+    None
+    if not r.trainable
+    else r.shard.to_logical(weights[i])
+    if i in weights
+    else jnp.zeros(r.aval.shape, r.master_dtype)
+    for i, r in enumerate(spec.leaves)
+  ]
   opt = jax.tree.leaves(spec.tx.inner.init(spec.optimizer_view(view)))
   if len(opt) != len(spec.opt_leaves):
-    raise RuntimeError("zerojax: optimizer state changed structure between "
-                       "planning and init.")
+    raise RuntimeError(
+      "zerojax: optimizer state changed structure between planning and init."
+    )
   by_leaf = [None] * len(spec.leaves)
   for i, x, r in zip(group, stored, recs):
     by_leaf[i] = r.shard.to_logical(x)
   built = stored_params(spec, by_leaf)
   params = [built[i] for i in group]
-  master = ([weights[i] for i in group if i in weights]
-            if spec.policy.has_master else [])
-  return params, master, [spec.opt_leaves[j].layout.to_storage(opt[j])
-                          for j in owned]
+  master = (
+    [weights[i] for i in group if i in weights]
+    if spec.policy.has_master
+    else []
+  )
+  return (
+    params,
+    master,
+    [spec.opt_leaves[j].layout.to_storage(opt[j]) for j in owned],
+  )
+
 
 def group_shardings(spec: StateSpec, group, owned):
   recs = [spec.leaves[i] for i in group]
   keeps_master = spec.policy.has_master
-  return ([spec.sharding(r.param) for r in recs],
-          [spec.sharding(r.shard, host=True) for r in recs
-           if r.trainable and keeps_master],
-          [spec.sharding(spec.opt_leaves[j].layout, host=True) for j in owned])
+  return (
+    [spec.sharding(r.param) for r in recs],
+    [
+      spec.sharding(r.shard, host=True)
+      for r in recs
+      if r.trainable and keeps_master
+    ],
+    [spec.sharding(spec.opt_leaves[j].layout, host=True) for j in owned],
+  )
+
 
 def assemble(spec: StateSpec, parts) -> ZeroState:
   """Per-group outputs -> the state."""
@@ -184,16 +242,22 @@ def assemble(spec: StateSpec, parts) -> ZeroState:
       opt[j] = x
   step = _zero_step(spec.sharding(_layout.LeafLayout(())))()
   return ZeroState(
-      step=step, params=spec.unflatten_params(params),
-      master=spec.optimizer_view(master) if spec.policy.has_master else None,
-      opt_state=jax.tree.unflatten(spec.opt_def, opt), spec=spec)
+    step=step,
+    params=spec.unflatten_params(params),
+    master=spec.optimizer_view(master) if spec.policy.has_master else None,
+    opt_state=jax.tree.unflatten(spec.opt_def, opt),
+    spec=spec,
+  )
+
 
 @functools.lru_cache(maxsize=8)
 def _zero_step(sharding):
   return jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=sharding)
 
+
 def _replicated(tree, spec: StateSpec):
   """Host or device values, the same on every process -> replicated arrays."""
+
   def put(x):
     rep = spec.replicated(np.ndim(x))
     if jax.process_count() == 1:
@@ -201,11 +265,14 @@ def _replicated(tree, spec: StateSpec):
       # may alias the caller's array (it does for replicated placement).
       return fresh_copy(rep)(x)
     if is_key_dtype(getattr(x, "dtype", None)):
-      return jax.random.wrap_key_data(put(jax.random.key_data(x)),
-                                      impl=jax.random.key_impl(x))
+      return jax.random.wrap_key_data(
+        put(jax.random.key_data(x)), impl=jax.random.key_impl(x)
+      )
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, rep, lambda i: host[i])
+
   return jax.tree.map(put, tree)
+
 
 def _root_key(key, where: str):
   """A PRNG key from ``key`` (typed key, raw uint32 key or int seed)."""
@@ -216,43 +283,58 @@ def _root_key(key, where: str):
   dtype = getattr(key, "dtype", None)
   if is_key_dtype(dtype):
     if key.shape != ():
-      raise ValueError(f"{where}: key must be one key, got a key array of "
-                       f"shape {key.shape}.")
+      raise ValueError(
+        f"{where}: key must be one key, got a key array of shape {key.shape}."
+      )
     return key
   if dtype is not None and np.dtype(dtype) == np.uint32 and key.shape == (2,):
-    return key                        # a raw jax.random.PRNGKey
+    return key  # a raw jax.random.PRNGKey
   raise TypeError(
-      f"{where}: key={key!r} is not a PRNG key; pass jax.random.key(seed), "
-      f"jax.random.PRNGKey(seed) or an int seed.")
+    f"{where}: key={key!r} is not a PRNG key; pass jax.random.key(seed), "
+    f"jax.random.PRNGKey(seed) or an int seed."
+  )
+
 
 def _warn_idle_model_axes(spec: StateSpec, where: str):
   """A model axis no parameter is split over repeats all work along it."""
-  used = {a for r in spec.leaves for l in (r.shard, r.param)
-          for m in l.model for a in m}
-  idle = {a: n for a, n in spec.tx.model_axes.items() if n > 1 and a not in used}
+  used = {
+    a
+    for r in spec.leaves
+    for l in (r.shard, r.param)
+    for m in l.model
+    for a in m
+  }
+  idle = {
+    a: n for a, n in spec.tx.model_axes.items() if n > 1 and a not in used
+  }
   if idle:
     warnings.warn(
-        f"{where}: mesh axes {idle} split no parameter (no model spec uses "
-        f"them), so every device along them holds and computes the same "
-        f"thing. Pass the model's shardings: zerojax.zero(..., model_specs="
-        f"zerojax.linen.model_specs(variables, rules)) (or nnx.model_specs, "
-        f"or a tree of PartitionSpec), or drop the axis from the mesh.",
-        stacklevel=3)
+      f"{where}: mesh axes {idle} split no parameter (no model spec uses "
+      f"them), so every device along them holds and computes the same "
+      f"thing. Pass the model's shardings: zerojax.zero(..., model_specs="
+      f"zerojax.linen.model_specs(variables, rules)) (or nnx.model_specs, "
+      f"or a tree of PartitionSpec), or drop the axis from the mesh.",
+      stacklevel=3,
+    )
+
 
 def warn_untrained(spec: StateSpec, where: str):
   """Leaves zerojax carries but does not train are said, not only listed."""
-  frozen = [(r.path, leaf_dtype(r.aval.dtype)) for r in spec.leaves
-            if not r.trainable]
+  frozen = [
+    (r.path, leaf_dtype(r.aval.dtype)) for r in spec.leaves if not r.trainable
+  ]
   if not frozen:
     return
   names = ", ".join(f"params{p} ({d})" for p, d in frozen[:4])
   more = f" and {len(frozen) - 4} more" if len(frozen) > 4 else ""
   warnings.warn(
-      f"{where}: {names}{more} are neither floating nor complex, so they are "
-      f"carried unchanged and not trained (jax.grad cannot differentiate "
-      f"them, so Optax would not train them either). Pass such buffers as "
-      f"model_state (or drop them from the params) to silence this.",
-      stacklevel=3)
+    f"{where}: {names}{more} are neither floating nor complex, so they are "
+    f"carried unchanged and not trained (jax.grad cannot differentiate "
+    f"them, so Optax would not train them either). Pass such buffers as "
+    f"model_state (or drop them from the params) to silence this.",
+    stacklevel=3,
+  )
+
 
 def with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
   warn_untrained(state.spec, where)
@@ -262,10 +344,12 @@ def with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
     for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
       if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(
-            f"{where}: model_state leaf {jax.tree_util.keystr(path)} is a "
-            f"{type(x).__name__}, not an array.")
+          f"{where}: model_state leaf {jax.tree_util.keystr(path)} is a "
+          f"{type(x).__name__}, not an array."
+        )
   extras = _replicated({"key": key, "model_state": model_state}, state.spec)
   return state.replace(**extras)
+
 
 def _reject_non_params(params, where: str):
   """Module objects and functions are not a params tree: say what to pass."""
@@ -274,20 +358,29 @@ def _reject_non_params(params, where: str):
   nnx = sys.modules.get("flax.nnx")
   if nnx is not None and isinstance(params, nnx.Module):
     raise TypeError(
-        f"{where}: got an nnx.Module ({type(params).__name__}). Pass its "
-        f"parameters, and its other variables as model_state: "
-        f"graphdef, params, rest = nnx.split(model, nnx.Param, ...); "
-        f"zerojax.init(params, tx, model_state=rest).")
+      f"{where}: got an nnx.Module ({type(params).__name__}). Pass its "
+      f"parameters, and its other variables as model_state: "
+      f"graphdef, params, rest = nnx.split(model, nnx.Param, ...); "
+      f"zerojax.init(params, tx, model_state=rest)."
+    )
   leaves = jax.tree.leaves(params)
   if callable(params) and any(not hasattr(x, "shape") for x in leaves):
     raise TypeError(
-        f"{where}: got a callable ({type(params).__name__}), not a params "
-        f"tree. To build params with a function, sharded as they are "
-        f"created, use zerojax.init_from(init_fn, tx, *args); for a module "
-        f"object pass its array leaves.")
+      f"{where}: got a callable ({type(params).__name__}), not a params "
+      f"tree. To build params with a function, sharded as they are "
+      f"created, use zerojax.init_from(init_fn, tx, *args); for a module "
+      f"object pass its array leaves."
+    )
 
-def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
-         model_state=None, copy: bool = False) -> ZeroState:
+
+def init(
+  params,
+  tx: optax.GradientTransformationExtraArgs,
+  *,
+  key=None,
+  model_state=None,
+  copy: bool = False,
+) -> ZeroState:
   """Lays out params, master weights and optimizer state for ``tx``'s stage.
 
   A param array already laid out as the state stores it (replicated on the
@@ -345,16 +438,13 @@ def init(params, tx: optax.GradientTransformationExtraArgs, *, key=None,
     parts.append(((group, owned), (p, m, o)))
   return with_extras(assemble(spec, parts), key, model_state, "zerojax.init")
 
-def _concrete(x) -> bool:
-  """An array with buffers (not a tracer: ``init`` may run under a trace)."""
-  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 def _held_as_stored(leaves, spec: StateSpec) -> list:
   """Per param leaf, the caller's array as the state's stored param (its
   buffers, the state's exact sharding) where it is laid out as the state
   stores it; else ``None``. A buffer at two leaves is copied: the donated
   step must not take one buffer twice."""
-  concrete = [_concrete(x) for x in leaves]
+  concrete = [is_concrete(x) for x in leaves]
   seen = {}
   for x, c in zip(leaves, concrete):
     if c:
@@ -362,57 +452,25 @@ def _held_as_stored(leaves, spec: StateSpec) -> list:
   held = []
   for x, c, r in zip(leaves, concrete, spec.leaves):
     target = spec.sharding(r.param)
-    ok = (c and seen[id(x)] == 1 and isinstance(x.sharding, NamedSharding)
-          and x.sharding.mesh == target.mesh
-          and x.sharding.memory_kind == target.memory_kind
-          and x.sharding.is_equivalent_to(target, x.ndim)
-          and x.dtype == r.compute_dtype
-          and tuple(x.shape) == tuple(r.param.storage_shape))
-    held.append(jax.make_array_from_single_device_arrays(
-        x.shape, target, [s.data for s in x.addressable_shards])
-                if ok else None)
+    ok = (
+      c
+      and seen[id(x)] == 1
+      and isinstance(x.sharding, NamedSharding)
+      and x.sharding.mesh == target.mesh
+      and x.sharding.memory_kind == target.memory_kind
+      and x.sharding.is_equivalent_to(target, x.ndim)
+      and x.dtype == r.compute_dtype
+      and tuple(x.shape) == tuple(r.param.storage_shape)
+    )
+    held.append(
+      jax.make_array_from_single_device_arrays(
+        x.shape, target, [s.data for s in x.addressable_shards]
+      )
+      if ok
+      else None
+    )
   return held
 
-def deleted_leaf(tree):
-  """``(path, array)`` of the first deleted array in ``tree``, or ``None``.
-  One pass over the leaves; paths are built only when one is deleted."""
-  if not any(_concrete(x) and x.is_deleted() for x in jax.tree.leaves(tree)):
-    return None
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if _concrete(x) and x.is_deleted():
-      return jax.tree_util.keystr(path), x
-  return None
-
-def reject_deleted(tree, where: str, what: str = "state"):
-  """Raises a zerojax error naming ``tree``'s first deleted leaf, if any.
-
-  Called before a program runs: JAX 0.10's compiled-call fast path does
-  not always refuse a deleted (donated) buffer, and the process can die
-  inside the runtime (measured on 0.10.2: SIGSEGV on the third call of a
-  train step given a state it had donated, and on the first eager drop-in
-  update after a user's jitted step donated the optimizer state). The
-  check is one ``is_deleted`` per leaf."""
-  found = deleted_leaf(tree)
-  if not found:
-    return
-  path, x = found
-  if what == "state":
-    raise ValueError(
-        f"{where}: state{path} {x.dtype}{list(x.shape)} has been deleted. "
-        f"The train step donates the state it is given: go on with the "
-        f"state it returns (state, metrics = step(state, batch)). Or this "
-        f"state shares the buffers of params it was built from with another "
-        f"state or array that a step took: zerojax.init holds params "
-        f"already laid out as it stores them without a copy; pass copy=True "
-        f"to zerojax.init for a state of its own.")
-  raise ValueError(
-      f"{where}: {what}{path} {x.dtype}{list(x.shape)} has been deleted, "
-      f"most likely donated to a step: a zerojax train step (it donates "
-      f"the state, and a state holds the params it was built from without "
-      f"a copy) or a jitted step with donate_argnums. Pass live arrays: "
-      f"what that step returned (zerojax.gather_params(state) for a "
-      f"state's params), or build the state with copy=True to keep the "
-      f"arrays you pass.")
 
 @functools.lru_cache(maxsize=256)
 def _build_jit(spec, group, owned, keep):
@@ -424,7 +482,9 @@ def _build_jit(spec, group, owned, keep):
   def build(stored):
     p, m, o = build_group(stored, spec, group, owned)
     return [x for x, k in zip(p, keep) if not k], m, o
+
   return jax.jit(spec.region(build, outs), out_shardings=outs)
+
 
 def init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
   """Consecutive param leaves in groups of at most ``1/parts`` of the
@@ -432,4 +492,5 @@ def init_groups(spec: StateSpec, parts: int = 8) -> list[list[int]]:
   the budget, so there are fewer than ``2 * parts + 1`` groups: that many
   small jits of ``init_fn``, each traced anew."""
   return _offload.byte_groups(
-      [r.size * np.dtype(r.aval.dtype).itemsize for r in spec.leaves], parts)
+    [r.size * np.dtype(r.aval.dtype).itemsize for r in spec.leaves], parts
+  )

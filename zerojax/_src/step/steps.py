@@ -27,30 +27,35 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zerojax._src.records.config import HOST_MEMORY
-from zerojax._src.records.mesh import explain_per_device_errors
-from zerojax._src.records.spec import (StateSpec, ZeroState, leaf_dtype,
-                                       tree_difference)
+from zerojax._src.records.mesh_errors import explain_per_device_errors
+from zerojax._src.records.spec import (
+  StateSpec,
+  ZeroState,
+  leaf_dtype,
+  tree_difference,
+)
 from zerojax._src.step import aux as _aux
 from zerojax._src.step import grad as _grad
 from zerojax._src.step import update as _update
 from zerojax._src.step.batch import place_batch
+from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.dropin import ZeroTransformation
-from zerojax._src.step.gather_mode import gather_mode, gather_spec, run_loss
-from zerojax._src.step.loss_call import (LossArgs, LossCall, LossProgram,
-                                         check_options)
-from zerojax._src.step.reduce import reduce_outputs
-from zerojax._src.step.state import reject_deleted
-
+from zerojax._src.step.loss_call import (
+  LossCall,
+  LossProgram,
+  check_options,
+)
 
 # --------------------------------------------------------------------------
 # input checks (all before tracing, so a failed step loses nothing)
+
 # --------------------------------------------------------------------------
+
+
 def config_differences(have, want) -> list[str]:
   """Every configuration field in which two transformations differ."""
   diffs = []
@@ -69,18 +74,22 @@ def config_differences(have, want) -> list[str]:
 
 def check_state(state, tx: ZeroTransformation) -> StateSpec:
   if not isinstance(state, ZeroState):
-    raise TypeError(f"zerojax train step: expected a ZeroState from "
-                    f"zerojax.init, got {type(state).__name__}.")
+    raise TypeError(
+      f"zerojax train step: expected a ZeroState from "
+      f"zerojax.init, got {type(state).__name__}."
+    )
   spec = state.spec
   have = spec.tx
   if have != tx:
     raise ValueError(
-        "zerojax train step: this state was laid out by another "
-        "ZeroTransformation (" + "; ".join(config_differences(have, tx))
-        + "). Build the step with the tx that built the state "
-        "(zerojax.init(params, tx); zerojax.train_step(loss_fn, tx)). To "
-        "move a state to another stage, re-init from "
-        "zerojax.gather_params(state).")
+      "zerojax train step: this state was laid out by another "
+      "ZeroTransformation ("
+      + "; ".join(config_differences(have, tx))
+      + "). Build the step with the tx that built the state "
+      "(zerojax.init(params, tx); zerojax.train_step(loss_fn, tx)). To "
+      "move a state to another stage, re-init from "
+      "zerojax.gather_params(state)."
+    )
   # The arrays must still match the spec (a user may have replaced params).
   # Fast path, every step: compare against a per-layout signature computed
   # once; walk the trees for a message only when something differs.
@@ -91,17 +100,19 @@ def check_state(state, tx: ZeroTransformation) -> StateSpec:
     diff = tree_difference(getattr(state, name), getattr(expected, name))
     if diff and diff[0] == "structure":
       raise ValueError(
-          f"zerojax train step: state.{name} has tree structure {diff[1]}, "
-          f"but the optimizer state was built for {diff[2]}. Params and "
-          f"optimizer state must come from the same zerojax.init call.")
+        f"zerojax train step: state.{name} has tree structure {diff[1]}, "
+        f"but the optimizer state was built for {diff[2]}. Params and "
+        f"optimizer state must come from the same zerojax.init call."
+      )
     if diff:
       _, path, g, w = diff
       raise ValueError(
-          f"zerojax train step: state.{name}{path} is "
-          f"{leaf_dtype(g.dtype)}{list(g.shape)}, but the state layout "
-          f"expects {leaf_dtype(w.dtype)}{list(w.shape)} (stage "
-          f"{spec.stage} storage, padded). Rebuild the state with "
-          f"zerojax.init instead of replacing leaves.")
+        f"zerojax train step: state.{name}{path} is "
+        f"{leaf_dtype(g.dtype)}{list(g.shape)}, but the state layout "
+        f"expects {leaf_dtype(w.dtype)}{list(w.shape)} (stage "
+        f"{spec.stage} storage, padded). Rebuild the state with "
+        f"zerojax.init instead of replacing leaves."
+      )
   return spec
 
 
@@ -109,10 +120,16 @@ _SECTIONS = ("params", "master", "opt_state")
 
 
 def _signature(state: ZeroState):
-  return tuple((jax.tree.structure(getattr(state, n)),
-                tuple((tuple(x.shape), leaf_dtype(x.dtype))
-                      for x in jax.tree.leaves(getattr(state, n))))
-               for n in _SECTIONS)
+  return tuple(
+    (
+      jax.tree.structure(getattr(state, n)),
+      tuple(
+        (tuple(x.shape), leaf_dtype(x.dtype))
+        for x in jax.tree.leaves(getattr(state, n))
+      ),
+    )
+    for n in _SECTIONS
+  )
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,41 +139,60 @@ def _expected_signature(spec: StateSpec):
 
 # --------------------------------------------------------------------------
 # the train step: gradients (shard_map), then the update (GSPMD)
+
 # --------------------------------------------------------------------------
+
+
 def loss_call(state: ZeroState) -> LossCall:
-  return LossCall(has_key=state.key is not None,
-                  has_model_state=state.model_state is not None, has_aux=None)
+  return LossCall(
+    has_key=state.key is not None,
+    has_model_state=state.model_state is not None,
+    has_aux=None,
+  )
 
 
 def step_key(state: ZeroState):
   """The step's key: ``fold_in(root, step)`` (devices and micro-batches fold
   in their own index inside the step)."""
-  return None if state.key is None else jax.random.fold_in(state.key, state.step)
+  return (
+    None if state.key is None else jax.random.fold_in(state.key, state.step)
+  )
 
 
-def _step(state: ZeroState, batch, extra_args, *, loss_fn, accum_steps,
-          gather_mode, with_grad_norm=True, found=None):
+def _step(
+  state: ZeroState,
+  batch,
+  extra_args,
+  *,
+  loss_fn,
+  accum_steps,
+  gather_mode,
+  with_grad_norm=True,
+  found=None,
+):
   """``(new state, metrics, (aux_reduced, aux_rows))``; ``found`` learns
   which aux leaves are per-example (:mod:`zerojax._src.step.aux`)."""
   spec = state.spec
-  prog = LossProgram(spec, loss_fn, loss_call(state), accum_steps,
-                           gather_mode)
+  prog = LossProgram(spec, loss_fn, loss_call(state), accum_steps, gather_mode)
   grads, loss, aux, new_ms = _grad.sharded_grads(
-      prog, state.params, batch, step_key(state), state.model_state, found)
+    prog, state.params, batch, step_key(state), state.model_state, found
+  )
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     extra_args = {"value": loss, **extra_args}
-  new_state, grad_norm = _update.update_state(state, grads, extra_args,
-                                              "zerojax train step")
+  new_state, grad_norm = _update.update_state(
+    state, grads, extra_args, "zerojax train step"
+  )
   if new_ms is not None:
     new_state = new_state.replace(model_state=new_ms)
   # Left out, the norm is an unused value in the jitted step: XLA drops it.
-  metrics = {"loss": loss, "grad_norm": grad_norm} if with_grad_norm else {
-      "loss": loss}
+  metrics = (
+    {"loss": loss, "grad_norm": grad_norm} if with_grad_norm else {"loss": loss}
+  )
   return new_state, metrics, aux
 
 
 @dataclasses.dataclass(frozen=True)
-class _CompiledStep:
+class CompiledStep:
   """A jitted program over a :class:`ZeroState`: checks the state against
   ``tx`` and places the batch before each call."""
 
@@ -178,7 +214,7 @@ class _CompiledStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainStep(_CompiledStep):
+class TrainStep(CompiledStep):
   """A jitted, state-donating train step; call it as ``step(state, batch)``.
 
   ``step(state, batch, **extra_args)`` returns ``(new_state, metrics)`` with
@@ -199,31 +235,34 @@ class TrainStep(_CompiledStep):
 
   def __call__(self, state: ZeroState, batch, **extra_args):
     batch = self._prepare(state, batch)
-    return self._run("zerojax.train_step", state, batch,
-                     *_update.split_extra_args(extra_args))
+    return self._run(
+      "zerojax.train_step", state, batch, *_update.split_extra_args(extra_args)
+    )
 
   def lower(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO.
     ``state`` may be abstract (``jax.eval_shape`` of ``zerojax.init_from``)
     where its leaves carry their shardings (an Explicit mesh)."""
-    state = _abstract_ready(state, "TrainStep.lower")
+    state = abstract_ready(state, "TrainStep.lower")
     batch = self._prepare(state, batch)
     with explain_per_device_errors(self.tx.mesh, "zerojax.train_step"):
-      return self._jitted.lower(state, batch,
-                                *_update.split_extra_args(extra_args))
+      return self._jitted.lower(
+        state, batch, *_update.split_extra_args(extra_args)
+      )
 
   def trace(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).trace`` of the step: its jaxpr, or a lowering for
     another platform (``.lower(lowering_platforms=("cuda",))`` shows the
     GPU program, host-memory placements included, from a CPU machine)."""
-    state = _abstract_ready(state, "TrainStep.trace")
+    state = abstract_ready(state, "TrainStep.trace")
     batch = self._prepare(state, batch)
     with explain_per_device_errors(self.tx.mesh, "zerojax.train_step"):
-      return self._jitted.trace(state, batch,
-                                *_update.split_extra_args(extra_args))
+      return self._jitted.trace(
+        state, batch, *_update.split_extra_args(extra_args)
+      )
 
 
-def _abstract_ready(state, where: str):
+def abstract_ready(state, where: str):
   """``state`` as lowered: an abstract scalar with no sharding (the step
   counter, which ``jax.eval_shape`` leaves untyped on some JAX versions)
   gets the replicated sharding the real state's has, so the program is
@@ -236,50 +275,72 @@ def _abstract_ready(state, where: str):
     return state
   replicated = state.spec.replicated()
   state = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
-      if (isinstance(x, jax.ShapeDtypeStruct) and not x.shape
-          and getattr(x, "sharding", None) is None) else x, state)
+    lambda x: (
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+      if (
+        isinstance(x, jax.ShapeDtypeStruct)
+        and not x.shape
+        and getattr(x, "sharding", None) is None
+      )
+      else x
+    ),
+    state,
+  )
   place = state.spec.place
   if not place.offload:
     return state
+
   # offloaded: the master copy and the optimizer state live in host memory
   # and the rest in device memory, kinds jax.eval_shape does not keep in the
   # leaves' shardings (lowered without them, the program would read the
   # offloaded leaves from device memory)
   def kind(memory):
-    return lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=NamedSharding(
-            place.mesh, x.sharding.spec, memory_kind=memory)) if (
+    return lambda x: (
+      jax.ShapeDtypeStruct(
+        x.shape,
+        x.dtype,
+        sharding=NamedSharding(place.mesh, x.sharding.spec, memory_kind=memory),
+      )
+      if (
         isinstance(x, jax.ShapeDtypeStruct)
         and isinstance(x.sharding, NamedSharding)
-        and x.sharding.memory_kind is None) else x
-  state = state.replace(master=jax.tree.map(kind(HOST_MEMORY), state.master),
-                        opt_state=jax.tree.map(kind(HOST_MEMORY),
-                                               state.opt_state))
+        and x.sharding.memory_kind is None
+      )
+      else x
+    )
+
+  state = state.replace(
+    master=jax.tree.map(kind(HOST_MEMORY), state.master),
+    opt_state=jax.tree.map(kind(HOST_MEMORY), state.opt_state),
+  )
   return jax.tree.map(kind("device"), state)
 
 
 def _check_abstract(state, where: str):
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if (isinstance(x, jax.ShapeDtypeStruct) and x.shape
-        and getattr(x, "sharding", None) is None):
+    if (
+      isinstance(x, jax.ShapeDtypeStruct)
+      and x.shape
+      and getattr(x, "sharding", None) is None
+    ):
       raise ValueError(
-          f"{where}: the abstract state's leaf state{jax.tree_util.keystr(path)}"
-          f" (shape {tuple(x.shape)}) carries no sharding, so the program "
-          f"would not be the one the real state gets. jax.eval_shape keeps "
-          f"shardings on Explicit mesh axes (jax.make_mesh's default); on "
-          f"Auto axes build the state (zerojax.init_from), or give each leaf "
-          f"its sharding (jax.ShapeDtypeStruct(..., sharding=...)).")
+        f"{where}: the abstract state's leaf state{jax.tree_util.keystr(path)}"
+        f" (shape {tuple(x.shape)}) carries no sharding, so the program "
+        f"would not be the one the real state gets. jax.eval_shape keeps "
+        f"shardings on Explicit mesh axes (jax.make_mesh's default); on "
+        f"Auto axes build the state (zerojax.init_from), or give each leaf "
+        f"its sharding (jax.ShapeDtypeStruct(..., sharding=...))."
+      )
 
 
 def train_step(
-    loss_fn: Callable,
-    tx: ZeroTransformation,
-    *,
-    accum_steps: int = 1,
-    gather: str = "auto",
-    donate: bool = True,
-    grad_norm: bool = True,
+  loss_fn: Callable,
+  tx: ZeroTransformation,
+  *,
+  accum_steps: int = 1,
+  gather: str = "auto",
+  donate: bool = True,
+  grad_norm: bool = True,
 ) -> TrainStep:
   """Builds the jitted train step for ``tx``'s stage.
 
@@ -327,133 +388,49 @@ def train_step(
   """
   check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
   if not isinstance(grad_norm, bool):
-    raise TypeError(f"zerojax.train_step: grad_norm={grad_norm!r} must be "
-                    f"True (report metrics['grad_norm']) or False.")
+    raise TypeError(
+      f"zerojax.train_step: grad_norm={grad_norm!r} must be "
+      f"True (report metrics['grad_norm']) or False."
+    )
 
   def fn(state, batch, arrays, static):
     found = _aux.RowDims()
 
     def body(state, batch, arrays):
-      return _step(state, batch, _update.join_extra_args(arrays, static),
-                   loss_fn=loss_fn, accum_steps=accum_steps,
-                   gather_mode=gather, with_grad_norm=grad_norm, found=found)
+      return _step(
+        state,
+        batch,
+        _update.join_extra_args(arrays, static),
+        loss_fn=loss_fn,
+        accum_steps=accum_steps,
+        gather_mode=gather,
+        with_grad_norm=grad_norm,
+        found=found,
+      )
+
     spec = state.spec
-    new, metrics, (reduced, rows) = spec.region(body, (
-        spec.shardings_like(state), spec.replicated(),
-        (spec.replicated(), _aux.rows_sharding(spec.tx.mesh,
-                                               spec.tx.batch_axes))))(
-        state, batch, arrays)
+    new, metrics, (reduced, rows) = spec.region(
+      body,
+      (
+        spec.shardings_like(state),
+        spec.replicated(),
+        (
+          spec.replicated(),
+          _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes),
+        ),
+      ),
+    )(state, batch, arrays)
     if reduced is not None:
       metrics["aux"] = _aux.merge(reduced, rows, found.dims)
     return new, metrics
-  jitted = jax.jit(fn, donate_argnums=(0,) if donate else (),
-                   static_argnums=3)
-  return TrainStep(loss_fn=loss_fn, tx=tx, gather=gather,
-                   accum_steps=accum_steps, _jitted=jitted, donate=donate,
-                   grad_norm=grad_norm)
 
-
-# --------------------------------------------------------------------------
-# evaluation: forward only, the model's own per-layer gathers
-# --------------------------------------------------------------------------
-def _eval_local(prog: LossProgram, leaves, batch, key, model_state,
-                found: _aux.RowDims | None = None):
-  """Per-device forward pass: the loss, averaged over the batch axes; with
-  ``found`` (``has_aux``), ``(loss, aux_reduced, aux_rows)`` as in
-  training (:mod:`zerojax._src.step.aux`)."""
-  spec = prog.spec
-  tx = spec.tx
-  hooked = [spec.stage == 3 and r.param.sharded for r in spec.leaves]
-  gspecs = [gather_spec(spec, r, quantized=False) if h else None
-            for r, h in zip(spec.leaves, hooked)]
-  # A sink of the shard's shape (never differentiated, so never computed).
-  sinks = [jnp.zeros(r.param.shard_shape(tx.num_shards), r.reduce_dtype)
-           if h else None for r, h in zip(spec.leaves, hooked)]
-  if key is not None:
-    key = jax.random.fold_in(key, jax.lax.axis_index(tx.batch_axes))
-  how = gather_mode(prog, leaves, sinks, gspecs,
-                    LossArgs(batch, key, model_state), "eval step")
-  def run(batch):
-    return run_loss(prog, leaves, sinks, gspecs, how,
-                    LossArgs(batch, key, model_state), what="eval step")
-  loss, _, aux = run(batch)
-  if found is None:
-    return jax.lax.pmean(loss, tx.batch_axes)
-  dims = _aux.row_dims(aux, lambda mb: run(mb)[2], batch)
-  found.set(dims)
-  loss, reduced, rows, _ = reduce_outputs(
-      loss, aux, None, tx.batch_axes, 1.0 / tx.batch_shards, dims)
-  return loss, reduced, rows
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalStep(_CompiledStep):
-  """A jitted ``eval(state, batch) -> mean loss`` (``(mean loss, aux)``
-  when built with ``has_aux=True``); nothing is donated (one batch per
-  call: ``accum_steps`` is 1)."""
-
-  def __call__(self, state: ZeroState, batch):
-    batch = self._prepare(state, batch)
-    return self._run("zerojax.eval_step", state, batch)
-
-  def lower(self, state: ZeroState, batch):
-    """``jax.jit(...).lower`` of the eval step (e.g. for its memory);
-    ``state`` and ``batch`` may be abstract, as for :meth:`TrainStep.lower`."""
-    state = _abstract_ready(state, "EvalStep.lower")
-    batch = self._prepare(state, batch)
-    with explain_per_device_errors(self.tx.mesh, "zerojax.eval_step"):
-      return self._jitted.lower(state, batch)
-
-
-def eval_step(loss_fn: Callable, tx: ZeroTransformation, *,
-              gather: str = "auto", has_aux: bool = False) -> EvalStep:
-  """A jitted ``eval(state, batch) -> mean loss`` that shards the batch.
-
-  No gradients, no update, nothing donated. At stage 3 the loss sees the
-  same :class:`ShardedParam` leaves as in training, so a model that gathers
-  per layer holds one layer's full weights at a time in evaluation too (a
-  forward-only gather per layer); a loss that does not has its scans over
-  stacked layers gathered per layer and any other use gathered whole
-  (``gather="auto"``) -- exact either way.
-  With a key in the state, the loss gets ``key=`` (fixed across calls:
-  ``fold_in(key, step)``, then the device); with model state,
-  ``model_state=`` and its returned update is discarded.
-
-  With ``has_aux=True`` the loss returns ``(loss, aux)`` (with model state
-  ``(loss, new_model_state, aux)``) and the step ``(mean loss, aux)``, the
-  aux combined as :func:`train_step`'s: per-example leaves with every row
-  in batch order (sharded by rows), batch means averaged, counts summed.
-  Otherwise an aux the loss returns is dropped.
-  """
-  check_options(loss_fn, gather, 1, "zerojax.eval_step")
-  if not isinstance(has_aux, bool):
-    raise TypeError(f"zerojax.eval_step: has_aux={has_aux!r} must be True "
-                    f"(return (mean loss, aux)) or False.")
-
-  def run(state, batch):
-    spec = state.spec
-    if not has_aux:
-      return spec.region(_run, spec.replicated())(state, batch)
-    found = _aux.RowDims()
-    loss, reduced, rows = spec.region(
-        lambda state, batch: _run(state, batch, found), (
-            spec.replicated(), spec.replicated(),
-            _aux.rows_sharding(spec.tx.mesh, spec.tx.batch_axes)))(state,
-                                                                   batch)
-    return loss, _aux.merge(reduced, rows, found.dims)
-
-  def _run(state, batch, found=None):
-    call = LossCall(has_key=state.key is not None,
-                    has_model_state=state.model_state is not None,
-                    has_aux=True if has_aux and state.model_state is None
-                    else None)
-    prog = LossProgram(state.spec, loss_fn, call, gather=gather)
-    args = LossArgs(batch, step_key(state), state.model_state)
-    if found is None:
-      return _grad.over_batch_axes(prog, _eval_local, P(), state.params, args)
-    return _grad.over_batch_axes(
-        prog, functools.partial(_eval_local, found=found),
-        (P(), P(), _aux.rows_spec(prog.spec.tx.batch_axes)), state.params,
-        args)
-  return EvalStep(loss_fn=loss_fn, tx=tx, gather=gather, accum_steps=1,
-                  _jitted=jax.jit(run))
+  jitted = jax.jit(fn, donate_argnums=(0,) if donate else (), static_argnums=3)
+  return TrainStep(
+    loss_fn=loss_fn,
+    tx=tx,
+    gather=gather,
+    accum_steps=accum_steps,
+    _jitted=jitted,
+    donate=donate,
+    grad_norm=grad_norm,
+  )

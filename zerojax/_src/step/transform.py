@@ -24,19 +24,19 @@ def _context_mesh(axis_name: str) -> Mesh:
 
 
 def zero(
-    inner: optax.GradientTransformation,
-    *,
-    stage: int,
-    mesh: Mesh | None = None,
-    axis_name: str = DEFAULT_AXIS,
-    policy: Policy | None = None,
-    min_shard_size: int = 0,
-    stacked=None,
-    replica_axis: str | None = None,
-    model_specs=None,
-    offload: bool = False,
-    zeropp: ZeroPP | None = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+  inner: optax.GradientTransformation,
+  *,
+  stage: int,
+  mesh: Mesh | None = None,
+  axis_name: str = DEFAULT_AXIS,
+  policy: Policy | None = None,
+  min_shard_size: int = 0,
+  stacked=None,
+  replica_axis: str | None = None,
+  model_specs=None,
+  offload: bool = False,
+  zeropp: ZeroPP | None = None,
+  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> ZeroTransformation:
   """Wraps an Optax optimizer to shard training state at a ZeRO stage.
 
@@ -114,12 +114,22 @@ def zero(
   """
   if mesh is None:
     mesh = _context_mesh(axis_name)
-  return from_config(ZeroConfig(
-      inner, stage, mesh, axis_name, Policy() if policy is None else policy,
-      min_shard_size, stacked, _default_replica_axis(mesh, axis_name,
-                                                     replica_axis),
-      model_specs, offload,
-      ZeroPP() if zeropp is None else zeropp, bucket_bytes))
+  return from_config(
+    ZeroConfig(
+      inner,
+      stage,
+      mesh,
+      axis_name,
+      Policy() if policy is None else policy,
+      min_shard_size,
+      stacked,
+      _default_replica_axis(mesh, axis_name, replica_axis),
+      model_specs,
+      offload,
+      ZeroPP() if zeropp is None else zeropp,
+      bucket_bytes,
+    )
+  )
 
 
 def _default_replica_axis(mesh, axis_name: str, replica_axis):

@@ -19,8 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax._src.records.mesh import compute_mesh, in_caller_types
 from zerojax._src.records.spec import StateSpec, ZeroState
@@ -33,14 +33,23 @@ def _check_opt(spec: StateSpec, opt_storage):
   leaves = jax.tree.leaves(opt_storage)
   if len(leaves) != len(spec.opt_leaves):
     raise ValueError(
-        f"zerojax: the optimizer state has {len(leaves)} leaves; this "
-        f"optimizer's state for these params has {len(spec.opt_leaves)}. "
-        f"Pass the state that tx.init (or zerojax.init) returned.")
+      f"zerojax: the optimizer state has {len(leaves)} leaves; this "
+      f"optimizer's state for these params has {len(spec.opt_leaves)}. "
+      f"Pass the state that tx.init (or zerojax.init) returned."
+    )
   return leaves
 
 
-def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args, *,
-               finish, opt_def=None):
+def run_update(
+  spec: StateSpec,
+  g_view,
+  w_src,
+  opt_storage,
+  extra_args,
+  *,
+  finish,
+  opt_def=None,
+):
   """The inner Optax update, then ``finish(i, w, u)`` per trained param.
 
   The inner optimizer sees logical, sharded views of the gradients, the
@@ -63,34 +72,54 @@ def run_update(spec: StateSpec, g_view, w_src, opt_storage, extra_args, *,
     storage layout)``.
   """
   leaves = _check_opt(spec, opt_storage)
-  extra_args = {k: in_caller_types(spec.tx.mesh, v) if callable(v) else v
-                for k, v in extra_args.items()}
+  extra_args = {
+    k: in_caller_types(spec.tx.mesh, v) if callable(v) else v
+    for k, v in extra_args.items()
+  }
   if spec.place.offload:
     p, _ = _offload.plan(
-        spec, [None if g is None else _offload.aval_of(g) for g in g_view],
-        [None if s is None else s.aval for s in w_src],
-        jax.tree.map(lambda x: _offload.aval_of(x) if hasattr(x, "dtype")
-                     else x, extra_args), opt_def)
+      spec,
+      [None if g is None else _offload.aval_of(g) for g in g_view],
+      [None if s is None else s.aval for s in w_src],
+      jax.tree.map(
+        lambda x: _offload.aval_of(x) if hasattr(x, "dtype") else x, extra_args
+      ),
+      opt_def,
+    )
     if p is not None:
-      return _offload.stream(spec, p, g_view, w_src, leaves, extra_args,
-                             finish=finish, opt_def=opt_def)
+      return _offload.stream(
+        spec,
+        p,
+        g_view,
+        w_src,
+        leaves,
+        extra_args,
+        finish=finish,
+        opt_def=opt_def,
+      )
   opt_def = spec.opt_def if opt_def is None else opt_def
-  opt_logical = jax.tree.unflatten(opt_def, [
-      _ops.opt_logical(o, x) for x, o in zip(leaves, spec.opt_leaves)])
+  opt_logical = jax.tree.unflatten(
+    opt_def, [_ops.opt_logical(o, x) for x, o in zip(leaves, spec.opt_leaves)]
+  )
   w_view = [None if s is None else s.load(s.raw) for s in w_src]
   g_tree, w_tree = spec.optimizer_view(g_view), spec.optimizer_view(w_view)
-  updates, new_opt = _ops.inner_update(spec, g_tree, opt_logical, w_tree,
-                                       extra_args)
+  updates, new_opt = _ops.inner_update(
+    spec, g_tree, opt_logical, w_tree, extra_args
+  )
   new_leaves = jax.tree.leaves(new_opt)
   if len(new_leaves) != len(spec.opt_leaves):
     raise ValueError(
-        "zerojax: the inner optimizer's update returned a state with "
-        f"{len(new_leaves)} leaves, its init {len(spec.opt_leaves)}.")
-  new_leaves = [_ops.opt_storage(o, x)
-                for x, o in zip(new_leaves, spec.opt_leaves)]
+      "zerojax: the inner optimizer's update returned a state with "
+      f"{len(new_leaves)} leaves, its init {len(spec.opt_leaves)}."
+    )
+  new_leaves = [
+    _ops.opt_storage(o, x) for x, o in zip(new_leaves, spec.opt_leaves)
+  ]
   updates = spec.from_optimizer_view(updates)
-  return [None if s is None else finish(i, w_view[i], updates[i])
-          for i, s in enumerate(w_src)], new_leaves
+  return [
+    None if s is None else finish(i, w_view[i], updates[i])
+    for i, s in enumerate(w_src)
+  ], new_leaves
 
 
 class _Static:
@@ -109,14 +138,19 @@ class _Static:
 
   def __eq__(self, other):
     return isinstance(other, _Static) and (
-        self._key[0] == other._key[0] and (
-            self.value is other.value if self._key[0] == "id"
-            else self._key[1:] == other._key[1:]))
+      self._key[0] == other._key[0]
+      and (
+        self.value is other.value
+        if self._key[0] == "id"
+        else self._key[1:] == other._key[1:]
+      )
+    )
 
 
 def _is_array_like(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex,
-                        bool)) or hasattr(x, "__jax_array__")
+  return isinstance(
+    x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)
+  ) or hasattr(x, "__jax_array__")
 
 
 def split_extra_args(extra_args: dict):
@@ -151,20 +185,28 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   spec = state.spec
   g_view, w_src = _ops.update_inputs(spec, state, grads, where)
   grad_norm = _global_norm(
-      [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None],
-      spec.place.mesh)
+    [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None],
+    spec.place.mesh,
+  )
   keep_master = state.master is not None
   done, new_opt = run_update(
-      spec, g_view, w_src, state.opt_state, extra_args,
-      finish=lambda i, w, u: _ops.apply_update(spec.leaves[i], w, u, keep_master))
+    spec,
+    g_view,
+    w_src,
+    state.opt_state,
+    extra_args,
+    finish=lambda i, w, u: _ops.apply_update(spec.leaves[i], w, u, keep_master),
+  )
   done = [(None, None) if d is None else d for d in done]
-  params = _state.stored_params(spec, [w for _, w in done],
-                                jax.tree.leaves(state.params))
-  return _ops.after_update(spec, state, [m for m, _ in done], params,
-                          new_opt), grad_norm
+  params = _state.stored_params(
+    spec, [w for _, w in done], jax.tree.leaves(state.params)
+  )
+  return _ops.after_update(
+    spec, state, [m for m, _ in done], params, new_opt
+  ), grad_norm
 
 
-NORM_BLOCKS = 16       # most blocks a whole gradient's norm is summed in
+NORM_BLOCKS = 16  # most blocks a whole gradient's norm is summed in
 
 
 def _split_over_devices(g, mesh):
@@ -179,7 +221,8 @@ def _split_over_devices(g, mesh):
   names = tuple(mesh.axis_names)
   spec = P(*([None] * dims[0] + [names[0] if len(names) == 1 else names]))
   return jax.lax.with_sharding_constraint(
-      g, NamedSharding(compute_mesh(mesh), spec))
+    g, NamedSharding(compute_mesh(mesh), spec)
+  )
 
 
 def _global_norm(grads, mesh):
@@ -200,7 +243,8 @@ def _global_norm(grads, mesh):
   stack's layers), so only one block is cast and squared at a time. A
   sharded gradient is summed at once: its square is a shard's, and a
   reshape or blocks over a sharded dimension would add collectives."""
-  def dtype(g):           # at least fp32, real
+
+  def dtype(g):  # at least fp32, real
     return jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)
 
   def sq(x, dt):
@@ -219,16 +263,23 @@ def _global_norm(grads, mesh):
     n = min(rows, NORM_BLOCKS)
     per = rows // n
     total = jax.lax.fori_loop(
-        0, n, lambda i, acc: acc + sq(
-            jax.lax.dynamic_slice_in_dim(g, i * per, per), dt),
-        jnp.zeros((), dt))
-    if n * per < rows:                       # rows left after whole blocks
+      0,
+      n,
+      lambda i, acc: (
+        acc + sq(jax.lax.dynamic_slice_in_dim(g, i * per, per), dt)
+      ),
+      jnp.zeros((), dt),
+    )
+    if n * per < rows:  # rows left after whole blocks
       total = total + sq(jax.lax.slice_in_dim(g, n * per, rows), dt)
     return total
-  dt = functools.reduce(jnp.promote_types, (dtype(g) for g, _ in grads),
-                        jnp.dtype(jnp.float32))
-  return jnp.sqrt(sum((blocked(g, w).astype(dt) for g, w in grads),
-                      jnp.zeros((), dt)))
+
+  dt = functools.reduce(
+    jnp.promote_types, (dtype(g) for g, _ in grads), jnp.dtype(jnp.float32)
+  )
+  return jnp.sqrt(
+    sum((blocked(g, w).astype(dt) for g, w in grads), jnp.zeros((), dt))
+  )
 
 
 def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
@@ -247,13 +298,16 @@ def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
     The new state (step + 1). Jitted; the input state is not donated.
   """
   if not isinstance(state, ZeroState):
-    raise TypeError(f"zerojax.apply_gradients: expected a ZeroState, got "
-                    f"{type(state).__name__}.")
+    raise TypeError(
+      f"zerojax.apply_gradients: expected a ZeroState, got "
+      f"{type(state).__name__}."
+    )
   flat = jax.tree.leaves(grads)
   if len(flat) != len(state.spec.leaves):
     raise ValueError(
-        f"zerojax.apply_gradients: grads have {len(flat)} leaves, the params "
-        f"{len(state.spec.leaves)}. Pass gradients with the params' structure.")
+      f"zerojax.apply_gradients: grads have {len(flat)} leaves, the params "
+      f"{len(state.spec.leaves)}. Pass gradients with the params' structure."
+    )
   for g, r in zip(flat, state.spec.leaves):
     if r.trainable:
       _check_shape(state.spec, g, r)
@@ -267,20 +321,24 @@ def _check_shape(spec, g, r):
   shape = tuple(np.shape(g))
   if shape not in (tuple(r.aval.shape), tuple(r.shard.storage_shape)):
     raise ValueError(
-        f"zerojax.apply_gradients: gradient{r.path} has shape {list(shape)}; "
-        f"the param is {list(r.aval.shape)} (stored as "
-        f"{list(r.shard.storage_shape)} at stage {spec.stage}).")
+      f"zerojax.apply_gradients: gradient{r.path} has shape {list(shape)}; "
+      f"the param is {list(r.aval.shape)} (stored as "
+      f"{list(r.shard.storage_shape)} at stage {spec.stage})."
+    )
 
 
 @functools.partial(jax.jit, static_argnums=3)
 def _apply_jit(state, grads, arrays, static):
   spec = state.spec
-  flat = [g if r.trainable else None
-          for g, r in zip(jax.tree.leaves(grads), spec.leaves)]
+  flat = [
+    g if r.trainable else None
+    for g, r in zip(jax.tree.leaves(grads), spec.leaves)
+  ]
 
   def body(state, flat, arrays):
-    new, _ = update_state(state, flat, join_extra_args(arrays, static),
-                          "zerojax.apply_gradients")
+    new, _ = update_state(
+      state, flat, join_extra_args(arrays, static), "zerojax.apply_gradients"
+    )
     return new
-  return spec.region(body, spec.shardings_like(state))(state, flat, arrays)
 
+  return spec.region(body, spec.shardings_like(state))(state, flat, arrays)

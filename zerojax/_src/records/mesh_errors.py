@@ -1,0 +1,99 @@
+"""JAX's errors from a loss run per device on a mesh, said as what they
+mean in a zerojax step and how to fix them."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from jax.sharding import Mesh
+
+from zerojax._src.records.mesh import explicit_names
+
+
+def _restate_a_constraint(msg: str, where: str) -> str | None:
+  """What to say for JAX's refusal of a sharding constraint or reshard in
+  the loss, where zerojax's batch axes are manual and the mesh's other
+  axes Auto; ``None`` for any other error."""
+  spec = re.search(r"P\([^)]*\)", msg)
+  spec = "" if spec is None else f" {spec.group(0)}"
+  per_device = (
+    "zerojax runs the loss once per device (jax.shard_map over "
+    "the batch axes, each device's value already its own rows), "
+    "and the mesh's other axes are Auto there (GSPMD places "
+    "them)"
+  )
+  if (
+    "passed to with_sharding_constraint can only refer to Auto axes" in msg
+    and "Manual" in msg
+  ):
+    return (
+      f"{where}: the loss constrains a value's sharding over a batch "
+      f"axis (jax.lax.with_sharding_constraint with{spec}). "
+      f"{per_device}, so a spec cannot name a batch axis. Put None in "
+      f"its place (other mesh axes may stay), or drop the constraint: "
+      f"the numbers are the same."
+    )
+  if "passed to reshard cannot contain axis names" in msg and (
+    "AxisType.Manual" in msg or "AxisType.Auto" in msg
+  ):
+    return (
+      f"{where}: the loss calls jax.sharding.reshard with{spec}. "
+      f"{per_device}, so reshard can name no axis there. Use "
+      f"jax.lax.with_sharding_constraint with None in place of the "
+      f"batch axes (other mesh axes may stay), or drop it: the numbers "
+      f"are the same."
+    )
+  return None
+
+
+@contextlib.contextmanager
+def explain_per_device_errors(mesh: Mesh, where: str):
+  """JAX's refusals of a loss inside ``jax.shard_map`` (where zerojax runs
+  it per device), re-raised saying which function and what to do: a
+  closed-over array typed on ``Explicit`` axes, a sharding constraint
+  naming a batch axis or a reshard (:func:`_restate_a_constraint`), and an
+  output shape (a Pallas kernel's ``out_shape``) that does not say how it
+  varies across devices. All are raised while tracing, so before any state
+  is donated."""
+  try:
+    yield
+  except ValueError as e:
+    msg = str(e)
+    said = _restate_a_constraint(msg, where)
+    if said is not None:
+      raise ValueError(f"{said} JAX said: {msg.splitlines()[0]}") from e
+    if not (
+      "manual_axis_type" in msg
+      and "ShapeDtypeStruct" in msg
+      and "must not be" in msg
+    ):
+      raise
+    raise ValueError(
+      f"{where}: the loss gives an output shape (a Pallas kernel's "
+      f"out_shape, say) as a jax.ShapeDtypeStruct with no "
+      f"manual_axis_type. zerojax runs the loss once per device "
+      f"(jax.shard_map over the batch axes, JAX's per-device types "
+      f"checked), where JAX must be told how such an output varies "
+      f"across devices. Give it the type of the per-device input it is "
+      f"computed from: jax.ShapeDtypeStruct(shape, dtype, "
+      f"manual_axis_type=jax.typeof(x).manual_axis_type) -- empty outside "
+      f"a per-device program, so the same code runs unsharded. JAX said: "
+      f"{msg.splitlines()[0]}"
+    ) from e
+  except NotImplementedError as e:
+    msg = str(e)
+    if "Closing over inputs to shard_map" not in msg:
+      raise
+    got = (
+      msg[msg.find("Got input") :].split("\n")[0] if "Got input" in msg else ""
+    )
+    raise ValueError(
+      f"{where}: the loss closes over a jax.Array typed on the mesh's "
+      f"Explicit axes {explicit_names(mesh)} ({got.rstrip('.')}). zerojax "
+      f"runs the loss per device inside jax.shard_map, and JAX cannot "
+      f"close over such arrays there. Pass the array to the loss as part "
+      f"of the batch or the model_state, build it inside the loss, or "
+      f"keep it as a NumPy array (np.asarray(x)) -- or build the mesh "
+      f"with axis_types=jax.sharding.AxisType.Auto."
+    ) from e
