@@ -16,7 +16,6 @@ import pytest
 import zerojax
 from tests import toy
 from zerojax import aot
-from zerojax._src.diagnostics import schedule
 
 D, V, B = 32, 64, 64
 
@@ -139,29 +138,6 @@ ENTRY %main (a: f32[64,256], w: f32[8,8]) -> f32[256,256] {
 """
 
 
-def test_the_schedule_reader_counts_a_tpu_chain_once_with_its_matmul():
-  """The chain's three pieces each hold the all-gather: one collective, in
-  the schedule and in the byte count."""
-  found = zerojax.diagnostics.collectives(_TPU, 4)
-  assert sorted(c.kind for c in found) == ["all-gather", "reduce-scatter"]
-  assert [c.bytes for c in found if c.kind == "all-gather"] == [256 * 256 * 2]
-  got = schedule.issued(_TPU)
-  assert sorted((c.kind, c.mode, c.overlapped_matmuls) for c in got) == [
-    ("all-gather", "async", 1),
-    ("reduce-scatter", "sync", 0),
-  ]
-  assert schedule.summary(_TPU) == {
-    "all-gather": {"sync": 0, "async": 1, "overlapped": 1},
-    "reduce-scatter": {"sync": 1, "async": 0, "overlapped": 0},
-  }
-
-
-def test_the_schedule_reader_reads_a_start_done_pair():
-  assert [
-    (c.kind, c.mode, c.overlapped_matmuls) for c in schedule.issued(_GPU)
-  ] == [("all-gather", "async", 2)]
-
-
 # The TPU compiler's loop (no known_trip_count: the condition compares the
 # counter, tuple element 0, started from a copied constant, with a bound)
 # holding an all-gather it wrote as an all-reduce of a zero-padded buffer.
@@ -232,19 +208,6 @@ ENTRY %main (g: f32[64,8,128]) -> f32[64,8,128] {
 """
 
 
-def test_a_transfer_between_slices_is_counted_once_as_its_collective():
-  """The send names the collective (an all-reduce of the 256 KiB buffer);
-  its done and the matching receive are not counted again."""
-  found = zerojax.diagnostics.collectives(_TPU_SLICES, 4)
-  assert [(c.kind, c.across_slices, c.bytes, c.count) for c in found] == [
-    ("all-reduce", True, 64 * 8 * 128 * 4, 1)
-  ]
-  from zerojax._src.diagnostics import aot as _aot
-
-  assert _aot._dcn_wire(found[0], 2) == 64 * 8 * 128 * 4  # 2 x 1/2
-  assert _aot._dcn_wire(found[0], 4) == 1.5 * 64 * 8 * 128 * 4
-
-
 # Offloaded state as the TPU compiler moves it: an asynchronous copy from
 # host memory (S(5)) beside a matmul, and one back after it.
 _TPU_OFFLOAD = """
@@ -261,17 +224,3 @@ ENTRY %main (h: f32[64,256], w: f32[8,8]) -> f32[64,256] {
   ROOT %copy-done.1 = f32[64,256]{1,0:T(8,128)S(5)} copy-done(%copy-start.1)
 }
 """
-
-
-def test_host_transfers_are_read_with_their_direction_and_overlap():
-  from zerojax._src.diagnostics import hlo
-
-  assert hlo.host_transfers(_TPU_OFFLOAD) == {
-    "host-to-device": {"count": 1, "bytes": 64 * 256 * 4},
-    "device-to-host": {"count": 1, "bytes": 64 * 256 * 4},
-  }
-  assert schedule.summary(_TPU_OFFLOAD) == {
-    "host-to-device": {"sync": 0, "async": 1, "overlapped": 1},
-    "device-to-host": {"sync": 0, "async": 1, "overlapped": 0},
-  }
-  assert zerojax.diagnostics.collectives(_TPU_OFFLOAD, 4) == []

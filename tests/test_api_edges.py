@@ -4,6 +4,7 @@ into init, and the layout of leaves that are not layer stacks."""
 import functools
 import tempfile
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,71 +161,6 @@ def test_stacked_must_say_true_or_false(mesh):
     )
 
 
-def test_init_from_builds_leaf_groups_of_an_eighth_of_the_bytes(mesh):
-  from zerojax._src.step import state as _state  # the init module, under test
-
-  init_fn = lambda key: {
-    f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (16 * (i + 1), 64))
-    for i in range(10)
-  }
-  tx = zerojax.zero(optax.adam(1e-3), stage=3, mesh=mesh)
-  spec = zerojax.layout.make_spec(
-    jax.eval_shape(init_fn, jax.random.key(0)), tx
-  )
-  groups = _state.init_groups(spec)
-  assert [i for g in groups for i in g] == list(range(10))  # all, in order
-  sizes = [r.size * 4 for r in spec.leaves]
-  budget = sum(sizes) / 8
-  for g in groups:
-    assert len(g) == 1 or sum(sizes[i] for i in g) <= budget, (g, budget)
-  assert 1 < len(groups) <= 2 * 8
-  for a, b in zip(groups, groups[1:]):  # neighbours would not fit one
-    assert sum(sizes[i] for i in a + b) > budget
-  # built group by group (XLA drops the others' work), the state is the one
-  # a single program computing every leaf gives, bit for bit: an init draws
-  # and scales each element alone (no sum whose order a program could pick)
-  key = jax.random.key(0)
-  grouped = zerojax.init_from(init_fn, tx, key)
-  whole = zerojax.init(jax.jit(init_fn)(key), tx)
-  for x, y in zip(jax.tree.leaves(grouped), jax.tree.leaves(whole)):
-    assert x.sharding == y.sharding and np.array_equal(x, y)
-
-
-def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
-  """Stage 0 replicates everything, so groups would bound nothing: one
-  init program (fewer freed buffers left in the host allocator), with the
-  state a program per group gives, bit for bit."""
-  from zerojax._src.step import state as _state  # the init module, under test
-
-  init_fn = lambda key: toy.layered_params(4, D, V, key)
-  key = jax.random.key(0)
-  programs = []
-  real_jit = jax.jit
-
-  def counting_jit(fn, **kw):
-    programs.append(fn)
-    return real_jit(fn, **kw)
-
-  tx0 = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
-  try:
-    _state.jax.jit = counting_jit
-    whole = zerojax.init_from(init_fn, tx0, key)
-  finally:
-    _state.jax.jit = real_jit
-  # the init programs (not the step counter's, jitted on first use)
-  assert len([f for f in programs if "init_programs" in f.__qualname__]) == 1
-  spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, key), tx0)
-  assert len(_state.build_plan(spec)[0]) > 1  # what grouping would have run
-  plan = _state.build_plan
-  try:  # the same init, one program per group
-    _state.build_plan = lambda spec, grouped=True: plan(spec, True)
-    by_group = zerojax.init_from(init_fn, tx0, key)
-  finally:
-    _state.build_plan = plan
-  for x, y in zip(jax.tree.leaves(whole), jax.tree.leaves(by_group)):
-    assert x.sharding == y.sharding and np.array_equal(x, y)
-
-
 def _device_params(mesh, where):
   """Params as a user's jitted init makes them: on one device, or (under
   ``jax.set_mesh``) replicated over the mesh."""
@@ -266,8 +202,7 @@ def test_init_holds_params_already_laid_out_as_stored(mesh, stage):
   tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh)
   state = zerojax.init(params, tx)
   reference = zerojax.init(host, tx)
-  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
-    assert x.sharding == y.sharding and np.array_equal(x, y)
+  toy.assert_same_arrays(state, reference)
   shared = jax.tree.map(
     lambda x, y: _pointers(x) == _pointers(y), params, state.params
   )
@@ -314,8 +249,7 @@ def test_a_step_on_deleted_buffers_names_the_leaf_and_the_fixes(mesh):
         r"copy=True",
       ):
         run(stale)
-  for x, y in zip(jax.tree.leaves(_one_step(own, tx)), jax.tree.leaves(after)):
-    assert np.array_equal(x, y)
+  chex.assert_trees_all_equal(_one_step(own, tx), after)
 
 
 def test_the_state_functions_name_a_deleted_leaf_of_a_donated_state(mesh):
@@ -389,8 +323,7 @@ def test_init_with_copy_leaves_the_callers_params_alive(mesh, where):
   tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
   state = zerojax.init(params, tx, copy=where != "one device")
   reference = zerojax.init(host, tx)
-  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
-    assert x.sharding == y.sharding and np.array_equal(x, y)
+  toy.assert_same_arrays(state, reference)
   _one_step(state, tx)
   for x, h in zip(jax.tree.leaves(params), jax.tree.leaves(host)):
     assert not x.is_deleted() and np.array_equal(x, h)

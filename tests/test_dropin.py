@@ -1,5 +1,6 @@
 """The layered API: the Optax drop-in, value_and_grad, apply_gradients."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,8 +126,7 @@ def test_nnx_optimizer_changes_one_line(mesh):
 
   want, _ = train(optax.adamw(1e-2))
   got, optimizer = train(zerojax.zero(optax.adamw(1e-2), stage=1, mesh=mesh))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
   specs = {
     str(x.sharding.spec) for x in jax.tree.leaves(optimizer.opt_state) if x.ndim
   }

@@ -1,5 +1,6 @@
 """Flax linen and NNX models at every stage, gathered per layer at stage 3."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -117,8 +118,7 @@ def test_flax_model_matches_unsharded_optax(mesh, kind, stage):
     state, _ = step(state, BATCH)
   got = zerojax.gather_params(state)
   assert jax.tree.structure(got) == jax.tree.structure(want)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+  chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", MODELS)

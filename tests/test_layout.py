@@ -10,46 +10,6 @@ import pytest
 
 import zerojax
 from tests import toy
-from zerojax._src.records.layout import plan_leaf
-
-
-@pytest.mark.parametrize(
-  "shape,dim,padded",
-  [
-    ((3,), 0, 8),  # bias of 3: padded
-    ((16,), 0, 16),
-    ((7, 13), 1, 16),  # neither divides: least padding, last dim
-    ((50257, 768), 1, 768),  # GPT-2 embedding: the divisible dim
-    ((768, 50257), 1, 50264),  # never dim 0 of a matrix: pad the last
-    ((4, 7, 12), 1, 8),  # least padding wins: 7->8 beats 12->16
-    ((4, 64, 256), 1, 64),  # a tie: the major dimension
-    ((8, 3, 5), 2, 8),  # stacked layers: never the layer axis
-  ],
-)
-def test_plan_leaf(shape, dim, padded):
-  layout = plan_leaf(shape, jnp.float32, 8, 0)
-  assert (layout.dim, layout.padded) == (dim, padded)
-
-
-@pytest.mark.parametrize(
-  "shape,dtype,reason",
-  [
-    ((), jnp.float32, "scalar"),
-    ((4,), jnp.int32, "not trained"),
-    ((10, 10), jnp.float32, "min_shard_size"),
-  ],
-)
-def test_replicated_leaves_say_why(shape, dtype, reason):
-  layout = plan_leaf(shape, dtype, 8, 1000)
-  assert not layout.sharded and reason in layout.reason
-
-
-def test_pad_and_slice_round_trip():
-  layout = plan_leaf((7, 13), jnp.float32, 8, 0)
-  x = jnp.arange(91.0).reshape(7, 13)
-  stored = layout.to_storage(x)
-  assert stored.shape == (7, 16) and (stored[:, 13:] == 0).all()
-  assert (layout.to_logical(stored) == x).all()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -182,14 +142,3 @@ def test_init_from_a_function_equals_init_from_arrays(mesh, stage):
     np.testing.assert_allclose(
       np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-6
     )
-
-
-def test_init_sends_each_device_only_its_shard(mesh):
-  """No device ever receives a full copy of a sharded leaf at init."""
-  params = {"w": np.ones((64, 1024), np.float32)}
-  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
-  from zerojax._src.step import state as _state  # the init module, under test
-
-  spec = zerojax.layout.make_spec(params, tx)
-  placed = _state.place_leaf(params["w"], spec.leaves[0].shard, spec)
-  assert {s.data.shape for s in placed.addressable_shards} == {(64, 128)}

@@ -104,65 +104,6 @@ def test_a_step_lowered_from_the_abstract_state_is_the_real_states(
   ) == zerojax.diagnostics.collectives(r.as_text(), 8)
 
 
-@pytest.mark.parametrize(
-  "stage,policy", [(0, "fp32"), (1, "fp32"), (3, "fp32"), (1, "bf16+master")]
-)
-def test_init_programs_write_only_what_the_state_keeps(mesh, stage, policy):
-  """``zerojax.init_from``'s programs output the state's bytes per device
-  and nothing more: a master copy only where the policy keeps one (an fp32
-  state has none; a dropped output is a whole replicated params copy at
-  stage 0, which a CPU process's allocator then keeps)."""
-  import jax
-  import jax.numpy as jnp
-
-  from zerojax._src.step import state as state_lib
-
-  pol = (
-    zerojax.Policy()
-    if policy == "fp32"
-    else zerojax.Policy(param_dtype=jnp.bfloat16)
-  )
-  tx = zerojax.zero(optax.adamw(1e-3), stage=stage, mesh=mesh, policy=pol)
-  init = lambda k: toy.layered_params(4, D, V, key=k)
-  key = jax.random.key(0)
-  built = zerojax.init_from(init, tx, key)
-  assert (built.master is None) == (policy == "fp32")
-  per_device = sum(
-    x.addressable_shards[0].data.nbytes
-    for x in jax.tree.leaves((built.params, built.master, built.opt_state))
-  )
-  spec = state_lib.make_spec(jax.eval_shape(init, key), tx)
-  written, outputs = 0, 0
-  for _, program in state_lib.init_programs(spec, init):
-    compiled = program.lower(key).compile()
-    written += compiled.memory_analysis().output_size_in_bytes
-    outputs += len(jax.tree.leaves(compiled.output_shardings))
-  # XLA counts the output tuple's table too: 8 bytes per output
-  assert written - 8 * outputs == per_device, (written, outputs, per_device)
-
-
-def test_stage0_init_draws_each_leaf_split_over_the_data_axis(mesh):
-  """Stage 0's state is replicated, but its initialiser runs split over
-  the data axis and is all-gathered: per device the init program's
-  temporaries stay below one copy of the params (drawn replicated, every
-  device holds its whole draw beside the output: 2.5x the params here)."""
-  import jax
-
-  from zerojax._src.step import state as state_lib
-
-  tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
-  init = lambda k: toy.layered_params(4, D, V, key=k)
-  key = jax.random.key(0)
-  spec = state_lib.make_spec(jax.eval_shape(init, key), tx)
-  [(_, program)] = state_lib.init_programs(spec, init)
-  temp = program.lower(key).compile().memory_analysis().temp_size_in_bytes
-  params = sum(
-    x.size * x.dtype.itemsize
-    for x in jax.tree.leaves(jax.eval_shape(init, key))
-  )
-  assert temp < params, (temp, params)
-
-
 def test_stage2_peak_below_stage1_when_accumulating():
   layers = 8
   full_grad = layers * D * D * 4

@@ -234,7 +234,7 @@ def test_state_and_step_must_agree_on_offload():
     step(state, toy.batches(1)[0])
 
 
-# --- the streamed update and the grouped init (zerojax._src.step.offload) ----------
+# --- the streamed update and the grouped init (step/offload.py) ----------
 OPTIMIZERS = {
   "lamb": lambda: optax.lamb(1e-2),
   "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
@@ -299,51 +299,3 @@ def test_update_coupled_through_the_state_runs_whole_and_says_why():
   assert not rep.offload["streamed"] and rep.offload["chunks"] == 1
   assert "reads other leaves" in rep.offload["reason"]
   assert "whole state at once" in str(rep)
-
-
-def test_init_builds_the_offloaded_state_a_group_at_a_time_in_host_memory():
-  from zerojax._src.step import state as _state  # the init module, under test
-
-  init_fn = lambda key: {
-    f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (16 * (i + 1), 64))
-    for i in range(10)
-  }
-  tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=True, policy=BF16)
-  key = jax.random.key(0)
-  spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, key), tx)
-  groups, owned = _state.build_plan(spec)
-  assert len(groups) > 1
-  assert sorted(j for o in owned for j in o) == list(
-    range(len(spec.opt_leaves))
-  )
-  state = zerojax.init_from(init_fn, tx, key)
-  total = zerojax.diagnostics.memory_bytes(state)
-  outs = []
-  for group, own in zip(groups, owned):
-    stored = [
-      jax.ShapeDtypeStruct(
-        spec.leaves[i].shard.storage_shape,
-        jnp.float32,
-        sharding=spec.sharding(spec.leaves[i].shard),
-      )
-      for i in group
-    ]
-    hlo = (
-      _state._build_jit(spec, tuple(group), tuple(own), (False,) * len(group))
-      .lower(stored)
-      .compile()
-      .as_text()
-    )
-    outs.append(zerojax.diagnostics.entry_bytes_by_memory(hlo)["outputs"])
-  # every program writes the master copy and optimizer state of its group
-  # to host memory and only the group's params to the device; together
-  # they are the state, and none holds more than an eighth of it plus a leaf
-  assert sum(o.get("pinned_host", 0) for o in outs) == total["pinned_host"]
-  assert sum(o.get("device", 0) for o in outs) == total["device"]
-  biggest = max(r.size for r in spec.leaves) * 16 // 8  # one leaf's state
-  for o in outs:
-    assert 0 < sum(o.values()) <= sum(total.values()) / 8 + biggest, o
-  # and the state is the one zerojax.init builds from the same params
-  whole = zerojax.init(jax.jit(init_fn)(key), tx)
-  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(whole)):
-    assert x.sharding == y.sharding and np.array_equal(x, y)

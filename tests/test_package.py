@@ -463,3 +463,25 @@ def test_init_and_steps_leave_the_process_heap_alone_unless_asked(monkeypatch):
   assert calls == []
   assert zerojax.launch.release_free_heap() is True
   assert calls == [0]
+
+
+def test_at_most_three_test_files_reach_inside_the_engine():
+  """The suite tests what users call: only the architecture checks, the
+  engine's unit tests and the loss audit's import ``zerojax._src``."""
+  import ast
+  import pathlib
+
+  inside = []
+  for f in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+    for n in ast.walk(ast.parse(f.read_text())):
+      names = (
+        [a.name for a in n.names]
+        if isinstance(n, ast.Import)
+        else [n.module or ""]
+        if isinstance(n, ast.ImportFrom)
+        else []
+      )
+      if any(m.startswith("zerojax._src") for m in names):
+        inside.append(f.name)
+        break
+  assert inside == ["test_audit.py", "test_engine.py", "test_package.py"]

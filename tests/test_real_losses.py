@@ -589,35 +589,3 @@ def test_control_flow_is_followed(mesh, loss, lean):
   for k in params:
     np.testing.assert_allclose(got[k], params[k], rtol=1e-5, atol=1e-6)
   assert (not notes) if lean else ("params['head'] by" in notes[0]), notes
-
-
-def test_a_callbacks_result_is_found_typed_the_same_on_every_device(mesh):
-  """The check behind stage 0's fallback: a callback on the batch rows
-  drops their axis from its result's type; a dot, a psum over the axis and
-  a callback on replicated values do not count."""
-  from jax.sharding import PartitionSpec as P
-
-  from zerojax._src.jaxpr import varying
-
-  auto = jax.make_mesh(
-    (8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
-  )
-  found = {}
-
-  def body(w, x):
-    for name, f in {
-      "callback": lambda w, x: _host_tanh(x) @ w,
-      "plain": lambda w, x: jax.lax.psum(jnp.tanh(x) @ w, "data"),
-      "replicated": lambda w, x: x @ _host_tanh(w),
-    }.items():
-      found[name] = varying.dropped_varying(
-        jax.make_jaxpr(f)(w, x).jaxpr, ("data",)
-      )
-    return x
-
-  jax.jit(
-    jax.shard_map(
-      body, mesh=auto, in_specs=(P(), P("data")), out_specs=P("data")
-    )
-  ).lower(jnp.ones((6, 3)), jnp.ones((16, 6)))
-  assert found == {"callback": ["pure_callback"], "plain": [], "replicated": []}

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -410,8 +411,7 @@ def test_remat_policies_and_attention_kernels_give_the_same_gradients():
     )
     l, g = jax.value_and_grad(gpt.loss)(params, batch, config)
     np.testing.assert_allclose(l, want_l, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
-      np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    chex.assert_trees_all_close(g, want_g, rtol=2e-4, atol=1e-6)
   with pytest.raises(ValueError, match="remat='some'"):
     gpt.GPTConfig(remat="some")
   assert gpt.GPTConfig().resolved("gpu").attention == "cudnn"
@@ -443,8 +443,7 @@ def test_gpt_fast_kernels_stay_lean_and_exact_at_stage3(mesh):
   for b in batches:
     state, _ = step(state, b)
   got = zerojax.gather_params(state)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  chex.assert_trees_all_close(got, params, rtol=1e-4, atol=1e-6)
 
 
 def test_mfu_from_the_peak_table():

@@ -9,6 +9,7 @@ function serves ``gather="model"`` and ``gather="all"``.
 import contextlib
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,11 +160,9 @@ def assert_same_up_to_summation_order(got, want, *, terms: int, ulps: int = 4):
   derives it from its sizes). A wrong value (a lost term, another leaf's
   state) is off by far more. Bitwise equality is for one program run
   twice, or where the design fixes the order; such tests say why."""
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
   got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)
-  assert len(got_l) == len(want_l), (len(got_l), len(want_l))
   for i, (a, b) in enumerate(zip(got_l, want_l)):
-    assert np.shape(a) == np.shape(b), (i, np.shape(a), np.shape(b))
-    assert a.dtype == b.dtype, (i, a.dtype, b.dtype)
     if not jnp.issubdtype(b.dtype, jnp.inexact):
       np.testing.assert_array_equal(a, b, err_msg=f"leaf {i}")
       continue
@@ -288,3 +287,15 @@ def warnings_as_errors():
       "default", message="Error reading persistent compilation cache"
     )
     yield
+
+
+def assert_same_arrays(got, want):
+  """Same tree, and every leaf bitwise equal and laid out the same
+  (``sharding``): chex compares the trees, then the shardings."""
+  chex.assert_trees_all_equal(got, want)
+  chex.assert_trees_all_equal_comparator(
+    lambda a, b: a.sharding == b.sharding,
+    lambda a, b: f"sharding {a.sharding} != {b.sharding}",
+    got,
+    want,
+  )

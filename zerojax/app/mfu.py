@@ -44,4 +44,4 @@ def mfu(
   peaks = [peak_flops(d) for d in devices]
   if tokens_per_s is None or not peaks or any(p is None for p in peaks):
     return None
-  return tokens_per_s * flops_per_token / sum(peaks)
+  return tokens_per_s * flops_per_token / sum(p for p in peaks if p)

@@ -407,7 +407,9 @@ def main(argv=None):
     print(_compiled.table(compiled))
 
 
-def _compile(p, args, config, mesh: dict, plans) -> list[dict]:
+def _compile(
+  p: argparse.ArgumentParser, args, config, mesh: dict, plans
+) -> list[dict]:
   """Compile the GPT's step at each of ``--stages`` for ``--topology``."""
   try:
     stages = sorted({int(s) for s in args.stages.split(",")})
@@ -556,7 +558,7 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def _mesh(p, args) -> tuple[dict, int]:
+def _mesh(p: argparse.ArgumentParser, args) -> tuple[dict, int]:
   """The mesh's axis sizes and the slices it spans, checked."""
   if (args.params is None) == (args.width is None):
     p.error("give either --params or --width and --depth")

@@ -24,6 +24,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Any
 
 
 def _opt(default, help_text: str):
@@ -678,7 +679,7 @@ class _Log:
   def step_metrics(self, step_done: int, metrics) -> dict:
     from zerojax.app import mfu
 
-    rec = {
+    rec: dict[str, Any] = {
       "step": step_done,
       "loss": float(_host(metrics["loss"])),
       "grad_norm": float(_host(metrics["grad_norm"])),

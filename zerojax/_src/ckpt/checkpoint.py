@@ -128,8 +128,12 @@ class Checkpointer:
 
   Example:
     >>> ckpt = zerojax.checkpoint.Checkpointer("ckpt", save_every=100, keep=3)
-    >>> ckpt.save(state, extra={"data_step": 1200})
+    >>> ckpt.save(state, extra={"data_step": 1200})      # step 0: saved
+    True
+    >>> ckpt.wait()
     >>> state, extra = ckpt.restore(params_template, tx)   # any stage, any N
+    >>> extra["data_step"]
+    1200
   """
 
   def __init__(

@@ -219,6 +219,8 @@ def gather(tree):
     ...   w = zerojax.gather(layer_params)
     ...   return jnp.tanh(h @ w["kernel"]), None
     >>> h, _ = jax.lax.scan(jax.checkpoint(body), x, params["layers"])
+    >>> h.shape
+    (16, 8)
   """
   return _gather_groups(tree, _groups)
 

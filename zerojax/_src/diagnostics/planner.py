@@ -274,8 +274,8 @@ def comm_time(
   See the module docstring for the model; ``algorithm="ring"``: one flat
   ring per group, whose slow hops each carry the whole ring's traffic."""
   hw = dict(HARDWARE[hardware])
-  fast = hw["fast"] if fast is None else fast
-  slow = hw["slow"] if slow is None else slow
+  fast = float(hw["fast"]) if fast is None else fast
+  slow = float(hw["slow"]) if slow is None else slow
   mesh = p.mesh
   batch_axes = tuple(a for a in ("replica", "data") if a in mesh)
   out = {}

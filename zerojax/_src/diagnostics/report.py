@@ -228,6 +228,11 @@ def report(step, state: ZeroState, batch) -> Report:
 
   Returns:
     A :class:`Report`; ``print`` it, show it in a notebook, or ``to_json()``.
+
+  Example:
+    >>> r = zerojax.report(zerojax.train_step(loss_fn, tx), state, batch)
+    >>> r.stage
+    1
   """
   reject_deleted(state, "zerojax.report")
   compiled = step.lower(state, batch).compile()
@@ -301,9 +306,8 @@ def _saved_activations(step, state: ZeroState, batch) -> dict:
     shape = np.shape(x)
     if not shape:
       return x
-    return jax.ShapeDtypeStruct(
-      (shape[0] // rows,) + shape[1:], np.result_type(x)
-    )
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    return jax.ShapeDtypeStruct((shape[0] // rows,) + shape[1:], dtype)
 
   local = jax.tree.map(local, batch)
   call = loss_call(state)

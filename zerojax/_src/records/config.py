@@ -142,7 +142,7 @@ class ZeroConfig:
     return data_axis_size(self.mesh, self.axis_name)
 
   @property
-  def compute_mesh(self) -> Mesh:
+  def compute_mesh(self) -> Mesh | AbstractMesh:
     """The mesh with every axis ``Auto``: what zerojax's constraints and
     ``shard_map`` regions name inside :func:`zerojax._src.records.mesh.auto_region`."""
     return compute_mesh(self.mesh)

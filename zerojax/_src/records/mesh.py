@@ -138,7 +138,7 @@ def make_mesh(
   Example:
     >>> zerojax.make_mesh().axis_names
     ('data',)
-    >>> zerojax.make_mesh("replica=2,data=4").shape
+    >>> dict(zerojax.make_mesh("replica=2,data=4").shape)
     {'replica': 2, 'data': 4}
   """
   devices = list(jax.devices() if devices is None else devices)

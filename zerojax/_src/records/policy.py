@@ -30,6 +30,8 @@ class Policy:
 
   Example:
     >>> policy = zerojax.Policy(param_dtype=jnp.bfloat16)   # bf16 + fp32 master
+    >>> policy.compute(jnp.float32), policy.master(jnp.float32)
+    (dtype(bfloat16), dtype('float32'))
   """
 
   param_dtype: Any = None

@@ -65,6 +65,8 @@ class ZeroPP:
   Example:
     >>> tx = zerojax.zero(optax.adamw(3e-4), stage=3,
     ...                   zeropp=zerojax.ZeroPP(weight_bits=8, grad_bits=8))
+    >>> tx.zeropp.weight_bits, tx.zeropp.grad_bits
+    (8, 8)
 
   References:
     Wang et al., ZeRO++ (arXiv 2306.10209), sections 3.1 (qwZ) and 3.3 (qgZ).

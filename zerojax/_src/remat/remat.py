@@ -464,10 +464,13 @@ def remat(
   decorator, and what ``zerojax.nnx.scan_layers`` / ``zerojax.linen.scan_layers``
   take as ``remat=``). See :class:`Remat` for the arguments.
 
-  Example::
-
-      block = zerojax.remat(block, saves="dots", partition="model")
-      x, _ = jax.lax.scan(block, x, params["blocks"])
+  Example:
+    >>> def block(h, layer):
+    ...   return jnp.tanh(h @ layer["kernel"]), None
+    >>> block = zerojax.remat(block, saves="dots")
+    >>> h, _ = jax.lax.scan(block, x, params["layers"])
+    >>> h.shape
+    (16, 8)
 
   References: Rajbhandari et al., ZeRO (arXiv 1910.02054), section 6.1
   (Pa, Pa+cpu).

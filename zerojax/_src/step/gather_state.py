@@ -23,6 +23,11 @@ def gather_params(state: ZeroState, *, master: bool = False):
 
   Returns:
     A pytree shaped like the params given to :func:`init`.
+
+  Example:
+    >>> full = zerojax.gather_params(state)
+    >>> full["layers"]["kernel"].shape
+    (4, 8, 8)
   """
   if not isinstance(state, ZeroState):
     raise TypeError(

@@ -341,6 +341,9 @@ def value_and_grad(
     >>> grad_fn = zerojax.value_and_grad(loss_fn, tx)
     >>> loss, grads = grad_fn(params, batch)
     >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> bool(loss > 0)
+    True
   """
   check_options(loss_fn, gather, accum_steps, "zerojax.value_and_grad")
 

@@ -42,8 +42,11 @@ def init_from(
     key, model_state: as for :func:`init`.
 
   Example:
-    >>> state = zerojax.init_from(lambda k: gpt.init(cfg, k), tx,
-    ...                           jax.random.key(0), key=jax.random.key(1))
+    >>> init_fn = lambda k: {"w": jax.random.normal(k, (16, 8))}
+    >>> state = zerojax.init_from(init_fn, tx, jax.random.key(0),
+    ...                           key=jax.random.key(1))
+    >>> state.params["w"].shape
+    (16, 8)
   """
   if not callable(init_fn):
     raise TypeError(

@@ -417,6 +417,8 @@ def init(
 
   Example:
     >>> state = zerojax.init(params, zerojax.zero(optax.adamw(1e-3), stage=3))
+    >>> int(state.step)
+    0
   """
   _reject_non_params(params, "zerojax.init")
   if not isinstance(copy, bool):

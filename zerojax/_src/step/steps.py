@@ -385,6 +385,12 @@ def train_step(
 
   Returns:
     A :class:`TrainStep`.
+
+  Example:
+    >>> step = zerojax.train_step(loss_fn, tx)
+    >>> state, metrics = step(state, batch)
+    >>> int(state.step), sorted(metrics)
+    (1, ['grad_norm', 'loss'])
   """
   check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
   if not isinstance(grad_norm, bool):

@@ -107,6 +107,8 @@ def zero(
 
   Example:
     >>> tx = zerojax.zero(optax.adamw(3e-4), stage=2)
+    >>> tx.stage, tx.axis_name
+    (2, 'data')
 
   References:
     Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion
