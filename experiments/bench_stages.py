@@ -7,7 +7,7 @@ Configurations: zerojax stages 0 (data parallel through zerojax), 1, 2, 3 (appen
 ``3b``, to mark only the scanned blocks as layer stacks, so embeddings and
 head may shard their leading dimension), the Optax drop-in ``dropin1``
 (an unchanged ``jax.jit`` + ``jax.grad`` + ``tx.update`` loop), and two GSPMD peers
-(``experiments/peers.py``): ``fsdp`` (params and optimizer state sharded
+(``experiments/lib/peers.py``): ``fsdp`` (params and optimizer state sharded
 with NamedSharding, plain jit), ``zero1`` (params replicated, optimizer
 state sharded, plain jit) and ``dp`` (both replicated: plain data
 parallelism, what stage 0 stands for). Same model, data, seed, optimizer,
@@ -20,7 +20,7 @@ is its own.
 
 ``fsdp2`` (on request; needs torch, ``pip install -e '.[bench]'``) is
 PyTorch FSDP2 on the same GPT, initial values and batches: 8 torchrun ranks
-over gloo (``experiments/fsdp2_peer.py``). Its peak RSS is summed over the
+over gloo (``experiments/lib/fsdp2_peer.py``). Its peak RSS is summed over the
 ranks; compare the column "net of runtime" (peak minus the RSS before the
 model exists: 8 Python + torch runtimes there, one JAX runtime here).
 
@@ -107,7 +107,7 @@ def worker(args) -> dict:
     if args.heap_release != "off"
     else lambda: False
   )
-  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  sys.path.insert(0, str(pathlib.Path(__file__).parent / "lib"))
   import peers
 
   rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -427,7 +427,7 @@ def fsdp2(args) -> dict:
     import torch  # noqa: F401
   except ImportError:
     sys.exit("fsdp2 needs torch: pip install -e '.[bench]' (torch 2.13.0, CPU)")
-  script = str(pathlib.Path(__file__).parent / "fsdp2_peer.py")
+  script = str(pathlib.Path(__file__).parent / "lib" / "fsdp2_peer.py")
   flags = [
     f"--{k.replace('_', '-')}={getattr(args, k)}"
     for k in (
@@ -569,7 +569,7 @@ def main():
     choices=["gpt", "plain"],
     default="gpt",
     help="gpt: zerojax's reference GPT (calls zerojax.gather per "
-    "layer); plain: experiments/plain_gpt.py, a plain-JAX "
+    "layer); plain: experiments/lib/plain_gpt.py, a plain-JAX "
     "GPT that never calls zerojax (a user who wraps only "
     "the optimizer)",
   )

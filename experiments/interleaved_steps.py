@@ -45,7 +45,7 @@ def worker(args) -> dict:
 
   import zerojax
 
-  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  sys.path.insert(0, str(pathlib.Path(__file__).parent / "lib"))
   import peers
   import plain_gpt
 
@@ -121,7 +121,7 @@ def _cost(compiled) -> dict:
 
 
 def main():
-  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  sys.path.insert(0, str(pathlib.Path(__file__).parent / "lib"))
   import plain_gpt
 
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -52,7 +52,7 @@ def worker(args) -> dict:
   import zerojax
   from zerojax import aot, cost
 
-  sys.path.insert(0, str(HERE))
+  sys.path.insert(0, str(HERE / "lib"))
   import peers
   import plain_gpt
 
@@ -255,7 +255,9 @@ def main():
     "model": model,
     "libtpu_init_args": __import__("os").environ.get("LIBTPU_INIT_ARGS", ""),
     "model_source": (
-      "zerojax.app.gpt" if args.model == "gpt" else "experiments/plain_gpt.py"
+      "zerojax.app.gpt"
+      if args.model == "gpt"
+      else "experiments/lib/plain_gpt.py"
     ),
     "sizes": {
       k: getattr(args, k)

@@ -100,12 +100,14 @@ def test_init_from_at_stage0_builds_the_state_in_one_program(mesh):
   assert len([f for f in programs if "init_programs" in f.__qualname__]) == 1
   spec = zerojax.layout.make_spec(jax.eval_shape(init_fn, key), tx0)
   assert len(_state.build_plan(spec)[0]) > 1  # what grouping would have run
-  plan = _state.build_plan
+  from zerojax._src.step import init_from as _init_from
+
+  plan = _init_from.build_plan
   try:  # the same init, one program per group
-    _state.build_plan = lambda spec, grouped=True: plan(spec, True)
+    _init_from.build_plan = lambda spec, grouped=True: plan(spec, True)
     by_group = zerojax.init_from(init_fn, tx0, key)
   finally:
-    _state.build_plan = plan
+    _init_from.build_plan = plan
   toy.assert_same_arrays(whole, by_group)
 
 
@@ -147,9 +149,9 @@ def test_a_transfer_between_slices_is_counted_once_as_its_collective():
 
 
 def test_host_transfers_are_read_with_their_direction_and_overlap():
-  from zerojax._src.diagnostics import hlo
+  from zerojax._src.diagnostics import hlo_memory
 
-  assert hlo.host_transfers(_TPU_OFFLOAD) == {
+  assert hlo_memory.host_transfers(_TPU_OFFLOAD) == {
     "host-to-device": {"count": 1, "bytes": 64 * 256 * 4},
     "device-to-host": {"count": 1, "bytes": 64 * 256 * 4},
   }
@@ -364,7 +366,7 @@ def test_init_programs_write_only_what_the_state_keeps(mesh, stage, policy):
   import jax
   import jax.numpy as jnp
 
-  from zerojax._src.step import state as state_lib
+  from zerojax._src.step import init_from as state_lib
 
   pol = (
     zerojax.Policy()
@@ -380,7 +382,7 @@ def test_init_programs_write_only_what_the_state_keeps(mesh, stage, policy):
     x.addressable_shards[0].data.nbytes
     for x in jax.tree.leaves((built.params, built.master, built.opt_state))
   )
-  spec = state_lib.make_spec(jax.eval_shape(init, key), tx)
+  spec = zerojax.layout.make_spec(jax.eval_shape(init, key), tx)
   written, outputs = 0, 0
   for _, program in state_lib.init_programs(spec, init):
     compiled = program.lower(key).compile()
@@ -397,12 +399,12 @@ def test_stage0_init_draws_each_leaf_split_over_the_data_axis(mesh):
   device holds its whole draw beside the output: 2.5x the params here)."""
   import jax
 
-  from zerojax._src.step import state as state_lib
+  from zerojax._src.step import init_from as state_lib
 
   tx = zerojax.zero(optax.adamw(1e-3), stage=0, mesh=mesh)
   init = lambda k: toy.layered_params(4, memory_D, memory_V, key=k)
   key = jax.random.key(0)
-  spec = state_lib.make_spec(jax.eval_shape(init, key), tx)
+  spec = zerojax.layout.make_spec(jax.eval_shape(init, key), tx)
   [(_, program)] = state_lib.init_programs(spec, init)
   temp = program.lower(key).compile().memory_analysis().temp_size_in_bytes
   params = sum(

@@ -364,8 +364,7 @@ def test_a_pallas_kernel_with_an_untyped_out_shape_raises_the_fix_and_keeps_the_
 ):
   """Inside the per-device loss JAX needs a kernel's ``out_shape`` to say
   how it varies over devices; zerojax's error names the loss, the reason
-  and the argument to add (checked on a GPU to be exact then:
-  experiments/pallas_in_loss.py), and the state is untouched."""
+  and the argument to add, and the state is untouched."""
   tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=any_mesh)
   state = zerojax.init(_params(), tx)
   before = jax.tree.map(np.asarray, zerojax.gather_params(state))

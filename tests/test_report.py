@@ -12,7 +12,9 @@ import pytest
 import zerojax
 from tests.test_collectives import BATCH, PSI, wide_loss, wide_params
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "experiments"))
+sys.path.insert(
+  0, str(pathlib.Path(__file__).parents[1] / "experiments" / "lib")
+)
 import peers  # noqa: E402
 
 

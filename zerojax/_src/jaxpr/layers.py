@@ -22,12 +22,10 @@ held back, unevaluated, until something uses it:
   backward pass saves only the body's inputs (the carry, and the layer's
   slice of the stored leaf, read in place) and runs the body again, gather
   included. A body left unchecked saves the gathered layer, or a stacked
-  copy of it, for every iteration (measured: 41.6 MiB of XLA temp per
-  device against 17.5 on the plain GPT at stage 1, width 256, depth 8, 8
-  devices; a checkpoint policy that saves all but the gathered layer
-  still stacked a copy). Where the user's body was not checkpointed this
-  trades compute for memory: its forward runs twice, as under
-  ``jax.checkpoint`` (+21% FLOPs on that GPT with its blocks unchecked);
+  copy of it, for every iteration (a checkpoint policy that saves all but
+  the gathered layer still stacks a copy). Where the user's body was not
+  checkpointed this trades compute for memory: its forward runs twice, as
+  under ``jax.checkpoint``;
 * a ``jit`` (or other plain call) the leaf enters is inlined, so a scan
   inside it is reached too;
 * any other use -- arithmetic, a scan that carries it or closes over it,
@@ -279,10 +277,7 @@ def _without_cse_barriers(body):
   optimization barrier on the checkpoint's inputs in the backward pass.
   Here those inputs are the layer's *gathered* weights, so the barrier
   makes every all-gather finish before the block's recomputation starts:
-  the TPU compiler then issues them synchronously (measured with libtpu
-  0.0.50.1 on a plain GPT at stage 3, ``v5e:2x2``: 0 of 16 all-gathers
-  asynchronous with the barrier, 6 overlapping matmuls without, as many
-  as the GSPMD peer's). Inside a scan, and under this walk's own
+  the TPU compiler then issues them synchronously (docs/design.md). Inside a scan, and under this walk's own
   ``jax.checkpoint(prevent_cse=False)``, the barrier is not needed (JAX's
   ``jax.checkpoint`` documentation: CSE is already prevented in a scan);
   the policy and the numbers are unchanged."""

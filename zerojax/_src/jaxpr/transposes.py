@@ -18,9 +18,7 @@ a YNNPACK fusion.
 
 :func:`rewrite_for_dots` (``sums=True``, stage 0) writes the program the
 way GSPMD has it: ``transpose(psum(dot))``. The sum is elementwise, so it
-is the same sum of the same numbers. ``experiments/dot_forms.py`` counts
-the dots left to Eigen and the pages a step faults in, against the plain
-loop's (``docs/results.md``).
+is the same sum of the same numbers.
 
 At stages 1-3 the gradient is reduce-scattered from a layout built out of
 the transposed cotangents (a layer's leaves concatenated, the sharded

@@ -137,8 +137,8 @@ class ZeroPP:
   @property
   def block(self) -> int:
     """Elements per block: ``block_size``, by default 256, or 64 with int4
-    gradients (measured on the main job: int4 at 256 blocks trains to a
-    1.5% higher held-out loss, at 64 within 0.2%)."""
+    gradients (whose coarser steps need smaller blocks to train as close
+    to the unquantized loss; docs/design.md)."""
     if self.block_size is not None:
       return self.block_size
     return DEFAULT_BLOCK_INT4 if self.grad_bits == 4 else DEFAULT_BLOCK

@@ -254,8 +254,8 @@ def secondary_shards(spec: StateSpec, leaves, hooked):
   """hpZ: each sharded param's secondary shard, gathered across nodes once
   per step (outside the loss, its remat and the micro-batch loop), per
   model shard as every data-axis collective (``over_model_shards``; left
-  to XLA it gathered the weights over ``model`` first: all-gather elements
-  1.20x the theory's on a 4 x 2 mesh)."""
+  to XLA it gathers the weights over ``model`` first, more than the
+  theory's elements)."""
   tx = spec.tx
   zpp = tx.zeropp
   return [

@@ -77,7 +77,7 @@ def init_programs(spec: StateSpec, init_fn) -> list:
   # Stage 0 replicates everything, so every device ends up holding the whole
   # state and groups bound nothing: one program (the programs' freed
   # buffers otherwise stay in the host allocator's arenas and raise a CPU
-  # process's peak RSS; docs/results.md), whose initialiser runs split
+  # process's peak RSS), whose initialiser runs split
   # over the data axis (_drawn_split) so no device holds a whole draw's
   # temporaries.
   grouped = spec.place.offload or spec.stage > 0

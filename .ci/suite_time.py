@@ -1,9 +1,9 @@
 """Wall time of the test suite as CI runs it, per test and in total.
 
-    python experiments/suite_time.py                      # the default suite
-    python experiments/suite_time.py --marker slow        # the slow suite
-    python experiments/suite_time.py --no-cache           # the baseline
-    python experiments/suite_time.py --jax-phases         # where it goes
+    python .ci/suite_time.py                      # the default suite
+    python .ci/suite_time.py --marker slow        # the slow suite
+    python .ci/suite_time.py --no-cache           # the baseline
+    python .ci/suite_time.py --jax-phases         # where it goes
 
 Runs ``python -m pytest -n 2`` (the README's test command; ``-m slow``
 with ``--marker slow``) with the Python that runs this script, and writes
@@ -14,7 +14,7 @@ for jaxlib >= 0.11; ``--no-cache`` turns it off with
 ``JAX_ENABLE_COMPILATION_CACHE=false``), the XLA flags it printed there, and
 every test phase that took at least ``--min-s`` seconds (pytest's
 ``--durations``), slowest first. With ``--jax-phases`` (the
-``experiments/jax_phases.py`` plugin in every test process) also the
+``.ci/jax_phases.py`` plugin in every test process) also the
 seconds JAX spent tracing, lowering and compiling, in total and per test
 file, against the tests' own durations.
 """
@@ -62,7 +62,7 @@ def run(
     cmd += ["-p", "jax_phases"]
     env["ZEROJAX_JAX_PHASES_DIR"] = phases_dir
     env["PYTHONPATH"] = os.pathsep.join(
-      [str(ROOT / "experiments")] + [p for p in [env.get("PYTHONPATH")] if p]
+      [str(ROOT / ".ci")] + [p for p in [env.get("PYTHONPATH")] if p]
     )
   t0 = time.perf_counter()
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -165,7 +165,7 @@ def main(argv=None):
     "--jax-phases",
     action="store_true",
     help="also JAX's trace / lower / compile seconds per test "
-    "file (experiments/jax_phases.py)",
+    "file (.ci/jax_phases.py)",
   )
   args = ap.parse_args(argv)
   rec = run(

@@ -1,7 +1,7 @@
 """What a size limit on JAX's persistent compilation cache costs per write.
 
-    python experiments/cache_limit.py                  # 1,500 programs
-    python experiments/cache_limit.py --programs 3000
+    python .ci/cache_limit.py                  # 1,500 programs
+    python .ci/cache_limit.py --programs 3000
 
 Compiles ``--programs`` distinct small programs (one CPU device) into a
 fresh persistent cache, every compile written (minimum compile time 0),

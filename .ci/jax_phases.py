@@ -1,9 +1,9 @@
 """A pytest plugin: per test, the seconds JAX spent tracing, lowering and
 compiling, from :mod:`jax.monitoring`'s duration events.
 
-    python -m pytest -p jax_phases ...      # with experiments/ on PYTHONPATH
+    python -m pytest -p jax_phases ...      # with .ci/ on PYTHONPATH
 
-``experiments/suite_time.py --jax-phases`` loads it. Each test process
+``.ci/suite_time.py --jax-phases`` loads it. Each test process
 (the xdist workers too) writes one JSON file to ``$ZEROJAX_JAX_PHASES_DIR``
 at the end of its session: per test id, the seconds and counts of
 
