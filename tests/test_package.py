@@ -485,3 +485,31 @@ def test_at_most_three_test_files_reach_inside_the_engine():
         inside.append(f.name)
         break
   assert inside == ["test_audit.py", "test_engine.py", "test_package.py"]
+
+
+def test_the_engine_stays_readable():
+  """No engine module over 500 lines, no function with more than 6
+  positional parameters, and the records move no array and run no
+  optimizer (``records/`` holds data; ``step/`` acts on it)."""
+  import ast
+  import pathlib
+
+  src = pathlib.Path(zerojax.__file__).parent / "_src"
+  long, wide, acting = [], [], []
+  for f in sorted(src.rglob("*.py")):
+    text = f.read_text()
+    if len(text.splitlines()) > 500:
+      long.append(f.name)
+    for n in ast.walk(ast.parse(text)):
+      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        args = n.args.posonlyargs + n.args.args
+        k = len(args) - (args[:1] != [] and args[0].arg in ("self", "cls"))
+        if k > 6:
+          wide.append(f"{f.name}:{n.name}")
+    if f.parent.name == "records":
+      acting += [
+        f"{f.name}: {w}"
+        for w in ("device_put(", "apply_updates(", "zerojax._src.step")
+        if w in text
+      ]
+  assert (long, wide, acting) == ([], [], [])
