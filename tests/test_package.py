@@ -513,3 +513,21 @@ def test_the_engine_stays_readable():
         if w in text
       ]
   assert (long, wide, acting) == ([], [], [])
+
+
+def test_flax_and_orbax_namespaces_load_on_first_use():
+  code = (
+    "import sys, zerojax\n"
+    "before = {m.split('.')[0] for m in sys.modules} & {'flax', 'orbax'}\n"
+    "zerojax.checkpoint.Checkpointer, zerojax.nnx.scan_layers\n"
+    "after = {m.split('.')[0] for m in sys.modules} & {'flax', 'orbax'}\n"
+    "print(sorted(before), sorted(after))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+    env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+  )
+  assert out.stdout.split("\n")[-2] == "[] ['flax', 'orbax']", out.stdout

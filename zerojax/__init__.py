@@ -13,9 +13,9 @@ hardware you do not hold), :mod:`zerojax.linen` and :mod:`zerojax.nnx`
 :mod:`zerojax.xla_flags` (processes and flags).
 """
 
-# the library's namespaces that load nothing beyond JAX and Optax, reachable
-# after ``import zerojax``; zerojax.checkpoint (Orbax) and zerojax.linen /
-# zerojax.nnx (Flax) are imported by name
+# the library's namespaces that load nothing beyond JAX and Optax, imported
+# with the root; zerojax.checkpoint (Orbax) and zerojax.linen / zerojax.nnx
+# (Flax) load on first use (``__getattr__`` below)
 from zerojax import aot as aot
 from zerojax import cost as cost
 from zerojax import diagnostics as diagnostics
@@ -85,3 +85,16 @@ __all__ = [
   "report",
   "Report",
 ]
+
+_ON_FIRST_USE = ("checkpoint", "linen", "nnx")
+
+
+def __getattr__(name: str):
+  """``zerojax.checkpoint``, ``zerojax.linen`` and ``zerojax.nnx`` are
+  imported when first used, so a script that never uses them loads neither
+  Orbax nor Flax."""
+  if name in _ON_FIRST_USE:
+    import importlib
+
+    return importlib.import_module(f"zerojax.{name}")
+  raise AttributeError(f"module 'zerojax' has no attribute {name!r}")
