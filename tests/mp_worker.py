@@ -9,6 +9,7 @@ python -m tests.mp_worker hsdp    STAGE OUT JSON   # replica=2 across processes
 python -m tests.mp_worker zeropp  3 OUT JSON       # ZeRO++, node = process
 python -m tests.mp_worker qgz     3 OUT JSON       # qgZ alone, node = process
 python -m tests.mp_worker aux     STAGE PREFIX     # per-example aux rows
+python -m tests.mp_worker safetensors STAGE DIR OUT # train, export, load back
 """
 
 import os
@@ -134,6 +135,26 @@ def main(mode, *rest):
           for s in aux["x_rows"].addressable_shards
         },
       )
+  elif mode == "safetensors":
+    # trained, written by process 0 (each process gathers), read back by
+    # both processes, each reading its own devices' rows
+    state = zerojax.init(params, tx)
+    for b in batches:
+      state, _ = step(state, b)
+    names = lambda path, shape: path
+    checkpoint.save_safetensors(
+      state, rest[1], mapping=names, max_shard_bytes=2048
+    )
+    back = checkpoint.load_safetensors(
+      rest[1], tx, jax.eval_shape(lambda: params), mapping=names
+    )
+    trained = jax.tree.leaves(zerojax.gather_params(state, master=True))
+    loaded = jax.tree.leaves(zerojax.gather_params(back))
+    assert all(
+      np.array_equal(np.asarray(a.addressable_data(0)), b.addressable_data(0))
+      for a, b in zip(trained, loaded)
+    )
+    save_params(back, rest[2])
   elif mode == "train":
     state = zerojax.init(params, tx)
     for b in batches:

@@ -435,3 +435,16 @@ def test_qgz_alone_is_hierarchical_across_two_processes(tmp_path):
     if c["kind"] == "all-to-all":  # only the node sums: one device per process
       assert all(sorted(proc[d] for d in g) == [0, 1] for g in c["groups"])
   assert grads <= 0.30 * plain, (grads, plain)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_safetensors_across_two_processes_round_trip_exactly(tmp_path, stage):
+  """2 processes x 4 devices: process 0 writes the trained master copy,
+  both load it back reading their own devices' rows; the loaded params
+  are bitwise the trained ones (checked in each process) and equal the
+  one-process run's."""
+  out = tmp_path / "p.npz"
+  assert _launch(tmp_path, "safetensors", stage, tmp_path / "st", out) == 0
+  _, want = _single(stage, 5)
+  for a, b in zip(_load(out), want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

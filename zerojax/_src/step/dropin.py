@@ -47,8 +47,8 @@ from zerojax._src.records.mesh import explicit_names, named
 from zerojax._src.records.spec import StateSpec, gathered, make_spec
 from zerojax._src.step import update as _update
 from zerojax._src.step.deleted import reject_deleted
+from zerojax._src.step.extras import warn_untrained
 from zerojax._src.step.leaf_ops import WeightSource, grad_view
-from zerojax._src.step.state import warn_untrained
 
 
 def _check_config(config, where: str):

@@ -9,12 +9,12 @@ import optax
 
 from zerojax._src.records import layout as _layout
 from zerojax._src.records.spec import StateSpec, ZeroState, make_spec
+from zerojax._src.step.extras import with_extras
 from zerojax._src.step.state import (
   assemble,
   build_group,
   build_plan,
   group_shardings,
-  with_extras,
 )
 
 

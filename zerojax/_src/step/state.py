@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +25,11 @@ from zerojax._src.records import layout as _layout
 from zerojax._src.records.spec import (
   StateSpec,
   ZeroState,
-  is_key_dtype,
-  leaf_dtype,
   make_spec,
 )
 from zerojax._src.step import offload as _offload
 from zerojax._src.step.deleted import is_concrete, reject_deleted
-from zerojax._src.step.leaf_ops import fresh_copy
+from zerojax._src.step.extras import with_extras
 
 
 def place_leaf(x, layout, spec: StateSpec):
@@ -255,102 +252,6 @@ def _zero_step(sharding):
   return jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=sharding)
 
 
-def _replicated(tree, spec: StateSpec):
-  """Host or device values, the same on every process -> replicated arrays."""
-
-  def put(x):
-    rep = spec.replicated(np.ndim(x))
-    if jax.process_count() == 1:
-      # A fresh buffer: the train step donates the state, and device_put
-      # may alias the caller's array (it does for replicated placement).
-      return fresh_copy(rep)(x)
-    if is_key_dtype(getattr(x, "dtype", None)):
-      return jax.random.wrap_key_data(
-        put(jax.random.key_data(x)), impl=jax.random.key_impl(x)
-      )
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, rep, lambda i: host[i])
-
-  return jax.tree.map(put, tree)
-
-
-def _root_key(key, where: str):
-  """A PRNG key from ``key`` (typed key, raw uint32 key or int seed)."""
-  if key is None:
-    return None
-  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-    return jax.random.key(int(key))
-  dtype = getattr(key, "dtype", None)
-  if is_key_dtype(dtype):
-    if key.shape != ():
-      raise ValueError(
-        f"{where}: key must be one key, got a key array of shape {key.shape}."
-      )
-    return key
-  if dtype is not None and np.dtype(dtype) == np.uint32 and key.shape == (2,):
-    return key  # a raw jax.random.PRNGKey
-  raise TypeError(
-    f"{where}: key={key!r} is not a PRNG key; pass jax.random.key(seed), "
-    f"jax.random.PRNGKey(seed) or an int seed."
-  )
-
-
-def _warn_idle_model_axes(spec: StateSpec, where: str):
-  """A model axis no parameter is split over repeats all work along it."""
-  used = {
-    a
-    for r in spec.leaves
-    for l in (r.shard, r.param)
-    for m in l.model
-    for a in m
-  }
-  idle = {
-    a: n for a, n in spec.tx.model_axes.items() if n > 1 and a not in used
-  }
-  if idle:
-    warnings.warn(
-      f"{where}: mesh axes {idle} split no parameter (no model spec uses "
-      f"them), so every device along them holds and computes the same "
-      f"thing. Pass the model's shardings: zerojax.zero(..., model_specs="
-      f"zerojax.linen.model_specs(variables, rules)) (or nnx.model_specs, "
-      f"or a tree of PartitionSpec), or drop the axis from the mesh.",
-      stacklevel=3,
-    )
-
-
-def warn_untrained(spec: StateSpec, where: str):
-  """Leaves zerojax carries but does not train are said, not only listed."""
-  frozen = [
-    (r.path, leaf_dtype(r.aval.dtype)) for r in spec.leaves if not r.trainable
-  ]
-  if not frozen:
-    return
-  names = ", ".join(f"params{p} ({d})" for p, d in frozen[:4])
-  more = f" and {len(frozen) - 4} more" if len(frozen) > 4 else ""
-  warnings.warn(
-    f"{where}: {names}{more} are neither floating nor complex, so they are "
-    f"carried unchanged and not trained (jax.grad cannot differentiate "
-    f"them, so Optax would not train them either). Pass such buffers as "
-    f"model_state (or drop them from the params) to silence this.",
-    stacklevel=3,
-  )
-
-
-def with_extras(state: ZeroState, key, model_state, where: str) -> ZeroState:
-  warn_untrained(state.spec, where)
-  _warn_idle_model_axes(state.spec, where)
-  key = _root_key(key, where)
-  if model_state is not None:
-    for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
-      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(
-          f"{where}: model_state leaf {jax.tree_util.keystr(path)} is a "
-          f"{type(x).__name__}, not an array."
-        )
-  extras = _replicated({"key": key, "model_state": model_state}, state.spec)
-  return state.replace(**extras)
-
-
 def _reject_non_params(params, where: str):
   """Module objects and functions are not a params tree: say what to pass."""
   # An nnx.Module exists only where flax.nnx is imported: looked up, not
@@ -427,18 +328,35 @@ def init(
   spec = make_spec(params, tx)
   leaves = jax.tree.leaves(params)
   held = [None] * len(leaves) if copy else _held_as_stored(leaves, spec)
-  parts = []
   # offloaded: one group at a time, so the device holds one group's shards
   # and state before they go to host memory; else one program (faster to
   # compile, and the state ends up on the device anyway)
-  for group, owned in zip(*build_plan(spec, grouped=spec.place.offload)):
-    stored = [place_leaf(leaves[i], spec.leaves[i].shard, spec) for i in group]
+  state = build_from_stored(
+    spec,
+    lambda group: [
+      place_leaf(leaves[i], spec.leaves[i].shard, spec) for i in group
+    ],
+    grouped=spec.place.offload,
+    held=held,
+  )
+  return with_extras(state, key, model_state, "zerojax.init")
+
+
+def build_from_stored(spec: StateSpec, stored, *, grouped: bool, held=None):
+  """The state from its param leaves, a group at a time: ``stored(group)``
+  gives the group's leaves in their shard layouts' storage form (global
+  arrays); one program per group makes the params, master copy and
+  optimizer state from them. ``held[i]``: an array the state keeps as
+  leaf ``i``'s params as it is (None: built)."""
+  held = held or [None] * len(spec.leaves)
+  parts = []
+  for group, owned in zip(*build_plan(spec, grouped=grouped)):
     keep = tuple(held[i] is not None for i in group)
-    p, m, o = _build_jit(spec, tuple(group), tuple(owned), keep)(stored)
+    p, m, o = _build_jit(spec, tuple(group), tuple(owned), keep)(stored(group))
     p = iter(p)
     p = [held[i] if k else next(p) for i, k in zip(group, keep)]
     parts.append(((group, owned), (p, m, o)))
-  return with_extras(assemble(spec, parts), key, model_state, "zerojax.init")
+  return assemble(spec, parts)
 
 
 def _held_as_stored(leaves, spec: StateSpec) -> list:

@@ -1,0 +1,453 @@
+"""Safetensors checkpoints (the Hugging Face format) in and out of a state.
+
+Loading reads each device's rows straight from the files: every leaf of
+the state's params is built with ``jax.make_array_from_callback`` in its
+shard layout, and the callback reads only the block a local device holds
+(safetensors slices lazily), so a process holds its share of the model,
+never all of it; a stacked leaf (the layers a ``lax.scan`` slices) reads
+the block from each per-layer tensor. The master copy and the optimizer
+state are then built from those leaves, a group of leaves at a time, as
+:func:`zerojax.init` builds them. Every tensor is checked against the
+mapping before any array is built.
+
+Exporting gathers one leaf at a time and writes files of at most
+``max_shard_bytes`` with Hugging Face's names and index, so the host holds
+one file's tensors at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from zerojax._src.ckpt.layout_json import CheckpointError
+from zerojax._src.records.spec import StateSpec, ZeroState, make_spec
+from zerojax._src.step.deleted import reject_deleted
+from zerojax._src.step.extras import with_extras
+from zerojax._src.step.gather_state import gather_leaf
+from zerojax._src.step.state import build_from_stored
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+  """Where one param leaf lives in a safetensors checkpoint.
+
+  Attributes:
+    names: the tensor's name, or one name per layer of a stacked leaf (its
+      leading dimension, in order: ``h.0.attn.c_attn.weight``,
+      ``h.1.attn.c_attn.weight``, ...).
+    transpose: the file holds the leaf's last two dimensions swapped
+      (PyTorch's ``nn.Linear`` stores ``(out, in)`` where a JAX kernel is
+      ``(in, out)``).
+  """
+
+  names: tuple[str, ...]
+  transpose: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.names, str):
+      object.__setattr__(self, "names", (self.names,))
+    else:
+      object.__setattr__(self, "names", tuple(self.names))
+    if not self.names or not all(isinstance(n, str) for n in self.names):
+      raise TypeError(
+        f"zerojax TensorMap: names={self.names!r} must be a tensor name or "
+        f"a non-empty sequence of names (one per layer)."
+      )
+
+  def file_shape(self, leaf_shape: tuple) -> tuple:
+    """One tensor's shape in the file, for a leaf of ``leaf_shape``."""
+    shape = tuple(leaf_shape[1:] if len(self.names) > 1 else leaf_shape)
+    if self.transpose:
+      if len(shape) < 2:
+        raise CheckpointError(
+          f"zerojax safetensors: {self.names[0]!r} is mapped with "
+          f"transpose=True to a leaf of rank {len(shape)}; only rank >= 2 "
+          f"tensors can be transposed."
+        )
+      shape = shape[:-2] + (shape[-1], shape[-2])
+    return shape
+
+
+def _as_map(m) -> TensorMap:
+  if isinstance(m, TensorMap):
+    return m
+  if isinstance(m, str) or isinstance(m, Sequence):
+    return TensorMap(m)
+  raise TypeError(
+    f"zerojax safetensors: the mapping returned {m!r}; return a tensor "
+    f"name, a sequence of per-layer names or a zerojax.checkpoint.TensorMap."
+  )
+
+
+def _maps(spec: StateSpec, mapping) -> list[TensorMap]:
+  if isinstance(mapping, dict):
+    missing = [r.path for r in spec.leaves if r.path not in mapping]
+    if missing:
+      raise CheckpointError(
+        f"zerojax safetensors: the mapping names no tensor for params "
+        f"{', '.join(missing)}. Give every param leaf (its keystr path) a "
+        f"tensor name."
+      )
+    return [_as_map(mapping[r.path]) for r in spec.leaves]
+  return [_as_map(mapping(r.path, tuple(r.aval.shape))) for r in spec.leaves]
+
+
+# --- the files ---------------------------------------------------------------
+def _files(path) -> dict[str, pathlib.Path]:
+  """Tensor name -> file, from one file, a directory with one
+  ``model.safetensors``, or a directory with an index and its shards."""
+  path = pathlib.Path(path)
+  if path.is_file():
+    return {name: path for name in _keys(path)}
+  index = path / INDEX
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError) as e:
+      raise CheckpointError(
+        f"zerojax safetensors: {index} is not a safetensors index (no "
+        f"weight_map: {e}). Write it with zerojax.checkpoint.save_safetensors "
+        f"or transformers' save_pretrained."
+      ) from e
+    lost = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+    if lost:
+      raise CheckpointError(
+        f"zerojax safetensors: {index} lists shard files that do not exist: "
+        f"{', '.join(lost)} (holding e.g. "
+        f"{next(n for n, f in weight_map.items() if f == lost[0])!r}). Copy "
+        f"the missing shards beside the index."
+      )
+    found = {}
+    for f in sorted(set(weight_map.values())):
+      for name in _keys(path / f):
+        found[name] = path / f
+    return found
+  single = path / SINGLE
+  if single.is_file():
+    return {name: single for name in _keys(single)}
+  raise CheckpointError(
+    f"zerojax safetensors: {path} holds neither {SINGLE} nor {INDEX}; pass "
+    f"a .safetensors file or a directory written by save_pretrained."
+  )
+
+
+def _keys(file: pathlib.Path) -> list[str]:
+  try:
+    with safe_open(file, "numpy") as f:
+      return list(f.keys())
+  except (SafetensorError, OSError) as e:
+    raise CheckpointError(
+      f"zerojax safetensors: {file} cannot be read ({e}); the file is "
+      f"truncated or not a safetensors file. Copy it again."
+    ) from e
+
+
+class _Reader:
+  """Open files, each tensor's shape and dtype, and block reads."""
+
+  def __init__(self, files: dict[str, pathlib.Path]):
+    self.files = files
+    self._open = {}
+    self.bytes_read = 0
+
+  def handle(self, name: str):
+    file = self.files[name]
+    if file not in self._open:
+      self._open[file] = safe_open(file, "numpy").__enter__()
+    return self._open[file]
+
+  def info(self, name: str) -> tuple[tuple, str]:
+    s = self.handle(name).get_slice(name)
+    return tuple(s.get_shape()), s.get_dtype()
+
+  def read(self, name: str, index: tuple) -> np.ndarray:
+    h = self.handle(name)
+    if not index:
+      out = np.asarray(h.get_tensor(name))
+    else:
+      out = np.asarray(h.get_slice(name)[index])
+    self.bytes_read += out.nbytes
+    return out
+
+  def close(self):
+    for h in self._open.values():
+      h.__exit__(None, None, None)
+    self._open.clear()
+
+
+_FLOAT = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def _check(spec: StateSpec, maps: list[TensorMap], reader: _Reader, unused):
+  """Every problem with the checkpoint against the params, in one error."""
+  problems, used = [], set()
+  for r, m in zip(spec.leaves, maps):
+    shape = tuple(r.aval.shape)
+    if len(m.names) > 1 and (not shape or shape[0] != len(m.names)):
+      problems.append(
+        f"params{r.path} {list(shape)}: mapped to {len(m.names)} per-layer "
+        f"tensors, but its leading dimension is "
+        f"{shape[0] if shape else 'absent'}"
+      )
+      continue
+    want = m.file_shape(shape)
+    floating = jnp.issubdtype(r.aval.dtype, jnp.inexact)
+    for name in m.names:
+      used.add(name)
+      if name not in reader.files:
+        problems.append(f"params{r.path}: tensor {name!r} is missing")
+        continue
+      got, dtype = reader.info(name)
+      if got != want:
+        problems.append(
+          f"params{r.path}: tensor {name!r} is {list(got)}, expected "
+          f"{list(want)}{' (transposed)' if m.transpose else ''}"
+        )
+      if (dtype in _FLOAT) != floating:
+        problems.append(
+          f"params{r.path}: tensor {name!r} is {dtype}, the param is "
+          f"{np.dtype(r.aval.dtype).name}"
+        )
+  extra = sorted(set(reader.files) - used)
+  if extra and unused == "raise":
+    shown = ", ".join(repr(n) for n in extra[:8])
+    more = f" (and {len(extra) - 8} more)" if len(extra) > 8 else ""
+    problems.append(
+      f"tensors no param is mapped to: {shown}{more} (pass "
+      f"unused='ignore' to load without them)"
+    )
+  if problems:
+    raise CheckpointError(
+      "zerojax safetensors: the checkpoint does not match the params; "
+      "nothing was built:\n  " + "\n  ".join(problems)
+    )
+
+
+# --- load --------------------------------------------------------------------
+def _block(reader: _Reader, m: TensorMap, index: tuple, dtype) -> np.ndarray:
+  """The leaf's logical block ``index`` (a tuple of slices), from the file."""
+
+  def one(name, idx):
+    if m.transpose:
+      idx = idx[:-2] + (idx[-1], idx[-2])
+      return np.swapaxes(reader.read(name, idx), -1, -2)
+    return reader.read(name, idx)
+
+  if len(m.names) == 1:
+    out = one(m.names[0], index)
+  else:
+    rows = range(*index[0].indices(len(m.names)))
+    out = np.stack([one(m.names[k], index[1:]) for k in rows])
+  return out.astype(dtype, copy=False)
+
+
+def _stored_leaf(reader: _Reader, spec: StateSpec, i: int, m: TensorMap):
+  """Param leaf ``i`` in its shard layout's storage form: each device's
+  block read from the file, the padding zeros."""
+  r = spec.leaves[i]
+  layout = r.shard
+  shape, dtype = layout.storage_shape, np.dtype(r.aval.dtype)
+  logical = tuple(r.aval.shape)
+
+  def block(index):
+    index = tuple(
+      slice(*s.indices(n)[:2]) for s, n in zip(index, shape)
+    ) or tuple(slice(0, n) for n in shape)
+    want = tuple(s.stop - s.start for s in index)
+    inside = tuple(
+      slice(min(s.start, n), min(s.stop, n)) for s, n in zip(index, logical)
+    )
+    if any(s.stop <= s.start for s in inside) and want:
+      return np.zeros(want, dtype)
+    got = (
+      _block(reader, m, inside, dtype)
+      if shape
+      else _block(reader, m, (), dtype)
+    )
+    if got.shape == want:
+      return got
+    out = np.zeros(want, dtype)
+    out[tuple(slice(0, k) for k in got.shape)] = got
+    return out
+
+  return jax.make_array_from_callback(shape, spec.sharding(layout), block)
+
+
+def load_safetensors(
+  path,
+  tx: optax.GradientTransformationExtraArgs,
+  template,
+  *,
+  mapping,
+  unused: str = "raise",
+  key=None,
+  model_state=None,
+) -> ZeroState:
+  """A :class:`~zerojax.ZeroState` from safetensors files, each process
+  reading only the rows its devices hold.
+
+  Args:
+    path: a ``.safetensors`` file, or a directory holding
+      ``model.safetensors`` or ``model.safetensors.index.json`` and its
+      shards (as ``save_pretrained`` writes them).
+    tx: a :class:`~zerojax.ZeroTransformation` (any stage and mesh).
+    template: the params tree, as arrays or ``jax.ShapeDtypeStruct``
+      (``jax.eval_shape(init_fn, key)``): the leaves' shapes and dtypes.
+      Each tensor is converted to its leaf's dtype, then to the stage's
+      precision policy.
+    mapping: for each param leaf, where it lives in the files: a dict from
+      the leaf's path (``jax.tree_util.keystr``) or a function
+      ``mapping(path, shape)``, returning a tensor name, a sequence of
+      per-layer names (stacked along the leaf's leading dimension) or a
+      :class:`TensorMap` (with ``transpose=True`` for PyTorch ``Linear``
+      weights).
+    unused: ``"raise"`` (default) when the files hold tensors no param is
+      mapped to, ``"ignore"`` to load without them.
+    key, model_state: as for :func:`zerojax.init`.
+
+  Returns:
+    The state, as :func:`zerojax.init` would build it from the same values.
+
+  Raises:
+    CheckpointError: listing every missing, unexpected, misshaped or
+      wrongly typed tensor, a truncated file or an index naming a missing
+      shard, before any array is built.
+  """
+  if unused not in ("raise", "ignore"):
+    raise ValueError(
+      f"zerojax.checkpoint.load_safetensors: unused={unused!r}; use "
+      f"'raise' or 'ignore'."
+    )
+  spec = make_spec(jax.eval_shape(lambda: template), tx)
+  maps = _maps(spec, mapping)
+  reader = _Reader(_files(path))
+  try:
+    _check(spec, maps, reader, unused)
+    state = build_from_stored(
+      spec,
+      lambda group: [_stored_leaf(reader, spec, i, maps[i]) for i in group],
+      grouped=True,
+    )
+    jax.block_until_ready(state)
+  finally:
+    reader.close()
+  return with_extras(
+    state, key, model_state, "zerojax.checkpoint.load_safetensors"
+  )
+
+
+# --- export ------------------------------------------------------------------
+def save_safetensors(
+  state: ZeroState,
+  directory,
+  *,
+  mapping,
+  master: bool = True,
+  max_shard_bytes: int = 5 * 2**30,
+) -> list[pathlib.Path]:
+  """Writes the params (the master copy by default) as safetensors with
+  the names ``mapping`` gives (the same mapping :func:`load_safetensors`
+  reads), in files of at most ``max_shard_bytes`` plus
+  ``model.safetensors.index.json`` when there are several, as
+  ``save_pretrained`` does.
+
+  One leaf is gathered at a time and the host holds one file's tensors at
+  a time. Every process takes part in the gathers; process 0 writes.
+
+  Returns:
+    The files written.
+  """
+  reject_deleted(state, "zerojax.checkpoint.save_safetensors")
+  if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+    raise ValueError(
+      f"zerojax.checkpoint.save_safetensors: max_shard_bytes="
+      f"{max_shard_bytes!r} must be a positive int."
+    )
+  spec = state.spec
+  maps = _maps(spec, mapping)
+  directory = pathlib.Path(directory)
+  writer = jax.process_index() == 0
+  if writer:
+    directory.mkdir(parents=True, exist_ok=True)
+  shards, current, size, total = [], {}, 0, 0
+
+  def flush():
+    nonlocal current, size
+    if current and writer:
+      file = directory / f".part-{len(shards):05d}.safetensors"
+      save_file(current, file, metadata={"format": "pt"})
+      shards.append((file, list(current)))
+    current, size = {}, 0
+
+  for i, m in enumerate(maps):
+    full = np.asarray(gather_leaf(state, i, master=master))
+    pieces = [full] if len(m.names) == 1 else list(full)
+    for name, x in zip(m.names, pieces):
+      x = np.array(np.swapaxes(x, -1, -2) if m.transpose else x, order="C")
+      if current and size + x.nbytes > max_shard_bytes:
+        flush()
+      current[name] = x
+      size += x.nbytes
+      total += x.nbytes
+    del full, pieces
+  flush()
+  written = _name_files(directory, shards, total) if writer else []
+  if jax.process_count() > 1:  # every process may read what process 0 wrote
+    multihost_utils.sync_global_devices("zerojax.save_safetensors")
+  return written
+
+
+def _name_files(directory, shards, total) -> list[pathlib.Path]:
+  """The written parts renamed as ``save_pretrained`` names them, and the
+  index when there are several."""
+  n, written, weight_map = len(shards), [], {}
+  for k, (file, names) in enumerate(shards):
+    final = directory / (
+      SINGLE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+    )
+    os.replace(file, final)
+    written.append(final)
+    weight_map.update({name: final.name for name in names})
+  if n > 1:
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX).write_text(json.dumps(index, indent=2))
+    written.append(directory / INDEX)
+  return written
+
+
+def naive_load(path, template, mapping) -> dict:
+  """Every tensor read whole into host memory (the baseline a benchmark
+  sets beside :func:`load_safetensors`)."""
+  spec_paths = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(template)[0]
+  ]
+  leaves = jax.tree.leaves(template)
+  files = _files(path)
+  reader = _Reader(files)
+  try:
+    out = []
+    for p, x in zip(spec_paths, leaves):
+      m = _as_map(
+        mapping[p] if isinstance(mapping, dict) else mapping(p, x.shape)
+      )
+      whole = tuple(slice(0, n) for n in x.shape)
+      out.append(_block(reader, m, whole, np.dtype(x.dtype)))
+  finally:
+    reader.close()
+  return jax.tree.unflatten(jax.tree.structure(template), out)
