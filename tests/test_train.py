@@ -77,6 +77,41 @@ def test_main_job_runs_and_writes_its_outputs(main_job_run):
   assert "sample:" in proc.stdout
 
 
+def _event_scalars(directory) -> dict:
+  """``{tag: [(step, value)]}`` from the TensorBoard event files (records:
+  length, its CRC, the serialized Event, its CRC)."""
+  import struct
+
+  from tensorboardX.proto import event_pb2
+
+  out = {}
+  for f in sorted(directory.glob("events.out.tfevents.*")):
+    data, at = f.read_bytes(), 0
+    while at < len(data):
+      (n,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event.FromString(data[at + 12 : at + 12 + n])
+      at += 16 + n
+      for v in event.summary.value:
+        out.setdefault(v.tag, []).append((event.step, v.simple_value))
+  return out
+
+
+def test_main_job_writes_tensorboard_events_beside_its_metrics(main_job_run):
+  """``tensorboard --logdir runs/`` shows what metrics.jsonl holds."""
+  out, _ = main_job_run
+  records = [
+    json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()
+  ]
+  scalars = _event_scalars(out)
+  for tag in ("loss", "eval_loss", "grad_norm", "lr"):
+    want = [(r["step"], r[tag]) for r in records if tag in r]
+    got = scalars[tag]
+    assert [s for s, _ in got] == [s for s, _ in want], tag
+    np.testing.assert_allclose(
+      [v for _, v in got], [v for _, v in want], rtol=1e-6
+    )
+
+
 def test_main_job_checks_a_sized_mesh_before_it_knows_the_devices():
   """``--devices`` automatic (0): a ``--mesh`` that sizes every axis is
   checked when the flags are read (its model axis may carry

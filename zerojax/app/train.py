@@ -10,7 +10,8 @@ context 1024, cuDNN attention); on a CPU-only machine it creates
 trains a small model in a few minutes.
 Writes ``<out>/metrics.jsonl`` (one object per logged step: ``step``,
 ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, and ``eval_loss`` at
-evaluations), ``<out>/loss.png`` and ``<out>/summary.json``, and prints a
+evaluations), the same scalars as TensorBoard event files in ``<out>``
+(tensorboardX), ``<out>/loss.png`` and ``<out>/summary.json``, and prints a
 text sample from the trained model.
 """
 
@@ -640,8 +641,9 @@ def _batches(config: TrainConfig, tx):
 
 
 class _Log:
-  """The run's records, ``metrics.jsonl`` (main process) and the progress
-  bar; step metrics are read one step late, so the host never stalls."""
+  """The run's records, ``metrics.jsonl`` and TensorBoard event files beside
+  it (main process; ``tensorboard --logdir runs/``), and the progress bar;
+  step metrics are read one step late, so the host never stalls."""
 
   def __init__(
     self, config, out, main_process, schedule, devices, flops_per_token
@@ -658,6 +660,11 @@ class _Log:
       if main_process
       else open(os.devnull, "w")
     )
+    self.events = None
+    if main_process:
+      from tensorboardX import SummaryWriter
+
+      self.events = SummaryWriter(logdir=str(out))
     self.t_start = self.t_window = time.perf_counter()
     self.window_steps = 0
     self.bar = tqdm(
@@ -673,8 +680,14 @@ class _Log:
   def write(self, rec: dict, flush: bool = False):
     self.records.append(rec)
     self.file.write(json.dumps(rec) + "\n")
+    if self.events is not None:
+      for name, value in rec.items():
+        if name != "step" and isinstance(value, (int, float)):
+          self.events.add_scalar(name, value, rec["step"])
     if flush:
       self.file.flush()
+      if self.events is not None:
+        self.events.flush()
 
   def step_metrics(self, step_done: int, metrics) -> dict:
     from zerojax.app import mfu
@@ -727,6 +740,8 @@ class _Log:
 
   def close(self):
     self.file.close()
+    if self.events is not None:
+      self.events.close()
     self.bar.close()
 
 
