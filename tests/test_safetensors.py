@@ -194,3 +194,14 @@ def test_a_truncated_file_or_a_lost_shard_is_named(mesh, tmp_path):
   shards[1].unlink()
   with pytest.raises(CheckpointError, match=f"do not exist: {shards[1].name}"):
     checkpoint.load_safetensors(tmp_path, tx, _template(), mapping=MAPPING)
+
+
+def test_export_refuses_two_params_mapped_to_one_tensor(mesh, tmp_path):
+  """A tied weight loads into two leaves; written back, one would be lost,
+  so export refuses before writing anything."""
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  tied = dict(MAPPING, **{"['head']": TensorMap("wte.weight", transpose=True)})
+  with pytest.raises(CheckpointError, match="both map to tensor 'wte.weight'"):
+    checkpoint.save_safetensors(state, tmp_path / "out", mapping=tied)
+  assert not (tmp_path / "out").exists()

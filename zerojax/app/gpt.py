@@ -149,6 +149,46 @@ def model_specs(rules=TP_RULES):
   )
 
 
+def hf_gpt2_mapping(config: GPTConfig, prefix: str = "transformer.") -> dict:
+  """Where each param lives in a Hugging Face GPT-2 checkpoint (PyTorch
+  ``GPT2LMHeadModel.save_pretrained``), for
+  ``zerojax.checkpoint.load_safetensors``: the per-layer tensors
+  ``h.{i}.*`` stacked into the scanned blocks, GPT-2's ``Conv1D`` weights
+  stored ``(in, out)`` as this model's are, and the head tied to the token
+  embedding (``wte``, transposed). The config must match the checkpoint's:
+  ``width`` = ``n_embd``, ``depth`` = ``n_layer``, ``heads`` = ``n_head``,
+  ``seq_len`` = ``n_positions``, ``vocab`` = ``vocab_size``, ``mlp_ratio``
+  4 (GPT-2's GELU is the tanh approximation, as ``jax.nn.gelu``'s)."""
+  from zerojax.checkpoint import TensorMap
+
+  per_layer = lambda name: [
+    f"{prefix}h.{i}.{name}" for i in range(config.depth)
+  ]
+  blocks = {
+    "ln1_scale_LxD": "ln_1.weight",
+    "ln1_bias_LxD": "ln_1.bias",
+    "qkv_LxDx3D": "attn.c_attn.weight",
+    "qkv_bias_Lx3D": "attn.c_attn.bias",
+    "proj_LxDxD": "attn.c_proj.weight",
+    "proj_bias_LxD": "attn.c_proj.bias",
+    "ln2_scale_LxD": "ln_2.weight",
+    "ln2_bias_LxD": "ln_2.bias",
+    "fc1_LxDxF": "mlp.c_fc.weight",
+    "fc1_bias_LxF": "mlp.c_fc.bias",
+    "fc2_LxFxD": "mlp.c_proj.weight",
+    "fc2_bias_LxD": "mlp.c_proj.bias",
+  }
+  out: dict[str, object] = {
+    "['embed_VxD']": f"{prefix}wte.weight",
+    "['pos_TxD']": f"{prefix}wpe.weight",
+    "['lnf_scale_D']": f"{prefix}ln_f.weight",
+    "['lnf_bias_D']": f"{prefix}ln_f.bias",
+    "['head_DxV']": TensorMap(f"{prefix}wte.weight", transpose=True),
+  }
+  out.update({f"['blocks']['{k}']": per_layer(v) for k, v in blocks.items()})
+  return out
+
+
 def is_layer_stack(path: str, shape) -> bool:
   """For ``zerojax.zero(stacked=...)``: only the blocks are layer stacks, so
   the embedding and head may be sharded along any dimension."""

@@ -380,6 +380,18 @@ def save_safetensors(
     )
   spec = state.spec
   maps = _maps(spec, mapping)
+  owner: dict[str, str] = {}
+  for r, m in zip(spec.leaves, maps):
+    for name in m.names:
+      if name in owner:
+        raise CheckpointError(
+          f"zerojax.checkpoint.save_safetensors: params{owner[name]} and "
+          f"params{r.path} both map to tensor {name!r}, and a file holds "
+          f"one tensor per name (a weight tied in the checkpoint but "
+          f"trained as two leaves). Map one of them to another name, e.g. "
+          f"the head to 'lm_head.weight'."
+        )
+      owner[name] = r.path
   directory = pathlib.Path(directory)
   writer = jax.process_index() == 0
   if writer:
