@@ -33,6 +33,17 @@ def test_module_graph_has_no_circle_type_only_imports_included():
   assert circles == []
 
 
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+  """``code`` run by a new interpreter with nothing imported yet."""
+  return subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+    env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+  )
+
+
 def test_the_library_loads_without_the_application_or_its_dependencies():
   code = (
     "import sys, zerojax, zerojax.cost, zerojax.checkpoint, zerojax.nnx,"
@@ -43,13 +54,7 @@ def test_the_library_loads_without_the_application_or_its_dependencies():
     "('zerojax.train', 'zerojax.plan'))\n"
     "print(bad)"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    capture_output=True,
-    text=True,
-    check=True,
-    env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-  )
+  out = _fresh_python(code)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
@@ -72,13 +77,7 @@ def test_a_plain_jax_training_script_does_not_load_flax():
     "print(sorted({m.split('.')[0] for m in sys.modules} & "
     "{'flax', 'orbax', 'treescope', 'IPython'}))\n"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    capture_output=True,
-    text=True,
-    check=True,
-    env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-  )
+  out = _fresh_python(code)
   assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
@@ -523,11 +522,5 @@ def test_flax_and_orbax_namespaces_load_on_first_use():
     "after = {m.split('.')[0] for m in sys.modules} & {'flax', 'orbax'}\n"
     "print(sorted(before), sorted(after))"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    capture_output=True,
-    text=True,
-    check=True,
-    env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-  )
+  out = _fresh_python(code)
   assert out.stdout.split("\n")[-2] == "[] ['flax', 'orbax']", out.stdout

@@ -205,3 +205,21 @@ def test_export_refuses_two_params_mapped_to_one_tensor(mesh, tmp_path):
   with pytest.raises(CheckpointError, match="both map to tensor 'wte.weight'"):
     checkpoint.save_safetensors(state, tmp_path / "out", mapping=tied)
   assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_loads_on_the_meshes_users_hold(any_mesh, tmp_path):
+  """Auto and Explicit axes, and a ``jax.make_mesh`` set with
+  ``jax.set_mesh`` (no ``mesh=``): the state zerojax.init builds."""
+  params = _params()
+  save_file(_hf_tensors(params), tmp_path / "model.safetensors")
+  tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=any_mesh)
+  state = checkpoint.load_safetensors(
+    tmp_path, tx, _template(), mapping=MAPPING
+  )
+  toy.assert_same_arrays(state, zerojax.init(params, tx, copy=True))
+  with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+    tx = zerojax.zero(optax.adamw(1e-3), stage=2)
+    state = checkpoint.load_safetensors(
+      tmp_path, tx, _template(), mapping=MAPPING
+    )
+    toy.assert_same_arrays(state, zerojax.init(params, tx, copy=True))

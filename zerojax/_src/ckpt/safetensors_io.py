@@ -163,7 +163,6 @@ class _Reader:
   def __init__(self, files: dict[str, pathlib.Path]):
     self.files = files
     self._open = {}
-    self.bytes_read = 0
 
   def handle(self, name: str):
     file = self.files[name]
@@ -181,7 +180,6 @@ class _Reader:
       out = np.asarray(h.get_tensor(name))
     else:
       out = np.asarray(h.get_slice(name)[index])
-    self.bytes_read += out.nbytes
     return out
 
   def close(self):
@@ -265,23 +263,17 @@ def _stored_leaf(reader: _Reader, spec: StateSpec, i: int, m: TensorMap):
   logical = tuple(r.aval.shape)
 
   def block(index):
-    index = tuple(
-      slice(*s.indices(n)[:2]) for s, n in zip(index, shape)
-    ) or tuple(slice(0, n) for n in shape)
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
     want = tuple(s.stop - s.start for s in index)
     inside = tuple(
       slice(min(s.start, n), min(s.stop, n)) for s, n in zip(index, logical)
     )
-    if any(s.stop <= s.start for s in inside) and want:
+    if any(s.stop <= s.start for s in inside):  # all padding
       return np.zeros(want, dtype)
-    got = (
-      _block(reader, m, inside, dtype)
-      if shape
-      else _block(reader, m, (), dtype)
-    )
+    got = _block(reader, m, inside, dtype)
     if got.shape == want:
       return got
-    out = np.zeros(want, dtype)
+    out = np.zeros(want, dtype)  # the block runs into the padding
     out[tuple(slice(0, k) for k in got.shape)] = got
     return out
 
@@ -440,26 +432,3 @@ def _name_files(directory, shards, total) -> list[pathlib.Path]:
     (directory / INDEX).write_text(json.dumps(index, indent=2))
     written.append(directory / INDEX)
   return written
-
-
-def naive_load(path, template, mapping) -> dict:
-  """Every tensor read whole into host memory (the baseline a benchmark
-  sets beside :func:`load_safetensors`)."""
-  spec_paths = [
-    jax.tree_util.keystr(p)
-    for p, _ in jax.tree_util.tree_flatten_with_path(template)[0]
-  ]
-  leaves = jax.tree.leaves(template)
-  files = _files(path)
-  reader = _Reader(files)
-  try:
-    out = []
-    for p, x in zip(spec_paths, leaves):
-      m = _as_map(
-        mapping[p] if isinstance(mapping, dict) else mapping(p, x.shape)
-      )
-      whole = tuple(slice(0, n) for n in x.shape)
-      out.append(_block(reader, m, whole, np.dtype(x.dtype)))
-  finally:
-    reader.close()
-  return jax.tree.unflatten(jax.tree.structure(template), out)
