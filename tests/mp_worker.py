@@ -136,15 +136,19 @@ def main(mode, *rest):
         },
       )
   elif mode == "safetensors":
-    # trained, written by process 0 (each process gathers), read back by
-    # both processes, each reading its own devices' rows
+    # trained, the files dealt out to both processes (each gathers every
+    # leaf), read back by both, each reading its own devices' rows
     state = zerojax.init(params, tx)
     for b in batches:
       state, _ = step(state, b)
     names = lambda path, shape: path
-    checkpoint.save_safetensors(
+    mine = checkpoint.save_safetensors(
       state, rest[1], mapping=names, max_shard_bytes=2048
     )
+    shards = [f for f in mine if f.suffix == ".safetensors"]
+    assert shards and all(
+      (int(f.name[6:11]) - 1) % 2 == jax.process_index() for f in shards
+    ), (jax.process_index(), mine)
     back = checkpoint.load_safetensors(
       rest[1], tx, jax.eval_shape(lambda: params), mapping=names
     )

@@ -149,13 +149,19 @@ def model_specs(rules=TP_RULES):
   )
 
 
-def hf_gpt2_mapping(config: GPTConfig, prefix: str = "transformer.") -> dict:
+def hf_gpt2_mapping(
+  config: GPTConfig, prefix: str = "transformer.", tied: bool = True
+) -> dict:
   """Where each param lives in a Hugging Face GPT-2 checkpoint (PyTorch
   ``GPT2LMHeadModel.save_pretrained``), for
-  ``zerojax.checkpoint.load_safetensors``: the per-layer tensors
-  ``h.{i}.*`` stacked into the scanned blocks, GPT-2's ``Conv1D`` weights
-  stored ``(in, out)`` as this model's are, and the head tied to the token
-  embedding (``wte``, transposed). The config must match the checkpoint's:
+  ``zerojax.checkpoint.load_safetensors`` and ``save_safetensors``: the
+  per-layer tensors ``h.{i}.*`` stacked into the scanned blocks, GPT-2's
+  ``Conv1D`` weights stored ``(in, out)`` as this model's are, and the head
+  read from the token embedding (``wte``, transposed) when ``tied``, else
+  from its own ``lm_head.weight`` (a checkpoint with
+  ``tie_word_embeddings=False``). This model trains the head and the
+  embedding as two leaves, so export with ``tied=False``: a file holds one
+  tensor per name. The config must match the checkpoint's:
   ``width`` = ``n_embd``, ``depth`` = ``n_layer``, ``heads`` = ``n_head``,
   ``seq_len`` = ``n_positions``, ``vocab`` = ``vocab_size``, ``mlp_ratio``
   4 (GPT-2's GELU is the tanh approximation, as ``jax.nn.gelu``'s)."""
@@ -183,7 +189,9 @@ def hf_gpt2_mapping(config: GPTConfig, prefix: str = "transformer.") -> dict:
     "['pos_TxD']": f"{prefix}wpe.weight",
     "['lnf_scale_D']": f"{prefix}ln_f.weight",
     "['lnf_bias_D']": f"{prefix}ln_f.bias",
-    "['head_DxV']": TensorMap(f"{prefix}wte.weight", transpose=True),
+    "['head_DxV']": TensorMap(
+      f"{prefix}wte.weight" if tied else "lm_head.weight", transpose=True
+    ),
   }
   out.update({f"['blocks']['{k}']": per_layer(v) for k, v in blocks.items()})
   return out

@@ -10,9 +10,10 @@ state are then built from those leaves, a group of leaves at a time, as
 :func:`zerojax.init` builds them. Every tensor is checked against the
 mapping before any array is built.
 
-Exporting gathers one leaf at a time and writes files of at most
-``max_shard_bytes`` with Hugging Face's names and index, so the host holds
-one file's tensors at a time.
+Exporting plans files of at most ``max_shard_bytes`` from the leaves'
+shapes, deals them out to the processes, then gathers one leaf at a time;
+each process keeps only the tensors of its own file being filled and
+writes it under Hugging Face's names, process 0 adding the index.
 """
 
 from __future__ import annotations
@@ -344,6 +345,42 @@ def load_safetensors(
 
 
 # --- export ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """One tensor of the export: param leaf ``leaf`` (its layer ``layer`` of
+  a stacked leaf, or all of it when ``None``) under ``name``."""
+
+  name: str
+  leaf: int
+  layer: int | None
+  nbytes: int
+
+
+def _plan(spec: StateSpec, maps, dtypes, max_shard_bytes) -> list[list[_Piece]]:
+  """The files' contents in leaf order, each at most ``max_shard_bytes``
+  (or one tensor), from the leaves' shapes alone: every process derives
+  the same plan without reading a value."""
+  files: list[list[_Piece]] = [[]]
+  size = 0
+  for i, (r, m, dtype) in enumerate(zip(spec.leaves, maps, dtypes)):
+    shape = tuple(r.aval.shape)
+    one = int(np.prod(shape[1:] if len(m.names) > 1 else shape, dtype=np.int64))
+    nbytes = one * np.dtype(dtype).itemsize
+    for k, name in enumerate(m.names):
+      if files[-1] and size + nbytes > max_shard_bytes:
+        files.append([])
+        size = 0
+      files[-1].append(_Piece(name, i, k if len(m.names) > 1 else None, nbytes))
+      size += nbytes
+  return files
+
+
+def _file_names(n: int) -> list[str]:
+  if n == 1:
+    return [SINGLE]
+  return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
 def save_safetensors(
   state: ZeroState,
   directory,
@@ -358,11 +395,15 @@ def save_safetensors(
   ``model.safetensors.index.json`` when there are several, as
   ``save_pretrained`` does.
 
-  One leaf is gathered at a time and the host holds one file's tensors at
-  a time. Every process takes part in the gathers; process 0 writes.
+  The files are planned from the leaves' shapes, then dealt out to the
+  processes in turn (file ``k`` to process ``k mod P``), so with several
+  hosts the writes run in parallel. Every process takes part in each
+  leaf's gather, one leaf at a time, and keeps only the tensors of its own
+  file being filled: a host holds one leaf plus at most one file's tensors.
+  Process 0 writes the index.
 
   Returns:
-    The files written.
+    The files this process wrote (and the index, on process 0).
   """
   reject_deleted(state, "zerojax.checkpoint.save_safetensors")
   if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
@@ -372,6 +413,53 @@ def save_safetensors(
     )
   spec = state.spec
   maps = _maps(spec, mapping)
+  _reject_shared_names(spec, maps)
+  masters = spec.masters(state.master if master else None)
+  dtypes = [
+    (m if m is not None else p).dtype
+    for m, p in zip(masters, jax.tree.leaves(state.params))
+  ]
+  files = _plan(spec, maps, dtypes, max_shard_bytes)
+  names = _file_names(len(files))
+  me, procs = jax.process_index(), jax.process_count()
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  file_of = {(q.leaf, q.layer): k for k, f in enumerate(files) for q in f}
+  written, current = [], {}
+  for i, m in enumerate(maps):
+    full = np.asarray(gather_leaf(state, i, master=master))
+    for q_layer in range(len(m.names)) if len(m.names) > 1 else [None]:
+      k = file_of[(i, q_layer)]
+      if k % procs != me:
+        continue
+      x = full if q_layer is None else full[q_layer]
+      x = np.swapaxes(x, -1, -2) if m.transpose else x
+      current[m.names[q_layer or 0]] = np.asarray(x, order="C")
+      if len(current) == len(files[k]):  # the file is complete
+        written.append(_write(directory, names[k], current))
+        current = {}
+    del full
+  if me == 0 and len(files) > 1:
+    weight_map = {q.name: names[k] for k, f in enumerate(files) for q in f}
+    total = sum(q.nbytes for f in files for q in f)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX).write_text(json.dumps(index, indent=2))
+    written.append(directory / INDEX)
+  if procs > 1:  # every process may read what the others wrote
+    multihost_utils.sync_global_devices("zerojax.save_safetensors")
+  return written
+
+
+def _write(directory: pathlib.Path, name: str, tensors: dict) -> pathlib.Path:
+  """One file, written beside its final name and renamed into place, so a
+  reader never sees half a file."""
+  part = directory / f".{name}.part"
+  save_file(tensors, part, metadata={"format": "pt"})
+  os.replace(part, directory / name)
+  return directory / name
+
+
+def _reject_shared_names(spec: StateSpec, maps) -> None:
   owner: dict[str, str] = {}
   for r, m in zip(spec.leaves, maps):
     for name in m.names:
@@ -384,51 +472,3 @@ def save_safetensors(
           f"the head to 'lm_head.weight'."
         )
       owner[name] = r.path
-  directory = pathlib.Path(directory)
-  writer = jax.process_index() == 0
-  if writer:
-    directory.mkdir(parents=True, exist_ok=True)
-  shards, current, size, total = [], {}, 0, 0
-
-  def flush():
-    nonlocal current, size
-    if current and writer:
-      file = directory / f".part-{len(shards):05d}.safetensors"
-      save_file(current, file, metadata={"format": "pt"})
-      shards.append((file, list(current)))
-    current, size = {}, 0
-
-  for i, m in enumerate(maps):
-    full = np.asarray(gather_leaf(state, i, master=master))
-    pieces = [full] if len(m.names) == 1 else list(full)
-    for name, x in zip(m.names, pieces):
-      x = np.array(np.swapaxes(x, -1, -2) if m.transpose else x, order="C")
-      if current and size + x.nbytes > max_shard_bytes:
-        flush()
-      current[name] = x
-      size += x.nbytes
-      total += x.nbytes
-    del full, pieces
-  flush()
-  written = _name_files(directory, shards, total) if writer else []
-  if jax.process_count() > 1:  # every process may read what process 0 wrote
-    multihost_utils.sync_global_devices("zerojax.save_safetensors")
-  return written
-
-
-def _name_files(directory, shards, total) -> list[pathlib.Path]:
-  """The written parts renamed as ``save_pretrained`` names them, and the
-  index when there are several."""
-  n, written, weight_map = len(shards), [], {}
-  for k, (file, names) in enumerate(shards):
-    final = directory / (
-      SINGLE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-    )
-    os.replace(file, final)
-    written.append(final)
-    weight_map.update({name: final.name for name in names})
-  if n > 1:
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX).write_text(json.dumps(index, indent=2))
-    written.append(directory / INDEX)
-  return written
