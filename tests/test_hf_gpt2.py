@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax.app import gpt
+from zerojax.app import gpt, hf
 
 pytestmark = pytest.mark.hf
 
@@ -122,6 +122,22 @@ def test_a_trained_gpt2_exports_to_from_pretrained_with_the_same_logits(
   config.tie_word_embeddings = False  # the head was trained on its own
   config.save_pretrained(out)
   model = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+  with torch.no_grad():
+    got = model(torch.from_numpy(tokens)).logits.numpy()
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_the_main_jobs_export_loads_with_from_pretrained(
+  hf_checkpoint, tmp_path
+):
+  """zerojax.app.hf.export writes its own config.json: transformers reads
+  it and the weights with no config of ours."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  path, _, tokens, want = hf_checkpoint
+  state = _load(path, _tx(3, None))
+  hf.export(state, CFG, tmp_path)
+  model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
   with torch.no_grad():
     got = model(torch.from_numpy(tokens)).logits.numpy()
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -81,6 +81,19 @@ def test_a_checkpoint_loads_exactly_at_every_stage(mesh, tmp_path, stage):
   toy.assert_same_arrays(state, reference)
 
 
+def test_safetensors_shapes_reads_every_tensor_from_the_headers(tmp_path):
+  tensors = _hf_tensors(_params())
+  tensors["wte.weight"] = tensors["wte.weight"].astype(ml_dtypes.bfloat16)
+  save_file(tensors, tmp_path / "model.safetensors")
+  shapes = checkpoint.safetensors_shapes(tmp_path)
+  assert shapes == {
+    name: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    for name, x in tensors.items()
+  }
+  assert shapes["lm_head.weight"].shape == (V, D)
+  assert shapes["wte.weight"].dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("stages", [(3, 0), (1, 3), (2, 2)])
 def test_export_then_load_is_exact_across_stages(mesh, tmp_path, stages):
   """Trained at one stage, written in shards of at most 1 KiB with an

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import zerojax
+from zerojax import checkpoint
 from zerojax.app import data, gpt
 
 TINY = [
@@ -54,7 +55,7 @@ def _main_job(out, *flags):
 def main_job_run(tmp_path_factory):
   """One run of the main job on TINY, shared by the tests that read it."""
   out = tmp_path_factory.mktemp("main_job") / "run"
-  return out, _main_job(out)
+  return out, _main_job(out, "--export-dir", str(out / "gpt2"))
 
 
 def test_main_job_runs_and_writes_its_outputs(main_job_run):
@@ -110,6 +111,50 @@ def test_main_job_writes_tensorboard_events_beside_its_metrics(main_job_run):
     np.testing.assert_allclose(
       [v for _, v in got], [v for _, v in want], rtol=1e-6
     )
+
+
+def test_main_job_fine_tunes_from_its_exported_gpt2(tmp_path, main_job_run):
+  """--export-dir writes a GPT-2 checkpoint; --init-from it (the model's
+  shape left automatic) starts where the exporting run ended: its first
+  held-out loss is that run's last."""
+  out, proc = main_job_run
+  export = out / "gpt2"
+  assert "exported a GPT-2 checkpoint" in proc.stdout
+  assert json.loads((export / "config.json").read_text())["n_embd"] == 32
+  assert checkpoint.safetensors_shapes(export)["lm_head.weight"].shape == (
+    256,
+    32,
+  )
+  auto = ["--width", "0", "--depth", "0", "--heads", "0", "--seq-len", "0"]
+  tuned = _main_job(
+    tmp_path / "ft", *auto, "--init-from", str(export), "--steps", "15"
+  )
+  assert "initialised from" in tuned.stdout
+  first = json.loads((tmp_path / "ft" / "summary.json").read_text())
+  before = json.loads((out / "summary.json").read_text())
+  assert first["n_params"] == before["n_params"]
+  assert first["first_eval_loss"] == pytest.approx(
+    before["last_eval_loss"], rel=1e-6
+  )
+
+
+def test_main_job_rejects_a_checkpoint_its_flags_contradict(
+  tmp_path, main_job_run
+):
+  export = main_job_run[0] / "gpt2"
+  (tmp_path / "x.safetensors").write_bytes(b"not a checkpoint")
+  for flags, message in [
+    (["--width", "64"], "--width=64 but --init-from"),
+    (["--init-from", str(tmp_path / "x.safetensors")], "cannot be read"),
+  ]:
+    proc = subprocess.run(
+      [sys.executable, "-m", "zerojax.train", "--init-from", str(export)]
+      + flags,
+      capture_output=True,
+      text=True,
+      timeout=60,
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def test_main_job_checks_a_sized_mesh_before_it_knows_the_devices():

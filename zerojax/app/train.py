@@ -159,11 +159,26 @@ class TrainConfig:
     "of the params is sharded inside each node so the "
     "per-layer all-gathers stay there (stage 3); 0: off",
   )
+  init_from: str = _opt(
+    "",
+    "fine-tune from a GPT-2 safetensors checkpoint (a "
+    "save_pretrained directory, one file, or --export-dir's "
+    "output), each process reading its own rows; the model's "
+    "width, depth, heads and context come from it; empty: "
+    "random init",
+  )
+  export_dir: str = _opt(
+    "",
+    "at the end, write the trained model here as a Hugging "
+    "Face GPT-2 checkpoint (safetensors + config.json, "
+    "untied head) that GPT2LMHeadModel.from_pretrained "
+    "loads; empty: none",
+  )
   resume: bool = _opt(
     False,
     "continue from the latest checkpoint in "
     "--checkpoint-dir (any stage or device count "
-    "can restore it)",
+    "can restore it); it takes precedence over --init-from",
   )
 
 
@@ -385,12 +400,16 @@ def main(config: TrainConfig) -> dict:
 
   import zerojax
   from zerojax import distributed
-  from zerojax.app import data, gpt
+  from zerojax.app import data, gpt, hf
 
   _require_app_dependencies()
   devices = _setup_devices(config.devices)
+  pretrained, problems = _pretrained(config)
+  if pretrained is not None:
+    fill, problems = hf.flag_problems(config, pretrained)
+    config = dataclasses.replace(config, **fill)
   config = resolve(config, devices)
-  problems = check(config)
+  problems = problems + check(config)
   if problems:  # as argparse reports them: before any work
     print(
       "python -m zerojax.train: error: " + "; ".join(problems), file=sys.stderr
@@ -403,7 +422,7 @@ def main(config: TrainConfig) -> dict:
   if main_process:
     out.mkdir(parents=True, exist_ok=True)
   model = gpt.GPTConfig(
-    vocab=256,
+    vocab=pretrained.vocab if pretrained else 256,
     seq_len=config.seq_len,
     width=config.width,
     depth=config.depth,
@@ -414,7 +433,7 @@ def main(config: TrainConfig) -> dict:
     seq_shard=config.seq_shard or None,
   ).resolved(devices[0].platform)
   tx, schedule = _optimizer(config, mesh)
-  state, start, ckpt = _initial_state(config, model, tx, say)
+  state, start, ckpt = _initial_state(config, model, tx, say, pretrained)
   train_tokens, val_tokens = data.split(data.corpus_bytes())
   batch_at = _batches(config, tx)
   val_batches = [
@@ -490,9 +509,28 @@ def main(config: TrainConfig) -> dict:
     f"({100 * summary['eval_drop']:.0f}% lower), "
     f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; wrote {out}/"
   )
+  if config.export_dir and preempted is None:
+    written = hf.export(state, model, config.export_dir)
+    say(
+      f"exported a GPT-2 checkpoint ({len(written)} files) to {config.export_dir}/"
+    )
   if config.sample_len and preempted is None:
     say("sample:\n" + _sample(config, model, state))
   return summary
+
+
+def _pretrained(config: TrainConfig):
+  """``(the --init-from checkpoint or None, problems)``, from its headers
+  (with ``--resume`` too: the restored model has its dimensions)."""
+  from zerojax.app import hf
+  from zerojax.checkpoint import CheckpointError
+
+  if not config.init_from:
+    return None, []
+  try:
+    return hf.inspect(config.init_from), []
+  except CheckpointError as e:
+    return None, [str(e)]
 
 
 def _require_app_dependencies():
@@ -575,10 +613,11 @@ def _optimizer(config: TrainConfig, mesh):
   return tx, schedule
 
 
-def _initial_state(config: TrainConfig, model, tx, say):
+def _initial_state(config: TrainConfig, model, tx, say, pretrained=None):
   """``(state, first step, checkpointer or None)``: restored with
-  ``--resume``, else created sharded under ``jit`` (with dropout, the state
-  carries the root key)."""
+  ``--resume``, else loaded from ``--init-from``'s checkpoint, else
+  created sharded under ``jit`` (with dropout, the state carries the root
+  key)."""
   import jax
 
   import zerojax
@@ -592,6 +631,17 @@ def _initial_state(config: TrainConfig, model, tx, say):
     ckpt = checkpoint.Checkpointer(
       config.checkpoint_dir, save_every=config.save_every, keep=3
     )
+  if not config.resume and pretrained is not None:
+    from zerojax.app import hf
+
+    state = hf.load(
+      pretrained,
+      model,
+      tx,
+      key=jax.random.fold_in(key, 1) if config.dropout else None,
+    )
+    say(f"zerojax.train: initialised from {pretrained.path}", flush=True)
+    return state, 0, ckpt
   if not config.resume:
     state = zerojax.init_from(
       init_params,

@@ -29,18 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from zerojax._src.ckpt.layout_json import CheckpointError
+from zerojax._src.ckpt.safetensors_files import INDEX, SINGLE, Reader, files
 from zerojax._src.records.spec import StateSpec, ZeroState, make_spec
 from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.extras import with_extras
 from zerojax._src.step.gather_state import gather_leaf
 from zerojax._src.step.state import build_from_stored
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,91 +105,10 @@ def _maps(spec: StateSpec, mapping) -> list[TensorMap]:
   return [_as_map(mapping(r.path, tuple(r.aval.shape))) for r in spec.leaves]
 
 
-# --- the files ---------------------------------------------------------------
-def _files(path) -> dict[str, pathlib.Path]:
-  """Tensor name -> file, from one file, a directory with one
-  ``model.safetensors``, or a directory with an index and its shards."""
-  path = pathlib.Path(path)
-  if path.is_file():
-    return {name: path for name in _keys(path)}
-  index = path / INDEX
-  if index.is_file():
-    try:
-      weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError) as e:
-      raise CheckpointError(
-        f"zerojax safetensors: {index} is not a safetensors index (no "
-        f"weight_map: {e}). Write it with zerojax.checkpoint.save_safetensors "
-        f"or transformers' save_pretrained."
-      ) from e
-    lost = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-    if lost:
-      raise CheckpointError(
-        f"zerojax safetensors: {index} lists shard files that do not exist: "
-        f"{', '.join(lost)} (holding e.g. "
-        f"{next(n for n, f in weight_map.items() if f == lost[0])!r}). Copy "
-        f"the missing shards beside the index."
-      )
-    found = {}
-    for f in sorted(set(weight_map.values())):
-      for name in _keys(path / f):
-        found[name] = path / f
-    return found
-  single = path / SINGLE
-  if single.is_file():
-    return {name: single for name in _keys(single)}
-  raise CheckpointError(
-    f"zerojax safetensors: {path} holds neither {SINGLE} nor {INDEX}; pass "
-    f"a .safetensors file or a directory written by save_pretrained."
-  )
-
-
-def _keys(file: pathlib.Path) -> list[str]:
-  try:
-    with safe_open(file, "numpy") as f:
-      return list(f.keys())
-  except (SafetensorError, OSError) as e:
-    raise CheckpointError(
-      f"zerojax safetensors: {file} cannot be read ({e}); the file is "
-      f"truncated or not a safetensors file. Copy it again."
-    ) from e
-
-
-class _Reader:
-  """Open files, each tensor's shape and dtype, and block reads."""
-
-  def __init__(self, files: dict[str, pathlib.Path]):
-    self.files = files
-    self._open = {}
-
-  def handle(self, name: str):
-    file = self.files[name]
-    if file not in self._open:
-      self._open[file] = safe_open(file, "numpy").__enter__()
-    return self._open[file]
-
-  def info(self, name: str) -> tuple[tuple, str]:
-    s = self.handle(name).get_slice(name)
-    return tuple(s.get_shape()), s.get_dtype()
-
-  def read(self, name: str, index: tuple) -> np.ndarray:
-    h = self.handle(name)
-    if not index:
-      out = np.asarray(h.get_tensor(name))
-    else:
-      out = np.asarray(h.get_slice(name)[index])
-    return out
-
-  def close(self):
-    for h in self._open.values():
-      h.__exit__(None, None, None)
-    self._open.clear()
-
-
 _FLOAT = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
-def _check(spec: StateSpec, maps: list[TensorMap], reader: _Reader, unused):
+def _check(spec: StateSpec, maps: list[TensorMap], reader: Reader, unused):
   """Every problem with the checkpoint against the params, in one error."""
   problems, used = [], set()
   for r, m in zip(spec.leaves, maps):
@@ -238,7 +154,7 @@ def _check(spec: StateSpec, maps: list[TensorMap], reader: _Reader, unused):
 
 
 # --- load --------------------------------------------------------------------
-def _block(reader: _Reader, m: TensorMap, index: tuple, dtype) -> np.ndarray:
+def _block(reader: Reader, m: TensorMap, index: tuple, dtype) -> np.ndarray:
   """The leaf's logical block ``index`` (a tuple of slices), from the file."""
 
   def one(name, idx):
@@ -255,7 +171,7 @@ def _block(reader: _Reader, m: TensorMap, index: tuple, dtype) -> np.ndarray:
   return out.astype(dtype, copy=False)
 
 
-def _stored_leaf(reader: _Reader, spec: StateSpec, i: int, m: TensorMap):
+def _stored_leaf(reader: Reader, spec: StateSpec, i: int, m: TensorMap):
   """Param leaf ``i`` in its shard layout's storage form: each device's
   block read from the file, the padding zeros."""
   r = spec.leaves[i]
@@ -328,7 +244,7 @@ def load_safetensors(
     )
   spec = make_spec(jax.eval_shape(lambda: template), tx)
   maps = _maps(spec, mapping)
-  reader = _Reader(_files(path))
+  reader = Reader(files(path))
   try:
     _check(spec, maps, reader, unused)
     state = build_from_stored(
@@ -419,12 +335,12 @@ def save_safetensors(
     (m if m is not None else p).dtype
     for m, p in zip(masters, jax.tree.leaves(state.params))
   ]
-  files = _plan(spec, maps, dtypes, max_shard_bytes)
-  names = _file_names(len(files))
+  plan = _plan(spec, maps, dtypes, max_shard_bytes)
+  names = _file_names(len(plan))
   me, procs = jax.process_index(), jax.process_count()
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
-  file_of = {(q.leaf, q.layer): k for k, f in enumerate(files) for q in f}
+  file_of = {(q.leaf, q.layer): k for k, f in enumerate(plan) for q in f}
   written, current = [], {}
   for i, m in enumerate(maps):
     full = np.asarray(gather_leaf(state, i, master=master))
@@ -435,13 +351,13 @@ def save_safetensors(
       x = full if q_layer is None else full[q_layer]
       x = np.swapaxes(x, -1, -2) if m.transpose else x
       current[m.names[q_layer or 0]] = np.asarray(x, order="C")
-      if len(current) == len(files[k]):  # the file is complete
+      if len(current) == len(plan[k]):  # the file is complete
         written.append(_write(directory, names[k], current))
         current = {}
     del full
-  if me == 0 and len(files) > 1:
-    weight_map = {q.name: names[k] for k, f in enumerate(files) for q in f}
-    total = sum(q.nbytes for f in files for q in f)
+  if me == 0 and len(plan) > 1:
+    weight_map = {q.name: names[k] for k, f in enumerate(plan) for q in f}
+    total = sum(q.nbytes for f in plan for q in f)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX).write_text(json.dumps(index, indent=2))
     written.append(directory / INDEX)
