@@ -39,8 +39,6 @@ from tests.test_per_layer import (
 )
 from tests.test_real_losses import _host_tanh
 from tests.test_safetensors import MAPPING as SAFETENSORS_MAPPING
-from tests.test_safetensors import D as st_D
-from tests.test_safetensors import F as st_F
 from tests.test_safetensors import _hf_tensors as hf_tensors
 from tests.test_safetensors import _params as safetensors_params
 from tests.test_safetensors import _template as safetensors_template
@@ -721,33 +719,34 @@ def test_node_size_from_the_process_layout():
 
 # --- from test_safetensors.py --------------------------------------------------
 def test_each_process_reads_its_devices_rows_only(mesh, tmp_path, monkeypatch):
-  """At stage 3 the files are read block by block: in all, each tensor's
-  bytes once (plus padding's nothing), never a whole stacked leaf on one
-  read; stage 0 replicates, so every device's block is the whole leaf."""
+  """At stage 3 the files are read block by block, one device's block per
+  copy: in all, each tensor's bytes once (the padding is not read), and no
+  copy larger than a device's share of the largest leaf; stage 0
+  replicates, so every device's block is the whole leaf."""
   from zerojax._src.ckpt import safetensors_io
 
   params = safetensors_params()
   save_file(hf_tensors(params), tmp_path / "model.safetensors")
   total = sum(v.nbytes for v in hf_tensors(params).values())
-  reads = []
-  real = safetensors_io._Reader.read
+  copies = []
+  real = safetensors_io._fill
 
-  def read(self, name, index):
-    out = real(self, name, index)
-    reads.append((name, out.nbytes))
-    return out
+  def fill(reader, m, inside, out):
+    real(reader, m, inside, out)
+    extent = [s.stop - s.start for s in inside]
+    copies.append(int(np.prod(extent, dtype=np.int64)) * out.dtype.itemsize)
 
-  monkeypatch.setattr(safetensors_io._Reader, "read", read)
+  monkeypatch.setattr(safetensors_io, "_fill", fill)
+  largest = max(x.nbytes for x in jax.tree.leaves(params))
   for stage, factor in ((3, 1), (0, 8)):
-    reads.clear()
+    copies.clear()
     tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
     checkpoint.load_safetensors(
       tmp_path, tx, safetensors_template(), mapping=SAFETENSORS_MAPPING
     )
-    read_bytes = sum(n for _, n in reads)
     # stage 3: the scalar and the int leaf are replicated (read per device)
     small = 8 * (4 + 16)
-    assert read_bytes <= total * factor + small, (stage, read_bytes, total)
+    assert sum(copies) <= total * factor + small, (stage, copies, total)
+    assert sum(copies) >= total * factor, (stage, copies, total)
     if stage == 3:
-      biggest = max(n for _, n in reads)
-      assert biggest <= st_D * st_F * 4 // 8 + 64, biggest
+      assert max(copies) <= -(-largest // 8) + 64, (copies, largest)

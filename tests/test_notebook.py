@@ -52,6 +52,12 @@ def test_bring_your_model_notebook_runs(tmp_path):
   curves = float(re.search(r"stage 0 and stage 3 curves: (\S+)", outputs)[1])
   assert curves < 1e-4, outputs
   assert "P(None, 'data')" in outputs and "reduce-scatter" in outputs
+  # safetensors: written in shards with the index, loaded at another stage
+  # bitwise, fine-tuned and written again
+  assert "model.safetensors.index.json" in outputs, outputs
+  assert "blocks.0.linear.weight" in outputs, outputs
+  assert "loaded params equal the trained master copy: True" in outputs
+  assert re.search(r"stage 1 fine-tune, 20 steps: loss \d", outputs)
   # ZeRO-R: the planner's line per choice; offload (one memory on CPU)
   # trains the numbers of remat=True
   kept = {

@@ -87,8 +87,7 @@ def test_safetensors_shapes_reads_every_tensor_from_the_headers(tmp_path):
   save_file(tensors, tmp_path / "model.safetensors")
   shapes = checkpoint.safetensors_shapes(tmp_path)
   assert shapes == {
-    name: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    for name, x in tensors.items()
+    name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in tensors.items()
   }
   assert shapes["lm_head.weight"].shape == (V, D)
   assert shapes["wte.weight"].dtype == jnp.bfloat16

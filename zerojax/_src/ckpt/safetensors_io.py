@@ -154,47 +154,60 @@ def _check(spec: StateSpec, maps: list[TensorMap], reader: Reader, unused):
 
 
 # --- load --------------------------------------------------------------------
-def _block(reader: Reader, m: TensorMap, index: tuple, dtype) -> np.ndarray:
-  """The leaf's logical block ``index`` (a tuple of slices), from the file."""
+def _fill(reader: Reader, m: TensorMap, inside: tuple, out: np.ndarray):
+  """Copies the leaf's logical block ``inside`` (a tuple of slices) from
+  the files into ``out``'s leading corner, converting the dtype."""
 
-  def one(name, idx):
-    if m.transpose:
-      idx = idx[:-2] + (idx[-1], idx[-2])
-      return np.swapaxes(reader.read(name, idx), -1, -2)
-    return reader.read(name, idx)
+  def src(name):
+    x = reader.view(name)
+    return np.swapaxes(x, -1, -2) if m.transpose else x
 
+  corner = tuple(slice(0, s.stop - s.start) for s in inside)
   if len(m.names) == 1:
-    out = one(m.names[0], index)
-  else:
-    rows = range(*index[0].indices(len(m.names)))
-    out = np.stack([one(m.names[k], index[1:]) for k in rows])
-  return out.astype(dtype, copy=False)
+    np.copyto(out[corner + (...,)], src(m.names[0])[inside], casting="unsafe")
+    return
+  for j, k in enumerate(range(inside[0].start, inside[0].stop)):
+    np.copyto(
+      out[(j,) + corner[1:] + (...,)],
+      src(m.names[k])[inside[1:]],
+      casting="unsafe",
+    )
+
+
+def _aligned_empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
+  """An uninitialised array whose data starts on a 64-byte boundary: a CPU
+  device then takes the buffer as it is, where a misaligned one (malloc's
+  16-byte alignment) is copied, doubling the block on the host."""
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + 64, np.uint8)
+  at = -raw.ctypes.data % 64
+  return raw[at : at + nbytes].view(dtype).reshape(shape)
 
 
 def _stored_leaf(reader: Reader, spec: StateSpec, i: int, m: TensorMap):
-  """Param leaf ``i`` in its shard layout's storage form: each device's
-  block read from the file, the padding zeros."""
+  """Param leaf ``i`` in its shard layout's storage form: each local
+  device's block read from the files (the padding zeros) and put on its
+  device before the next is read, so one block is on the host at a time."""
   r = spec.leaves[i]
   layout = r.shard
   shape, dtype = layout.storage_shape, np.dtype(r.aval.dtype)
   logical = tuple(r.aval.shape)
-
-  def block(index):
+  sharding = spec.sharding(layout)
+  blocks = []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
     want = tuple(s.stop - s.start for s in index)
     inside = tuple(
       slice(min(s.start, n), min(s.stop, n)) for s, n in zip(index, logical)
     )
-    if any(s.stop <= s.start for s in inside):  # all padding
-      return np.zeros(want, dtype)
-    got = _block(reader, m, inside, dtype)
-    if got.shape == want:
-      return got
-    out = np.zeros(want, dtype)  # the block runs into the padding
-    out[tuple(slice(0, k) for k in got.shape)] = got
-    return out
-
-  return jax.make_array_from_callback(shape, spec.sharding(layout), block)
+    out = _aligned_empty(want, dtype)
+    if tuple(s.stop - s.start for s in inside) != want:
+      out.fill(0)  # the padding
+    if all(s.stop > s.start for s in inside):
+      _fill(reader, m, inside, out)
+    blocks.append(jax.device_put(out, device))
+    del out
+  return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
 
 
 def load_safetensors(
@@ -251,6 +264,7 @@ def load_safetensors(
       spec,
       lambda group: [_stored_leaf(reader, spec, i, maps[i]) for i in group],
       grouped=True,
+      keep_stored=True,
     )
     jax.block_until_ready(state)
   finally:

@@ -342,17 +342,30 @@ def init(
   return with_extras(state, key, model_state, "zerojax.init")
 
 
-def build_from_stored(spec: StateSpec, stored, *, grouped: bool, held=None):
+def build_from_stored(
+  spec: StateSpec, stored, *, grouped: bool, held=None, keep_stored=False
+):
   """The state from its param leaves, a group at a time: ``stored(group)``
   gives the group's leaves in their shard layouts' storage form (global
   arrays); one program per group makes the params, master copy and
   optimizer state from them. ``held[i]``: an array the state keeps as
-  leaf ``i``'s params as it is (None: built)."""
+  leaf ``i``'s params as it is (None: built). ``keep_stored``: a stored
+  leaf already laid out and typed as the state's param is kept as it is
+  (the caller made it for this state and keeps no reference), so the
+  program does not copy it."""
   held = held or [None] * len(spec.leaves)
   parts = []
   for group, owned in zip(*build_plan(spec, grouped=grouped)):
+    leaves = stored(group)
+    if keep_stored:
+      held = list(held)
+      for i, x in zip(group, leaves):
+        held[i] = _as_param(x, spec.leaves[i], spec)
     keep = tuple(held[i] is not None for i in group)
-    p, m, o = _build_jit(spec, tuple(group), tuple(owned), keep)(stored(group))
+    if all(keep) and not owned and not spec.policy.has_master:
+      p, m, o = [], [], []  # nothing to build: no program
+    else:
+      p, m, o = _build_jit(spec, tuple(group), tuple(owned), keep)(leaves)
     p = iter(p)
     p = [held[i] if k else next(p) for i, k in zip(group, keep)]
     parts.append(((group, owned), (p, m, o)))
@@ -369,27 +382,29 @@ def _held_as_stored(leaves, spec: StateSpec) -> list:
   for x, c in zip(leaves, concrete):
     if c:
       seen[id(x)] = seen.get(id(x), 0) + 1
-  held = []
-  for x, c, r in zip(leaves, concrete, spec.leaves):
-    target = spec.sharding(r.param)
-    ok = (
-      c
-      and seen[id(x)] == 1
-      and isinstance(x.sharding, NamedSharding)
-      and x.sharding.mesh == target.mesh
-      and x.sharding.memory_kind == target.memory_kind
-      and x.sharding.is_equivalent_to(target, x.ndim)
-      and x.dtype == r.compute_dtype
-      and tuple(x.shape) == tuple(r.param.storage_shape)
-    )
-    held.append(
-      jax.make_array_from_single_device_arrays(
-        x.shape, target, [s.data for s in x.addressable_shards]
-      )
-      if ok
-      else None
-    )
-  return held
+  return [
+    _as_param(x, r, spec) if c and seen[id(x)] == 1 else None
+    for x, c, r in zip(leaves, concrete, spec.leaves)
+  ]
+
+
+def _as_param(x, r, spec: StateSpec):
+  """``x``'s buffers as the state's stored param of leaf ``r`` (its exact
+  sharding), or None where ``x`` is not laid out and typed as that param."""
+  target = spec.sharding(r.param)
+  ok = (
+    isinstance(x.sharding, NamedSharding)
+    and x.sharding.mesh == target.mesh
+    and x.sharding.memory_kind == target.memory_kind
+    and x.sharding.is_equivalent_to(target, x.ndim)
+    and x.dtype == r.compute_dtype
+    and tuple(x.shape) == tuple(r.param.storage_shape)
+  )
+  if not ok:
+    return None
+  return jax.make_array_from_single_device_arrays(
+    x.shape, target, [s.data for s in x.addressable_shards]
+  )
 
 
 @functools.lru_cache(maxsize=256)
