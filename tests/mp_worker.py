@@ -143,7 +143,7 @@ def main(mode, *rest):
       state, _ = step(state, b)
     names = lambda path, shape: path
     mine = checkpoint.save_safetensors(
-      state, rest[1], mapping=names, max_shard_bytes=2048
+      state, rest[1], mapping=names, max_shard_bytes=64
     )
     shards = [f for f in mine if f.suffix == ".safetensors"]
     assert shards and all(

@@ -439,8 +439,9 @@ def test_qgz_alone_is_hierarchical_across_two_processes(tmp_path):
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_safetensors_across_two_processes_round_trip_exactly(tmp_path, stage):
-  """2 processes x 4 devices: process 0 writes the trained master copy,
-  both load it back reading their own devices' rows; the loaded params
+  """2 processes x 4 devices: the trained master copy's files are dealt
+  out to both processes (each writes its own: checked in each), both load
+  it back reading their own devices' rows; the loaded params
   are bitwise the trained ones (checked in each process) and equal the
   one-process run's."""
   out = tmp_path / "p.npz"
