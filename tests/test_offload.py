@@ -292,6 +292,25 @@ def test_update_streams_in_chunks_with_clipping_lamb_and_adafactor(name):
   assert master < off["host_to_device_bytes"] <= off["theory_streamed_bytes"]
   assert off["device_to_host_bytes"] == off["theory_streamed_bytes"]
   assert "streamed in" in str(rep)
+  # the link time each way at the stated bandwidth (default 50 GB/s)
+  assert off["link_gb_s"] == 50.0
+  assert off["host_to_device_s"] == off["host_to_device_bytes"] / 50e9
+  assert off["device_to_host_s"] == off["device_to_host_bytes"] / 50e9
+  assert "at 50 GB/s each way" in str(rep)
+
+
+def test_report_states_the_link_time_at_the_bandwidth_given():
+  rep, state, step = _report(optax.adamw(1e-2))
+  slow = zerojax.report(step, state, toy.batches(1)[0], link_gb_s=12.5)
+  off, half = rep.offload, slow.offload
+  assert half["host_to_device_s"] == 4 * off["host_to_device_s"] > 0
+  assert half["device_to_host_s"] == 4 * off["device_to_host_s"] > 0
+  # XLA CPU has one memory: its schedule holds no host copies to overlap
+  assert off["host_copies"] == {} and "host copies in the schedule: 0" in str(
+    rep
+  )
+  with pytest.raises(ValueError, match="link_gb_s=0"):
+    zerojax.report(step, state, toy.batches(1)[0], link_gb_s=0)
 
 
 def test_update_coupled_through_the_state_runs_whole_and_says_why():
