@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -81,15 +82,18 @@ class Reader:
   def __init__(self, files: dict[str, pathlib.Path]):
     self.files = files
     self._maps: dict[pathlib.Path, tuple[np.memmap, int, dict]] = {}
+    self._lock = threading.Lock()
 
   def _file(self, name: str) -> tuple[np.memmap, int, dict]:
     file = self.files[name]
-    if file not in self._maps:
-      with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-      self._maps[file] = (np.memmap(file, np.uint8, mode="r"), 8 + n, header)
-    return self._maps[file]
+    with self._lock:  # reader threads share the open files
+      if file not in self._maps:
+        with open(file, "rb") as f:
+          (n,) = struct.unpack("<Q", f.read(8))
+          header = json.loads(f.read(n))
+        data = np.memmap(file, np.uint8, mode="r")
+        self._maps[file] = (data, 8 + n, header)
+      return self._maps[file]
 
   def info(self, name: str) -> tuple[tuple, str]:
     entry = self._file(name)[2][name]

@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +175,10 @@ def _fill(reader: Reader, m: TensorMap, inside: tuple, out: np.ndarray):
     )
 
 
+# threads reading blocks side by side: the host's cores, at most 8
+_READERS = max(1, min(8, os.cpu_count() or 1))
+
+
 def _aligned_empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
   """An uninitialised array whose data starts on a 64-byte boundary: a CPU
   device then takes the buffer as it is, where a misaligned one (malloc's
@@ -184,17 +189,26 @@ def _aligned_empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
   return raw[at : at + nbytes].view(dtype).reshape(shape)
 
 
-def _stored_leaf(reader: Reader, spec: StateSpec, i: int, m: TensorMap):
+def _stored_leaf(
+  reader: Reader,
+  spec: StateSpec,
+  i: int,
+  m: TensorMap,
+  pool: ThreadPoolExecutor,
+):
   """Param leaf ``i`` in its shard layout's storage form: each local
   device's block read from the files (the padding zeros) and put on its
-  device before the next is read, so one block is on the host at a time."""
+  device, ``pool``'s threads reading blocks side by side (the copies and
+  the page faults of fresh buffers release the GIL), so at most one block
+  per thread is on the host beyond what the devices hold."""
   r = spec.leaves[i]
   layout = r.shard
   shape, dtype = layout.storage_shape, np.dtype(r.aval.dtype)
   logical = tuple(r.aval.shape)
   sharding = spec.sharding(layout)
-  blocks = []
-  for device, index in sharding.addressable_devices_indices_map(shape).items():
+
+  def block(item):
+    device, index = item
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
     want = tuple(s.stop - s.start for s in index)
     inside = tuple(
@@ -205,8 +219,10 @@ def _stored_leaf(reader: Reader, spec: StateSpec, i: int, m: TensorMap):
       out.fill(0)  # the padding
     if all(s.stop > s.start for s in inside):
       _fill(reader, m, inside, out)
-    blocks.append(jax.device_put(out, device))
-    del out
+    return jax.device_put(out, device)
+
+  items = sharding.addressable_devices_indices_map(shape).items()
+  blocks = list(pool.map(block, items))
   return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
 
 
@@ -260,13 +276,16 @@ def load_safetensors(
   reader = Reader(files(path))
   try:
     _check(spec, maps, reader, unused)
-    state = build_from_stored(
-      spec,
-      lambda group: [_stored_leaf(reader, spec, i, maps[i]) for i in group],
-      grouped=True,
-      keep_stored=True,
-    )
-    jax.block_until_ready(state)
+    with ThreadPoolExecutor(_READERS) as pool:
+      state = build_from_stored(
+        spec,
+        lambda group: [
+          _stored_leaf(reader, spec, i, maps[i], pool) for i in group
+        ],
+        grouped=True,
+        keep_stored=True,
+      )
+      jax.block_until_ready(state)
   finally:
     reader.close()
   return with_extras(
