@@ -192,6 +192,27 @@ def test_every_problem_of_a_bad_checkpoint_is_named_at_once(mesh, tmp_path):
   assert zerojax.gather_params(state)["embed"].shape == (V, D)
 
 
+def test_a_dtype_jax_has_no_type_for_is_named_before_building(mesh, tmp_path):
+  """safetensors knows F8_E8M0 (a scale format); JAX has no array type for
+  it: the tensor is named with the others, nothing is built."""
+  import struct
+
+  header = {"w": {"dtype": "F8_E8M0", "shape": [8], "data_offsets": [0, 8]}}
+  raw = json.dumps(header).encode()
+  raw += b" " * (-len(raw) % 8)
+  (tmp_path / "model.safetensors").write_bytes(
+    struct.pack("<Q", len(raw)) + raw + bytes(8)
+  )
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
+  with pytest.raises(CheckpointError, match="'w' is F8_E8M0, a dtype JAX"):
+    checkpoint.load_safetensors(
+      tmp_path,
+      tx,
+      {"w": jax.ShapeDtypeStruct((8,), jnp.float32)},
+      mapping={"['w']": "w"},
+    )
+
+
 def test_a_truncated_file_or_a_lost_shard_is_named(mesh, tmp_path):
   tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
   state = zerojax.init(_params(), tx)

@@ -103,20 +103,21 @@ class Reader:
     """The tensor as a read-only array over the mapped file."""
     data, start, header = self._file(name)
     entry = header[name]
-    if entry["dtype"] not in _DTYPES:
+    if entry["dtype"] not in DTYPES:
       raise CheckpointError(
         f"zerojax safetensors: tensor {name!r} is {entry['dtype']}, a dtype "
         f"JAX has no array type for."
       )
     begin, end = entry["data_offsets"]
     raw = data[start + begin : start + end]
-    return raw.view(np.dtype(_DTYPES[entry["dtype"]])).reshape(entry["shape"])
+    return raw.view(np.dtype(DTYPES[entry["dtype"]])).reshape(entry["shape"])
 
   def close(self):
     self._maps.clear()
 
 
-_DTYPES = {
+# safetensors' dtype names -> the JAX array types they load as
+DTYPES = {
   "F64": jnp.float64,
   "F32": jnp.float32,
   "F16": jnp.float16,
@@ -145,9 +146,9 @@ def safetensors_shapes(path) -> dict[str, jax.ShapeDtypeStruct]:
     out = {}
     for name in sorted(reader.files):
       shape, dtype = reader.info(name)
-      if dtype not in _DTYPES:
+      if dtype not in DTYPES:
         reader.view(name)  # raises, naming the dtype
-      out[name] = jax.ShapeDtypeStruct(shape, np.dtype(_DTYPES[dtype]))
+      out[name] = jax.ShapeDtypeStruct(shape, np.dtype(DTYPES[dtype]))
     return out
   finally:
     reader.close()

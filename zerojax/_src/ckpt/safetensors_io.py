@@ -33,7 +33,13 @@ from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
 from zerojax._src.ckpt.layout_json import CheckpointError
-from zerojax._src.ckpt.safetensors_files import INDEX, SINGLE, Reader, files
+from zerojax._src.ckpt.safetensors_files import (
+  DTYPES,
+  INDEX,
+  SINGLE,
+  Reader,
+  files,
+)
 from zerojax._src.records.spec import StateSpec, ZeroState, make_spec
 from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.extras import with_extras
@@ -134,7 +140,12 @@ def _check(spec: StateSpec, maps: list[TensorMap], reader: Reader, unused):
           f"params{r.path}: tensor {name!r} is {list(got)}, expected "
           f"{list(want)}{' (transposed)' if m.transpose else ''}"
         )
-      if (dtype in _FLOAT) != floating:
+      if dtype not in DTYPES:
+        problems.append(
+          f"params{r.path}: tensor {name!r} is {dtype}, a dtype JAX has no "
+          f"array type for"
+        )
+      elif (dtype in _FLOAT) != floating:
         problems.append(
           f"params{r.path}: tensor {name!r} is {dtype}, the param is "
           f"{np.dtype(r.aval.dtype).name}"

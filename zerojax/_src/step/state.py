@@ -353,12 +353,11 @@ def build_from_stored(
   leaf already laid out and typed as the state's param is kept as it is
   (the caller made it for this state and keeps no reference), so the
   program does not copy it."""
-  held = held or [None] * len(spec.leaves)
+  held = list(held or [None] * len(spec.leaves))
   parts = []
   for group, owned in zip(*build_plan(spec, grouped=grouped)):
     leaves = stored(group)
     if keep_stored:
-      held = list(held)
       for i, x in zip(group, leaves):
         held[i] = _as_param(x, spec.leaves[i], spec)
     keep = tuple(held[i] is not None for i in group)
