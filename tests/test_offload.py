@@ -8,6 +8,7 @@ memory between steps; checkpoints must move between offloaded and
 non-offloaded layouts, bit for bit.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,21 +148,29 @@ def test_gathers_eval_and_split_step_work_offloaded():
   same(_leaves(outs[1]), _leaves(outs[0]))
 
 
-@pytest.mark.parametrize("save_offloaded", [True, False])
+KINDS = {
+  True: {"pinned_host"},
+  False: {"device"},
+  0.5: {"pinned_host", "device"},
+}
+
+
+@pytest.mark.parametrize(
+  "saved,restored_as", [(True, False), (False, True), (0.5, True), (False, 0.5)]
+)
 def test_checkpoint_moves_between_offloaded_and_on_device(
-  tmp_path, save_offloaded
+  tmp_path, saved, restored_as
 ):
-  state, _ = _train(3, save_offloaded, BF16, steps=2)
+  state, _ = _train(3, saved, BF16, steps=2)
   params = toy.init_params(jax.random.key(0))
   with checkpoint.Checkpointer(tmp_path / "ckpt", async_save=False) as ck:
     ck.save(state)
     for stage in (1, 3):
       tx = zerojax.zero(
-        optax.adamw(1e-2), stage=stage, policy=BF16, offload=not save_offloaded
+        optax.adamw(1e-2), stage=stage, policy=BF16, offload=restored_as
       )
       restored, _ = ck.restore(params, tx)
-      want = "pinned_host" if not save_offloaded else "device"
-      assert _kinds((restored.master, restored.opt_state)) == {want}
+      assert _kinds((restored.master, restored.opt_state)) == KINDS[restored_as]
       for f in (
         lambda s: zerojax.gather_params(s, master=True),
         zerojax.gather_opt_state,
@@ -181,14 +190,15 @@ def test_dropin_offloads_the_optimizer_state(optimizer):
   params = toy.init_params(jax.random.key(0))
   grads = jax.grad(toy.loss_fn, allow_int=True)(params, toy.batches(1)[0])
   outs = []
-  for off in (False, True):
+  for off in (False, True, 0.5):
     tx = zerojax.zero(optimizer(1e-2), stage=1, offload=off)
     opt = tx.init(params)
     for _ in range(2):
       updates, opt = tx.update(grads, opt, params)
     outs.append((updates, opt))
-  assert _kinds(outs[1][1]) == {"pinned_host"}
+    assert _kinds(opt) == KINDS[off]
   same(outs[1], outs[0])
+  chex.assert_trees_all_equal(outs[2], outs[0])
 
 
 def test_offloaded_update_takes_static_extra_arguments():
@@ -215,11 +225,127 @@ def test_offloaded_update_takes_static_extra_arguments():
 
 
 def test_offload_flag_is_validated():
-  with pytest.raises(TypeError, match="offload"):
-    zerojax.zero(optax.adam(1e-3), stage=1, offload="cpu")
+  for bad in ("cpu", 1, 1.5, -0.1):
+    with pytest.raises(TypeError, match=f"offload={bad!r}.*fraction"):
+      zerojax.zero(optax.adam(1e-3), stage=1, offload=bad)
   assert "offload=True" in repr(
     zerojax.zero(optax.adam(1e-3), stage=1, offload=True)
   )
+  assert "offload=0.25" in repr(
+    zerojax.zero(optax.adam(1e-3), stage=1, offload=0.25)
+  )
+
+
+# --- partial offload: whole leaves up to a fraction of the bytes ----------
+PARTIAL_OPTIMIZERS = {
+  "adamw": lambda: optax.adamw(1e-2),
+  "clip+adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(0.1), optax.adamw(1e-2)
+  ),
+  "lamb": lambda: optax.lamb(1e-2),
+  "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL_OPTIMIZERS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_partial_and_full_offload_equal_no_offload_bitwise(stage, name):
+  """Offloading is a placement, not another computation: on XLA CPU the
+  state after three steps has the same bits with none, half or all of
+  it in host memory, for coupled updates (global-norm clipping, trust
+  ratios, factored moments) too."""
+  opt = PARTIAL_OPTIMIZERS[name]
+  plain = _leaves(_train(stage, False, BF16, optimizer=opt())[0])
+  for off in (0.5, True):
+    state, _ = _train(stage, off, BF16, optimizer=opt())
+    assert _kinds(state.master) == KINDS[off]
+    chex.assert_trees_all_equal(_leaves(state), plain)
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.9])
+def test_partial_offload_keeps_whole_leaves_largest_first(fraction):
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=fraction, policy=BF16)
+  params = toy.init_params(jax.random.key(0))
+  state = zerojax.init(params, tx)
+  rows = [
+    r
+    for r in zerojax.diagnostics.layout_rows(state)
+    if r["section"] == "master"
+  ]
+  on_host = [r["memory"] == "pinned_host" for r in rows]
+  # AdamW keeps a master copy and two moments per element: bytes go as
+  # the param's logical size
+  size_of = {
+    jax.tree_util.keystr(k): x.size
+    for k, x in jax.tree_util.tree_flatten_with_path(params)[0]
+  }
+  sizes = [size_of[r["path"].removeprefix("master")] for r in rows]
+  # the leaves offloaded are the largest ones: no leaf left on the device
+  # is larger than one offloaded, and dropping the smallest offloaded
+  # leaf would fall short of the fraction
+  host_sizes = [n for n, h in zip(sizes, on_host) if h]
+  device_sizes = [n for n, h in zip(sizes, on_host) if not h]
+  assert host_sizes and device_sizes
+  assert min(host_sizes) >= max(device_sizes)
+  share = zerojax.report(
+    zerojax.train_step(toy.loss_fn, tx), state, toy.batches(1)[0]
+  ).offload["host_fraction"]
+  assert share == pytest.approx(sum(host_sizes) / sum(sizes))
+  assert share >= fraction > share - min(host_sizes) / sum(sizes)
+  # each optimizer moment lives where its param's master copy lives
+  for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
+    key = jax.tree_util.keystr(path)
+    owner = [r for r in rows if key.endswith(r["path"].removeprefix("master"))]
+    if owner and x.ndim:
+      assert x.sharding.memory_kind == owner[0]["memory"], key
+
+
+def test_host_bytes_per_step_in_the_compiled_program_equal_the_planners():
+  """The planner's host figures for a fraction are the bytes the compiled
+  step really reads down and writes back, and what the state holds."""
+  params = toy.init_params(jax.random.key(0))
+  abstract = jax.eval_shape(lambda: params)
+  for off in (0.5, True):
+    tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=off, policy=BF16)
+    state = zerojax.init(params, tx)
+    rep = zerojax.report(
+      zerojax.train_step(toy.loss_fn, tx), state, toy.batches(1)[0]
+    )
+    plan = zerojax.cost.plan_stage(
+      abstract, 3, tx.num_shards, policy=BF16, offload=off
+    )
+    held = zerojax.diagnostics.memory_bytes(state)["pinned_host"]
+    assert plan.host == held == rep.offload["device_to_host_bytes"] > 0
+    assert plan.host_traffic == (
+      rep.offload["host_to_device_bytes"] + rep.offload["device_to_host_bytes"]
+    )
+    assert plan.device == pytest.approx(
+      plan.total - plan.host + plan.update_transient
+    )
+
+
+def test_planner_names_the_least_fraction_a_device_needs():
+  abstract = jax.eval_shape(lambda: toy.init_params(jax.random.key(0)))
+  kw = dict(policy=BF16)
+  plan = lambda f: zerojax.cost.plan_stage(abstract, 1, 8, offload=f, **kw)
+  need = lambda mem: zerojax.cost.offload_fraction_needed(
+    abstract, 1, mem, 8, **kw
+  )
+  none, full = plan(False), plan(True)
+  assert full.device < none.device
+  assert need(none.working_set) == 0.0
+  assert need(full.device - 1) is None
+  f = need((none.device + full.device) / 2)
+  assert 0.0 < f < 1.0
+  assert plan(f).device <= (none.device + full.device) / 2
+  # every fraction that offloads fewer bytes does not fit
+  smaller = [
+    p
+    for p in map(plan, (i / 10 for i in range(1, 10)))
+    if p.host < plan(f).host
+  ]
+  assert smaller
+  assert all(p.device > (none.device + full.device) / 2 for p in smaller)
 
 
 def test_state_and_step_must_agree_on_offload():

@@ -178,6 +178,40 @@ def test_offload_moves_master_and_moments_to_host():
   assert gpt.num_params(big) > 1.3 * gpt.num_params(on_big)
 
 
+def test_cli_names_the_least_offload_share_that_fits():
+  """``--memory-gb 40 --offload``: a 3B GPT on one device fits only with
+  most of its master copy and moments on the host; the share named fits,
+  and so does the model at that share through zero()."""
+  argv = ["--params", "3e9", "--devices", "1", "--memory-gb", "40"]
+  out = subprocess.run(
+    [sys.executable, "-m", "zerojax.plan", *argv, "--offload", "--json"],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  data = json.loads(out.stdout)
+  needed = {int(k): v for k, v in data["offload_needed"].items()}
+  config = gpt.GPTConfig(**data["config"])
+  abstract = plan.abstract_gpt(config)
+  for s, share in needed.items():
+    assert 0 < share < 1, needed
+    assert plan.plan_gpt(abstract, s, 1, offload=share).device <= 40e9
+    assert plan.plan_gpt(abstract, s, 1).device > 40e9
+  text = subprocess.run(
+    [sys.executable, "-m", "zerojax.plan", *argv, "--offload", "0.5"],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
+  assert f"stage 3: {needed[3]:.3f}" in text
+  bad = subprocess.run(
+    [sys.executable, "-m", "zerojax.plan", *argv, "--offload", "2"],
+    capture_output=True,
+    text=True,
+  )
+  assert bad.returncode == 2 and "share in [0, 1]" in bad.stderr
+
+
 def test_working_set_counts_gathered_layers_only_at_stage_3():
   import jax.numpy as jnp
 

@@ -1,5 +1,6 @@
 """The main job and the reference GPT."""
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -201,6 +202,19 @@ def test_main_job_samples_from_params_split_over_a_model_axis():
   assert text.startswith("The ") and len(text.encode("utf-8", "replace")) >= 4
 
 
+def test_main_job_offload_flag_takes_a_share():
+  from zerojax.app import train
+
+  assert train.parse_args([]).offload == 0.0
+  assert train.parse_args(["--offload"]).offload == 1.0
+  assert train.parse_args(["--offload", "0.25"]).offload == 0.25
+  config = train.parse_args(["--offload", "0.25", "--width", "32"])
+  tx, _ = train._optimizer(
+    dataclasses.replace(config, devices=8), zerojax.make_mesh("data=8")
+  )
+  assert tx.config.offload == 0.25
+
+
 @pytest.mark.parametrize(
   "flags,message",
   [
@@ -210,6 +224,7 @@ def test_main_job_samples_from_params_split_over_a_model_axis():
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--seq-shard", "model"], "--seq-shard=model is not a model axis"),
     (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be >= 0"),
+    (["--offload", "1.5"], "--offload=1.5 must be a share in [0, 1]"),
   ],
 )
 def test_main_job_rejects_bad_flags_before_work(flags, message):

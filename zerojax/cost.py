@@ -13,6 +13,9 @@ from zerojax._src.diagnostics.planner import HARDWARE as HARDWARE
 from zerojax._src.diagnostics.planner import ZEROPP_ROWS as ZEROPP_ROWS
 from zerojax._src.diagnostics.planner import StagePlan as StagePlan
 from zerojax._src.diagnostics.planner import comm_time as comm_time
+from zerojax._src.diagnostics.planner import (
+  offload_fraction_needed as offload_fraction_needed,
+)
 from zerojax._src.diagnostics.planner import plan_stage as plan_stage
 from zerojax._src.diagnostics.planner import (
   saved_activations as saved_activations,
@@ -25,6 +28,7 @@ __all__ = [
   "StagePlan",
   "ZEROPP_ROWS",
   "comm_time",
+  "offload_fraction_needed",
   "plan_stage",
   "saved_activations",
   "zeropp_comm",

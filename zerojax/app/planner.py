@@ -268,6 +268,20 @@ def largest_fitting(
   return gpt.config_for_params(lo, seq_len=seq_len)
 
 
+def offload_needed(
+  config: gpt.GPTConfig, stage: int, memory_bytes: float, mesh: dict
+) -> float | None:
+  """:func:`zerojax.cost.offload_fraction_needed` for this GPT: the least
+  ``offload`` share with which its model state fits ``memory_bytes`` per
+  device (0.0: fits on the device; None: not even all on the host)."""
+  kw = {}
+  if mesh.get("model", 1) > 1:
+    kw = dict(model_specs=gpt.model_specs(), stacked=gpt.is_layer_stack)
+  return cost.offload_fraction_needed(
+    abstract_gpt(config), stage, memory_bytes, mesh=mesh, **kw
+  )
+
+
 def _table(plans) -> str:
   offload = any(p.offload for p in plans)
   head = (
@@ -349,6 +363,8 @@ def _comm_table(plans, hw) -> str:
 def main(argv=None):
   p = _parser()
   args = p.parse_args(argv)
+  if not 0.0 <= args.offload <= 1.0:
+    p.error(f"--offload {args.offload}: give a share in [0, 1]")
   mesh, slices = _mesh(p, args)
   config = _config(p, args, mesh)
   plans = [
@@ -361,7 +377,11 @@ def main(argv=None):
         x, slices, args.hardware, args.fast_bw, args.slow_bw, args.collectives
       )
     )
-  fitting = {}
+  fitting, needed = {}, {}
+  if args.memory_gb and args.offload:
+    needed = {
+      s: offload_needed(config, s, args.memory_gb * GB, mesh) for s in range(4)
+    }
   if args.memory_gb:
     for s in range(4):
       c = largest_fitting(
@@ -385,6 +405,7 @@ def main(argv=None):
             for x in plans
           ],
           "largest_fitting": fitting,
+          "offload_needed": needed,
           "compiled": compiled,
           "argv": argv if argv is not None else sys.argv[1:],
           "jax_version": jax.__version__,
@@ -394,6 +415,22 @@ def main(argv=None):
     )
     return
   _print_report(args, config, mesh, slices, plans, acts, fitting)
+  if needed:
+    print(
+      f"\nleast offload share (zero(..., offload=SHARE)) with which this "
+      f"GPT's model state fits {args.memory_gb:g} GB per device:"
+    )
+    for s, f in needed.items():
+      print(
+        f"  stage {s}: "
+        + (
+          "does not fit with all of it on the host"
+          if f is None
+          else "fits without offload"
+          if f == 0
+          else f"{f:.3f}"
+        )
+      )
   if compiled:
     from zerojax.app import compiled as _compiled
 
@@ -515,10 +552,16 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--offload",
-    action="store_true",
+    type=float,
+    nargs="?",
+    const=1.0,
+    default=0.0,
+    metavar="SHARE",
     help="master copy and optimizer state in host memory "
-    "(zero(..., offload=True)): device and host GB apart; "
-    "--memory-gb then bounds device memory",
+    "(zero(..., offload=True)), or SHARE of their bytes "
+    "(zero(..., offload=SHARE)): device and host GB apart; "
+    "--memory-gb then bounds device memory and names the least "
+    "share this GPT needs per stage",
   )
   p.add_argument(
     "--zeropp",

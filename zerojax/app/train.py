@@ -127,10 +127,11 @@ class TrainConfig:
   save_every: int = _opt(
     100, "steps between checkpoints (the last step is always saved)"
   )
-  offload: bool = _opt(
-    False,
-    "keep the fp32 master copy and the optimizer "
-    "state in host memory (pinned_host)",
+  offload: float = _opt(
+    0.0,
+    "share of the fp32 master copy and optimizer state kept in host "
+    "memory (pinned_host): --offload alone for all of it, --offload 0.5 "
+    "for half (whole leaves, largest first)",
   )
   weight_bits: int = _opt(
     0,
@@ -198,6 +199,8 @@ def parse_args(argv=None) -> TrainConfig:
         default=f.default,
         help=f.metadata["help"],
       )
+    if f.name == "offload":
+      kw.update(nargs="?", const=1.0)
     if f.name == "stage":
       kw["choices"] = [0, 1, 2, 3]
     if f.name == "precision":
@@ -247,6 +250,11 @@ def check(config: TrainConfig) -> list[str]:
     for n in auto
     if getattr(config, n) < 0
   ]
+  if not 0.0 <= config.offload <= 1.0:
+    problems.append(
+      f"--offload={config.offload} must be a share in [0, 1] "
+      f"(--offload alone: all of it)"
+    )
   if config.width and config.heads and config.width % config.heads:
     problems.append(
       f"--heads={config.heads} does not divide --width={config.width}"
@@ -606,7 +614,7 @@ def _optimizer(config: TrainConfig, mesh):
     policy=policy,
     model_specs=gpt.model_specs() if tp else None,
     stacked=gpt.is_layer_stack if tp else None,
-    offload=config.offload,
+    offload=float(config.offload),
     bucket_bytes=(int(config.bucket_mb * 2**20) if config.bucket_mb else None),
     zeropp=zeropp,
   )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import math
 
+import jax
 import numpy as np
 
 from zerojax._src.records import zeropp as _zeropp
@@ -80,6 +81,24 @@ def stage_state_bytes(spec, *, ideal: bool) -> dict[str, float]:
     sharded_at = 1 if o.aval.shape else 4  # scalars (count) stay whole
     add(f"opt_state.{o.field}", o.layout, size, o.aval.dtype, sharded_at)
   return dict(out)
+
+
+def host_state_bytes(spec) -> float:
+  """Per-device bytes of the master copy and optimizer state kept in host
+  memory (``zero(..., offload=...)``), as laid out."""
+  n, sizes = spec.tx.num_shards, spec.tx.model_axes
+  out = 0.0
+  for r in spec.leaves:
+    if r.trainable and r.place.offload and spec.policy.has_master:
+      out += layout_bytes(r.shard, n, sizes, np.dtype(r.master_dtype).itemsize)
+  for o in spec.opt_leaves:
+    if o.place.offload and not _extended(o.aval.dtype):
+      out += layout_bytes(o.layout, n, sizes, np.dtype(o.aval.dtype).itemsize)
+  return out
+
+
+def _extended(dtype) -> bool:
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 def stage_collectives(

@@ -26,6 +26,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from zerojax._src.diagnostics import cost
 from zerojax._src.jaxpr import activations as _activations
+from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
 from zerojax._src.records.zeropp import ZeroPP
@@ -68,7 +69,9 @@ class StagePlan:
   comm: dict = dataclasses.field(
     default_factory=dict
   )  # per axis, see comm_time
-  offload: bool = False  # master + optimizer state in host memory
+  offload: bool = False  # some master + optimizer state in host memory
+  # offload: per-device bytes of master + optimizer state in host memory
+  host_bytes: float = 0.0
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
@@ -102,8 +105,9 @@ class StagePlan:
 
   @property
   def host(self) -> float:
-    """Bytes per device kept in host memory (offload: master + optimizer)."""
-    return self.master + self.optimizer if self.offload else 0.0
+    """Bytes per device kept in host memory (offload: the master copy and
+    optimizer state of the leaves offloaded)."""
+    return self.host_bytes if self.offload else 0.0
 
   @property
   def device(self) -> float:
@@ -112,7 +116,7 @@ class StagePlan:
     return self.total - self.host + self.update_transient
 
 
-def plan_stage(
+def plan_spec(
   abstract_params,
   stage: int,
   n_devices: int | None = None,
@@ -122,22 +126,11 @@ def plan_stage(
   policy: Policy | None = None,
   model_specs=None,
   stacked=None,
-  offload: bool = False,
-  activations: dict | None = None,
-) -> StagePlan:
-  """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
-
-  ``offload``: the master copy and optimizer state in host memory
-  (``zero(..., offload=True)``); :attr:`StagePlan.device` and
-  :attr:`StagePlan.host` split the total.
-
-  ``mesh``: axis sizes (e.g. ``{"replica": 4, "data": 256}``); default a
-  1-D data mesh of ``n_devices``. Collective bytes are per data-axis group
-  (full-buffer convention), plus ``"all-reduce over replica"`` (the shard,
-  hybrid sharding). ``model_specs`` / ``stacked``: as
-  :func:`zerojax.zero` takes them, needed when ``mesh`` has a model axis.
-  ``activations``: :func:`saved_activations`'s figure, added to
-  :attr:`StagePlan.working_set`."""
+  offload: bool | float = False,
+):
+  """The records :func:`plan_stage` prices: ``zerojax.zero``'s layouts on
+  an abstract mesh of ``mesh``'s axis sizes (AdamW and bf16 params with an
+  fp32 master copy by default)."""
   mesh = {"data": n_devices} if mesh is None else dict(mesh)
   amesh = AbstractMesh(
     tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh)
@@ -159,8 +152,51 @@ def plan_stage(
     policy=policy,
     model_specs=model_specs if tp else None,
     stacked=stacked if tp else None,
+    offload=offload,
   )
-  spec = make_spec(abstract_params, tx)
+  return make_spec(abstract_params, tx)
+
+
+def plan_stage(
+  abstract_params,
+  stage: int,
+  n_devices: int | None = None,
+  *,
+  mesh: dict | None = None,
+  optimizer=None,
+  policy: Policy | None = None,
+  model_specs=None,
+  stacked=None,
+  offload: bool | float = False,
+  activations: dict | None = None,
+) -> StagePlan:
+  """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
+
+  ``offload``: the master copy and optimizer state in host memory
+  (``zero(..., offload=True)``), or that fraction of their bytes (a float,
+  as ``zero`` takes it); :attr:`StagePlan.device` and
+  :attr:`StagePlan.host` split the total. :func:`offload_fraction_needed`
+  finds the least fraction a device's memory needs.
+
+  ``mesh``: axis sizes (e.g. ``{"replica": 4, "data": 256}``); default a
+  1-D data mesh of ``n_devices``. Collective bytes are per data-axis group
+  (full-buffer convention), plus ``"all-reduce over replica"`` (the shard,
+  hybrid sharding). ``model_specs`` / ``stacked``: as
+  :func:`zerojax.zero` takes them, needed when ``mesh`` has a model axis.
+  ``activations``: :func:`saved_activations`'s figure, added to
+  :attr:`StagePlan.working_set`."""
+  mesh = {"data": n_devices} if mesh is None else dict(mesh)
+  spec = plan_spec(
+    abstract_params,
+    stage,
+    mesh=mesh,
+    optimizer=optimizer,
+    policy=policy,
+    model_specs=model_specs,
+    stacked=stacked,
+    offload=offload,
+  )
+  tx = spec.tx
   state = cost.stage_state_bytes(spec, ideal=False)
   optimizer_bytes = sum(
     v for k, v in state.items() if k.startswith("opt_state.")
@@ -169,7 +205,10 @@ def plan_stage(
   colls = {
     k: v[1] for k, v in cost.stage_collectives(spec, ideal=False).items()
   }
-  chunk = _offload.describe(spec)["largest_chunk_fraction"] if offload else 1.0
+  offloaded = spec.place.offload
+  chunk = (
+    _offload.describe(spec)["largest_chunk_fraction"] if offloaded else 1.0
+  )
   return StagePlan(
     stage,
     n_params,
@@ -180,11 +219,48 @@ def plan_stage(
     state.get("grads", 0.0),
     colls,
     mesh,
-    offload=offload,
+    offload=offloaded,
+    host_bytes=cost.host_state_bytes(spec),
     chunk_fraction=chunk,
     activations=float((activations or {}).get("device", 0)),
     activations_host=float((activations or {}).get("host", 0)),
   )
+
+
+def offload_fraction_needed(
+  abstract_params, stage: int, memory_bytes: float, n_devices=None, **kwargs
+) -> float | None:
+  """The least ``offload`` fraction (as :func:`zerojax.zero` takes it) with
+  which a stage's device working set (:attr:`StagePlan.working_set`: model
+  state, the streamed update's chunks and ``activations`` if given) fits
+  ``memory_bytes`` per device: 0.0 when it fits without offload, None when
+  it does not fit even with all of it offloaded. Candidates are the shares
+  whole leaves reach, largest first, as ``zero`` picks them. ``kwargs``:
+  as :func:`plan_stage` takes them."""
+  plan = lambda f: plan_stage(
+    abstract_params, stage, n_devices, offload=f, **kwargs
+  )
+  if plan(False).working_set <= memory_bytes:
+    return 0.0
+  spec = plan_spec(
+    abstract_params,
+    stage,
+    n_devices,
+    **{k: v for k, v in kwargs.items() if k != "activations"},
+  )
+  sizes = sorted(
+    _host_memory.offload_bytes(
+      spec.leaves, spec.opt_leaves, spec.policy.has_master
+    ),
+    reverse=True,
+  )
+  total, held = max(sum(sizes), 1), 0
+  for size in sizes:
+    held += size
+    fraction = min(held / total, 1.0)
+    if size and plan(fraction).working_set <= memory_bytes:
+      return fraction
+  return None
 
 
 def saved_activations(

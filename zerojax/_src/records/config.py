@@ -60,7 +60,7 @@ class ZeroConfig:
   stacked: Any = None
   replica_axis: str | None = None
   model_specs: Any = None
-  offload: bool = False
+  offload: bool | float = False
   zeropp: ZeroPP = ZeroPP()
   bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
 
@@ -109,13 +109,8 @@ class ZeroConfig:
       self, "model_specs", _model_axes.as_lookup(self.model_specs)
     )
     _check_policy(self.policy)
-    if not isinstance(self.offload, bool):
-      raise TypeError(
-        f"zerojax.zero: offload={self.offload!r}; pass True "
-        f"(master copy and optimizer state in host memory) or "
-        f"False."
-      )
-    if self.offload and isinstance(self.mesh, Mesh):  # abstract: no devices
+    _check_offload(self.offload)
+    if self.offload_fraction and isinstance(self.mesh, Mesh):  # abstract
       _check_host_memory(self.mesh)
     _check_zeropp(self.zeropp, self.stage, self.mesh, self.axis_name)
     b = self.bucket_bytes
@@ -135,6 +130,12 @@ class ZeroConfig:
         f"the data axis {self.axis_name!r} (the mesh has {names}). Build "
         f"the mesh with zerojax.make_mesh('replica=2,data=4')."
       )
+
+  @property
+  def offload_fraction(self) -> float:
+    """The share of the master copy and optimizer state's bytes to keep
+    in host memory: 1.0 for ``offload=True``, 0.0 for ``False``."""
+    return float(self.offload)
 
   @property
   def num_shards(self) -> int:
@@ -256,6 +257,23 @@ def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str):
       f"zerojax.zero: ZeroPP(hpz_size={zeropp.hpz_size}) must be smaller "
       f"than the data axis ({axis_name!r} has {n} devices): the devices "
       f"of one node, e.g. hpz_size={n // 2} for 2 nodes."
+    )
+
+
+def _check_offload(offload):
+  """``offload``: a bool, or the fraction of the state in host memory."""
+  if isinstance(offload, bool):
+    return
+  if (
+    not isinstance(offload, numbers.Real)
+    or isinstance(offload, numbers.Integral)
+    or not 0.0 <= float(offload) <= 1.0
+  ):
+    raise TypeError(
+      f"zerojax.zero: offload={offload!r}; pass True (master copy and "
+      f"optimizer state in host memory), False, or the fraction of their "
+      f"bytes to keep in host memory as a float in [0, 1], e.g. "
+      f"offload=0.5 (zerojax.plan_stage's host figures size it)."
     )
 
 

@@ -36,6 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records import layout as _layout
 from zerojax._src.records import model_axes as _model_axes
 from zerojax._src.records.config import HOST_MEMORY, ZeroConfig
@@ -209,8 +210,13 @@ class StateSpec:
 
   @functools.cached_property
   def place(self) -> Placement:
+    """The state's placement: ``offload`` when any leaf of the master
+    copy or optimizer state lives in host memory."""
     c = self.config
-    return Placement(c.mesh, c.axis_name, c.offload)
+    host = any(r.place.offload for r in self.leaves) or any(
+      o.place.offload for o in self.opt_leaves
+    )
+    return Placement(c.mesh, c.axis_name, host)
 
   def sharding(self, layout, host: bool = False) -> NamedSharding:
     return self.place.sharding(layout, host)
@@ -289,13 +295,15 @@ class StateSpec:
     if self.policy.has_master:
       master = self.optimizer_view(
         [
-          make(r.shard, r.master_dtype, True) if r.trainable else None
+          make(r.shard, r.master_dtype, r.place.offload)
+          if r.trainable
+          else None
           for r in self.leaves
         ]
       )
     opt = jax.tree.unflatten(
       self.opt_def,
-      [make(o.layout, o.aval.dtype, True) for o in self.opt_leaves],
+      [make(o.layout, o.aval.dtype, o.place.offload) for o in self.opt_leaves],
     )
     step = make(_layout.LeafLayout(()), jnp.int32, False)
     return ZeroState(
@@ -383,7 +391,7 @@ def make_spec(
     models = model_axes_of(params, tx)
   config: ZeroConfig = tx.config
   policy = config.policy
-  place = Placement(config.mesh, config.axis_name, config.offload)
+  place = Placement(config.mesh, config.axis_name, False)
   leaves = []
   for path, aval, model in zip(paths, avals, models):
     trainable = is_trainable(aval.dtype)
@@ -441,6 +449,9 @@ def make_spec(
         place,
       )
     )
+  leaves, opt_leaves = _host_memory.place_in_host_memory(
+    leaves, opt_leaves, config.offload_fraction, policy.has_master
+  )
   return StateSpec(tx, params_def, tuple(leaves), opt_def, tuple(opt_leaves))
 
 

@@ -1,5 +1,9 @@
 """Offload: the optimizer update streamed through device memory in chunks.
 
+Which leaves are offloaded (all, or whole leaves up to a share of the
+bytes) is in each leaf's record (:mod:`zerojax._src.records.host_memory`);
+a leaf kept on the device is updated in place within its chunk.
+
 With ``zero(..., offload=True)`` the master copy and the optimizer state
 live in ``pinned_host`` memory. XLA computes on device-memory operands, so
 the update must bring them down; left to itself XLA's scheduler may bring
@@ -41,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import deps as _deps
+from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.spec import StateSpec
 from zerojax._src.step import leaf_ops as _ops
 
@@ -66,16 +71,9 @@ def byte_groups(sizes, parts: int) -> list[list[int]]:
 
 
 def owners(spec: StateSpec) -> tuple[int | None, ...]:
-  """For each optimizer-state leaf, the param leaf it belongs to (matched by
-  path suffix, the longest param path winning), or None (shared)."""
-  out = []
-  for o in spec.opt_leaves:
-    best, best_len = None, -1
-    for i, r in enumerate(spec.leaves):
-      if r.trainable and o.path.endswith(r.path) and len(r.path) > best_len:
-        best, best_len = i, len(r.path)
-    out.append(best)
-  return tuple(out)
+  """For each optimizer-state leaf, the param leaf it belongs to, or None
+  (shared)."""
+  return _host_memory.owner_indices(spec.leaves, spec.opt_leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +172,13 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
         f"optimizer state{spec.opt_leaves[j].path} reads other "
         f"leaves' weights or state"
       )
+  # a leaf kept on the device costs no chunk room: it joins its neighbours
   sizes = [
-    _nbytes(w_avals[i])
-    + sum(_nbytes(opt_avals[j]) for j, p in enumerate(own) if p == i)
+    (
+      _nbytes(w_avals[i])
+      + sum(_nbytes(opt_avals[j]) for j, p in enumerate(own) if p == i)
+    )
+    * spec.leaves[i].place.offload
     for i in train
   ]
   chunks = tuple(tuple(train[k] for k in g) for g in byte_groups(sizes, CHUNKS))
@@ -283,9 +285,25 @@ def _zeros(o, raw):
 
 def describe(spec: StateSpec, extra_avals=None) -> dict:
   """How an offloaded state's update runs, from shapes alone:
-  ``{"streamed", "chunks", "largest_chunk_fraction", "reason"}`` (the
-  fraction of the optimizer's weights and state bytes the largest chunk
-  holds; ``reason`` says why the whole state is updated at once)."""
+  ``{"host_fraction", "streamed", "chunks", "largest_chunk_fraction",
+  "reason"}``: the share of the master copy and optimizer state's bytes
+  kept in host memory; the fraction of the offloaded weights and state
+  bytes the largest chunk holds; ``reason``: why the whole state is
+  updated at once."""
+  return {"host_fraction": host_fraction(spec), **_stream(spec, extra_avals)}
+
+
+def host_fraction(spec: StateSpec) -> float:
+  """The share of the master copy and optimizer state's bytes (those of
+  trained leaves) kept in host memory."""
+  sizes = _host_memory.offload_bytes(
+    spec.leaves, spec.opt_leaves, spec.policy.has_master
+  )
+  held = sum(n for n, r in zip(sizes, spec.leaves) if r.place.offload)
+  return held / max(sum(sizes), 1)
+
+
+def _stream(spec: StateSpec, extra_avals) -> dict:
   w_avals, g_avals = [], []
   for r in spec.leaves:
     if not r.trainable:
@@ -304,13 +322,18 @@ def describe(spec: StateSpec, extra_avals=None) -> dict:
       "reason": reason,
     }
   own = owners(spec)
+  host = lambda i: spec.leaves[i].place.offload
   sizes = [
-    sum(_nbytes(w_avals[i]) for i in c)
-    + sum(_nbytes(spec.opt_leaves[j].aval) for j in o)
+    sum(_nbytes(w_avals[i]) for i in c if host(i))
+    + sum(_nbytes(spec.opt_leaves[j].aval) for j in o if host(own[j]))
     for c, o in zip(p.chunks, p.owned)
   ]
-  total = sum(_nbytes(a) for a in w_avals if a is not None) + sum(
-    _nbytes(spec.opt_leaves[j].aval) for j, q in enumerate(own) if q is not None
+  total = sum(
+    _nbytes(a) for i, a in enumerate(w_avals) if a is not None and host(i)
+  ) + sum(
+    _nbytes(spec.opt_leaves[j].aval)
+    for j, q in enumerate(own)
+    if q is not None and host(q)
   )
   return {
     "streamed": True,

@@ -217,11 +217,14 @@ def group_shardings(spec: StateSpec, group, owned):
   return (
     [spec.sharding(r.param) for r in recs],
     [
-      spec.sharding(r.shard, host=True)
+      r.place.sharding(r.shard, host=True)
       for r in recs
       if r.trainable and keeps_master
     ],
-    [spec.sharding(spec.opt_leaves[j].layout, host=True) for j in owned],
+    [
+      spec.opt_leaves[j].place.sharding(spec.opt_leaves[j].layout, host=True)
+      for j in owned
+    ],
   )
 
 

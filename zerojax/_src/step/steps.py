@@ -309,10 +309,24 @@ def abstract_ready(state, where: str):
       else x
     )
 
-  state = state.replace(
-    master=jax.tree.map(kind(HOST_MEMORY), state.master),
-    opt_state=jax.tree.map(kind(HOST_MEMORY), state.opt_state),
+  spec = state.spec
+  where_kept = lambda host: kind(HOST_MEMORY) if host else kind("device")
+  master = state.master
+  if master is not None:
+    master = spec.optimizer_view(
+      [
+        None if x is None else where_kept(r.place.offload)(x)
+        for x, r in zip(spec.masters(master), spec.leaves)
+      ]
+    )
+  opt = jax.tree.unflatten(
+    jax.tree.structure(state.opt_state),
+    [
+      where_kept(o.place.offload)(x)
+      for x, o in zip(jax.tree.leaves(state.opt_state), spec.opt_leaves)
+    ],
   )
+  state = state.replace(master=master, opt_state=opt)
   return jax.tree.map(kind("device"), state)
 
 

@@ -1,0 +1,79 @@
+"""Which leaves of the master copy and optimizer state live in host memory
+(``zero(..., offload=...)``): all, none, or whole leaves up to a fraction
+of their bytes. Read from the records alone, before anything is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def owner_indices(leaves, opt_leaves) -> tuple[int | None, ...]:
+  """For each optimizer-state leaf, the param leaf it belongs to (matched by
+  path suffix, the longest param path winning), or None (shared: a step
+  count, a PRNG key)."""
+  out = []
+  for o in opt_leaves:
+    best, best_len = None, -1
+    for i, r in enumerate(leaves):
+      if r.trainable and o.path.endswith(r.path) and len(r.path) > best_len:
+        best, best_len = i, len(r.path)
+    out.append(best)
+  return tuple(out)
+
+
+def offload_bytes(leaves, opt_leaves, has_master: bool) -> list[int]:
+  """Per param leaf, the logical bytes offload moves to host memory for it:
+  its master copy (when the policy keeps one) and the optimizer state it
+  owns (0 for a frozen leaf)."""
+  sizes = [
+    r.size * np.dtype(r.master_dtype).itemsize
+    if r.trainable and has_master
+    else 0
+    for r in leaves
+  ]
+  for o, i in zip(opt_leaves, owner_indices(leaves, opt_leaves)):
+    if i is not None and not jnp.issubdtype(o.aval.dtype, jax.dtypes.extended):
+      sizes[i] += math.prod(o.aval.shape) * np.dtype(o.aval.dtype).itemsize
+  return sizes
+
+
+def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
+  """The records with each leaf's :class:`Placement`: a trained leaf's
+  master copy and optimizer state in host memory when the leaf is among
+  those offloaded, whole leaves taken largest first (ties in tree order)
+  until they hold ``fraction`` of :func:`offload_bytes`' total; shared
+  optimizer leaves in host memory when any leaf is. Whole leaves keep
+  each leaf's update one computation in one memory; a model scanned over
+  its layers has few, large leaves, so the share reached can exceed the
+  one asked (the report states it)."""
+  sizes = offload_bytes(leaves, opt_leaves, has_master)
+  total = sum(sizes)
+  host: set[int] = set()
+  if fraction >= 1.0:
+    host = {i for i, r in enumerate(leaves) if r.trainable}
+  elif fraction > 0.0:
+    held = 0
+    for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], i)):
+      # (a share reached exactly, up to rounding, counts as reached)
+      if held >= fraction * total * (1 - 1e-12) or not leaves[i].trainable:
+        break
+      host.add(i)
+      held += sizes[i]
+  if not host:
+    return tuple(leaves), tuple(opt_leaves)
+  on_host = lambda p: dataclasses.replace(p, offload=True)
+  owners = owner_indices(leaves, opt_leaves)
+  return tuple(
+    dataclasses.replace(r, place=on_host(r.place)) if i in host else r
+    for i, r in enumerate(leaves)
+  ), tuple(
+    dataclasses.replace(o, place=on_host(o.place))
+    if owners[j] is None or owners[j] in host
+    else o
+    for j, o in enumerate(opt_leaves)
+  )
