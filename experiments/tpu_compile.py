@@ -37,9 +37,13 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-CONFIGS = ("1", "2", "3", "fsdp", "zero1", "3off")
+CONFIGS = ("1", "2", "3", "fsdp", "zero1", "3off", "3off50", "3off-serial")
 ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
-# "<stage>off": the stage with offload=True (master and moments on the host)
+# "<stage>off": the stage with offload=True (master and moments on the
+# host); "<stage>off50": offload=0.5 (half their bytes, whole leaves);
+# "<stage>off-serial": offload=True with the streamed update's chunks run
+# one after another (each chunk's loads wait for the previous chunk's
+# stores: no chunk prefetched), to compare with the prefetching stream
 
 
 def worker(args) -> dict:
@@ -112,12 +116,15 @@ def worker(args) -> dict:
     if args.config == ZEROPP:  # nodes: one slice's chips of the data axis
       node = axes["data"] // (args.num_slices // axes.get("replica", 1))
       zeropp = zerojax.ZeroPP(grad_bits=8, hpz_size=node, node_size=node)
+    offload = _offload_share(args.config)
+    from zerojax._src.step import offload as _stream
+
+    if args.config.endswith("-serial"):
+      _stream._after = lambda sizes: tuple(
+        None if k == 0 else k - 1 for k in range(len(sizes))
+      )
     tx = zerojax.zero(
-      opt,
-      stage=stage,
-      mesh=mesh,
-      zeropp=zeropp,
-      offload=args.config.endswith("off"),
+      opt, stage=stage, mesh=mesh, zeropp=zeropp, offload=offload
     )
     state = jax.eval_shape(
       lambda k: zerojax.init_from(init_fn, tx, k), jax.random.key(0)
@@ -130,8 +137,20 @@ def worker(args) -> dict:
     acts = cost.saved_activations(loss_fn, shapes, one_device, mesh={"data": n})
     # the programs above keep fp32 params and gradients (no policy)
     plan = cost.plan_stage(
-      shapes, stage, mesh=axes, activations=acts, policy=zerojax.Policy()
+      shapes,
+      stage,
+      mesh=axes,
+      activations=acts,
+      policy=zerojax.Policy(),
+      optimizer=opt,
+      offload=offload,
     )
+    if offload:
+      out["offload"] = {
+        **_stream.describe(state.spec),
+        "planner_host": plan.host,
+        "planner_update_transient": plan.update_transient,
+      }
     slices = args.num_slices
     out["planner_comm"] = cost.comm_time(plan, slices)
     if zeropp is not None:
@@ -159,6 +178,14 @@ def worker(args) -> dict:
   out["compile_s"] = time.perf_counter() - t0
   out.update(aot.compiled_report(compiled, mesh))
   return out
+
+
+def _offload_share(config: str) -> bool | float:
+  """``offload=`` of a configuration name (see :data:`CONFIGS`)."""
+  if "off" not in config:
+    return False
+  digits = config.split("off", 1)[1].split("-")[0]
+  return int(digits) / 100 if digits else True
 
 
 def main():

@@ -48,6 +48,7 @@ from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.diagnostics import schedule
 from zerojax._src.records import zeropp as _settings
 from zerojax._src.records.layout import plan_leaf
+from zerojax._src.step import offload as _offload
 
 
 # --- from test_api_edges.py -------------------------------------------
@@ -161,10 +162,62 @@ def test_host_transfers_are_read_with_their_direction_and_overlap():
     "device-to-host": {"count": 1, "bytes": 64 * 256 * 4},
   }
   assert schedule.summary(_TPU_OFFLOAD) == {
-    "host-to-device": {"sync": 0, "async": 1, "overlapped": 1},
-    "device-to-host": {"sync": 0, "async": 1, "overlapped": 0},
+    "host-to-device": {
+      "sync": 0,
+      "async": 1,
+      "overlapped": 1,
+      "beside_compute": 1,
+      "both_ways": 0,
+    },
+    "device-to-host": {
+      "sync": 0,
+      "async": 1,
+      "overlapped": 0,
+      "beside_compute": 0,
+      "both_ways": 0,
+    },
   }
   assert zerojax.diagnostics.collectives(_TPU_OFFLOAD, 4) == []
+
+
+# a streamed update's copies: the next chunk comes down while the previous
+# one goes back and this one is updated (an elementwise add, no matmul)
+_TPU_STREAM = """
+HloModule m
+
+ENTRY %main (h: f32[64,256], n: f32[64,256], d: f32[64,256]) -> f32[64,256] {
+  %h = f32[64,256]{1,0:T(8,128)S(5)} parameter(0)
+  %d = f32[64,256]{1,0:T(8,128)} parameter(2)
+  %copy-start = (f32[64,256]{1,0:T(8,128)}, f32[64,256]{1,0:T(8,128)S(5)}, u32[]{:S(2)}) copy-start(%h)
+  %copy-start.1 = (f32[64,256]{1,0:T(8,128)S(5)}, f32[64,256]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%d)
+  %add = f32[64,256]{1,0:T(8,128)} add(%d, %d), backend_config={"estimated_cycles":"100"}
+  %copy-done.1 = f32[64,256]{1,0:T(8,128)S(5)} copy-done(%copy-start.1)
+  %copy-done = f32[64,256]{1,0:T(8,128)} copy-done(%copy-start)
+  ROOT %r = f32[64,256]{1,0:T(8,128)} add(%copy-done, %add), backend_config={"estimated_cycles":"50"}
+}
+"""
+
+
+def test_host_copies_read_beside_compute_and_both_ways_at_once():
+  row = {
+    "sync": 0,
+    "async": 1,
+    "overlapped": 0,
+    "beside_compute": 1,
+    "both_ways": 1,
+  }
+  assert schedule.summary(_TPU_STREAM) == {
+    "host-to-device": row,
+    "device-to-host": row,
+  }
+  # the compiler's cost model: 100 of the 150 cycles run beside both
+  assert schedule.host_copy_cycles(_TPU_STREAM) == {
+    "compute": 150,
+    "beside_host_to_device": 100,
+    "beside_device_to_host": 100,
+    "beside_any": 100,
+  }
+  assert schedule.host_copy_cycles(_TPU_OFFLOAD) == {}  # no estimates
 
 
 # --- from test_checkpoint.py ------------------------------------------
@@ -750,3 +803,24 @@ def test_each_process_reads_its_devices_rows_only(mesh, tmp_path, monkeypatch):
     assert sum(copies) >= total * factor, (stage, copies, total)
     if stage == 3:
       assert max(copies) <= -(-largest // 8) + 64, (copies, largest)
+
+
+# --- from step/offload.py ----------------------------------------------
+def test_streamed_chunk_loads_wait_for_the_chunk_the_device_has_room_after():
+  """A chunk is loaded during the previous chunk's update (waits for the
+  one before that) only if its old state fits beside the previous chunk's
+  old and new within twice the largest chunk; else it waits for the
+  previous chunk's stores."""
+  after = _offload._after([1, 1, 1, 4, 1])
+  assert after == (None, None, 0, 1, 3)
+  plan = _offload.Plan(((0,),) * 5, ((),) * 5, (), after)
+  assert plan.prefetched == 3
+  # equal chunks: a third beside one's old and new exceeds two: serial
+  assert _offload._after([1, 1, 1]) == (None, 0, 1)
+  # on the device at once: a chunk old and new and, prefetched, the next
+  # one's old: 2 + 4 before the large chunk, 8 during it (none prefetched)
+  assert plan.in_flight([1, 1, 1, 4, 1]) == 8
+  sizes = [1, 4, 1, 1]  # the large chunk prefetched after a small one
+  ahead = _offload.Plan((), (), (), _offload._after(sizes))
+  assert ahead.after == (None, None, 1, 1)
+  assert ahead.in_flight(sizes) == 2 * 4

@@ -398,15 +398,19 @@ def test_update_streams_in_chunks_with_clipping_lamb_and_adafactor(name):
   off = rep.offload
   assert off["streamed"] and off["reason"] is None
   assert off["chunks"] > 1 and off["largest_chunk_fraction"] < 0.5
-  # each chunk's loads wait for the previous chunk's results: one
-  # optimization barrier per chunk boundary, beyond those of the plain step
+  # each chunk's loads wait for the stored results of the chunk before it
+  # or, prefetched, of the one before that: one optimization barrier per
+  # chunk, beyond those of the plain step
   batch = toy.batches(1)[0]
   plain_tx = zerojax.zero(opt, stage=3, policy=BF16)
   plain = zerojax.train_step(toy.loss_fn, plain_tx).lower(
     zerojax.init(toy.init_params(jax.random.key(0)), plain_tx), batch
   )
   count = lambda lowered: lowered.as_text().count("optimization_barrier")
-  assert count(step.lower(state, batch)) - count(plain) == off["chunks"] - 1
+  # (none for the first chunk, nor for a second prefetched beside it)
+  barriers = count(step.lower(state, batch)) - count(plain)
+  assert barriers in (off["chunks"] - 1, off["chunks"] - 2)
+  assert 0 < off["prefetched"] < off["chunks"]
   # the step reads each offloaded buffer down at most once (a leaf the
   # update never reads, e.g. Adafactor's placeholder rows, is not moved)
   # and writes every one back once

@@ -159,6 +159,7 @@ def compiled_report(compiled, mesh) -> dict:
     "across_slices": across,
     "host_transfers": _hlo_memory.host_transfers(text),
     "issued": _schedule.summary(text),
+    "host_copy_cycles": _schedule.host_copy_cycles(text),
   }
 
 

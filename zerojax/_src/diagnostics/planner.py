@@ -75,6 +75,9 @@ class StagePlan:
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
+  # offload: the most of master + optimizer state on the device at once
+  # during the streamed update (chunks old and new, the next prefetched)
+  in_flight_fraction: float = 1.0
   # saved activations per device (saved_activations(); 0: not planned)
   activations: float = 0.0  # in the device's memory
   activations_host: float = 0.0  # offloaded to pinned host memory
@@ -91,11 +94,11 @@ class StagePlan:
 
   @property
   def update_transient(self) -> float:
-    """Offload: device bytes the streamed update holds at once (two chunks
-    of master + optimizer state: one being updated, the next loading)."""
+    """Offload: device bytes the streamed update holds at once (a chunk of
+    master + optimizer state old and new, and the next chunk loading)."""
     if not self.offload:
       return 0.0
-    return min(2 * self.chunk_fraction, 1.0) * self.host
+    return min(self.in_flight_fraction, 1.0) * self.host
 
   @property
   def host_traffic(self) -> float:
@@ -206,9 +209,7 @@ def plan_stage(
     k: v[1] for k, v in cost.stage_collectives(spec, ideal=False).items()
   }
   offloaded = spec.place.offload
-  chunk = (
-    _offload.describe(spec)["largest_chunk_fraction"] if offloaded else 1.0
-  )
+  streamed = _offload.describe(spec) if offloaded else {}
   return StagePlan(
     stage,
     n_params,
@@ -221,7 +222,8 @@ def plan_stage(
     mesh,
     offload=offloaded,
     host_bytes=cost.host_state_bytes(spec),
-    chunk_fraction=chunk,
+    chunk_fraction=streamed.get("largest_chunk_fraction", 1.0),
+    in_flight_fraction=streamed.get("in_flight_fraction", 1.0),
     activations=float((activations or {}).get("device", 0)),
     activations_host=float((activations or {}).get("host", 0)),
   )

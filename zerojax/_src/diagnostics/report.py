@@ -156,12 +156,17 @@ class Report:
       o = self.offload
       how = (
         f"streamed in {o['chunks']} chunks (largest "
-        f"{o['largest_chunk_fraction']:.1%} of the offloaded state)"
+        f"{o['largest_chunk_fraction']:.1%} of the offloaded state; "
+        f"{o['prefetched']} loaded during the previous one's update); "
+        f"{o['host_fraction']:.1%} of master + optimizer state on the host"
         if o["streamed"]
         else f"whole state at once ({o['reason']})"
       )
       copies = sum(r["sync"] + r["async"] for r in o["host_copies"].values())
-      behind = sum(r["overlapped"] for r in o["host_copies"].values())
+      rows = o["host_copies"].values()
+      behind = sum(r["overlapped"] for r in rows)
+      beside = sum(r.get("beside_compute", 0) for r in rows)
+      both = sum(r.get("both_ways", 0) for r in rows)
       lines += [
         "",
         f"offload: update {how}",
@@ -177,7 +182,9 @@ class Report:
         f"  at {o['link_gb_s']:g} GB/s each way: "
         f"{1e3 * o['host_to_device_s']:.2f} ms down, "
         f"{1e3 * o['device_to_host_s']:.2f} ms up per step",
-        f"  host copies in the schedule: {copies}, beside a matmul: {behind}"
+        f"  host copies in the schedule: {copies}, beside a matmul: "
+        f"{behind}, beside any compute: {beside}, while a copy the "
+        f"other way moves: {both}"
         + (
           ""
           if copies

@@ -40,6 +40,7 @@ _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _OPERANDS = re.compile(r"%([\w.\-]+)")
 _MATMUL = re.compile(r"\s(?:convolution|dot)\(")
 _CHAIN = re.compile(r'chain_id="(\d+)"')
+_CYCLES = re.compile(r'estimated_cycles":"(\d+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,10 @@ class Issued:
   mode: str  # "sync" or "async"
   computation: str  # the scheduled computation it runs in
   overlapped_matmuls: int  # matmuls that run while it moves
+  # a start/done pair: positions of its start and done in the computation,
+  # and the computing instructions scheduled between them
+  span: tuple[int, int] | None = None
+  overlapped_compute: int = 0
 
 
 def _matmuls(comps, name, seen=None) -> int:
@@ -118,16 +123,15 @@ def issued(hlo_text: str) -> list[Issued]:
         found = [(op, chain.group(1) if chain else None)]
       elif op.endswith("-start") and (op[:-6] in KINDS or _host_copy(line)):
         done = _first_done(instrs, position, name)
+        between = instrs[i + 1 : done] if done is not None else []
         out.append(
           Issued(
             _host_copy(line) or op[:-6],
             "async",
             comp,
-            0
-            if done is None
-            else sum(
-              _line_matmuls(comps, l) for _, _, l in instrs[i + 1 : done]
-            ),
+            sum(_line_matmuls(comps, l) for _, _, l in between),
+            None if done is None else (i, done),
+            sum(1 for _, o, _ in between if _computes(o)),
           )
         )
         continue
@@ -167,6 +171,33 @@ def _host_copy(line: str) -> str | None:
   return "device-to-host" if to_host else "host-to-device"
 
 
+# instructions that move or name data rather than compute on it
+_BOOKKEEPING = frozenset(
+  (
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "opt-barrier",
+    "copy",
+    "while",
+    "conditional",
+    "call",
+    "custom-call",
+    "send",
+    "recv",
+  )
+)
+
+
+def _computes(op: str) -> bool:
+  return not (op in _BOOKKEEPING or op.endswith(("-start", "-done", "-update")))
+
+
+HOST_KINDS = ("host-to-device", "device-to-host")
+
+
 def _first_done(instrs, position, name):
   """Index of the first ``*-done`` after ``name`` that reads it (through
   ``get-tuple-element``s), or ``None``."""
@@ -187,11 +218,69 @@ def summary(hlo_text: str) -> dict:
   """Per collective kind: how many are issued synchronously and how many
   asynchronously, and how many of those overlap at least one matmul.
   ``{kind: {"sync": n, "async": n, "overlapped": n}}``; a collective in a
-  loop body counts once."""
+  loop body counts once. Host copies (:data:`HOST_KINDS`) also count
+  ``beside_compute`` (any computing instruction scheduled while they move:
+  the streamed update's elementwise fusions too) and ``both_ways`` (in
+  flight while a copy the other way is: both directions of the link
+  busy at once)."""
   out: dict = {}
-  for c in issued(hlo_text):
+  found = issued(hlo_text)
+  for c in found:
     row = out.setdefault(c.kind, {"sync": 0, "async": 0, "overlapped": 0})
     row[c.mode] += 1
     if c.mode == "async" and c.overlapped_matmuls:
       row["overlapped"] += 1
+    if c.kind in HOST_KINDS:
+      row["beside_compute"] = row.get("beside_compute", 0) + bool(
+        c.overlapped_compute
+      )
+      row["both_ways"] = row.get("both_ways", 0) + any(
+        _concurrent(c, o)
+        for o in found
+        if o.kind in HOST_KINDS and o.kind != c.kind
+      )
   return out
+
+
+def _concurrent(a: Issued, b: Issued) -> bool:
+  """Two start/done pairs in flight at once in one computation."""
+  if a.span is None or b.span is None or a.computation != b.computation:
+    return False
+  return a.span[0] < b.span[1] and b.span[0] < a.span[1]
+
+
+def host_copy_cycles(hlo_text: str) -> dict:
+  """The compute the compiler's own cost model puts beside the host
+  copies, in the cycles it estimates per instruction (the TPU compiler
+  annotates each scheduled fusion with ``estimated_cycles``; other
+  backends do not, and get ``{}``). For each computation holding async
+  host copies, summed over them: ``compute`` (every instruction's cycles
+  in it; a loop instruction carries none, so its body is not counted),
+  ``beside_host_to_device`` and
+  ``beside_device_to_host`` (cycles scheduled while a copy that way is in
+  flight) and ``beside_any``."""
+  comps, _ = split_computations(hlo_text)
+  copies = [c for c in issued(hlo_text) if c.kind in HOST_KINDS and c.span]
+  out = dict.fromkeys(
+    ("compute", "beside_host_to_device", "beside_device_to_host", "beside_any"),
+    0,
+  )
+  found = False
+  for comp in sorted({c.computation for c in copies}):
+    lines = [line for line in comps[comp] if _INSTR.match(line)]
+    cycles = [int(m.group(1)) if (m := _CYCLES.search(l)) else 0 for l in lines]
+    found |= any(cycles)
+    spans = {
+      kind: {
+        i
+        for c in copies
+        if c.kind == kind and c.computation == comp
+        for i in range(c.span[0] + 1, c.span[1])
+      }
+      for kind in HOST_KINDS
+    }
+    out["compute"] += sum(cycles)
+    for kind, at in spans.items():
+      out["beside_" + kind.replace("-", "_")] += sum(cycles[i] for i in at)
+    out["beside_any"] += sum(cycles[i] for i in set().union(*spans.values()))
+  return out if found else {}

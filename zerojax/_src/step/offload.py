@@ -8,12 +8,20 @@ With ``zero(..., offload=True)`` the master copy and the optimizer state
 live in ``pinned_host`` memory. XLA computes on device-memory operands, so
 the update must bring them down; left to itself XLA's scheduler may bring
 all of them down at once, and the device then holds the whole state during
-the update, as without offload. Here the update runs chunk by chunk -- groups of consecutive parameter leaves of at
-most ``1 / CHUNKS`` of the state's bytes (a larger leaf alone) -- and each
-chunk's loads from host memory wait, through an
-``optimization_barrier``, for the previous chunk's stored results. So the
-device holds one chunk's weights and state, old and new (the planner counts
-two chunks), never the whole of it.
+the update, as without offload. Here the update runs chunk by chunk --
+groups of consecutive parameter leaves of at most ``1 / CHUNKS`` of the
+state's bytes (a larger leaf alone) -- and chunk ``k``'s loads from host
+memory wait, through an ``optimization_barrier``, for the stored results
+of chunk ``k - 1``, or of chunk ``k - 2`` when the device has room for
+chunk ``k``'s old state beside chunk ``k - 1``'s old and new within the
+two largest chunks' worth the planner counts. Then chunk ``k`` comes down
+while chunk ``k - 1`` is updated and chunk ``k - 2`` goes back: both
+directions of the link and the update's compute at once (:attr:`Plan.after`).
+The first chunk, and the second when it is so prefetched, may come down
+while the backward pass still runs. The device holds at most twice the
+largest chunk's weights and state, never the whole of it. What a backend's
+scheduler makes of it is read from its compiled program
+(:mod:`zerojax._src.diagnostics.schedule`; ``docs/design.md``).
 
 Why chunks of the *same* Optax update rather than a host-side update
 (``jax.experimental.compute_on``): on the supported JAX versions a
@@ -85,6 +93,25 @@ class Plan:
   chunks: tuple[tuple[int, ...], ...]
   owned: tuple[tuple[int, ...], ...]
   shared: tuple[int, ...]
+  # per chunk, the chunk whose stored results its loads wait for (None:
+  # none); k - 2 where chunk k is prefetched during chunk k - 1's update
+  after: tuple[int | None, ...] = ()
+
+  def in_flight(self, sizes) -> float:
+    """The most of ``sizes`` (per chunk) on the device at once: a chunk's
+    old and new state, and the next chunk's old when it is prefetched."""
+    most = 0.0
+    for k, size in enumerate(sizes):
+      ahead = k + 1 < len(sizes) and self.after[k + 1] != k
+      most = max(most, 2 * size + (sizes[k + 1] if ahead else 0))
+    return most
+
+  @property
+  def prefetched(self) -> int:
+    """Chunks loaded while the chunk before them is updated."""
+    return sum(
+      1 for k, a in enumerate(self.after) if k and (a is None or a < k - 1)
+    )
 
 
 def aval_of(x):
@@ -181,9 +208,31 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
     * spec.leaves[i].place.offload
     for i in train
   ]
-  chunks = tuple(tuple(train[k] for k in g) for g in byte_groups(sizes, CHUNKS))
+  groups = byte_groups(sizes, CHUNKS)
+  chunks = tuple(tuple(train[k] for k in g) for g in groups)
   owned = tuple(tuple(j for j, p in enumerate(own) if p in c) for c in chunks)
-  return Plan(chunks, owned, shared), None
+  return Plan(
+    chunks, owned, shared, _after([sum(sizes[k] for k in g) for g in groups])
+  ), None
+
+
+def _after(sizes) -> tuple[int | None, ...]:
+  """Per chunk, the chunk whose stored results its loads wait for: the one
+  before it, or the one before that when this chunk's old state fits
+  beside the previous chunk's old and new within twice the largest chunk
+  (the device bytes the planner counts for the update): a prefetch costs
+  no device memory beyond the serial stream's peak. A stream of equal
+  chunks is therefore serial; chunks beside a larger one are prefetched."""
+  room = 2 * max(sizes, default=0)
+  out: list[int | None] = []
+  for k, size in enumerate(sizes):
+    if k == 0:
+      out.append(None)
+    elif 2 * sizes[k - 1] + size <= room:
+      out.append(k - 2 if k >= 2 else None)
+    else:
+      out.append(k - 1)
+  return tuple(out)
 
 
 def scatter(n: int, index, values) -> list:
@@ -233,14 +282,14 @@ def stream(
   shared = {
     j: _ops.opt_logical(spec.opt_leaves[j], opt_raw[j]) for j in p.shared
   }
-  previous = None
+  stored = []  # each chunk's results, as stored
   for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
     raw_w = [w_src[i].raw for i in chunk]
     raw_o = [opt_raw[j] for j in owned]
-    if previous is not None:
-      # this chunk's loads wait for the previous chunk's results
+    if p.after[k] is not None:
+      # this chunk's loads wait for that chunk's stored results
       (raw_w, raw_o), _ = jax.lax.optimization_barrier(
-        ((raw_w, raw_o), previous)
+        ((raw_w, raw_o), stored[p.after[k]])
       )
     w = {i: w_src[i].load(x) for i, x in zip(chunk, raw_w)}
     o = dict(shared)
@@ -273,7 +322,7 @@ def stream(
     for j in owned + (p.shared if k == 0 else ()):
       new_opt[j] = _ops.opt_storage(spec.opt_leaves[j], new_leaves[j])
       outs.append(new_opt[j])
-    previous = outs
+    stored.append(outs)
   return results, new_opt
 
 
@@ -285,11 +334,13 @@ def _zeros(o, raw):
 
 def describe(spec: StateSpec, extra_avals=None) -> dict:
   """How an offloaded state's update runs, from shapes alone:
-  ``{"host_fraction", "streamed", "chunks", "largest_chunk_fraction",
-  "reason"}``: the share of the master copy and optimizer state's bytes
-  kept in host memory; the fraction of the offloaded weights and state
-  bytes the largest chunk holds; ``reason``: why the whole state is
-  updated at once."""
+  ``{"host_fraction", "streamed", "chunks", "prefetched",
+  "in_flight_fraction", "largest_chunk_fraction", "reason"}``: the share
+  of the master copy and optimizer state's bytes kept in host memory; the
+  chunks loaded while the one before them is updated (:attr:`Plan.after`);
+  the most of the offloaded bytes on the device at once
+  (:meth:`Plan.in_flight`); the fraction of them the largest chunk holds;
+  ``reason``: why the whole state is updated at once."""
   return {"host_fraction": host_fraction(spec), **_stream(spec, extra_avals)}
 
 
@@ -318,6 +369,8 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
     return {
       "streamed": False,
       "chunks": 1,
+      "prefetched": 0,
+      "in_flight_fraction": 1.0,
       "largest_chunk_fraction": 1.0,
       "reason": reason,
     }
@@ -338,6 +391,8 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
   return {
     "streamed": True,
     "chunks": len(p.chunks),
+    "prefetched": p.prefetched,
+    "in_flight_fraction": p.in_flight(sizes) / max(total, 1),
     "largest_chunk_fraction": max(sizes) / max(total, 1),
     "reason": None,
   }
