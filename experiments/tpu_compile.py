@@ -12,7 +12,8 @@ body's collective counted once: ``zerojax._src.diagnostics.schedule``),
 and the compile time. The model is ``plain_gpt.py`` (a GPT written
 without zerojax: zerojax walks its scan per layer) or, with ``--model
 gpt``, zerojax's reference GPT (``zerojax.app.gpt``: it gathers per layer
-itself); AdamW, fp32 params and state for every configuration. The peers (``peers.py``): ``fsdp`` (params
+itself); AdamW, fp32 params and state for every configuration but
+``3offb`` / ``3offp`` (bf16 params, fp32 master copy). The peers (``peers.py``): ``fsdp`` (params
 and state sharded over ``data``, plain ``jit``) and ``zero1`` (state
 sharded), as MaxText and Flax users write them.
 
@@ -37,13 +38,27 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-CONFIGS = ("1", "2", "3", "fsdp", "zero1", "3off", "3off50", "3off-serial")
+CONFIGS = (
+  "1",
+  "2",
+  "3",
+  "fsdp",
+  "zero1",
+  "3off",
+  "3off50",
+  "3off-serial",
+  "3offb",
+  "3offp",
+)
 ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # "<stage>off": the stage with offload=True (master and moments on the
 # host); "<stage>off50": offload=0.5 (half their bytes, whole leaves);
 # "<stage>off-serial": offload=True with the streamed update's chunks run
 # one after another (each chunk's loads wait for the previous chunk's
-# stores: no chunk prefetched), to compare with the prefetching stream
+# stores: no chunk prefetched), to compare with the prefetching stream;
+# "<stage>offb": offload=True with bf16 params and an fp32 master copy;
+# "<stage>offp": the same and offload_params=True (the params' shards in
+# host memory too, each layer brought down before its gather)
 
 
 def worker(args) -> dict:
@@ -123,8 +138,21 @@ def worker(args) -> dict:
       _stream._after = lambda sizes: tuple(
         None if k == 0 else k - 1 for k in range(len(sizes))
       )
+    # fp32 params, no master copy, except "offb" / "offp": bf16 + master
+    policy, stacked = zerojax.Policy(), None
+    if args.config.endswith(("offb", "offp")):
+      policy = zerojax.Policy(param_dtype=jnp.bfloat16)
+      if args.model == "gpt":  # its embedding and head are not stacks
+        stacked = gpt.is_layer_stack
     tx = zerojax.zero(
-      opt, stage=stage, mesh=mesh, zeropp=zeropp, offload=offload
+      opt,
+      stage=stage,
+      mesh=mesh,
+      zeropp=zeropp,
+      policy=policy,
+      stacked=stacked,
+      offload=offload,
+      offload_params=args.config.endswith("offp"),
     )
     state = jax.eval_shape(
       lambda k: zerojax.init_from(init_fn, tx, k), jax.random.key(0)
@@ -135,15 +163,16 @@ def worker(args) -> dict:
       for k in ("x", "y")
     }
     acts = cost.saved_activations(loss_fn, shapes, one_device, mesh={"data": n})
-    # the programs above keep fp32 params and gradients (no policy)
     plan = cost.plan_stage(
       shapes,
       stage,
       mesh=axes,
       activations=acts,
-      policy=zerojax.Policy(),
+      policy=policy,
       optimizer=opt,
+      stacked=stacked,
       offload=offload,
+      offload_params=args.config.endswith("offp"),
     )
     if offload:
       out["offload"] = {
@@ -184,7 +213,7 @@ def _offload_share(config: str) -> bool | float:
   """``offload=`` of a configuration name (see :data:`CONFIGS`)."""
   if "off" not in config:
     return False
-  digits = config.split("off", 1)[1].split("-")[0]
+  digits = config.split("off", 1)[1].split("-")[0].rstrip("bp")
   return int(digits) / 100 if digits else True
 
 

@@ -8,6 +8,8 @@ memory between steps; checkpoints must move between offloaded and
 non-offloaded layouts, bit for bit.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -448,3 +450,137 @@ def test_update_coupled_through_the_state_runs_whole_and_says_why():
   assert not rep.offload["streamed"] and rep.offload["chunks"] == 1
   assert "reads other leaves" in rep.offload["reason"]
   assert "whole state at once" in str(rep)
+
+
+# --- parameters in host memory (stage 3, offload_params=True) ------------
+@pytest.mark.parametrize("off", [False, True], ids=["params", "params+state"])
+@pytest.mark.parametrize("policy", [None, BF16], ids=["fp32", "bf16+master"])
+def test_params_in_host_memory_train_bitwise_equal(off, policy):
+  """Stage 3 with the params' shards in host memory: each layer's shard
+  is brought down just before its gather; the same bits as on device."""
+  plain = _leaves(_train(3, False, policy)[0])
+  tx = zerojax.zero(
+    optax.adamw(1e-2), stage=3, offload=off, offload_params=True, policy=policy
+  )
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  for b in toy.batches(3):
+    state, _ = step(state, b)
+  chex.assert_trees_all_equal(_leaves(state), plain)
+  # every leaf is a layer stack by default: the stack of matrices in host
+  # memory; stacks of vectors, the int ids and the replicated scalar (read
+  # by the loss as they are) on the device
+  kinds = {
+    jax.tree_util.keystr(k): x.sharding.memory_kind
+    for k, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+  }
+  assert kinds.pop("['layers']['w']") == "pinned_host"
+  assert set(kinds.values()) == {"device"}
+  assert _kinds((state.master, state.opt_state)) == KINDS[off]
+
+
+def test_params_in_host_memory_scanned_gpt_bitwise_equal(mesh):
+  """The reference GPT scans its layers over stacked leaves: the scan
+  slices each host-resident stack per layer and brings that layer down."""
+  from zerojax.app import data, gpt
+
+  model = gpt.GPTConfig(width=32, depth=2, heads=2, seq_len=32)
+  tokens, _ = data.split(data.corpus_bytes())
+  loss_fn = functools.partial(gpt.loss, config=model)
+  out = []
+  for pp in (False, True):
+    tx = zerojax.zero(
+      optax.adamw(3e-3),
+      stage=3,
+      mesh=mesh,
+      policy=BF16,
+      offload_params=pp,
+      stacked=gpt.is_layer_stack,
+    )
+    state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
+    step = zerojax.train_step(loss_fn, tx)
+    for i in range(3):
+      state, m = step(
+        state, data.batch_at(tokens, seed=0, step=i, batch=16, seq_len=32)
+      )
+    held_out = zerojax.eval_step(loss_fn, tx)(
+      state, data.batch_at(tokens, seed=1, step=0, batch=16, seq_len=32)
+    )
+    out.append((_leaves(state), m["loss"], held_out))
+    if pp:  # stacks of vectors (biases, norms) stay on the device
+      for k, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+        vectors = "blocks" in jax.tree_util.keystr(k) and x.ndim <= 2
+        want = "device" if vectors else "pinned_host"
+        assert x.sharding.memory_kind == want, (k, x.shape)
+  chex.assert_trees_all_equal(out[1], out[0])
+
+
+def test_params_in_host_memory_are_read_and_written_once_per_gather():
+  """The compiled step reads the host state from host memory space; the
+  planner's host bytes are what the state holds."""
+  params = toy.init_params(jax.random.key(0))
+  tx = zerojax.zero(
+    optax.adamw(1e-2), stage=3, offload=True, offload_params=True, policy=BF16
+  )
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  hlo = step.lower(state, toy.batches(1)[0]).compile().as_text()
+  spaces = zerojax.diagnostics.entry_bytes_by_memory(hlo)
+  held = zerojax.diagnostics.memory_bytes(state)["pinned_host"]
+  assert spaces["arguments"]["pinned_host"] == held
+  assert spaces["outputs"]["pinned_host"] == held
+  plan = zerojax.cost.plan_stage(
+    jax.eval_shape(lambda: params),
+    3,
+    tx.num_shards,
+    policy=BF16,
+    offload=True,
+    offload_params=True,
+  )
+  assert plan.host == held
+  assert plan.params_host + plan.host_bytes == held
+  # gathers, the split step and checkpoints see the same params
+  plain_tx = zerojax.zero(optax.adamw(1e-2), stage=3, policy=BF16)
+  plain = zerojax.init(params, plain_tx)
+  same(zerojax.gather_params(state), zerojax.gather_params(plain))
+  batch = toy.batches(1)[0]
+  grads = [
+    zerojax.value_and_grad(toy.loss_fn, s.spec.tx)(s, batch)[1]
+    for s in (plain, state)
+  ]
+  chex.assert_trees_all_equal(grads[1], grads[0])
+
+
+def test_params_in_host_memory_checkpoint_round_trip(tmp_path):
+  params = toy.init_params(jax.random.key(0))
+  tx = zerojax.zero(
+    optax.adamw(1e-2), stage=3, offload_params=True, policy=BF16
+  )
+  state = zerojax.init(params, tx)
+  state, _ = zerojax.train_step(toy.loss_fn, tx)(state, toy.batches(1)[0])
+  with checkpoint.Checkpointer(tmp_path / "ckpt", async_save=False) as ck:
+    ck.save(state)
+    for pp in (False, True):
+      other = zerojax.zero(
+        optax.adamw(1e-2), stage=3, offload_params=pp, policy=BF16
+      )
+      restored, _ = ck.restore(params, other)
+      want = {"pinned_host", "device"} if pp else {"device"}
+      assert _kinds(restored.params) == want
+      chex.assert_trees_all_equal(
+        zerojax.gather_params(restored), zerojax.gather_params(state)
+      )
+
+
+def test_offload_params_is_validated():
+  with pytest.raises(ValueError, match="offload_params=True needs stage=3"):
+    zerojax.zero(optax.adam(1e-3), stage=2, offload_params=True)
+  with pytest.raises(ValueError, match="ZeRO\\+\\+"):
+    zerojax.zero(
+      optax.adam(1e-3),
+      stage=3,
+      offload_params=True,
+      zeropp=zerojax.ZeroPP(weight_bits=8),
+    )
+  with pytest.raises(TypeError, match="offload_params='yes'"):
+    zerojax.zero(optax.adam(1e-3), stage=3, offload_params="yes")

@@ -86,7 +86,10 @@ def plan_gpt(
   defaults on a mesh with a model axis."""
   if mesh is not None and mesh.get("model", 1) > 1:
     model_specs = gpt.model_specs() if model_specs is None else model_specs
-    stacked = gpt.is_layer_stack if stacked is None else stacked
+  if stacked is None and (
+    kwargs.get("offload_params") or (mesh and mesh.get("model", 1) > 1)
+  ):
+    stacked = gpt.is_layer_stack
   return cost.plan_stage(
     abstract_params,
     stage,
@@ -242,16 +245,18 @@ def largest_fitting(
   stage: int,
   n_devices: int,
   seq_len: int = 2048,
-  offload: bool = False,
+  offload: bool | float = False,
+  offload_params: bool = False,
 ) -> gpt.GPTConfig | None:
   """The largest GPT (by the count search) whose model state fits (its
-  device-memory part, with ``offload``)."""
+  device-memory part, with ``offload`` / ``offload_params``)."""
   fits = lambda psi: (
     plan_gpt(
       abstract_gpt(gpt.config_for_params(psi, seq_len=seq_len)),
       stage,
       n_devices,
       offload=offload,
+      offload_params=offload_params,
     ).device
     <= memory_bytes
   )
@@ -269,7 +274,11 @@ def largest_fitting(
 
 
 def offload_needed(
-  config: gpt.GPTConfig, stage: int, memory_bytes: float, mesh: dict
+  config: gpt.GPTConfig,
+  stage: int,
+  memory_bytes: float,
+  mesh: dict,
+  offload_params: bool = False,
 ) -> float | None:
   """:func:`zerojax.cost.offload_fraction_needed` for this GPT: the least
   ``offload`` share with which its model state fits ``memory_bytes`` per
@@ -277,6 +286,8 @@ def offload_needed(
   kw = {}
   if mesh.get("model", 1) > 1:
     kw = dict(model_specs=gpt.model_specs(), stacked=gpt.is_layer_stack)
+  if offload_params:
+    kw.update(offload_params=True, stacked=gpt.is_layer_stack)
   return cost.offload_fraction_needed(
     abstract_gpt(config), stage, memory_bytes, mesh=mesh, **kw
   )
@@ -368,7 +379,13 @@ def main(argv=None):
   mesh, slices = _mesh(p, args)
   config = _config(p, args, mesh)
   plans = [
-    plan_gpt(abstract_gpt(config), s, mesh=mesh, offload=args.offload)
+    plan_gpt(
+      abstract_gpt(config),
+      s,
+      mesh=mesh,
+      offload=args.offload,
+      offload_params=args.offload_params and s == 3,
+    )
     for s in range(4)
   ]
   for x in plans:
@@ -380,12 +397,24 @@ def main(argv=None):
   fitting, needed = {}, {}
   if args.memory_gb and args.offload:
     needed = {
-      s: offload_needed(config, s, args.memory_gb * GB, mesh) for s in range(4)
+      s: offload_needed(
+        config,
+        s,
+        args.memory_gb * GB,
+        mesh,
+        offload_params=args.offload_params and s == 3,
+      )
+      for s in range(4)
     }
   if args.memory_gb:
     for s in range(4):
       c = largest_fitting(
-        args.memory_gb * GB, s, args.devices, args.seq_len, offload=args.offload
+        args.memory_gb * GB,
+        s,
+        args.devices,
+        args.seq_len,
+        offload=args.offload,
+        offload_params=args.offload_params and s == 3,
       )
       fitting[s] = None if c is None else gpt.num_params(c)
   acts = _activations(p, args, config, mesh)
@@ -562,6 +591,12 @@ def _parser() -> argparse.ArgumentParser:
     "(zero(..., offload=SHARE)): device and host GB apart; "
     "--memory-gb then bounds device memory and names the least "
     "share this GPT needs per stage",
+  )
+  p.add_argument(
+    "--offload-params",
+    action="store_true",
+    help="stage 3 also with its parameter shards in host memory "
+    "(zero(..., offload_params=True))",
   )
   p.add_argument(
     "--zeropp",

@@ -77,6 +77,7 @@ class GatherSpec:
   stochastic: bool = False  # qgZ: stochastic rounding
   group_bytes: int | None = None  # cap on one grouped collective's full
   # bytes (the tx's bucket_bytes; None: no cap)
+  on_host: bool = False  # stage 3: ``src`` lives in host memory
 
 
 def _entries(model, ndim):
@@ -302,6 +303,8 @@ def _check_rank(spec: GatherSpec, x):
 
 def _full_value(spec: GatherSpec, src):
   _check_rank(spec, src)
+  if spec.on_host:  # this layer's shard, brought down just before its use
+    src = jax.device_put(src, jax.memory.Space.Device)
   if spec.stage == 3:
     dim = src.ndim + spec.dim
     if spec.hpz:

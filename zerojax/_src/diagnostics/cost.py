@@ -97,6 +97,17 @@ def host_state_bytes(spec) -> float:
   return out
 
 
+def host_param_bytes(spec) -> float:
+  """Per-device bytes of the params' shards kept in host memory
+  (``zero(..., offload_params=True)``), as laid out."""
+  n, sizes = spec.tx.num_shards, spec.tx.model_axes
+  return sum(
+    layout_bytes(r.param, n, sizes, np.dtype(r.compute_dtype).itemsize)
+    for r in spec.leaves
+    if r.place.params_host
+  )
+
+
 def _extended(dtype) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 

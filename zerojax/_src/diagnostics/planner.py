@@ -72,6 +72,8 @@ class StagePlan:
   offload: bool = False  # some master + optimizer state in host memory
   # offload: per-device bytes of master + optimizer state in host memory
   host_bytes: float = 0.0
+  # offload_params: per-device bytes of the params' shards in host memory
+  params_host: float = 0.0
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
@@ -98,19 +100,22 @@ class StagePlan:
     master + optimizer state old and new, and the next chunk loading)."""
     if not self.offload:
       return 0.0
-    return min(self.in_flight_fraction, 1.0) * self.host
+    return min(self.in_flight_fraction, 1.0) * self.host_bytes
 
   @property
   def host_traffic(self) -> float:
-    """Offload: host<->device bytes per step per device (the offloaded
-    state read down once and written back once)."""
-    return 2 * self.host
+    """Offload: host<->device bytes per step per device: the offloaded
+    state read down once and written back once; offloaded params' shards
+    read down for the forward gather and again for the backward's, and
+    written back once."""
+    return 2 * self.host_bytes + 3 * self.params_host if self.offload else 0.0
 
   @property
   def host(self) -> float:
     """Bytes per device kept in host memory (offload: the master copy and
-    optimizer state of the leaves offloaded)."""
-    return self.host_bytes if self.offload else 0.0
+    optimizer state of the leaves offloaded, and the params' shards with
+    ``offload_params``)."""
+    return self.host_bytes + self.params_host if self.offload else 0.0
 
   @property
   def device(self) -> float:
@@ -130,6 +135,7 @@ def plan_spec(
   model_specs=None,
   stacked=None,
   offload: bool | float = False,
+  offload_params: bool = False,
 ):
   """The records :func:`plan_stage` prices: ``zerojax.zero``'s layouts on
   an abstract mesh of ``mesh``'s axis sizes (AdamW and bf16 params with an
@@ -154,8 +160,9 @@ def plan_spec(
     mesh=amesh,
     policy=policy,
     model_specs=model_specs if tp else None,
-    stacked=stacked if tp else None,
+    stacked=stacked,
     offload=offload,
+    offload_params=offload_params,
   )
   return make_spec(abstract_params, tx)
 
@@ -171,6 +178,7 @@ def plan_stage(
   model_specs=None,
   stacked=None,
   offload: bool | float = False,
+  offload_params: bool = False,
   activations: dict | None = None,
 ) -> StagePlan:
   """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
@@ -179,7 +187,9 @@ def plan_stage(
   (``zero(..., offload=True)``), or that fraction of their bytes (a float,
   as ``zero`` takes it); :attr:`StagePlan.device` and
   :attr:`StagePlan.host` split the total. :func:`offload_fraction_needed`
-  finds the least fraction a device's memory needs.
+  finds the least fraction a device's memory needs. ``offload_params``:
+  stage 3's parameter shards in host memory too (the layers in use, in
+  the working set, come to the device).
 
   ``mesh``: axis sizes (e.g. ``{"replica": 4, "data": 256}``); default a
   1-D data mesh of ``n_devices``. Collective bytes are per data-axis group
@@ -198,6 +208,7 @@ def plan_stage(
     model_specs=model_specs,
     stacked=stacked,
     offload=offload,
+    offload_params=offload_params,
   )
   tx = spec.tx
   state = cost.stage_state_bytes(spec, ideal=False)
@@ -208,8 +219,8 @@ def plan_stage(
   colls = {
     k: v[1] for k, v in cost.stage_collectives(spec, ideal=False).items()
   }
-  offloaded = spec.place.offload
-  streamed = _offload.describe(spec) if offloaded else {}
+  offloaded = spec.place.offload or offload_params
+  streamed = _offload.describe(spec) if spec.place.offload else {}
   return StagePlan(
     stage,
     n_params,
@@ -222,6 +233,7 @@ def plan_stage(
     mesh,
     offload=offloaded,
     host_bytes=cost.host_state_bytes(spec),
+    params_host=cost.host_param_bytes(spec),
     chunk_fraction=streamed.get("largest_chunk_fraction", 1.0),
     in_flight_fraction=streamed.get("in_flight_fraction", 1.0),
     activations=float((activations or {}).get("device", 0)),

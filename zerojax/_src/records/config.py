@@ -63,6 +63,7 @@ class ZeroConfig:
   offload: bool | float = False
   zeropp: ZeroPP = ZeroPP()
   bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+  offload_params: bool = False
 
   def __post_init__(self):
     """Checks every field, however the config was built (``zero()``,
@@ -110,7 +111,10 @@ class ZeroConfig:
     )
     _check_policy(self.policy)
     _check_offload(self.offload)
-    if self.offload_fraction and isinstance(self.mesh, Mesh):  # abstract
+    self._check_offload_params()
+    if (self.offload_fraction or self.offload_params) and isinstance(
+      self.mesh, Mesh
+    ):  # abstract
       _check_host_memory(self.mesh)
     _check_zeropp(self.zeropp, self.stage, self.mesh, self.axis_name)
     b = self.bucket_bytes
@@ -120,6 +124,28 @@ class ZeroConfig:
       raise ValueError(
         f"zerojax.zero: bucket_bytes={b!r} must be a positive int (bytes "
         f"per collective, e.g. 32 * 2**20) or None (whole leaves)."
+      )
+
+  def _check_offload_params(self):
+    """Params in host memory: stage 3 (each layer's shard is brought to
+    the device just before its gather), exact gathers only."""
+    if not isinstance(self.offload_params, bool):
+      raise TypeError(
+        f"zerojax.zero: offload_params={self.offload_params!r}; pass True "
+        f"(stage 3's parameter shards in host memory) or False."
+      )
+    if self.offload_params and self.stage != 3:
+      raise ValueError(
+        f"zerojax.zero: offload_params=True needs stage=3 (got "
+        f"stage={self.stage}): only stage 3 gathers each layer from a "
+        f"shard just before use, so only there can the shard stay in host "
+        f"memory. Use stage=3, or offload= for the optimizer state."
+      )
+    if self.offload_params and self.zeropp.active:
+      raise ValueError(
+        f"zerojax.zero: offload_params=True with zeropp={self.zeropp}: "
+        f"ZeRO++'s quantized and in-node gathers read the shards on the "
+        f"device. Drop one of them."
       )
 
   def _check_replica_axis(self):

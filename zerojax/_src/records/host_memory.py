@@ -77,3 +77,21 @@ def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
     else o
     for j, o in enumerate(opt_leaves)
   )
+
+
+def params_in_host_memory(leaves):
+  """The records with each trained, sharded param's stage-3 shard in host
+  memory (``zero(..., offload_params=True)``): those reach the loss as
+  shards gathered per layer, so each is brought to the device just before
+  its gather. Other leaves (frozen, or too small to shard) stay on the
+  device, where the loss reads them as they are; so do layer stacks of
+  vectors (biases, norm scales: a few bytes per layer), whose per-layer
+  row a TPU's host transfer cannot slice out of a packed (bf16) tile."""
+  return tuple(
+    dataclasses.replace(r, place=dataclasses.replace(r.place, params_host=True))
+    if r.trainable
+    and r.param.sharded
+    and not (r.stacked and len(r.aval.shape) <= 2)
+    else r
+    for r in leaves
+  )

@@ -81,28 +81,27 @@ def tree_difference(got, want):
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """Where a state's arrays live: the mesh, its data axis, and whether the
-  master copy and optimizer state are offloaded to host memory."""
+  """Where a leaf's arrays live: the mesh, its data axis, and which of
+  them are in host memory."""
 
   mesh: Mesh
   axis_name: str
-  offload: bool = False
+  offload: bool = False  # the master copy and optimizer state
+  params_host: bool = False  # the param's stage-3 shard
 
   def sharding(self, layout, host: bool = False) -> NamedSharding:
     """``layout``'s sharding on the caller's mesh (what the state's arrays
-    carry); ``host=True`` for the master copy and the optimizer state,
-    which live in host memory when offloaded."""
+    carry), in host memory with ``host=True``."""
     return self.sharding_on(self.mesh, layout, host)
 
   def compute_sharding(self, layout, host: bool = False) -> NamedSharding:
-    """The same on the all-``Auto`` compute mesh: what traced code inside
-    zerojax's regions constrains to (:func:`zerojax._src.records.mesh.auto_region`)."""
+    """The same on the all-``Auto`` compute mesh (:func:`auto_region`)."""
     return self.sharding_on(compute_mesh(self.mesh), layout, host)
 
   def sharding_on(self, mesh, layout, host: bool = False) -> NamedSharding:
     """``layout``'s sharding on ``mesh``."""
     s = _layout.sharding(mesh, layout, self.axis_name)
-    return s.with_memory_kind(HOST_MEMORY) if host and self.offload else s
+    return s.with_memory_kind(HOST_MEMORY) if host else s
 
   def constrain(self, x, layout):
     """``x`` (logical or storage shape) constrained to ``layout``'s sharding."""
@@ -289,7 +288,7 @@ class StateSpec:
 
   def _build(self, make) -> ZeroState:
     params = self.unflatten_params(
-      [make(r.param, r.compute_dtype, False) for r in self.leaves]
+      [make(r.param, r.compute_dtype, r.place.params_host) for r in self.leaves]
     )
     master = None
     if self.policy.has_master:
@@ -452,6 +451,8 @@ def make_spec(
   leaves, opt_leaves = _host_memory.place_in_host_memory(
     leaves, opt_leaves, config.offload_fraction, policy.has_master
   )
+  if config.offload_params:
+    leaves = _host_memory.params_in_host_memory(leaves)
   return StateSpec(tx, params_def, tuple(leaves), opt_def, tuple(opt_leaves))
 
 

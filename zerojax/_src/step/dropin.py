@@ -100,7 +100,9 @@ def init(config, params):
   if not any(isinstance(x, jax.core.Tracer) for x in leaves):
     warn_untrained(spec, "ZeroTransformation.init")
     _warn_off_mesh(spec, leaves)
-  shardings = [o.place.sharding(o.layout, host=True) for o in spec.opt_leaves]
+  shardings = [
+    o.place.sharding(o.layout, host=o.place.offload) for o in spec.opt_leaves
+  ]
 
   def build(leaves):
     leaves = _hold(spec, leaves)
@@ -215,7 +217,7 @@ def _update_body(config, static, grads, state, params, arrays):
   g_leaves = [g if r.trainable else None for g, r in zip(g_leaves, spec.leaves)]
   outs = (
     [_typed_like(p, r) for p, r in zip(p_leaves, spec.leaves)],
-    [o.place.sharding(o.layout, host=True) for o in spec.opt_leaves],
+    [o.place.sharding(o.layout, host=o.place.offload) for o in spec.opt_leaves],
   )
   updates, new_opt = spec.region(
     functools.partial(_update_region, spec, static), outs

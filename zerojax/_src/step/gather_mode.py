@@ -53,6 +53,7 @@ def gather_spec(
     node=spec.tx.qgz_node_size if quantized and zeropp.grad_bits else 0,
     stochastic=quantized and zeropp.stochastic_grads,
     group_bytes=spec.tx.bucket_bytes,
+    on_host=r.place.params_host,
   )
 
 

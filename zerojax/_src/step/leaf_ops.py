@@ -52,6 +52,21 @@ def stash(place: Placement, x, layout):
   return _move(place, x, layout, jax.memory.Space.Host) if place.offload else x
 
 
+def fetch_param(r: LeafSpec, x):
+  """A param as stored -> device memory (a no-op unless its stage-3 shard
+  lives in host memory: ``offload_params``)."""
+  if not r.place.params_host:
+    return x
+  return _move(r.place, x, r.param, jax.memory.Space.Device)
+
+
+def stash_param(r: LeafSpec, x):
+  """A param's new stored value -> where the state keeps it."""
+  if not r.place.params_host:
+    return x
+  return _move(r.place, x, r.param, jax.memory.Space.Host)
+
+
 def _move(place: Placement, x, layout, space):
   """``x`` moved to memory ``space`` in ``layout``'s sharding. On the
   caller's own (all-``Auto``) mesh one ``device_put`` does both; on the
@@ -89,8 +104,7 @@ def weights(r: LeafSpec, param, master):
   """The weights the optimizer updates (master if kept, else the params),
   logical and in device memory."""
   x, layout = r.kept(param, master)
-  if master is not None:
-    x = fetch(r.place, x, layout)
+  x = fetch(r.place, x, layout) if master is not None else fetch_param(r, x)
   return layout.to_logical(x)
 
 

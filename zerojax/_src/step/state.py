@@ -27,6 +27,7 @@ from zerojax._src.records.spec import (
   ZeroState,
   make_spec,
 )
+from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload as _offload
 from zerojax._src.step.deleted import is_concrete, reject_deleted
 from zerojax._src.step.extras import with_extras
@@ -90,6 +91,13 @@ def build_plan(spec: StateSpec, grouped: bool = True):
   return groups, owned
 
 
+def stage3_param(r, w):
+  """New logical weights -> a stage-3 param as stored (its shard, in host
+  memory with ``offload_params``)."""
+  w = w.astype(r.compute_dtype)
+  return _ops.stash_param(r, r.place.constrain(r.param.to_storage(w), r.param))
+
+
 def stored_params(spec: StateSpec, weights, old=None) -> list:
   """Weights (logical shapes, any float dtype) -> the params as stored.
 
@@ -114,7 +122,7 @@ def stored_params(spec: StateSpec, weights, old=None) -> list:
       continue
     w = w.astype(r.compute_dtype)
     if stage == 3:
-      out[i] = r.place.constrain(r.param.to_storage(w), r.param)
+      out[i] = stage3_param(r, w)
     elif stage >= 1 and r.shard.sharded:
       out[i] = r.place.constrain(r.shard.to_storage(w), r.shard)
       gather_idx.append(i)
@@ -215,14 +223,16 @@ def group_shardings(spec: StateSpec, group, owned):
   recs = [spec.leaves[i] for i in group]
   keeps_master = spec.policy.has_master
   return (
-    [spec.sharding(r.param) for r in recs],
+    [r.place.sharding(r.param, host=r.place.params_host) for r in recs],
     [
-      r.place.sharding(r.shard, host=True)
+      r.place.sharding(r.shard, host=r.place.offload)
       for r in recs
       if r.trainable and keeps_master
     ],
     [
-      spec.opt_leaves[j].place.sharding(spec.opt_leaves[j].layout, host=True)
+      spec.opt_leaves[j].place.sharding(
+        spec.opt_leaves[j].layout, host=spec.opt_leaves[j].place.offload
+      )
       for j in owned
     ],
   )

@@ -287,7 +287,7 @@ def abstract_ready(state, where: str):
     state,
   )
   place = state.spec.place
-  if not place.offload:
+  if not (place.offload or state.spec.config.offload_params):
     return state
 
   # offloaded: the master copy and the optimizer state live in host memory
@@ -326,7 +326,13 @@ def abstract_ready(state, where: str):
       for x, o in zip(jax.tree.leaves(state.opt_state), spec.opt_leaves)
     ],
   )
-  state = state.replace(master=master, opt_state=opt)
+  params = spec.unflatten_params(
+    [
+      where_kept(r.place.params_host)(x)
+      for x, r in zip(jax.tree.leaves(state.params), spec.leaves)
+    ]
+  )
+  state = state.replace(params=params, master=master, opt_state=opt)
   return jax.tree.map(kind("device"), state)
 
 

@@ -37,6 +37,7 @@ def zero(
   offload: bool | float = False,
   zeropp: ZeroPP | None = None,
   bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+  offload_params: bool = False,
 ) -> ZeroTransformation:
   """Wraps an Optax optimizer to shard training state at a ZeRO stage.
 
@@ -105,6 +106,15 @@ def zero(
       32 MiB; ``None``: one collective per leaf. Stage 3's gathers are per
       layer already. Same numbers either way.
 
+    offload_params: stage 3 only: keep the parameters' shards in host
+      memory too (ZeRO-Infinity's CPU tier). Each layer's shard comes to
+      the device just before its gather, in the forward pass and again in
+      the backward, and the updated shards go back. Same numbers as
+      without. Layer stacks of vectors stay on the device, and every leaf
+      is a stack unless ``stacked`` says otherwise. The TPU compiler
+      streams the layers but its peak does not yet drop
+      (``docs/results.md``).
+
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and
     :func:`zerojax.train_step`.
@@ -134,6 +144,7 @@ def zero(
       offload,
       ZeroPP() if zeropp is None else zeropp,
       bucket_bytes,
+      offload_params,
     )
   )
 

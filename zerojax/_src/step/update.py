@@ -189,18 +189,23 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
     spec.place.mesh,
   )
   keep_master = state.master is not None
+  stage3 = spec.stage == 3
+
+  def finish(i, w, u):
+    # at stage 3 each param is laid out (and stashed) inside its chunk of
+    # a streamed update, so no chunk's new params wait for the others
+    master, new = _ops.apply_update(spec.leaves[i], w, u, keep_master)
+    return master, _state.stage3_param(spec.leaves[i], new) if stage3 else new
+
   done, new_opt = run_update(
-    spec,
-    g_view,
-    w_src,
-    state.opt_state,
-    extra_args,
-    finish=lambda i, w, u: _ops.apply_update(spec.leaves[i], w, u, keep_master),
+    spec, g_view, w_src, state.opt_state, extra_args, finish=finish
   )
   done = [(None, None) if d is None else d for d in done]
-  params = _state.stored_params(
-    spec, [w for _, w in done], jax.tree.leaves(state.params)
-  )
+  old = jax.tree.leaves(state.params)
+  if stage3:
+    params = [o if w is None else w for o, (_, w) in zip(old, done)]
+  else:
+    params = _state.stored_params(spec, [w for _, w in done], old)
   return _ops.after_update(
     spec, state, [m for m, _ in done], params, new_opt
   ), grad_norm
