@@ -515,7 +515,7 @@ def test_params_in_host_memory_scanned_gpt_bitwise_equal(mesh):
   chex.assert_trees_all_equal(out[1], out[0])
 
 
-def test_params_in_host_memory_are_read_and_written_once_per_gather():
+def test_params_in_host_memory_compiled_host_bytes_equal_the_planners():
   """The compiled step reads the host state from host memory space; the
   planner's host bytes are what the state holds."""
   params = toy.init_params(jax.random.key(0))
