@@ -16,10 +16,19 @@ device memory, and the compiled program's planned bytes
 Sizes: ``1b`` = width 2048, depth 16, context 2048, batch 8; ``2.7b`` =
 width 4096, depth 12, context 2048, batch 4; ``3.5b`` = depth 16 of the
 same (out of device memory for the plain loop on one H100); ``tiny`` for a
-CPU run. ``3+offload`` is stage 3 with the master copy and optimizer state
-in host memory (``zero(..., offload=True)``); its record adds init's own
-device peak and the host bytes it holds. Every record has the loss of each
-step (``losses``) and whether it fell (``loss_fell``).
+CPU run; ``7b`` = width 4096, depth 32, context 2048, batch 4 (its Adam
+state, 16 bytes per parameter, is what 128 GiB of host memory holds).
+
+A configuration is ``plain`` or a stage, then options joined by ``+``:
+``offload`` (the master copy and optimizer state in host memory,
+``zero(..., offload=True)``), ``offload=0.5`` (that share of it),
+``params`` (stage 3's parameter shards in host memory too,
+``offload_params=True``), ``accum4`` (4 micro-batches per step, the batch
+4x as large; ``plain+accum4`` is the plain loop's baseline for it). An
+offloaded record adds init's own device peak and the host bytes it holds;
+``step_vs_plain`` compares with the plain loop at the same size and
+accumulation. Every record has the loss of each step (``losses``) and
+whether it fell (``loss_fell``).
 """
 
 from __future__ import annotations
@@ -37,14 +46,46 @@ SIZES = {
   "1b": dict(width=2048, depth=16, heads=16, seq_len=2048, batch=8),
   "2.7b": dict(width=4096, depth=12, heads=32, seq_len=2048, batch=4),
   "3.5b": dict(width=4096, depth=16, heads=32, seq_len=2048, batch=4),
+  "7b": dict(width=4096, depth=32, heads=32, seq_len=2048, batch=4),
   "tiny": dict(width=64, depth=2, heads=2, seq_len=64, batch=4),
 }
 CONFIGS = ("plain", "0", "1", "2", "3", "3+offload")
 
 
+def parse_config(config: str) -> dict:
+  """``"3+offload=0.5+params+accum4"`` -> the run's options."""
+  head, *opts = config.split("+")
+  if head != "plain" and head not in "0123":
+    raise SystemExit(f"config {config!r}: starts with plain or a stage 0-3")
+  out = dict(
+    stage=None if head == "plain" else int(head),
+    offload=False,
+    offload_params=False,
+    accum=1,
+  )
+  for opt in opts:
+    if opt == "offload":
+      out["offload"] = True
+    elif opt.startswith("offload="):
+      out["offload"] = float(opt.split("=", 1)[1])
+    elif opt == "params":
+      out["offload_params"] = True
+    elif opt.startswith("accum") and opt[5:].isdigit():
+      out["accum"] = int(opt[5:])
+    else:
+      raise SystemExit(
+        f"config {config!r}: unknown option {opt!r} (offload, offload=SHARE, "
+        "params, accumN)"
+      )
+  if out["stage"] is None and (out["offload"] or out["offload_params"]):
+    raise SystemExit(f"config {config!r}: the plain loop has no offload")
+  return out
+
+
 def run_one(size: str, config: str, steps: int) -> dict:
   """Runs one configuration in this process; returns its record."""
   import jax
+  import jax.numpy as jnp
   import numpy as np
   import optax
 
@@ -52,6 +93,8 @@ def run_one(size: str, config: str, steps: int) -> dict:
   from zerojax.app import data, gpt, mfu
 
   s = SIZES[size]
+  opts = parse_config(config)
+  accum = opts["accum"]
   model = gpt.GPTConfig(
     vocab=256,
     seq_len=s["seq_len"],
@@ -67,20 +110,33 @@ def run_one(size: str, config: str, steps: int) -> dict:
   # loss on a repeated batch falls step by step where training works
   batches = [
     data.batch_at(
-      tokens, seed=0, step=0, batch=s["batch"], seq_len=s["seq_len"]
+      tokens, seed=0, step=0, batch=accum * s["batch"], seq_len=s["seq_len"]
     )
   ] * (steps + 2)
   opt = _optimizer()
   loss_fn = lambda p, b: gpt.loss(p, b, model)
   key = jax.random.key(0)
 
-  if config == "plain":
+  if opts["stage"] is None:
     params = jax.jit(lambda k: gpt.init(model, k))(key)
     opt_state = jax.jit(opt.init)(params)
 
+    def loss_and_grads(params, batch):
+      if accum == 1:
+        return jax.value_and_grad(loss_fn)(params, batch)
+      micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+
+      def add(total, b):
+        loss, grads = jax.value_and_grad(loss_fn)(params, b)
+        return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+      zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), params))
+      total, _ = jax.lax.scan(add, zeros, micro)
+      return jax.tree.map(lambda x: x / accum, total)
+
     def plain_step(carry, batch):
       params, opt_state = carry
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      loss, grads = loss_and_grads(params, batch)
       updates, opt_state = opt.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
 
@@ -91,10 +147,14 @@ def run_one(size: str, config: str, steps: int) -> dict:
   else:
     mesh = zerojax.make_mesh(devices=[device])
     tx = zerojax.zero(
-      opt, stage=int(config[0]), mesh=mesh, offload=config.endswith("+offload")
+      opt,
+      stage=opts["stage"],
+      mesh=mesh,
+      offload=opts["offload"],
+      offload_params=opts["offload_params"],
     )
     state = zerojax.init_from(lambda k: gpt.init(model, k), tx, key)
-    zstep = zerojax.train_step(loss_fn, tx, gather="model")
+    zstep = zerojax.train_step(loss_fn, tx, gather="model", accum_steps=accum)
     call = lambda state, b: zstep(state, b)
     lowered = zstep.lower(state, batches[0])
   after_init = dict(device.memory_stats() or {})
@@ -113,7 +173,7 @@ def run_one(size: str, config: str, steps: int) -> dict:
       float(np.asarray(out["loss"] if isinstance(out, dict) else out))
     )
   step_s = statistics.median(times)
-  tokens_per_s = s["batch"] * s["seq_len"] / step_s
+  tokens_per_s = accum * s["batch"] * s["seq_len"] / step_s
   stats = device.memory_stats() or {}
   return {
     "size": size,
@@ -124,7 +184,8 @@ def run_one(size: str, config: str, steps: int) -> dict:
     "jax_version": jax.__version__,
     "attention": model.attention,
     "remat": model.remat,
-    "batch": s["batch"],
+    "batch": accum * s["batch"],
+    "accum_steps": accum,
     "seq_len": s["seq_len"],
     "compile_s": compile_s,
     "step_s": step_s,
@@ -139,7 +200,7 @@ def run_one(size: str, config: str, steps: int) -> dict:
     "state_bytes_in_use": after_init.get("bytes_in_use"),
     "host_bytes": (
       None
-      if config == "plain"
+      if opts["stage"] is None
       else zerojax.diagnostics.memory_bytes(state).get("pinned_host", 0)
     ),
     "planned_bytes": None
@@ -228,6 +289,8 @@ def main():
     "--one", nargs=2, metavar=("SIZE", "CONFIG"), help=argparse.SUPPRESS
   )
   args = p.parse_args()
+  for config in args.configs.split(","):
+    parse_config(config)  # a typo fails here, not after an hour of runs
   if args.one:
     print("RECORD " + json.dumps(run_one(*args.one, args.steps)), flush=True)
     return
@@ -241,12 +304,16 @@ def main():
       records.append(rec)
       # written after every configuration, so a run cut short keeps its rows
       (out / "gpu_bench.json").write_text(json.dumps(records, indent=2))
+  # the plain loop at the same size and accumulation is each run's baseline
+  key = lambda r: (r["size"], parse_config(r["config"])["accum"])
   plain = {
-    r["size"]: r for r in records if r["config"] == "plain" and "error" not in r
+    key(r): r
+    for r in records
+    if r["config"].split("+")[0] == "plain" and "error" not in r
   }
   for r in records:
-    base = plain.get(r["size"])
-    if base and "error" not in r and r["config"] != "plain":
+    base = plain.get(key(r))
+    if base and "error" not in r and base is not r:
       r["step_vs_plain"] = r["step_s"] / base["step_s"]
       if r.get("peak_bytes_in_use") and base.get("peak_bytes_in_use"):
         r["peak_vs_plain"] = r["peak_bytes_in_use"] / base["peak_bytes_in_use"]

@@ -5,6 +5,7 @@
 #   experiments/gpu_checks.sh bench SECONDS OUT  # gpu_bench 1b + 2.7b, then 3.5b stage 3 (+offload)
 #   experiments/gpu_checks.sh rest SECONDS OUT   # the main job, no flags; longest_context, coarse
 #   experiments/gpu_checks.sh lc SECONDS OUT     # longest_context alone (dots, then offload), coarse
+#   experiments/gpu_checks.sh offload SECONDS OUT # host update vs link; 2.7b offload +-accum4; 7b offload (+params)
 #
 # Logs and JSON land in OUT, flat (the device tool brings back at most 8
 # files, two folders down).
@@ -45,6 +46,20 @@ case $part in
       --policies dots,offload --start 32768 --granularity 32768 --steps 1 \
       --timeout 100 --out "$out/lc" 2>&1 | tee "$out/longest_context.log"
     cp "$out/lc/longest_context.json" "$out/" 2>/dev/null
+    ;;
+  offload)
+    timeout "$(( $(left) < 90 ? $(left) : 90 ))" python3 experiments/host_update.py \
+      --out "$out" 2>&1 | tee "$out/host_update.log"
+    timeout "$(left)" python3 experiments/gpu_bench.py --sizes 2.7b \
+      --configs plain,3+offload,plain+accum4,3+offload+accum4 --steps 4 \
+      --timeout 150 --out "$out/b1" 2>&1 | tee "$out/gpu_bench_offload.log"
+    cp "$out/b1/gpu_bench.json" "$out/gpu_bench_offload.json" 2>/dev/null
+    if [ "$(left)" -gt 90 ]; then
+      timeout "$(left)" python3 experiments/gpu_bench.py --sizes 7b \
+        --configs 3+offload,3+offload+params --steps 3 --timeout 200 \
+        --out "$out/b2" 2>&1 | tee "$out/gpu_bench_7b.log"
+      cp "$out/b2/gpu_bench.json" "$out/gpu_bench_7b.json" 2>/dev/null
+    fi
     ;;
 esac
 rm -rf "$out/b1" "$out/b2" "$out/lc" "$out/train"
