@@ -211,6 +211,16 @@ def run_one(size: str, config: str, steps: int) -> dict:
       + planned.temp_size_in_bytes
       - planned.alias_size_in_bytes
     ),
+    # where the GPU compiler put the host copies (offloaded configs)
+    "host_schedule": (
+      None
+      if not opts["offload"]
+      else {
+        k: v
+        for k, v in zerojax.aot.compiled_report(compiled, mesh).items()
+        if k in ("host_transfers", "issued", "host_copies_across_loops")
+      }
+    ),
     "losses": losses,
     "final_loss": losses[-1],
     "loss_fell": losses[-1] < losses[0],

@@ -220,6 +220,59 @@ def test_host_copies_read_beside_compute_and_both_ways_at_once():
   assert schedule.host_copy_cycles(_TPU_OFFLOAD) == {}  # no estimates
 
 
+# a layer loop between the copies: the first state leaf comes down while
+# the loop runs, the second after it; the write back follows the loop
+_TPU_LOOP = """
+HloModule m
+
+%body (p: (s32[], f32[64,256])) -> (s32[], f32[64,256]) {
+  %p = (s32[], f32[64,256]{1,0:T(8,128)}) parameter(0)
+  ROOT %t = (s32[], f32[64,256]{1,0:T(8,128)}) tuple(%p)
+}
+
+%cond (p: (s32[], f32[64,256])) -> pred[] {
+  %p = (s32[], f32[64,256]{1,0:T(8,128)}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (h: f32[64,256], g: bf16[8,128], x: (s32[], f32[64,256])) -> f32[64,256] {
+  %h = f32[64,256]{1,0:T(8,128)S(5)} parameter(0)
+  %g = bf16[8,128]{1,0:T(8,128)(2,1)S(5)} parameter(1)
+  %x = (s32[], f32[64,256]{1,0:T(8,128)}) parameter(2)
+  %copy-start = (f32[64,256]{1,0:T(8,128)}, f32[64,256]{1,0:T(8,128)S(5)}, u32[]{:S(2)}) copy-start(%h)
+  %while = (s32[], f32[64,256]{1,0:T(8,128)}) while(%x), condition=%cond, body=%body
+  %copy-done = f32[64,256]{1,0:T(8,128)} copy-done(%copy-start)
+  %copy-start.1 = (bf16[8,128]{1,0:T(8,128)(2,1)}, bf16[8,128]{1,0:T(8,128)(2,1)S(5)}, u32[]{:S(2)}) copy-start(%g)
+  %y = f32[64,256]{1,0:T(8,128)} get-tuple-element(%while), index=1
+  %copy-done.1 = bf16[8,128]{1,0:T(8,128)(2,1)} copy-done(%copy-start.1)
+  %add = f32[64,256]{1,0:T(8,128)} add(%copy-done, %y)
+  %copy-start.2 = (f32[64,256]{1,0:T(8,128)S(5)}, f32[64,256]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%add)
+  %copy-done.2 = f32[64,256]{1,0:T(8,128)S(5)} copy-done(%copy-start.2)
+  ROOT %r = f32[64,256]{1,0:T(8,128)} add(%add, %add)
+}
+"""
+
+
+def test_host_copies_in_flight_across_a_layer_loop_are_counted_with_bytes():
+  assert schedule.host_copies_across_loops(_TPU_LOOP) == {
+    "host-to-device": {
+      "copies": 2,
+      "bytes": 64 * 256 * 4 + 8 * 128 * 2,
+      "across_loops": 1,
+      "bytes_across_loops": 64 * 256 * 4,
+    },
+    "device-to-host": {
+      "copies": 1,
+      "bytes": 64 * 256 * 4,
+      "across_loops": 0,
+      "bytes_across_loops": 0,
+    },
+    "loops_crossed": 1,
+  }
+  assert schedule.host_copies_across_loops(_TPU_STREAM)["loops_crossed"] == 0
+  assert schedule.host_copies_across_loops(_GPU) == {}  # no host copies
+
+
 # --- from test_checkpoint.py ------------------------------------------
 def test_export_gathers_one_leaf_at_a_time(monkeypatch):
   params = {f"w{i}": jnp.full((64, 64), float(i)) for i in range(8)}

@@ -165,3 +165,48 @@ def test_a_70b_step_on_256_chips_lowers_without_allocating():
   per_chip = qkv.sharding.shard_shape(qkv.shape)
   assert qkv.size // 256 <= np.prod(per_chip) < qkv.size // 255
   assert "all_gather" in text or "all-gather" in text
+
+
+def test_the_tpu_compiler_brings_offloaded_state_down_while_layers_run(
+  tpu_mesh,
+):
+  """Stage 3 with the master copy and moments in host memory: the host
+  bytes the compiled step reads and writes are the planner's, every host
+  copy is asynchronous, and some of the state comes down while the
+  forward or backward layer loop runs (the copy started before the loop,
+  done after it): the transfer behind the passes' compute."""
+  import jax
+  import optax
+
+  import zerojax
+  from zerojax import cost
+
+  config = CONFIG.resolved("tpu")
+  policy = zerojax.Policy(param_dtype=jnp.bfloat16)
+  tx = zerojax.zero(
+    optax.adamw(3e-4), stage=3, mesh=tpu_mesh, policy=policy, offload=True
+  )
+  init = lambda key: gpt.init(config, key)
+  state = jax.eval_shape(
+    lambda k: zerojax.init_from(init, tx, k), jax.random.key(0)
+  )
+  rows = BATCH * tpu_mesh.size
+  batch = aot.abstract_batch(
+    {k: ((rows, config.seq_len), jnp.int32) for k in ("x", "y")}
+  )
+  step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
+  row = aot.compiled_report(step.lower(state, batch).compile(), tpu_mesh)
+  shapes = jax.eval_shape(init, jax.random.key(0))
+  planned = cost.plan_stage(
+    shapes, 3, mesh=dict(tpu_mesh.shape), policy=policy, offload=True
+  )
+  moved = row["host_transfers"]
+  assert moved["host-to-device"]["bytes"] == moved["device-to-host"]["bytes"]
+  assert moved["host-to-device"]["bytes"] == pytest.approx(
+    planned.host, rel=0.01
+  )
+  for kind in ("host-to-device", "device-to-host"):
+    assert row["issued"][kind]["sync"] == 0, row["issued"]
+  loops = row["host_copies_across_loops"]
+  assert loops["loops_crossed"] >= 1, loops
+  assert 0 < loops["host-to-device"]["bytes_across_loops"], loops

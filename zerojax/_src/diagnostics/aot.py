@@ -160,6 +160,7 @@ def compiled_report(compiled, mesh) -> dict:
     "host_transfers": _hlo_memory.host_transfers(text),
     "issued": _schedule.summary(text),
     "host_copy_cycles": _schedule.host_copy_cycles(text),
+    "host_copies_across_loops": _schedule.host_copies_across_loops(text),
   }
 
 

@@ -191,6 +191,15 @@ class Report:
           else " (this backend moves host buffers without copy-start/copy-done)"
         ),
       ]
+      loops = o.get("across_loops") or {}
+      for kind, way in (("host-to-device", "down"), ("device-to-host", "back")):
+        row = loops.get(kind)
+        if row and row["bytes"]:
+          lines.append(
+            f"  {way} while a layer loop runs: {row['bytes_across_loops']:,} "
+            f"of {row['bytes']:,} bytes "
+            f"({row['bytes_across_loops'] / row['bytes']:.0%})"
+          )
     a = self.activations
     if a.get("error"):
       lines += ["", f"saved activations: {a['error']}"]
@@ -364,8 +373,11 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   between host and device memory (``copy-start``/``copy-done`` pairs):
   ``host_copies[kind] = {"sync", "async", "overlapped"}``, ``overlapped``
   counting the asynchronous copies with a matmul scheduled while they
-  move (a copy in a loop body counted once). A backend that moves host
-  buffers without such copies (XLA CPU: one memory) lists none."""
+  move (a copy in a loop body counted once); and ``across_loops``, the
+  copies and bytes in flight while a layer loop (the forward or backward
+  pass) runs (:func:`zerojax._src.diagnostics.schedule.host_copies_across_loops`).
+  A backend that moves host buffers without such copies (XLA CPU: one
+  memory) lists none."""
   spec = state.spec
   spaces = _hlo_memory.entry_bytes_by_memory(hlo)
   host = _measure.memory_bytes(state).get("pinned_host", 0)
@@ -396,4 +408,5 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
     "host_to_device_s": down / (link_gb_s * 1e9),
     "device_to_host_s": up / (link_gb_s * 1e9),
     "host_copies": copies,
+    "across_loops": _schedule.host_copies_across_loops(hlo),
   }

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zerojax._src.diagnostics.hlo import KINDS, split_computations
+from zerojax._src.diagnostics.hlo import KINDS, dtype_bytes, split_computations
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -41,6 +41,7 @@ _OPERANDS = re.compile(r"%([\w.\-]+)")
 _MATMUL = re.compile(r"\s(?:convolution|dot)\(")
 _CHAIN = re.compile(r'chain_id="(\d+)"')
 _CYCLES = re.compile(r'estimated_cycles":"(\d+)"')
+_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,3 +285,47 @@ def host_copy_cycles(hlo_text: str) -> dict:
       out["beside_" + kind.replace("-", "_")] += sum(cycles[i] for i in at)
     out["beside_any"] += sum(cycles[i] for i in set().union(*spans.values()))
   return out if found else {}
+
+
+def host_copies_across_loops(hlo_text: str) -> dict:
+  """Host copies in flight while a loop runs. The layer loops of the
+  forward and backward passes are ``while`` instructions; a copy started
+  before one and done after it moves while the loop's body computes -- the
+  loops' time, which :func:`host_copy_cycles` cannot count. Per direction:
+  the asynchronous copies and their bytes per device (``copies``,
+  ``bytes``) and those that cross at least one loop (``across_loops``,
+  ``bytes_across_loops``); and ``loops_crossed``, the loops any copy
+  crosses. ``{}`` for a program without asynchronous host copies."""
+  comps, _ = split_computations(hlo_text)
+  copies = [c for c in issued(hlo_text) if c.kind in HOST_KINDS and c.span]
+  if not copies:
+    return {}
+  out: dict = {
+    kind: dict.fromkeys(
+      ("copies", "bytes", "across_loops", "bytes_across_loops"), 0
+    )
+    for kind in HOST_KINDS
+  }
+  crossed = set()
+  for c in copies:
+    instrs = [
+      (m.group(1), m.group(2), line)
+      for line in comps[c.computation]
+      for m in [_INSTR.match(line)]
+      if m
+    ]
+    start, done = c.span
+    dtype, dims = _SHAPE.search(instrs[start][2].split("=", 1)[1]).groups()
+    nbytes = dtype_bytes(dtype)
+    for d in filter(None, dims.split(",")):
+      nbytes *= int(d)
+    loops = [n for n, op, _ in instrs[start + 1 : done] if op == "while"]
+    row = out[c.kind]
+    row["copies"] += 1
+    row["bytes"] += nbytes
+    if loops:
+      row["across_loops"] += 1
+      row["bytes_across_loops"] += nbytes
+      crossed.update((c.computation, n) for n in loops)
+  out["loops_crossed"] = len(crossed)
+  return out
