@@ -49,6 +49,9 @@ CONFIGS = (
   "3off-serial",
   "3offb",
   "3offp",
+  "1-free",
+  "3-free",
+  "3off-free",
 )
 ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # "<stage>off": the stage with offload=True (master and moments on the
@@ -58,7 +61,10 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # stores: no chunk prefetched), to compare with the prefetching stream;
 # "<stage>offb": offload=True with bf16 params and an fp32 master copy;
 # "<stage>offp": the same and offload_params=True (the params' shards in
-# host memory too, each layer brought down before its gather)
+# host memory too, each layer brought down before its gather);
+# "<config>-free": that configuration with the update free to start before
+# the last gradient exists (zerojax's step waits for all of them), to
+# compare the compiler's peaks
 
 
 def worker(args) -> dict:
@@ -134,6 +140,10 @@ def worker(args) -> dict:
     offload = _offload_share(args.config)
     from zerojax._src.step import offload as _stream
 
+    if args.config.endswith("-free"):
+      from zerojax._src.step import steps as _steps
+
+      _steps._GRADS_BEFORE_UPDATE = False
     if args.config.endswith("-serial"):
       _stream._after = lambda sizes: tuple(
         None if k == 0 else k - 1 for k in range(len(sizes))

@@ -273,6 +273,37 @@ def test_host_copies_in_flight_across_a_layer_loop_are_counted_with_bytes():
   assert schedule.host_copies_across_loops(_GPU) == {}  # no host copies
 
 
+def test_the_train_step_updates_after_every_gradient_exists(monkeypatch):
+  """One barrier over all the reduced gradients between the backward pass
+  and the update (a scheduler may not start any leaf's update early), and
+  the same numbers with or without it."""
+  from zerojax._src.step import steps as _steps
+
+  params = toy.init_params(jax.random.key(0))
+  batch = toy.batches(1)[0]
+  barriers = {}
+  results = {}
+  for wait in (True, False):
+    monkeypatch.setattr(_steps, "_GRADS_BEFORE_UPDATE", wait)
+    tx = zerojax.zero(optax.adamw(1e-2), stage=3)
+    state = zerojax.init(params, tx)
+    step = zerojax.train_step(toy.loss_fn, tx)
+    text = step.lower(state, batch).as_text()
+    barriers[wait] = [
+      line for line in text.splitlines() if "optimization_barrier" in line
+    ]
+    state, metrics = step(state, batch)
+    results[wait] = jax.tree.map(np.asarray, (state.params, metrics["loss"]))
+  assert len(barriers[True]) == len(barriers[False]) + 1
+  # its operands: every trained leaf's gradient, none left out
+  trained = [x for x in jax.tree.leaves(params) if x.dtype != jnp.int32]
+  widest = lambda lines: max(
+    (b.split("=", 1)[1].count("%") for b in lines), default=0
+  )
+  assert widest(barriers[True]) >= len(trained) > widest(barriers[False])
+  jax.tree.map(np.testing.assert_array_equal, results[True], results[False])
+
+
 # --- from test_checkpoint.py ------------------------------------------
 def test_export_gathers_one_leaf_at_a_time(monkeypatch):
   params = {f"w{i}": jnp.full((64, 64), float(i)) for i in range(8)}

@@ -99,14 +99,20 @@ def test_meshes_over_two_slices_put_the_slices_on_the_outer_axis():
 def test_hsdp_across_two_slices_moves_only_the_gradient_shard_between_them():
   """Stage 3 on replica=2 (across 2 slices) x data=4: the one transfer
   between slices is the all-reduce of the reduce-scattered gradient, its
-  bytes the planner's (``all-reduce over replica``)."""
+  bytes the planner's (``all-reduce over replica``). Width 512, so that
+  each chip's shard of a (width, vocab) weight has a minor dimension of
+  128: the TPU pads a narrower one to its 128 lanes, and those padded
+  bytes cross the data-center network too."""
+  import dataclasses
+
   import jax
   import optax
 
   import zerojax
 
+  wide = dataclasses.replace(CONFIG, width=512, heads=4)
   mesh = aot.topology_mesh(TOPOLOGY, "replica=2,data=4", num_slices=2)
-  config = CONFIG.resolved("tpu")
+  config = wide.resolved("tpu")
   policy = zerojax.Policy(param_dtype=jnp.bfloat16)
   tx = zerojax.zero(optax.adamw(1e-3), stage=3, mesh=mesh, policy=policy)
   state = jax.eval_shape(
@@ -119,9 +125,7 @@ def test_hsdp_across_two_slices_moves_only_the_gradient_shard_between_them():
   step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
   report = aot.compiled_report(step.lower(state, batch).compile(), mesh)
   across = report["across_slices"]
-  p = plan.plan_gpt(
-    plan.abstract_gpt(CONFIG), 3, mesh={"replica": 2, "data": 4}
-  )
+  p = plan.plan_gpt(plan.abstract_gpt(wide), 3, mesh={"replica": 2, "data": 4})
   want = p.collectives["all-reduce over replica"]
   assert across["all-reduce"]["bytes"] == pytest.approx(want, rel=0.01)
   assert (

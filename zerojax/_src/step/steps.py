@@ -159,6 +159,13 @@ def step_key(state: ZeroState):
   )
 
 
+# The update begins once every gradient exists. Left free, a scheduler may
+# update the leaves whose gradients are ready while the backward pass still
+# holds its activations, and the two working sets add up (the TPU compiler's
+# programs did; docs/design.md, "Every gradient before the update").
+_GRADS_BEFORE_UPDATE = True
+
+
 def _step(
   state: ZeroState,
   batch,
@@ -177,6 +184,8 @@ def _step(
   grads, loss, aux, new_ms = _grad.sharded_grads(
     prog, state.params, batch, step_key(state), state.model_state, found
   )
+  if _GRADS_BEFORE_UPDATE:
+    grads = jax.lax.optimization_barrier(grads)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     extra_args = {"value": loss, **extra_args}
   new_state, grad_norm = _update.update_state(
