@@ -253,6 +253,36 @@ ENTRY %main (h: f32[64,256], g: bf16[8,128], x: (s32[], f32[64,256])) -> f32[64,
 """
 
 
+# a layer stack in host memory read one layer per iteration of a 4-layer
+# loop (a dynamic-slice-start from host memory into the device's)
+_TPU_HOST_SLICE = """
+HloModule m
+
+%body (p: (s32[], bf16[4,128,512])) -> (s32[], bf16[4,128,512]) {
+  %p = (s32[], bf16[4,128,512]{2,1,0:T(8,128)(2,1)S(5)}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = bf16[4,128,512]{2,1,0:T(8,128)(2,1)S(5)} get-tuple-element(%p), index=1
+  %z = s32[] constant(0)
+  %dynamic-slice-start = ((bf16[4,128,512]{2,1,0:T(8,128)(2,1)S(5)}, s32[]{:T(128)}, s32[]{:T(128)}, s32[]{:T(128)}), bf16[1,128,512]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) dynamic-slice-start(%w, %i, %z, %z), dynamic_slice_sizes={1,128,512}
+  %dynamic-slice-done = bf16[1,128,512]{2,1,0:T(8,128)(2,1)} dynamic-slice-done(%dynamic-slice-start)
+  ROOT %t = (s32[], bf16[4,128,512]{2,1,0:T(8,128)(2,1)S(5)}) tuple(%i, %w)
+}
+
+ENTRY %main (x: (s32[], bf16[4,128,512])) -> (s32[], bf16[4,128,512]) {
+  %x = (s32[], bf16[4,128,512]{2,1,0:T(8,128)(2,1)S(5)}) parameter(0)
+  ROOT %while = (s32[], bf16[4,128,512]{2,1,0:T(8,128)(2,1)S(5)}) while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_layer_sliced_from_host_memory_counts_as_host_to_device_per_trip():
+  from zerojax._src.diagnostics import hlo_memory
+
+  assert hlo_memory.host_transfers(_TPU_HOST_SLICE) == {
+    "host-to-device": {"count": 4, "bytes": 4 * 128 * 512 * 2},
+  }
+
+
 def test_host_copies_in_flight_across_a_layer_loop_are_counted_with_bytes():
   assert schedule.host_copies_across_loops(_TPU_LOOP) == {
     "host-to-device": {

@@ -36,19 +36,28 @@ def host_transfers(hlo_text: str) -> dict[str, dict]:
   activations): ``{"host-to-device" | "device-to-host": {"count",
   "bytes"}}``, loop trip counts applied. A transfer is a ``copy-start``
   (asynchronous) whose source or destination layout is in host memory
-  (``S(5)``; its result is (destination, source, context)), or a
-  synchronous ``copy`` into host memory (a ``copy``'s operand layout is not
-  written beside it, so a synchronous load from the host is not seen)."""
+  (``S(5)``; its result is (destination, source, context)), a
+  ``dynamic-slice-start`` that reads a slice of a host buffer into device
+  memory (one layer of a stack in host memory, inside a layer loop; its
+  result is ((operand, indices...), slice, context)), or a synchronous
+  ``copy`` into host memory (a ``copy``'s operand layout is not written
+  beside it, so a synchronous load from the host is not seen)."""
   comps, entry = split_computations(hlo_text)
   out: dict = {}
   for name, factor in multipliers(comps, entry).items():
     for line in comps[name]:
       m = INSTR_RE.match(line)
-      if not m or m.group(3) not in ("copy-start", "copy"):
+      if not m or m.group(3) not in (
+        "copy-start",
+        "copy",
+        "dynamic-slice-start",
+      ):
         continue
       shapes = re.findall(r"\b[a-z]+\d*\[[\d,]*\]\{[^}]*\}", m.group(2))
       if m.group(3) == "copy-start" and len(shapes) >= 2:
         dst, src = shapes[0], shapes[1]
+      elif m.group(3) == "dynamic-slice-start" and len(shapes) >= 3:
+        dst, src = shapes[-2], shapes[0]
       elif m.group(3) == "copy" and shapes:
         dst, src = shapes[0], ""  # the operand's layout is not inline
         if not _HOST_SPACE.search(dst):
