@@ -1,5 +1,7 @@
 """The layered API: the Optax drop-in, value_and_grad, apply_gradients."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -198,6 +200,39 @@ def test_train_step_is_value_and_grad_then_apply_gradients(mesh, stage):
   # one program against two: equal up to the order of their sums (a
   # gradient adds the batch's 32 rows, over 2 steps)
   toy.assert_same_up_to_summation_order(a, b, terms=32 * 2)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_value_and_grad_and_apply_gradients_run_inside_the_users_jit(
+  any_mesh, stage
+):
+  """The two halves composed in one jit of the user's own (state donated,
+  the batch traced): the train step's numbers."""
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=any_mesh)
+  params = toy.init_params(jax.random.key(0))
+  grad_fn = zerojax.value_and_grad(toy.loss_fn, tx)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def own_step(state, batch):
+    loss, grads = grad_fn(state, batch)
+    return zerojax.apply_gradients(state, grads), loss
+
+  a = zerojax.init(params, tx)
+  b = zerojax.init(params, tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  for batch in toy.batches(2):
+    a, loss = own_step(a, batch)
+    b, metrics = step(b, batch)
+  toy.assert_same_up_to_summation_order(a, b, terms=32 * 2)
+  toy.assert_same_up_to_summation_order(loss, metrics["loss"], terms=32)
+  # the train and eval steps compose the same way
+  batch = toy.batches(3)[2]
+  evaluate = zerojax.eval_step(toy.loss_fn, tx)
+  np.testing.assert_array_equal(jax.jit(evaluate)(b, batch), evaluate(b, batch))
+  twice = jax.jit(lambda s, x: step(*step(s, x)[:1], x))
+  toy.assert_same_up_to_summation_order(
+    twice(b, batch), step(step(b, batch)[0], batch), terms=32 * 2
+  )
 
 
 def test_drop_in_refuses_what_it_cannot_do(mesh):

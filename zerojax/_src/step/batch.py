@@ -62,6 +62,9 @@ def place_batch(
       # an abstract batch (lowering for a target whose devices this process
       # cannot place data on): typed as the real batch would be placed
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    if isinstance(x, jax.core.Tracer):
+      # traced: the step runs inside the caller's own jit; laid out there
+      return fresh_copy(sharding)(x)
     if isinstance(x, jax.Array) and _same_split(x.sharding, sharding, x.ndim):
       return x
     if isinstance(x, jax.Array) and not x.is_fully_addressable:

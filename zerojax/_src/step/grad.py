@@ -335,7 +335,9 @@ def value_and_grad(
     as its storage shard (padded like the master copy, sharded over the
     data axis), ready for ``tx.update`` or :func:`zerojax.apply_gradients`.
     With ``key``, the loss is called with ``key=`` folded per device and
-    micro-batch. Jitted; nothing is donated.
+    micro-batch. Jitted; nothing is donated. It may be called inside a
+    ``jit`` of your own, beside :func:`zerojax.apply_gradients` (one
+    program: donate the state there).
 
   Example:
     >>> grad_fn = zerojax.value_and_grad(loss_fn, tx)
