@@ -52,6 +52,10 @@ CONFIGS = (
   "1-free",
   "3-free",
   "3off-free",
+  "1split",
+  "1split-free",
+  "3split",
+  "3split-free",
 )
 ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # "<stage>off": the stage with offload=True (master and moments on the
@@ -64,7 +68,9 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # host memory too, each layer brought down before its gather);
 # "<config>-free": that configuration with the update free to start before
 # the last gradient exists (zerojax's step waits for all of them), to
-# compare the compiler's peaks
+# compare the compiler's peaks; "<stage>split": the step as a user's own
+# jit (donating the state) around zerojax.value_and_grad and
+# zerojax.apply_gradients
 
 
 def worker(args) -> dict:
@@ -141,9 +147,9 @@ def worker(args) -> dict:
     from zerojax._src.step import offload as _stream
 
     if args.config.endswith("-free"):
-      from zerojax._src.step import steps as _steps
+      from zerojax._src.step import update as _update
 
-      _steps._GRADS_BEFORE_UPDATE = False
+      _update._GRADS_BEFORE_UPDATE = False
     if args.config.endswith("-serial"):
       _stream._after = lambda sizes: tuple(
         None if k == 0 else k - 1 for k in range(len(sizes))
@@ -167,7 +173,17 @@ def worker(args) -> dict:
     state = jax.eval_shape(
       lambda k: zerojax.init_from(init_fn, tx, k), jax.random.key(0)
     )
-    lowered = zerojax.train_step(loss_fn, tx).lower(state, batch)
+    if "split" in args.config:
+      grad_fn = zerojax.value_and_grad(loss_fn, tx)
+
+      @functools.partial(jax.jit, donate_argnums=0)
+      def split_step(state, batch):
+        loss, grads = grad_fn(state, batch)
+        return zerojax.apply_gradients(state, grads), loss
+
+      lowered = split_step.lower(state, batch)
+    else:
+      lowered = zerojax.train_step(loss_fn, tx).lower(state, batch)
     one_device = {
       k: jax.ShapeDtypeStruct((args.batch_per_chip, args.seq_len), jnp.int32)
       for k in ("x", "y")
@@ -188,6 +204,8 @@ def worker(args) -> dict:
       out["offload"] = {
         **_stream.describe(state.spec),
         "planner_host": plan.host,
+        "planner_host_to_device": plan.host_to_device,
+        "planner_device_to_host": plan.device_to_host,
         "planner_update_transient": plan.update_transient,
       }
     slices = args.num_slices

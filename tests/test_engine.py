@@ -303,21 +303,38 @@ def test_host_copies_in_flight_across_a_layer_loop_are_counted_with_bytes():
   assert schedule.host_copies_across_loops(_GPU) == {}  # no host copies
 
 
-def test_the_train_step_updates_after_every_gradient_exists(monkeypatch):
+def _own_step(tx):
+  """``value_and_grad`` + ``apply_gradients`` in one jit of the user's."""
+  grad_fn = zerojax.value_and_grad(toy.loss_fn, tx)
+
+  @jax.jit
+  def step(state, batch):
+    loss, grads = grad_fn(state, batch)
+    return zerojax.apply_gradients(state, grads), {"loss": loss}
+
+  return step
+
+
+@pytest.mark.parametrize("how", ["train_step", "own_jit"])
+def test_the_update_starts_after_every_gradient_exists(monkeypatch, how):
   """One barrier over all the reduced gradients between the backward pass
-  and the update (a scheduler may not start any leaf's update early), and
-  the same numbers with or without it."""
-  from zerojax._src.step import steps as _steps
+  and the update (a scheduler may not start any leaf's update early), in
+  the train step and in a user's jit around the two halves, and the same
+  numbers with or without it."""
+  from zerojax._src.step import update as _update
 
   params = toy.init_params(jax.random.key(0))
   batch = toy.batches(1)[0]
   barriers = {}
   results = {}
   for wait in (True, False):
-    monkeypatch.setattr(_steps, "_GRADS_BEFORE_UPDATE", wait)
+    monkeypatch.setattr(_update, "_GRADS_BEFORE_UPDATE", wait)
     tx = zerojax.zero(optax.adamw(1e-2), stage=3)
     state = zerojax.init(params, tx)
-    step = zerojax.train_step(toy.loss_fn, tx)
+    if how == "train_step":
+      step = zerojax.train_step(toy.loss_fn, tx)
+    else:
+      step = _own_step(tx)
     text = step.lower(state, batch).as_text()
     barriers[wait] = [
       line for line in text.splitlines() if "optimization_barrier" in line

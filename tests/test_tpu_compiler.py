@@ -171,14 +171,10 @@ def test_a_70b_step_on_256_chips_lowers_without_allocating():
   assert "all_gather" in text or "all-gather" in text
 
 
-def test_the_tpu_compiler_brings_offloaded_state_down_while_layers_run(
-  tpu_mesh,
-):
-  """Stage 3 with the master copy and moments in host memory: the host
-  bytes the compiled step reads and writes are the planner's, every host
-  copy is asynchronous, and some of the state comes down while the
-  forward or backward layer loop runs (the copy started before the loop,
-  done after it): the transfer behind the passes' compute."""
+def _offloaded_step(tpu_mesh, **offload):
+  """The reference GPT's stage-3 step (bf16 params, fp32 master copy)
+  with ``offload`` as ``zerojax.zero`` takes it, compiled for the
+  topology: ``(compiled_report row, planner's StagePlan)``."""
   import jax
   import optax
 
@@ -187,9 +183,8 @@ def test_the_tpu_compiler_brings_offloaded_state_down_while_layers_run(
 
   config = CONFIG.resolved("tpu")
   policy = zerojax.Policy(param_dtype=jnp.bfloat16)
-  tx = zerojax.zero(
-    optax.adamw(3e-4), stage=3, mesh=tpu_mesh, policy=policy, offload=True
-  )
+  kw = dict(policy=policy, stacked=gpt.is_layer_stack, **offload)
+  tx = zerojax.zero(optax.adamw(3e-4), stage=3, mesh=tpu_mesh, **kw)
   init = lambda key: gpt.init(config, key)
   state = jax.eval_shape(
     lambda k: zerojax.init_from(init, tx, k), jax.random.key(0)
@@ -201,16 +196,39 @@ def test_the_tpu_compiler_brings_offloaded_state_down_while_layers_run(
   step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
   row = aot.compiled_report(step.lower(state, batch).compile(), tpu_mesh)
   shapes = jax.eval_shape(init, jax.random.key(0))
-  planned = cost.plan_stage(
-    shapes, 3, mesh=dict(tpu_mesh.shape), policy=policy, offload=True
-  )
+  planned = cost.plan_stage(shapes, 3, mesh=dict(tpu_mesh.shape), **kw)
+  return row, planned
+
+
+def test_the_tpu_compiler_brings_offloaded_state_down_while_layers_run(
+  tpu_mesh,
+):
+  """Stage 3 with the master copy and moments in host memory: the host
+  bytes the compiled step reads and writes are the planner's, every host
+  copy is asynchronous, and some of the state comes down while the
+  forward or backward layer loop runs (the copy started before the loop,
+  done after it): the transfer behind the passes' compute."""
+  row, planned = _offloaded_step(tpu_mesh, offload=True)
   moved = row["host_transfers"]
   assert moved["host-to-device"]["bytes"] == moved["device-to-host"]["bytes"]
-  assert moved["host-to-device"]["bytes"] == pytest.approx(
-    planned.host, rel=0.01
-  )
+  assert moved["host-to-device"]["bytes"] == planned.host_to_device
+  assert moved["device-to-host"]["bytes"] == planned.device_to_host
   for kind in ("host-to-device", "device-to-host"):
     assert row["issued"][kind]["sync"] == 0, row["issued"]
   loops = row["host_copies_across_loops"]
   assert loops["loops_crossed"] >= 1, loops
   assert 0 < loops["host-to-device"]["bytes_across_loops"], loops
+
+
+def test_the_tpu_compiler_reads_host_layer_stacks_once_per_pass(tpu_mesh):
+  """Stage 3 with the params' shards in host memory as well: each layer
+  stack comes down one layer at a time in the forward loop and again in
+  the backward's, the embedding and head once; every shard is written
+  back once. The bytes each way are the planner's to the byte."""
+  row, planned = _offloaded_step(tpu_mesh, offload=True, offload_params=True)
+  moved = row["host_transfers"]
+  stacks = planned.params_host_stacked
+  assert 0 < stacks < planned.params_host
+  assert moved["host-to-device"]["bytes"] == planned.host_to_device
+  assert moved["device-to-host"]["bytes"] == planned.device_to_host
+  assert planned.host_to_device == planned.device_to_host + stacks

@@ -97,14 +97,15 @@ def host_state_bytes(spec) -> float:
   return out
 
 
-def host_param_bytes(spec) -> float:
+def host_param_bytes(spec, *, stacked_only: bool = False) -> float:
   """Per-device bytes of the params' shards kept in host memory
-  (``zero(..., offload_params=True)``), as laid out."""
+  (``zero(..., offload_params=True)``), as laid out; ``stacked_only``:
+  of the layer stacks' alone."""
   n, sizes = spec.tx.num_shards, spec.tx.model_axes
   return sum(
     layout_bytes(r.param, n, sizes, np.dtype(r.compute_dtype).itemsize)
     for r in spec.leaves
-    if r.place.params_host
+    if r.place.params_host and (r.stacked or not stacked_only)
   )
 
 

@@ -74,6 +74,8 @@ class StagePlan:
   host_bytes: float = 0.0
   # offload_params: per-device bytes of the params' shards in host memory
   params_host: float = 0.0
+  # offload_params: the part of params_host in layer stacks (``stacked``)
+  params_host_stacked: float = 0.0
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
@@ -103,12 +105,27 @@ class StagePlan:
     return min(self.in_flight_fraction, 1.0) * self.host_bytes
 
   @property
+  def host_to_device(self) -> float:
+    """Offload: bytes read from host memory per step per device: the
+    offloaded state once; an offloaded layer stack's shard once per layer
+    loop (the forward's gathers and the backward's), any other offloaded
+    param's shard once (one read serves both passes' gathers: XLA merges
+    the identical copies outside a loop, as the TPU compiler's program
+    shows)."""
+    if not self.offload:
+      return 0.0
+    return self.host_bytes + self.params_host + self.params_host_stacked
+
+  @property
+  def device_to_host(self) -> float:
+    """Offload: bytes written back to host memory per step per device:
+    the offloaded state and params' shards, once each."""
+    return self.host_bytes + self.params_host if self.offload else 0.0
+
+  @property
   def host_traffic(self) -> float:
-    """Offload: host<->device bytes per step per device: the offloaded
-    state read down once and written back once; offloaded params' shards
-    read down for the forward gather and again for the backward's, and
-    written back once."""
-    return 2 * self.host_bytes + 3 * self.params_host if self.offload else 0.0
+    """Offload: host<->device bytes per step per device, both ways."""
+    return self.host_to_device + self.device_to_host
 
   @property
   def host(self) -> float:
@@ -234,6 +251,7 @@ def plan_stage(
     offload=offloaded,
     host_bytes=cost.host_state_bytes(spec),
     params_host=cost.host_param_bytes(spec),
+    params_host_stacked=cost.host_param_bytes(spec, stacked_only=True),
     chunk_fraction=streamed.get("largest_chunk_fraction", 1.0),
     in_flight_fraction=streamed.get("in_flight_fraction", 1.0),
     activations=float((activations or {}).get("device", 0)),

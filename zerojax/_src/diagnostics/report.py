@@ -155,13 +155,17 @@ class Report:
     if self.offload:
       o = self.offload
       how = (
-        f"streamed in {o['chunks']} chunks (largest "
+        "on the device (master + optimizer state)"
+        if not o["host_fraction"]
+        else f"streamed in {o['chunks']} chunks (largest "
         f"{o['largest_chunk_fraction']:.1%} of the offloaded state; "
         f"{o['prefetched']} loaded during the previous one's update); "
         f"{o['host_fraction']:.1%} of master + optimizer state on the host"
         if o["streamed"]
         else f"whole state at once ({o['reason']})"
       )
+      if o["params_on_host"]:
+        how += "; the params' shards on the host"
       copies = sum(r["sync"] + r["async"] for r in o["host_copies"].values())
       rows = o["host_copies"].values()
       behind = sum(r["overlapped"] for r in rows)
@@ -172,10 +176,16 @@ class Report:
         f"offload: update {how}",
         f"  host->device bytes/step per device   "
         f"{o['host_to_device_bytes']:>14,}  theory "
-        f"{o['theory_streamed_bytes']:>14,}",
+        f"{o['theory_host_to_device_bytes']:>14,}",
         f"  device->host bytes/step per device   "
         f"{o['device_to_host_bytes']:>14,}  theory "
-        f"{o['theory_streamed_bytes']:>14,}",
+        f"{o['theory_device_to_host_bytes']:>14,}",
+        f"  (measured from the program's {o['measured_from']}"
+        + (
+          "; reads per layer loop are not seen)"
+          if o["measured_from"] == "entry buffers"
+          else ")"
+        ),
         f"  (ZeRO-Offload's host-side update would move "
         f"{o['theory_host_compute_bytes']:,}: compute-dtype "
         f"gradients down, params up)",
@@ -319,7 +329,9 @@ def report(step, state: ZeroState, batch, *, link_gb_s: float = 50.0) -> Report:
     zero_collective_bytes=dict(zero_b),
     zero_collective_elements=dict(zero_e),
     offload=(
-      _offload_traffic(state, hlo, link_gb_s) if spec.place.offload else {}
+      _offload_traffic(state, hlo, link_gb_s)
+      if spec.place.offload or spec.config.offload_params
+      else {}
     ),
     activations=_saved_activations(step, state, batch),
   )
@@ -365,22 +377,30 @@ def _saved_activations(step, state: ZeroState, batch) -> dict:
 
 def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   """How the offloaded update runs and the bytes it moves per step per
-  device: measured from the compiled program's entry buffers in host
-  memory (each read down once and written back once), next to theory
-  (the offloaded state, each way) and to ZeRO-Offload's host-side update
+  device, next to theory and to ZeRO-Offload's host-side update
   (compute-dtype gradients down and params up); the time each direction
   takes at ``link_gb_s``; and how the compiled schedule issues its copies
-  between host and device memory (``copy-start``/``copy-done`` pairs):
-  ``host_copies[kind] = {"sync", "async", "overlapped"}``, ``overlapped``
-  counting the asynchronous copies with a matmul scheduled while they
-  move (a copy in a loop body counted once); and ``across_loops``, the
-  copies and bytes in flight while a layer loop (the forward or backward
-  pass) runs (:func:`zerojax._src.diagnostics.schedule.host_copies_across_loops`).
-  A backend that moves host buffers without such copies (XLA CPU: one
-  memory) lists none."""
+  between host and device memory.
+
+  ``host_to_device_bytes`` / ``device_to_host_bytes`` are measured from
+  the compiled program: on a backend with its own memory (TPU, GPU) the
+  copies it issues, loop trip counts applied, so a layer stack's shard in
+  host memory counts once per layer loop
+  (:func:`zerojax._src.diagnostics.hlo_memory.host_transfers`;
+  activations kept in host memory add theirs); on one with a single
+  memory (XLA CPU), which issues no copies, the entry buffers in host
+  memory, each counted once (``measured_from`` says which). Theory: the
+  planner's :attr:`StagePlan.host_to_device` and
+  :attr:`StagePlan.device_to_host`. ``host_copies[kind] = {"sync",
+  "async", "overlapped"}``, ``overlapped`` counting the asynchronous
+  copies with a matmul scheduled while they move (a copy in a loop body
+  counted once); ``across_loops``, the copies and bytes in flight while a
+  layer loop (the forward or backward pass) runs
+  (:func:`zerojax._src.diagnostics.schedule.host_copies_across_loops`)."""
   spec = state.spec
-  spaces = _hlo_memory.entry_bytes_by_memory(hlo)
-  host = _measure.memory_bytes(state).get("pinned_host", 0)
+  state_host = cost.host_state_bytes(spec)
+  params_host = cost.host_param_bytes(spec)
+  stacks_host = cost.host_param_bytes(spec, stacked_only=True)
   compute = (
     sum(
       r.size
@@ -391,8 +411,14 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
     )
     / spec.tx.num_shards
   )
-  down = spaces["arguments"].get("pinned_host", 0)
-  up = spaces["outputs"].get("pinned_host", 0)
+  moved = _hlo_memory.host_transfers(hlo)
+  if moved:
+    down = moved.get("host-to-device", {}).get("bytes", 0)
+    up = moved.get("device-to-host", {}).get("bytes", 0)
+  else:
+    spaces = _hlo_memory.entry_bytes_by_memory(hlo)
+    down = spaces["arguments"].get("pinned_host", 0)
+    up = spaces["outputs"].get("pinned_host", 0)
   copies = {
     kind: row
     for kind, row in _schedule.summary(hlo).items()
@@ -400,9 +426,12 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   }
   return {
     **_offload.describe(spec),
+    "params_on_host": bool(params_host),
     "host_to_device_bytes": down,
     "device_to_host_bytes": up,
-    "theory_streamed_bytes": host,
+    "measured_from": "host copies" if moved else "entry buffers",
+    "theory_host_to_device_bytes": int(state_host + params_host + stacks_host),
+    "theory_device_to_host_bytes": int(state_host + params_host),
     "theory_host_compute_bytes": int(2 * compute),
     "link_gb_s": float(link_gb_s),
     "host_to_device_s": down / (link_gb_s * 1e9),

@@ -159,14 +159,6 @@ def step_key(state: ZeroState):
   )
 
 
-# At stages 1-3 the update begins once every gradient exists. Left free, a
-# scheduler may update the leaves whose gradients are ready while the
-# backward pass still holds its activations, and the two working sets add
-# up (the TPU compiler's programs did; docs/design.md, "Every gradient
-# before the update"). Stage 0 stays the plain data-parallel program.
-_GRADS_BEFORE_UPDATE = True
-
-
 def _step(
   state: ZeroState,
   batch,
@@ -185,8 +177,7 @@ def _step(
   grads, loss, aux, new_ms = _grad.sharded_grads(
     prog, state.params, batch, step_key(state), state.model_state, found
   )
-  if _GRADS_BEFORE_UPDATE and spec.stage >= 1:
-    grads = jax.lax.optimization_barrier(grads)
+  grads = _update.after_every_gradient(spec, grads)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     extra_args = {"value": loss, **extra_args}
   new_state, grad_norm = _update.update_state(

@@ -28,6 +28,21 @@ from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload as _offload
 from zerojax._src.step import state as _state
 
+# At stages 1-3 the update begins once every gradient exists. Left free, a
+# scheduler may update the leaves whose gradients are ready while the
+# backward pass still holds its activations, and the two working sets add
+# up (the TPU compiler's programs did; docs/design.md, "Every gradient
+# before the update"). Stage 0 stays the plain data-parallel program.
+_GRADS_BEFORE_UPDATE = True
+
+
+def after_every_gradient(spec: StateSpec, grads):
+  """``grads`` behind one ``optimization_barrier`` at stages 1-3, so no
+  leaf's update is scheduled before the last gradient exists."""
+  if _GRADS_BEFORE_UPDATE and spec.stage >= 1:
+    return jax.lax.optimization_barrier(grads)
+  return grads
+
 
 def _check_opt(spec: StateSpec, opt_storage):
   leaves = jax.tree.leaves(opt_storage)
@@ -342,7 +357,10 @@ def _apply_jit(state, grads, arrays, static):
 
   def body(state, flat, arrays):
     new, _ = update_state(
-      state, flat, join_extra_args(arrays, static), "zerojax.apply_gradients"
+      state,
+      after_every_gradient(spec, flat),
+      join_extra_args(arrays, static),
+      "zerojax.apply_gradients",
     )
     return new
 
