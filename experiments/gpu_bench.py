@@ -175,6 +175,9 @@ def run_one(size: str, config: str, steps: int) -> dict:
   step_s = statistics.median(times)
   tokens_per_s = accum * s["batch"] * s["seq_len"] / step_s
   stats = device.memory_stats() or {}
+  on_host = opts["stage"] is not None and (
+    opts["offload"] or opts["offload_params"]
+  )
   return {
     "size": size,
     "config": config,
@@ -211,14 +214,34 @@ def run_one(size: str, config: str, steps: int) -> dict:
       + planned.temp_size_in_bytes
       - planned.alias_size_in_bytes
     ),
-    # where the GPU compiler put the host copies (offloaded configs)
+    # where the GPU compiler put the host copies (offloaded configs), and
+    # the planner's bytes each way beside them
     "host_schedule": (
       None
-      if not opts["offload"]
+      if not on_host
       else {
         k: v
         for k, v in zerojax.aot.compiled_report(compiled, mesh).items()
         if k in ("host_transfers", "issued", "host_copies_across_loops")
+      }
+    ),
+    "planned_host_traffic": (
+      None
+      if not on_host
+      else {
+        k: getattr(
+          zerojax.cost.plan_stage(
+            jax.eval_shape(lambda: gpt.init(model, key)),
+            opts["stage"],
+            mesh=dict(mesh.shape),
+            optimizer=opt,
+            policy=zerojax.Policy(),
+            offload=opts["offload"],
+            offload_params=opts["offload_params"],
+          ),
+          k,
+        )
+        for k in ("host_to_device", "device_to_host")
       }
     ),
     "losses": losses,
