@@ -175,6 +175,17 @@ def test_offload_moves_master_and_moments_to_host():
   assert s3.device / 1e9 == pytest.approx(
     (4 + 12 * s3.in_flight_fraction) * 7.5 / 64, rel=1e-3
   )
+  # the params' shards on the host too: written back once, and read once
+  # per layer loop for a layer stack (forward, backward), once otherwise
+  kw = dict(offload=True, stacked=gpt.is_layer_stack)
+  st = plan.plan_gpt(abstract, 3, 64, **kw)
+  pp = plan.plan_gpt(abstract, 3, 64, offload_params=True, **kw)
+  # (the stacks of vectors, biases and norm scales, stay on the device)
+  assert 0.999 * st.params < pp.params_host < st.params
+  assert pp.host_bytes == st.host
+  assert 0.9 * pp.params_host < pp.params_host_stacked < pp.params_host
+  assert pp.device_to_host == pp.host == st.host + pp.params_host
+  assert pp.host_to_device == pp.device_to_host + pp.params_host_stacked
   # the largest model a device holds grows with offload
   on_big = plan.largest_fitting(32e9, 3, 64)
   big = plan.largest_fitting(32e9, 3, 64, offload=True)

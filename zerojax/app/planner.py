@@ -429,7 +429,12 @@ def main(argv=None):
           "saved_activations": acts,
           "plans": [
             dict(
-              dataclasses.asdict(x), total=x.total, device=x.device, host=x.host
+              dataclasses.asdict(x),
+              total=x.total,
+              device=x.device,
+              host=x.host,
+              host_to_device=x.host_to_device,
+              device_to_host=x.device_to_host,
             )
             for x in plans
           ],
