@@ -283,6 +283,39 @@ def test_a_layer_sliced_from_host_memory_counts_as_host_to_device_per_trip():
   }
 
 
+# a layer written back into a host buffer in place, one per iteration of an
+# 8-layer loop: libtpu's dynamic-update-slice-start into host memory (its
+# operands: the host buffer, the device update, the indices)
+_TPU_HOST_UPDATE = """
+HloModule m
+
+%body (p: (s32[], f32[8,128,1024], f32[1,128,1024])) -> (s32[], f32[8,128,1024], f32[1,128,1024]) {
+  %p = (s32[], f32[8,128,1024]{2,1,0:T(8,128)S(5)}, f32[1,128,1024]{2,1,0:T(8,128)}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = f32[8,128,1024]{2,1,0:T(8,128)S(5)} get-tuple-element(%p), index=1
+  %u = f32[1,128,1024]{2,1,0:T(8,128)} get-tuple-element(%p), index=2
+  %z = s32[] constant(0)
+  %dynamic-update-slice-start = ((f32[8,128,1024]{2,1,0:T(8,128)S(5)}, f32[1,128,1024]{2,1,0:T(8,128)}, s32[]{:T(128)}, s32[]{:T(128)}, s32[]{:T(128)}), f32[8,128,1024]{2,1,0:T(8,128)S(5)}, u32[]{:S(2)}) dynamic-update-slice-start(%w, %u, %i, %z, %z)
+  %dynamic-update-slice-done = f32[8,128,1024]{2,1,0:T(8,128)S(5)} dynamic-update-slice-done(%dynamic-update-slice-start)
+  ROOT %t = (s32[], f32[8,128,1024]{2,1,0:T(8,128)S(5)}, f32[1,128,1024]{2,1,0:T(8,128)}) tuple(%i, %dynamic-update-slice-done, %u)
+}
+
+ENTRY %main (x: (s32[], f32[8,128,1024], f32[1,128,1024])) -> (s32[], f32[8,128,1024], f32[1,128,1024]) {
+  %x = (s32[], f32[8,128,1024]{2,1,0:T(8,128)S(5)}, f32[1,128,1024]{2,1,0:T(8,128)}) parameter(0)
+  ROOT %while = (s32[], f32[8,128,1024]{2,1,0:T(8,128)S(5)}, f32[1,128,1024]{2,1,0:T(8,128)}) while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}
+}
+"""
+
+
+def test_a_layer_written_into_host_memory_counts_its_bytes_per_trip():
+  """Only the written slice crosses, not the host buffer it lands in."""
+  from zerojax._src.diagnostics import hlo_memory
+
+  assert hlo_memory.host_transfers(_TPU_HOST_UPDATE) == {
+    "device-to-host": {"count": 8, "bytes": 8 * 128 * 1024 * 4},
+  }
+
+
 def test_host_copies_in_flight_across_a_layer_loop_are_counted_with_bytes():
   assert schedule.host_copies_across_loops(_TPU_LOOP) == {
     "host-to-device": {

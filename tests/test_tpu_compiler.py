@@ -6,6 +6,8 @@ process at a time (libtpu holds a lock file): CI's newest-JAX leg installs
 the extra after the suite and runs ``pytest -m tpu_compiler``.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -232,3 +234,45 @@ def test_the_tpu_compiler_reads_host_layer_stacks_once_per_pass(tpu_mesh):
   assert moved["host-to-device"]["bytes"] == planned.host_to_device
   assert moved["device-to-host"]["bytes"] == planned.device_to_host
   assert planned.host_to_device == planned.device_to_host + stacks
+
+
+def test_the_tpu_compiler_moves_offloaded_block_inputs_as_planned(tpu_mesh):
+  """Activation checkpoints in host memory (``remat="offload"``): the
+  compiled step writes each layer's saved block input into a host buffer
+  in the forward loop (``dynamic-update-slice-start`` into host memory)
+  and reads it back in the backward's; both ways, the bytes the planner
+  puts on the host."""
+  import jax
+  import optax
+
+  import zerojax
+  from zerojax import cost
+
+  config = dataclasses.replace(CONFIG, remat="offload").resolved("tpu")
+  tx = zerojax.zero(optax.adamw(3e-4), stage=3, mesh=tpu_mesh)
+  init = lambda key: gpt.init(config, key)
+  state = jax.eval_shape(
+    lambda k: zerojax.init_from(init, tx, k), jax.random.key(0)
+  )
+  loss_fn = lambda p, b: gpt.loss(p, b, config)
+  rows = BATCH * tpu_mesh.size
+  batch = aot.abstract_batch(
+    {k: ((rows, config.seq_len), jnp.int32) for k in ("x", "y")}
+  )
+  step = zerojax.train_step(loss_fn, tx)
+  moved = aot.compiled_report(step.lower(state, batch).compile(), tpu_mesh)[
+    "host_transfers"
+  ]
+  one_chip = {
+    k: jax.ShapeDtypeStruct((BATCH, config.seq_len), jnp.int32)
+    for k in ("x", "y")
+  }
+  saved = cost.saved_activations(
+    loss_fn,
+    jax.eval_shape(init, jax.random.key(0)),
+    one_chip,
+    mesh=dict(tpu_mesh.shape),
+  )
+  assert saved["host"] > 0
+  assert moved["device-to-host"]["bytes"] == saved["host"]
+  assert moved["host-to-device"]["bytes"] == saved["host"]

@@ -39,9 +39,12 @@ def host_transfers(hlo_text: str) -> dict[str, dict]:
   (``S(5)``; its result is (destination, source, context)), a
   ``dynamic-slice-start`` that reads a slice of a host buffer into device
   memory (one layer of a stack in host memory, inside a layer loop; its
-  result is ((operand, indices...), slice, context)), or a synchronous
-  ``copy`` into host memory (a ``copy``'s operand layout is not written
-  beside it, so a synchronous load from the host is not seen)."""
+  result is ((operand, indices...), slice, context)), a
+  ``dynamic-update-slice-start`` that writes a device slice into a host
+  buffer in place (its result is ((buffer, update, indices...), buffer,
+  context); the update's bytes move), or a synchronous ``copy`` into host
+  memory (a ``copy``'s operand layout is not written beside it, so a
+  synchronous load from the host is not seen)."""
   comps, entry = split_computations(hlo_text)
   out: dict = {}
   for name, factor in multipliers(comps, entry).items():
@@ -51,13 +54,18 @@ def host_transfers(hlo_text: str) -> dict[str, dict]:
         "copy-start",
         "copy",
         "dynamic-slice-start",
+        "dynamic-update-slice-start",
       ):
         continue
       shapes = re.findall(r"\b[a-z]+\d*\[[\d,]*\]\{[^}]*\}", m.group(2))
+      moved = None  # the shape whose bytes cross (default: the destination)
       if m.group(3) == "copy-start" and len(shapes) >= 2:
         dst, src = shapes[0], shapes[1]
       elif m.group(3) == "dynamic-slice-start" and len(shapes) >= 3:
         dst, src = shapes[-2], shapes[0]
+      elif m.group(3) == "dynamic-update-slice-start" and len(shapes) >= 4:
+        dst, src = shapes[-2], shapes[1]
+        moved = src  # the update, written into the buffer in place
       elif m.group(3) == "copy" and shapes:
         dst, src = shapes[0], ""  # the operand's layout is not inline
         if not _HOST_SPACE.search(dst):
@@ -70,7 +78,7 @@ def host_transfers(hlo_text: str) -> dict[str, dict]:
       )
       if to_host == from_host:
         continue
-      dt, dims = SHAPE_RE.search(dst).groups()
+      dt, dims = SHAPE_RE.search(moved or dst).groups()
       nbytes = math.prod(int(d) for d in dims.split(",") if d) * dtype_bytes(dt)
       row = out.setdefault(
         "device-to-host" if to_host else "host-to-device",
