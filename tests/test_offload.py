@@ -28,9 +28,13 @@ TERMS = 32 * 3
 same = lambda a, b: toy.assert_same_up_to_summation_order(a, b, terms=TERMS)
 
 
-def _train(stage, offload, policy=None, steps=3, optimizer=None):
+def _train(stage, offload, policy=None, steps=3, optimizer=None, **kw):
   tx = zerojax.zero(
-    optimizer or optax.adamw(1e-2), stage=stage, offload=offload, policy=policy
+    optimizer or optax.adamw(1e-2),
+    stage=stage,
+    offload=offload,
+    policy=policy,
+    **kw,
   )
   state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
   step = zerojax.train_step(toy.loss_fn, tx)
@@ -478,6 +482,21 @@ def test_params_in_host_memory_train_bitwise_equal(off, policy):
   assert kinds.pop("['layers']['w']") == "pinned_host"
   assert set(kinds.values()) == {"device"}
   assert _kinds((state.master, state.opt_state)) == KINDS[off]
+
+
+@pytest.mark.parametrize(
+  "name", sorted(n for n in PARTIAL_OPTIMIZERS if n != "adamw")
+)
+def test_params_in_host_memory_equal_on_device_for_coupled_updates(name):
+  """Global-norm clipping, LAMB's trust ratios and Adafactor's factored
+  moments with the params' shards in host memory, and half the state
+  too: the bits of the state kept on the device."""
+  opt = PARTIAL_OPTIMIZERS[name]
+  plain = _leaves(_train(3, False, BF16, optimizer=opt())[0])
+  for off in (False, 0.5):
+    state, _ = _train(3, off, BF16, optimizer=opt(), offload_params=True)
+    assert _kinds(state.params) == {"device", "pinned_host"}
+    chex.assert_trees_all_equal(_leaves(state), plain)
 
 
 def test_params_in_host_memory_scanned_gpt_bitwise_equal(mesh):
