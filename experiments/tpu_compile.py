@@ -15,7 +15,8 @@ gpt``, zerojax's reference GPT (``zerojax.app.gpt``: it gathers per layer
 itself); AdamW, fp32 params and state for every configuration but
 ``3offb`` / ``3offp`` (bf16 params, fp32 master copy). The peers (``peers.py``): ``fsdp`` (params
 and state sharded over ``data``, plain ``jit``) and ``zero1`` (state
-sharded), as MaxText and Flax users write them.
+sharded), as MaxText and Flax users write them, and ``dropin`` (the
+``zero1`` loop with zerojax's Optax drop-in at stage 1 as its optimizer).
 
     python experiments/tpu_compile.py --topology v5e:2x2 \\
         --width 512 --depth 4 --vocab 8192 --seq-len 256 --batch-per-chip 2
@@ -44,6 +45,7 @@ CONFIGS = (
   "3",
   "fsdp",
   "zero1",
+  "dropin",
   "3off",
   "3off50",
   "3off-serial",
@@ -123,7 +125,7 @@ def worker(args) -> dict:
   n_params = sum(x.size for x in jax.tree.leaves(shapes))
   out = {"config": args.config, "n_params": int(n_params)}
   t0 = time.perf_counter()
-  if args.config in ("fsdp", "zero1", "dp"):
+  if args.config in ("fsdp", "zero1", "dp", "dropin"):
     jitted, p_sh, o_sh, b_sh = peers.peer_program(
       args.config, loss_fn, opt, shapes, mesh
     )

@@ -7,6 +7,9 @@ Plain ``jax.jit`` with ``NamedSharding`` on params and optimizer state, no
   and optimizer state sharded over ``data`` -- the layout of ZeRO-3.
 * ``zero1``: params replicated, optimizer state sharded -- ZeRO-1's layout.
 * ``dp``: params and optimizer state replicated -- plain data parallelism.
+* ``dropin``: the ``zero1`` loop with zerojax's Optax drop-in
+  (``zerojax.zero(optimizer, stage=1)``) as its optimizer, the optimizer
+  state in the drop-in's own layout.
 
 Each leaf is sharded along its largest dimension that divides the device
 count, as hand-written FSDP rules do; leaves with no such dimension are
@@ -58,11 +61,22 @@ def peer_program(kind, loss_fn, optimizer, params, mesh, compute_dtype=None):
   )
   rep = jax.tree.map(lambda x: NamedSharding(mesh, P()), params)
   param_sh = sharded if kind == "fsdp" else rep
-  opt_shapes = jax.eval_shape(optimizer.init, params)
-  opt_sh = jax.tree.map(
-    lambda x: NamedSharding(mesh, P() if kind == "dp" else _fsdp_spec(x, n)),
-    opt_shapes,
-  )
+  if kind == "dropin":
+    import zerojax
+
+    optimizer = zerojax.zero(optimizer, stage=1, mesh=mesh)
+    typed = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      params,
+      rep,
+    )
+    opt_sh = jax.jit(optimizer.init).lower(typed).compile().output_shardings
+  else:
+    opt_shapes = jax.eval_shape(optimizer.init, params)
+    opt_sh = jax.tree.map(
+      lambda x: NamedSharding(mesh, P() if kind == "dp" else _fsdp_spec(x, n)),
+      opt_shapes,
+    )
   batch_sh = NamedSharding(mesh, P("data"))
 
   def step(params, opt_state, batch):
