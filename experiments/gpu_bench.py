@@ -178,6 +178,19 @@ def run_one(size: str, config: str, steps: int) -> dict:
   on_host = opts["stage"] is not None and (
     opts["offload"] or opts["offload_params"]
   )
+  host_plan = (
+    zerojax.cost.plan_stage(
+      jax.eval_shape(lambda: gpt.init(model, key)),
+      opts["stage"],
+      mesh=dict(mesh.shape),
+      optimizer=opt,
+      policy=zerojax.Policy(),
+      offload=opts["offload"],
+      offload_params=opts["offload_params"],
+    )
+    if on_host
+    else None
+  )
   return {
     "size": size,
     "config": config,
@@ -229,19 +242,8 @@ def run_one(size: str, config: str, steps: int) -> dict:
       None
       if not on_host
       else {
-        k: getattr(
-          zerojax.cost.plan_stage(
-            jax.eval_shape(lambda: gpt.init(model, key)),
-            opts["stage"],
-            mesh=dict(mesh.shape),
-            optimizer=opt,
-            policy=zerojax.Policy(),
-            offload=opts["offload"],
-            offload_params=opts["offload_params"],
-          ),
-          k,
-        )
-        for k in ("host_to_device", "device_to_host")
+        "host_to_device": host_plan.host_to_device,
+        "device_to_host": host_plan.device_to_host,
       }
     ),
     "losses": losses,
