@@ -199,6 +199,7 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   1-2) and go into the state (:func:`~zerojax._src.step.leaf_ops.after_update`)."""
   spec = state.spec
   g_view, w_src = _ops.update_inputs(spec, state, grads, where)
+  w_src = _shards_before_update(spec, state, g_view, w_src)
   grad_norm = _global_norm(
     [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None],
     spec.place.mesh,
@@ -224,6 +225,33 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   return _ops.after_update(
     spec, state, [m for m, _ in done], params, new_opt
   ), grad_norm
+
+
+def _shards_before_update(spec: StateSpec, state: ZeroState, g_view, w_src):
+  """At stages 1-2 without a master copy the weights the update reads are
+  slices of the replicated params, and the new params are all-gathered
+  into the same (donated) buffers. Left to the scheduler, a slice may be
+  read after the gather began, and XLA then keeps a whole copy of every
+  old param (the TPU compiler did: one full-size buffer per large param).
+  Every weight's shard is sliced out first, behind one barrier with the
+  gradients, so the old params are dead before the first new one lands.
+  A master copy or offloaded state is already a shard: unchanged."""
+  if not (
+    _GRADS_BEFORE_UPDATE
+    and spec.stage in (1, 2)
+    and state.master is None
+    and not spec.place.offload
+  ):
+    return w_src
+  loaded = [None if s is None else s.load(s.raw) for s in w_src]
+  _, loaded = jax.lax.optimization_barrier((g_view, loaded))
+  return [
+    None if x is None else _ops.WeightSource(x, _identity) for x in loaded
+  ]
+
+
+def _identity(x):
+  return x
 
 
 NORM_BLOCKS = 16  # most blocks a whole gradient's norm is summed in
