@@ -26,16 +26,22 @@ writes ``docs/data/tpu_compile_<topology>_<model>_jax<v>_libtpu<v>.json``
 replica=2,data=4``: the replica axis over the data-center network) the
 configurations are zerojax's stages and ``3pp`` (stage 3 with ZeRO++'s
 hierarchical qgZ int8 and hpZ, nodes = one slice's chips); each run
-records the bytes per mesh axis beside the planner's.
+records the bytes per mesh axis beside the planner's. ``--buffers N``
+adds each program's N largest device-memory allocations and the shapes
+of the values that share them (``largest_buffers``, from XLA's
+memory-usage report in a ``--xla_dump_to`` folder): what its temp holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -239,6 +245,43 @@ def worker(args) -> dict:
   return out
 
 
+def largest_buffers(dump: str, n: int) -> dict:
+  """The ``n`` largest allocations in device memory of the TPU program in
+  an XLA dump folder: its ``*memory-usage-report.txt`` (the module with
+  the most bytes that is not one of the CPU backend's), each allocation's
+  bytes and the shapes of the values sharing it over the program."""
+  reports = [
+    f
+    for f in pathlib.Path(dump).glob("*memory-usage-report.txt")
+    if "cpu_after" not in f.name
+  ]
+  best = None
+  for f in reports:
+    text = f.read_text()
+    m = re.search(r"Total bytes: (\d+)", text)
+    if m and (best is None or int(m.group(1)) > best[0]):
+      best = (int(m.group(1)), f.name, text)
+  if best is None:
+    return {}
+  total, name, text = best
+  table = text.split("\n\n")[0]  # the first table: the default memory space
+  rows = []
+  for line in table.splitlines():
+    # cumulative; size; offset; values sharing it; their shapes
+    cols = [c.strip() for c in line.split(";", 4)]
+    if len(cols) == 5 and cols[2].isdigit():
+      rows.append({"bytes": _size_bytes(cols[1]), "shapes": cols[4]})
+  rows.sort(key=lambda r: -r["bytes"])
+  return {"report": name, "total_bytes": total, "allocations": rows[:n]}
+
+
+def _size_bytes(text: str) -> int:
+  """``'16.00MiB'`` -> bytes (the report's rounding)."""
+  units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+  m = re.fullmatch(r"([\d.]+)\s*([KMGT]?i?B)", text)
+  return round(float(m.group(1)) * units[m.group(2)]) if m else 0
+
+
 def _offload_share(config: str) -> bool | float:
   """``offload=`` of a configuration name (see :data:`CONFIGS`)."""
   if "off" not in config:
@@ -277,6 +320,13 @@ def main():
     help="appended to the file name (e.g. the LIBTPU_INIT_ARGS "
     "set tried; the flags are recorded in the JSON)",
   )
+  p.add_argument(
+    "--buffers",
+    type=int,
+    default=0,
+    help="record each program's N largest device-memory allocations "
+    "(XLA's memory-usage report, through --xla_dump_to)",
+  )
   p.add_argument("--config", help=argparse.SUPPRESS)  # worker mode
   args = p.parse_args()
   if args.config:
@@ -302,21 +352,22 @@ def main():
       f"--seq-len={args.seq_len}",
       f"--batch-per-chip={args.batch_per_chip}",
     ]
-    proc = subprocess.run(
-      argv,
-      capture_output=True,
-      text=True,
-      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
-    )
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode or not lines:
-      errors = [l for l in proc.stderr.splitlines() if "Error" in l]
-      run = {
-        "config": config,  # e.g. the compiler's OOM
-        "error": errors[-1:] or proc.stderr.strip().splitlines()[-1:],
-      }
-    else:
-      run = json.loads(lines[-1])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with tempfile.TemporaryDirectory() as dump:
+      if args.buffers:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}"
+      proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+      if proc.returncode or not lines:
+        errors = [l for l in proc.stderr.splitlines() if "Error" in l]
+        run = {
+          "config": config,  # e.g. the compiler's OOM
+          "error": errors[-1:] or proc.stderr.strip().splitlines()[-1:],
+        }
+      else:
+        run = json.loads(lines[-1])
+        if args.buffers:
+          run["largest_buffers"] = largest_buffers(dump, args.buffers)
     runs.append(run)
     mem = run.get("memory", {})
     print(
@@ -339,7 +390,7 @@ def main():
     "topology": topology,
     "mesh": args.mesh,
     "model": model,
-    "libtpu_init_args": __import__("os").environ.get("LIBTPU_INIT_ARGS", ""),
+    "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
     "model_source": (
       "zerojax.app.gpt"
       if args.model == "gpt"

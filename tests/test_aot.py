@@ -224,3 +224,47 @@ ENTRY %main (h: f32[64,256], w: f32[8,8]) -> f32[64,256] {
   ROOT %copy-done.1 = f32[64,256]{1,0:T(8,128)S(5)} copy-done(%copy-start.1)
 }
 """
+
+
+def test_tpu_compile_reads_the_largest_allocations_of_the_tpu_programs_report(
+  tmp_path,
+):
+  """``experiments/tpu_compile.py --buffers``: of an XLA dump folder, the
+  report of the program with the most bytes that is not a CPU module,
+  its first table (device memory) sorted by allocation size."""
+  import pathlib
+
+  path = pathlib.Path(__file__).parents[1] / "experiments" / "tpu_compile.py"
+  spec = importlib.util.spec_from_file_location("tpu_compile", path)
+  tpu_compile = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tpu_compile)
+  header = (
+    "  cumulative_size;       size;       offset; used_by_n_values; "
+    "shapes_list\n  ----------\n"
+  )
+  (
+    tmp_path / "m0.jit_fn.cl_1.after_optimizations-memory-usage-report.txt"
+  ).write_text(
+    "Memory Space: default (color=0)\nTotal bytes: 300 (300B)\n"
+    + header
+    + "   4.00MiB( 30%);    4.00MiB;    0;   1; f32[1024,1024]\n"
+    + "  20.00MiB( 90%);   16.00MiB;   64;   2; bf16[4,2048,1024], pred[]\n"
+    + "  20.00MiB(100%);      512B;   96;   1; (f32[], f32[])\n"
+    + "\n"
+    + header
+    + "  64.00MiB(100%);   64.00MiB;    0;   1; f32[4,2048,2048]\n"
+  )
+  (
+    tmp_path / "m1.jit_fn.cpu_after_optimizations-memory-usage-report.txt"
+  ).write_text(
+    "Memory Space: default (color=0)\nTotal bytes: 900 (900B)\n"
+    + header
+    + "   1.00GiB(100%);    1.00GiB;    0;   1; f32[16384,16384]\n"
+  )
+  got = tpu_compile.largest_buffers(str(tmp_path), 2)
+  assert got["total_bytes"] == 300
+  assert got["report"].startswith("m0.")
+  assert got["allocations"] == [
+    {"bytes": 16 * 2**20, "shapes": "bf16[4,2048,1024], pred[]"},
+    {"bytes": 4 * 2**20, "shapes": "f32[1024,1024]"},
+  ]
