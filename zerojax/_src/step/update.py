@@ -232,10 +232,12 @@ def _shards_before_update(spec: StateSpec, state: ZeroState, g_view, w_src):
   slices of the replicated params, and the new params are all-gathered
   into the same (donated) buffers. Left to the scheduler, a slice may be
   read after the gather began, and XLA then keeps a whole copy of every
-  old param (the TPU compiler did: one full-size buffer per large param).
-  Every weight's shard is sliced out first, behind one barrier with the
-  gradients, so the old params are dead before the first new one lands.
-  A master copy or offloaded state is already a shard: unchanged."""
+  old param (the TPU compiler's programs hold one full-size buffer per
+  large param without this). Every weight's shard is sliced out first,
+  behind one barrier with the gradients, so the old params are dead
+  before the first new one lands (docs/design.md, "Every gradient before
+  the update"). A master copy or an offloaded state is a shard already:
+  unchanged."""
   if not (
     _GRADS_BEFORE_UPDATE
     and spec.stage in (1, 2)
