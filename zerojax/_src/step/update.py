@@ -236,13 +236,14 @@ def _shards_before_update(spec: StateSpec, state: ZeroState, g_view, w_src):
   large param without this). Every weight's shard is sliced out first,
   behind one barrier with the gradients, so the old params are dead
   before the first new one lands (docs/design.md, "Every gradient before
-  the update"). A master copy or an offloaded state is a shard already:
-  unchanged."""
+  the update"). A master copy or an offloaded state is a shard already,
+  and on a data axis of one device nothing is sliced: unchanged."""
   if not (
     _GRADS_BEFORE_UPDATE
     and spec.stage in (1, 2)
     and state.master is None
     and not spec.place.offload
+    and spec.config.num_shards > 1
   ):
     return w_src
   loaded = [None if s is None else s.load(s.raw) for s in w_src]
