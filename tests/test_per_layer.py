@@ -224,17 +224,9 @@ def test_a_plain_scan_holds_what_the_gathering_model_holds(stage):
     whole = temp(whole_c)
     assert whole - plain > 0.75 * stacked * (1 - 1 / 8), (whole, plain)
     return
-
-  def stacked_reductions(c):
-    colls = zerojax.diagnostics.collectives(c.as_text(), 8)
-    return {
-      c.count
-      for c in colls
-      if c.kind == "reduce-scatter" and c.elements >= layers * width * width
-    }
-
-  assert stacked_reductions(whole_c) == {1}
-  assert stacked_reductions(plain_c) == set()
+  stacked_elements = layers * width * width
+  assert toy.reduce_scatter_counts(whole_c, stacked_elements) == {1}
+  assert toy.reduce_scatter_counts(plain_c, stacked_elements) == set()
 
 
 def penalised_scan(params, batch):

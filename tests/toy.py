@@ -300,3 +300,15 @@ def assert_same_arrays(got, want):
     got,
     want,
   )
+
+
+def reduce_scatter_counts(compiled, min_elements: int, devices: int = 8) -> set:
+  """How many times per step each reduce-scatter of at least
+  ``min_elements`` elements runs in a compiled step (1: once, after the
+  loops; a loop's trip count: inside it). Empty when there is none."""
+  colls = zerojax.diagnostics.collectives(compiled.as_text(), devices)
+  return {
+    c.count
+    for c in colls
+    if c.kind == "reduce-scatter" and c.elements >= min_elements
+  }
