@@ -29,7 +29,8 @@ hierarchical qgZ int8 and hpZ, nodes = one slice's chips); each run
 records the bytes per mesh axis beside the planner's. ``--buffers N``
 adds each program's N largest device-memory allocations and the shapes
 of the values that share them (``largest_buffers``, from XLA's
-memory-usage report in a ``--xla_dump_to`` folder): what its temp holds.
+memory-usage report in a ``--xla_dump_to`` folder; the report lists
+allocations, not the temp figure's split).
 """
 
 from __future__ import annotations
