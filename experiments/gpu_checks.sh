@@ -5,7 +5,7 @@
 #   experiments/gpu_checks.sh bench SECONDS OUT  # gpu_bench 1b + 2.7b, then 3.5b stage 3 (+offload)
 #   experiments/gpu_checks.sh rest SECONDS OUT   # the main job, no flags; longest_context, coarse
 #   experiments/gpu_checks.sh lc SECONDS OUT     # longest_context alone (dots, then offload), coarse
-#   experiments/gpu_checks.sh offload SECONDS OUT # host update vs link; 2.7b offload +-accum4; 7b offload (+params)
+#   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b offload +-accum4; 7b offload (+params); link
 #
 # Logs and JSON land in OUT, flat (the device tool brings back at most 8
 # files, two folders down).
@@ -48,17 +48,24 @@ case $part in
     cp "$out/lc/longest_context.json" "$out/" 2>/dev/null
     ;;
   offload)
-    timeout "$(( $(left) < 90 ? $(left) : 90 ))" python3 experiments/host_update.py \
-      --out "$out" 2>&1 | tee "$out/host_update.log"
-    timeout "$(left)" python3 experiments/gpu_bench.py --sizes 2.7b \
-      --configs plain,3+offload,plain+accum4,3+offload+accum4 --steps 4 \
-      --timeout 150 --out "$out/b1" 2>&1 | tee "$out/gpu_bench_offload.log"
-    cp "$out/b1/gpu_bench.json" "$out/gpu_bench_offload.json" 2>/dev/null
-    if [ "$(left)" -gt 90 ]; then
-      timeout "$(left)" python3 experiments/gpu_bench.py --sizes 7b \
-        --configs 3+offload,3+offload+params --steps 3 --timeout 200 \
-        --out "$out/b2" 2>&1 | tee "$out/gpu_bench_7b.log"
-      cp "$out/b2/gpu_bench.json" "$out/gpu_bench_7b.json" 2>/dev/null
+    # most wanted first: 2.7b offload against the plain loop, 7b offload,
+    # the accumulation pair, 7b with params on the host and stage 3 alone,
+    # then the link and the host's update
+    bench() {  # SIZES CONFIGS STEPS TIMEOUT NAME
+      [ "$(left)" -gt 60 ] || return
+      timeout "$(left)" python3 experiments/gpu_bench.py --sizes "$1" \
+        --configs "$2" --steps "$3" --timeout "$4" --out "$out/b_$5" 2>&1 \
+        | tee -a "$out/gpu_checks.log"
+      cp "$out/b_$5/gpu_bench.json" "$out/gpu_bench_$5.json" 2>/dev/null
+      rm -rf "$out/b_$5"
+    }
+    bench 2.7b plain,3+offload 3 150 offload
+    bench 7b 3+offload 2 240 7b
+    bench 2.7b plain+accum4,3+offload+accum4 3 150 accum4
+    bench 7b 3+offload+params,3 2 240 7b_more
+    if [ "$(left)" -gt 30 ]; then
+      timeout "$(( $(left) < 60 ? $(left) : 60 ))" python3 \
+        experiments/host_update.py --out "$out" 2>&1 | tee -a "$out/gpu_checks.log"
     fi
     ;;
 esac
