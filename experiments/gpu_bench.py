@@ -82,7 +82,7 @@ def parse_config(config: str) -> dict:
   return out
 
 
-def run_one(size: str, config: str, steps: int) -> dict:
+def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
   """Runs one configuration in this process; returns its record."""
   import jax
   import jax.numpy as jnp
@@ -113,7 +113,7 @@ def run_one(size: str, config: str, steps: int) -> dict:
       tokens, seed=0, step=0, batch=accum * s["batch"], seq_len=s["seq_len"]
     )
   ] * (steps + 2)
-  opt = _optimizer()
+  opt = _optimizer(warmup)
   loss_fn = lambda p, b: gpt.loss(p, b, model)
   key = jax.random.key(0)
 
@@ -202,6 +202,7 @@ def run_one(size: str, config: str, steps: int) -> dict:
     "remat": model.remat,
     "batch": accum * s["batch"],
     "accum_steps": accum,
+    "warmup_steps": warmup,
     "seq_len": s["seq_len"],
     "compile_s": compile_s,
     "step_s": step_s,
@@ -257,8 +258,8 @@ def _host_schedule(compiled, mesh) -> dict:
   return {k: v for k, v in report.items() if k in keys}
 
 
-def _optimizer():
-  """Clipped AdamW with a linear warm-up from 0 (1e-4 at step 100, so the
+def _optimizer(warmup: int):
+  """Clipped AdamW with a linear warm-up from 0 (1e-4 at step ``warmup``, so the
   bench's steps train at a small, growing rate; 1e-4 from the first step
   diverged at 2.7B): the same in every configuration, so each timing is
   also a training run whose loss on the repeated batch falls."""
@@ -267,7 +268,7 @@ def _optimizer():
   return optax.chain(
     optax.clip_by_global_norm(1.0),
     optax.adamw(
-      optax.linear_schedule(0.0, 1e-4, 100),
+      optax.linear_schedule(0.0, 1e-4, warmup),
       weight_decay=0.1,
     ),
   )
@@ -285,6 +286,8 @@ def _run_child(size: str, config: str, args) -> dict:
         config,
         "--steps",
         str(args.steps),
+        "--warmup",
+        str(args.warmup),
       ],
       capture_output=True,
       text=True,
@@ -318,6 +321,12 @@ def main():
   p.add_argument("--sizes", default="1b,2.7b")
   p.add_argument("--configs", default=",".join(CONFIGS))
   p.add_argument("--steps", type=int, default=10)
+  p.add_argument(
+    "--warmup",
+    type=int,
+    default=100,
+    help="steps of the linear warm-up to the peak rate 1e-4",
+  )
   p.add_argument("--out", default="runs/gpu_bench")
   p.add_argument(
     "--timeout",
@@ -332,7 +341,10 @@ def main():
   for config in args.configs.split(","):
     parse_config(config)  # a typo fails here, not after an hour of runs
   if args.one:
-    print("RECORD " + json.dumps(run_one(*args.one, args.steps)), flush=True)
+    print(
+      "RECORD " + json.dumps(run_one(*args.one, args.steps, args.warmup)),
+      flush=True,
+    )
     return
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

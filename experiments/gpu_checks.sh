@@ -6,6 +6,7 @@
 #   experiments/gpu_checks.sh rest SECONDS OUT   # the main job, no flags; longest_context, coarse
 #   experiments/gpu_checks.sh lc SECONDS OUT     # longest_context alone (dots, then offload), coarse
 #   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b offload +-accum4; 7b offload (+params); link
+#   experiments/gpu_checks.sh offload7b SECONDS OUT # 7b offload +accum4, +params (warm-up 1000)
 #
 # Logs and JSON land in OUT, flat (the device tool brings back at most 8
 # files, two folders down).
@@ -17,6 +18,15 @@ left() { echo $((deadline - SECONDS)); }
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 
 nvidia-smi -L; python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
+
+bench() {  # SIZES CONFIGS STEPS TIMEOUT NAME [gpu_bench flags]
+  [ "$(left)" -gt 60 ] || return
+  timeout "$(left)" python3 experiments/gpu_bench.py --sizes "$1" \
+    --configs "$2" --steps "$3" --timeout "$4" --out "$out/b_$5" "${@:6}" 2>&1 \
+    | tee -a "$out/gpu_checks.log"
+  cp "$out/b_$5/gpu_bench.json" "$out/gpu_bench_$5.json" 2>/dev/null
+  rm -rf "$out/b_$5"
+}
 
 case $part in
   bench)
@@ -51,14 +61,6 @@ case $part in
     # most wanted first: 2.7b offload against the plain loop, 7b offload,
     # the accumulation pair, 7b with params on the host and stage 3 alone,
     # then the link and the host's update
-    bench() {  # SIZES CONFIGS STEPS TIMEOUT NAME
-      [ "$(left)" -gt 60 ] || return
-      timeout "$(left)" python3 experiments/gpu_bench.py --sizes "$1" \
-        --configs "$2" --steps "$3" --timeout "$4" --out "$out/b_$5" 2>&1 \
-        | tee -a "$out/gpu_checks.log"
-      cp "$out/b_$5/gpu_bench.json" "$out/gpu_bench_$5.json" 2>/dev/null
-      rm -rf "$out/b_$5"
-    }
     bench 2.7b plain,3+offload 3 150 offload
     bench 7b 3+offload 2 240 7b
     bench 2.7b plain+accum4,3+offload+accum4 3 150 accum4
@@ -67,6 +69,14 @@ case $part in
       timeout "$(( $(left) < 60 ? $(left) : 60 ))" python3 \
         experiments/host_update.py --out "$out" 2>&1 | tee -a "$out/gpu_checks.log"
     fi
+    ;;
+  offload7b)
+    # 7b at a warm-up under which its loss falls: with 4 micro-batches,
+    # and with the parameters on the host too (their 26 GB beside the
+    # moments' 52 GB need more than the GPU plugin's default 64 GB pool)
+    export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110
+    bench 7b 3+offload+accum4 2 200 7b_accum4 --warmup 1000
+    bench 7b 3+offload+params 2 200 7b_params --warmup 1000
     ;;
 esac
 rm -rf "$out/b1" "$out/b2" "$out/lc" "$out/train"
