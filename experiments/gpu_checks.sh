@@ -7,6 +7,7 @@
 #   experiments/gpu_checks.sh lc SECONDS OUT     # longest_context alone (dots, then offload), coarse
 #   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b offload +-accum4; 7b offload (+params); link
 #   experiments/gpu_checks.sh offload7b SECONDS OUT # 7b offload +accum4, +params (warm-up 1000)
+#   experiments/gpu_checks.sh offload7b8 SECONDS OUT # 7b offload +accum8, +params (warm-up 1000)
 #
 # Logs and JSON land in OUT, flat (the device tool brings back at most 8
 # files, two folders down).
@@ -76,6 +77,13 @@ case $part in
     # moments' 52 GB need more than the GPU plugin's default 64 GB pool)
     export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110
     bench 7b 3+offload+accum4 2 200 7b_accum4 --warmup 1000
+    bench 7b 3+offload+params 2 200 7b_params --warmup 1000
+    ;;
+  offload7b8)
+    # 7b offload with 8 micro-batches (compute twice the link time), then
+    # the parameters on the host
+    export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110
+    bench 7b 3+offload+accum8 2 120 7b_accum8 --warmup 1000
     bench 7b 3+offload+params 2 200 7b_params --warmup 1000
     ;;
 esac
