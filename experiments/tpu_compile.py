@@ -56,6 +56,7 @@ CONFIGS = (
   "3off",
   "3off50",
   "3off-serial",
+  "3off-cross",
   "3offb",
   "3offp",
   "1-free",
@@ -72,6 +73,8 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # "<stage>off-serial": offload=True with the streamed update's chunks run
 # one after another (each chunk's loads wait for the previous chunk's
 # stores: no chunk prefetched), to compare with the prefetching stream;
+# "<stage>off-cross": offload=True with the crossing stream (a chunk the
+# default keeps serial comes down while the one before goes back);
 # "<stage>offb": offload=True with bf16 params and an fp32 master copy;
 # "<stage>offp": the same and offload_params=True (the params' shards in
 # host memory too, each layer brought down before its gather);
@@ -160,9 +163,12 @@ def worker(args) -> dict:
 
       _update._GRADS_BEFORE_UPDATE = False
     if args.config.endswith("-serial"):
-      _stream._after = lambda sizes: tuple(
-        None if k == 0 else k - 1 for k in range(len(sizes))
+      _stream._waits = lambda sizes: (
+        tuple(None if k == 0 else k - 1 for k in range(len(sizes))),
+        (None,) * len(sizes),
       )
+    if args.config.endswith("-cross"):
+      _stream._waits = _stream.crossing_waits
     # fp32 params, no master copy, except "offb" / "offp": bf16 + master
     policy, stacked = zerojax.Policy(), None
     if args.config.endswith(("offb", "offp")):

@@ -17,6 +17,11 @@ chunk ``k``'s old state beside chunk ``k - 1``'s old and new within the
 two largest chunks' worth the planner counts. Then chunk ``k`` comes down
 while chunk ``k - 1`` is updated and chunk ``k - 2`` goes back: both
 directions of the link and the update's compute at once (:attr:`Plan.after`).
+A crossing stream (:func:`crossing_waits`, measured beside the default in
+``experiments/``) instead has a chunk the default keeps serial wait for
+the previous chunk's new values (and the stored results of the one before
+that), so it comes down while the previous chunk goes back, the device
+holding that chunk's new state beside its own old (:attr:`Plan.computed`).
 The first chunk, and the second when it is so prefetched, may come down
 while the backward pass still runs. The device holds at most twice the
 largest chunk's weights and state, never the whole of it. What a backend's
@@ -96,21 +101,41 @@ class Plan:
   # per chunk, the chunk whose stored results its loads wait for (None:
   # none); k - 2 where chunk k is prefetched during chunk k - 1's update
   after: tuple[int | None, ...] = ()
+  # per chunk, the chunk whose new (not yet stored) values its loads wait
+  # for (None: none; k - 1 in the crossing stream, :func:`crossing_waits`)
+  computed: tuple[int | None, ...] = ()
+
+  def _waits_for_computed(self, k: int) -> bool:
+    return k < len(self.computed) and self.computed[k] is not None
+
+  def _ahead(self, k: int) -> bool:
+    """Chunk ``k`` may come down while chunk ``k - 1`` is updated."""
+    a = self.after[k]
+    return not self._waits_for_computed(k) and (a is None or a < k - 1)
 
   def in_flight(self, sizes) -> float:
     """The most of ``sizes`` (per chunk) on the device at once: a chunk's
-    old and new state, and the next chunk's old when it is prefetched."""
+    old and new state, with the next chunk's old when it is prefetched, or
+    its new state beside the next chunk's old while the two cross."""
     most = 0.0
     for k, size in enumerate(sizes):
-      ahead = k + 1 < len(sizes) and self.after[k + 1] != k
-      most = max(most, 2 * size + (sizes[k + 1] if ahead else 0))
+      nxt = sizes[k + 1] if k + 1 < len(sizes) else 0
+      if k + 1 < len(sizes) and self._ahead(k + 1):
+        most = max(most, 2 * size + nxt)
+      else:
+        most = max(most, 2 * size, size + nxt)
     return most
 
   @property
   def prefetched(self) -> int:
     """Chunks loaded while the chunk before them is updated."""
+    return sum(1 for k in range(1, len(self.after)) if self._ahead(k))
+
+  @property
+  def crossing(self) -> int:
+    """Chunks loaded while the chunk before them goes back to the host."""
     return sum(
-      1 for k, a in enumerate(self.after) if k and (a is None or a < k - 1)
+      1 for k in range(1, len(self.after)) if self._waits_for_computed(k)
     )
 
 
@@ -211,28 +236,51 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
   groups = byte_groups(sizes, CHUNKS)
   chunks = tuple(tuple(train[k] for k in g) for g in groups)
   owned = tuple(tuple(j for j, p in enumerate(own) if p in c) for c in chunks)
-  return Plan(
-    chunks, owned, shared, _after([sum(sizes[k] for k in g) for g in groups])
-  ), None
+  after, computed = _waits([sum(sizes[k] for k in g) for g in groups])
+  return Plan(chunks, owned, shared, after, computed), None
 
 
-def _after(sizes) -> tuple[int | None, ...]:
-  """Per chunk, the chunk whose stored results its loads wait for: the one
-  before it, or the one before that when this chunk's old state fits
-  beside the previous chunk's old and new within twice the largest chunk
-  (the device bytes the planner counts for the update): a prefetch costs
-  no device memory beyond the serial stream's peak. A stream of equal
-  chunks is therefore serial; chunks beside a larger one are prefetched."""
+def default_waits(
+  sizes,
+) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+  """The default stream, per chunk ``(after, computed)``: the chunk whose
+  stored results its loads wait for -- the one before it, or the one
+  before that when this chunk's old state fits beside the previous
+  chunk's old and new within twice the largest chunk (the device bytes the
+  planner counts for the update): a prefetch costs no device memory beyond
+  the serial stream's peak -- and no chunk's new values (``computed`` all
+  None). A stream of equal chunks is therefore serial; chunks beside a
+  larger one are prefetched."""
   room = 2 * max(sizes, default=0)
-  out: list[int | None] = []
+  after: list[int | None] = []
   for k, size in enumerate(sizes):
     if k == 0:
-      out.append(None)
+      after.append(None)
     elif 2 * sizes[k - 1] + size <= room:
-      out.append(k - 2 if k >= 2 else None)
+      after.append(k - 2 if k >= 2 else None)
     else:
-      out.append(k - 1)
-  return tuple(out)
+      after.append(k - 1)
+  return tuple(after), (None,) * len(sizes)
+
+
+# the stream plan() builds; experiments set it to crossing_waits to compare
+_waits = default_waits
+
+
+def crossing_waits(
+  sizes,
+) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+  """The crossing stream, per chunk ``(after, computed)``: loads wait for
+  the stored results of the chunk two before and, where the default would
+  keep them serial, for the previous chunk's new values (computed, not yet
+  stored), so the chunk comes down while the previous one goes back: both
+  directions of the link at once. The device then holds the previous
+  chunk's new state beside this chunk's old, within twice the largest
+  chunk the planner counts, but more than the serial stream's in-place
+  update holds (``docs/design.md``). Selected by setting ``_waits`` to it."""
+  after, _ = default_waits(sizes)
+  computed = tuple(a if k and a == k - 1 else None for k, a in enumerate(after))
+  return tuple(k - 2 if k >= 2 else None for k in range(len(sizes))), computed
 
 
 def scatter(n: int, index, values) -> list:
@@ -283,14 +331,18 @@ def stream(
     j: _ops.opt_logical(spec.opt_leaves[j], opt_raw[j]) for j in p.shared
   }
   stored = []  # each chunk's results, as stored
+  computed = []  # each chunk's new values on the device, before storing
   for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
     raw_w = [w_src[i].raw for i in chunk]
     raw_o = [opt_raw[j] for j in owned]
+    waits = []
     if p.after[k] is not None:
-      # this chunk's loads wait for that chunk's stored results
-      (raw_w, raw_o), _ = jax.lax.optimization_barrier(
-        ((raw_w, raw_o), stored[p.after[k]])
-      )
+      waits.append(stored[p.after[k]])
+    if p._waits_for_computed(k):
+      waits.append(computed[p.computed[k]])
+    if waits:
+      # this chunk's loads wait for those results
+      (raw_w, raw_o), _ = jax.lax.optimization_barrier(((raw_w, raw_o), waits))
     w = {i: w_src[i].load(x) for i, x in zip(chunk, raw_w)}
     o = dict(shared)
     o.update(
@@ -315,6 +367,15 @@ def stream(
     )
     u_flat = spec.from_optimizer_view(updates)
     new_leaves = jax.tree.leaves(new)
+    computed.append(
+      [u_flat[i] for i in chunk]
+      + [
+        x
+        for j, x in enumerate(new_leaves)
+        if j in owned
+        and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+      ]
+    )
     outs = []
     for i in chunk:
       results[i] = finish(i, w[i], u_flat[i])
@@ -334,10 +395,12 @@ def _zeros(o, raw):
 
 def describe(spec: StateSpec, extra_avals=None) -> dict:
   """How an offloaded state's update runs, from shapes alone:
-  ``{"host_fraction", "streamed", "chunks", "prefetched",
+  ``{"host_fraction", "streamed", "chunks", "prefetched", "crossing",
   "in_flight_fraction", "largest_chunk_fraction", "reason"}``: the share
   of the master copy and optimizer state's bytes kept in host memory; the
-  chunks loaded while the one before them is updated (:attr:`Plan.after`);
+  chunks loaded while the one before them is updated
+  (:attr:`Plan.prefetched`), and those loaded while its results go back
+  (:attr:`Plan.crossing`);
   the most of the offloaded bytes on the device at once
   (:meth:`Plan.in_flight`); the fraction of them the largest chunk holds;
   ``reason``: why the whole state is updated at once."""
@@ -370,6 +433,7 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
       "streamed": False,
       "chunks": 1,
       "prefetched": 0,
+      "crossing": 0,
       "in_flight_fraction": 1.0,
       "largest_chunk_fraction": 1.0,
       "reason": reason,
@@ -392,6 +456,7 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
     "streamed": True,
     "chunks": len(p.chunks),
     "prefetched": p.prefetched,
+    "crossing": p.crossing,
     "in_flight_fraction": p.in_flight(sizes) / max(total, 1),
     "largest_chunk_fraction": max(sizes) / max(total, 1),
     "reason": None,
