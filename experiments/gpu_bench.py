@@ -248,6 +248,9 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
         "device_to_host": host_plan.device_to_host,
       }
     ),
+    # the planner's device bytes of model state (params, gradients, the
+    # streamed update's chunks in flight; no activations), beside the peak
+    "planned_device_state": None if not on_host else host_plan.device,
     "losses": losses,
     "final_loss": losses[-1],
     "loss_fell": losses[-1] < losses[0],
