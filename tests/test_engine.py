@@ -1009,14 +1009,17 @@ def test_a_crossing_stream_loads_each_serial_chunk_beside_the_last_ones_write_ba
   assert plan.in_flight([1, 1, 1, 4, 1]) == 8
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize(
+  "stage, params_host", [(1, False), (3, False), (3, True)]
+)
 def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
-  monkeypatch, stage
+  monkeypatch, stage, params_host
 ):
   """The crossing stream runs the same chunk updates behind other waits:
   after three steps of clip + AdamW (bf16 params, fp32 master in host
-  memory) the state has the default stream's bits, and the report counts
-  the chunks that cross."""
+  memory, at stage 3 the params' shards there too or not) the state has
+  the default stream's bits, and the report counts the chunks that
+  cross."""
   opt = lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
   results, reports = {}, {}
   for name, waits in (
@@ -1024,7 +1027,13 @@ def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
     ("crossing", _offload.crossing_waits),
   ):
     monkeypatch.setattr(_offload, "_waits", waits)
-    tx = zerojax.zero(opt(), stage=stage, offload=True, policy=offload_BF16)
+    tx = zerojax.zero(
+      opt(),
+      stage=stage,
+      offload=True,
+      offload_params=params_host,
+      policy=offload_BF16,
+    )
     state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
     step = zerojax.train_step(toy.loss_fn, tx)
     batches = toy.batches(3)
