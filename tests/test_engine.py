@@ -1021,7 +1021,7 @@ def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
   the default stream's bits, and the report counts the chunks that
   cross."""
   opt = lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
-  results, reports = {}, {}
+  results, reports, barriers = {}, {}, {}
   for name, waits in (
     ("default", _offload.default_waits),
     ("crossing", _offload.crossing_waits),
@@ -1038,6 +1038,13 @@ def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
     step = zerojax.train_step(toy.loss_fn, tx)
     batches = toy.batches(3)
     reports[name] = zerojax.report(step, state, batches[0]).offload
+    # the barriers' operands: each crossing chunk's loads also hold the
+    # previous chunk's new values
+    barriers[name] = sum(
+      line.split("=", 1)[1].count("%")
+      for line in step.lower(state, batches[0]).as_text().splitlines()
+      if "optimization_barrier" in line
+    )
     for b in batches:
       state, _ = step(state, b)
     results[name] = [
@@ -1047,6 +1054,7 @@ def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
   assert reports["default"]["crossing"] == 0
   assert reports["crossing"]["crossing"] > 0
   assert reports["crossing"]["chunks"] == reports["default"]["chunks"]
+  assert barriers["crossing"] > barriers["default"], barriers
   jax.tree.map(
     np.testing.assert_array_equal, results["crossing"], results["default"]
   )

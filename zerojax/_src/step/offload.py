@@ -274,10 +274,11 @@ def crossing_waits(
   the stored results of the chunk two before and, where the default would
   keep them serial, for the previous chunk's new values (computed, not yet
   stored), so the chunk comes down while the previous one goes back: both
-  directions of the link at once. The device then holds the previous
-  chunk's new state beside this chunk's old, within twice the largest
-  chunk the planner counts, but more than the serial stream's in-place
-  update holds (``docs/design.md``). Selected by setting ``_waits`` to it."""
+  directions of the link at once. The device may then hold the previous
+  chunk's new state beside this chunk's old: within twice the largest
+  chunk, which the planner counts for either stream; what a compiler's
+  peak makes of it is measured (``docs/design.md``). Selected by setting
+  ``_waits`` to it."""
   after, _ = default_waits(sizes)
   computed = tuple(a if k and a == k - 1 else None for k, a in enumerate(after))
   return tuple(k - 2 if k >= 2 else None for k in range(len(sizes))), computed
