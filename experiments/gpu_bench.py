@@ -25,7 +25,9 @@ A configuration is ``plain`` or a stage, then options joined by ``+``:
 ``params`` (stage 3's parameter shards in host memory too,
 ``offload_params=True``), ``cross`` (the streamed update's crossing
 order, ``zerojax._src.step.offload.crossing_waits``: a chunk comes down
-while the one before goes back), ``accum4`` (4 micro-batches per step, the batch
+while the one before goes back), ``rows`` (each layer stack larger
+than a chunk streamed a few layers per chunk,
+``zerojax._src.step.offload_rows``), ``accum4`` (4 micro-batches per step, the batch
 4x as large; ``plain+accum4`` is the plain loop's baseline for it). An
 offloaded record adds init's own device peak and the host bytes it holds;
 ``step_vs_plain`` compares with the plain loop at the same size and
@@ -65,6 +67,7 @@ def parse_config(config: str) -> dict:
     offload_params=False,
     accum=1,
     cross=False,
+    rows=False,
   )
   for opt in opts:
     if opt == "offload":
@@ -73,14 +76,14 @@ def parse_config(config: str) -> dict:
       out["offload"] = float(opt.split("=", 1)[1])
     elif opt == "params":
       out["offload_params"] = True
-    elif opt == "cross":
-      out["cross"] = True
+    elif opt in ("cross", "rows"):
+      out[opt] = True
     elif opt.startswith("accum") and opt[5:].isdigit():
       out["accum"] = int(opt[5:])
     else:
       raise SystemExit(
         f"config {config!r}: unknown option {opt!r} (offload, offload=SHARE, "
-        "params, accumN, cross)"
+        "params, accumN, cross, rows)"
       )
   if out["stage"] is None and (out["offload"] or out["offload_params"]):
     raise SystemExit(f"config {config!r}: the plain loop has no offload")
@@ -103,6 +106,10 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
     from zerojax._src.step import offload as _stream
 
     _stream._waits = _stream.crossing_waits
+  if opts["rows"]:
+    from zerojax._src.step import offload as _stream
+
+    _stream._by_rows = True
   accum = opts["accum"]
   model = gpt.GPTConfig(
     vocab=256,

@@ -57,6 +57,9 @@ CONFIGS = (
   "3off50",
   "3off-serial",
   "3off-cross",
+  "3off-rows",
+  "3offb-rows",
+  "3offp-rows",
   "3offb",
   "3offp",
   "1-free",
@@ -75,6 +78,9 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # stores: no chunk prefetched), to compare with the prefetching stream;
 # "<stage>off-cross": offload=True with the crossing stream (a chunk the
 # default keeps serial comes down while the one before goes back);
+# "<config>-rows": that offloaded configuration with each layer stack
+# larger than a chunk streamed a few layers per chunk
+# (zerojax._src.step.offload_rows), to compare with whole stacks;
 # "<stage>offb": offload=True with bf16 params and an fp32 master copy;
 # "<stage>offp": the same and offload_params=True (the params' shards in
 # host memory too, each layer brought down before its gather);
@@ -156,6 +162,7 @@ def worker(args) -> dict:
       node = axes["data"] // (args.num_slices // axes.get("replica", 1))
       zeropp = zerojax.ZeroPP(grad_bits=8, hpz_size=node, node_size=node)
     offload = _offload_share(args.config)
+    from zerojax._src.diagnostics import offload_stream
     from zerojax._src.step import offload as _stream
 
     if args.config.endswith("-free"):
@@ -169,9 +176,12 @@ def worker(args) -> dict:
       )
     if args.config.endswith("-cross"):
       _stream._waits = _stream.crossing_waits
+    if args.config.endswith("-rows"):
+      _stream._by_rows = True
     # fp32 params, no master copy, except "offb" / "offp": bf16 + master
     policy, stacked = zerojax.Policy(), None
-    if args.config.endswith(("offb", "offp")):
+    base = args.config.removesuffix("-rows")
+    if base.endswith(("offb", "offp")):
       policy = zerojax.Policy(param_dtype=jnp.bfloat16)
       if args.model == "gpt":  # its embedding and head are not stacks
         stacked = gpt.is_layer_stack
@@ -183,7 +193,7 @@ def worker(args) -> dict:
       policy=policy,
       stacked=stacked,
       offload=offload,
-      offload_params=args.config.endswith("offp"),
+      offload_params=base.endswith("offp"),
     )
     state = jax.eval_shape(
       lambda k: zerojax.init_from(init_fn, tx, k), jax.random.key(0)
@@ -213,11 +223,11 @@ def worker(args) -> dict:
       optimizer=opt,
       stacked=stacked,
       offload=offload,
-      offload_params=args.config.endswith("offp"),
+      offload_params=base.endswith("offp"),
     )
     if offload:
       out["offload"] = {
-        **_stream.describe(state.spec),
+        **offload_stream.describe(state.spec),
         "planner_host": plan.host,
         "planner_host_to_device": plan.host_to_device,
         "planner_device_to_host": plan.device_to_host,

@@ -3,6 +3,9 @@ quantizer, the traced-program readers, the init programs. Every other
 test file reaches zerojax through its public namespaces.
 """
 
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +33,7 @@ from tests.test_collectives import D as collectives_D
 from tests.test_memory import D as memory_D
 from tests.test_memory import V as memory_V
 from tests.test_offload import BF16 as offload_BF16
+from tests.test_offload import _leaves as _offload_leaves
 from tests.test_per_layer import (
   _assert_equal,
   _data,
@@ -46,6 +50,7 @@ from tests.test_zeropp import _one_sgd_step
 from zerojax import checkpoint
 from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.diagnostics import schedule
+from zerojax._src.jaxpr import rows as _rows
 from zerojax._src.records import zeropp as _settings
 from zerojax._src.records.layout import plan_leaf
 from zerojax._src.step import offload as _offload
@@ -1009,6 +1014,93 @@ def test_a_crossing_stream_loads_each_serial_chunk_beside_the_last_ones_write_ba
   assert plan.in_flight([1, 1, 1, 4, 1]) == 8
 
 
+def _row_probe(optimizer):
+  """An optimizer's update over a layer stack ``(4, 3, 5)`` and a vector,
+  flattened to ``(grads, state, params) -> (updates, new state)``, with
+  its jaxpr, inputs and the stack's row inputs and outputs."""
+  params = {
+    "stack": jax.random.normal(jax.random.key(0), (4, 3, 5)),
+    "vec": jnp.arange(3.0),
+  }
+  grads = jax.tree.map(lambda x: jnp.sin(x) + 0.5, params)
+  state = optimizer.init(params)
+  for _ in range(2):  # moments that are not zeros
+    u, state = optimizer.update(grads, state, params)
+  g, s, p = (jax.tree.leaves(t) for t in (grads, state, params))
+  s_def = jax.tree.structure(state)
+
+  def flat(*xs):
+    gs, ss, ps = xs[:2], xs[2 : 2 + len(s)], xs[2 + len(s) :]
+    tree = lambda ls: dict(zip(("stack", "vec"), ls))
+    u, new = optimizer.update(
+      tree(gs), jax.tree.unflatten(s_def, list(ss)), tree(ps)
+    )
+    return jax.tree.leaves(u) + jax.tree.leaves(new)
+
+  args = [*g, *s, *p]
+  stack_state = [2 + j for j, x in enumerate(s) if np.shape(x) == (4, 3, 5)]
+  row_in = {2 + len(s)} | set(stack_state)
+  # outputs: the two updates, then the new state in the same order
+  row_out = [0] + stack_state
+  return jax.make_jaxpr(flat)(*args), args, row_in, row_out, flat
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+    lambda: optax.lion(1e-3),
+    lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  ],
+  ids=["clip+adamw", "lion", "sgd+nesterov"],
+)
+def test_rows_of_an_update_are_the_rows_of_the_whole_update(make):
+  """Rows [a, b) of a stack's update and new state, computed from rows
+  [a, b) of its weights and state (the gradients and the other leaves
+  whole), have the bits of the same rows computed with all the rows.
+  Against the optimizer's own compiled update they agree to an ulp: XLA's
+  CPU compiler rewrites Adam's division by the bias correction (a scalar)
+  one way or another depending on the program around it, as it does for
+  any two programs holding the update (the training tests compare whole
+  steps bit for bit)."""
+  closed, args, row_in, row_out, flat = _row_probe(make())
+  program = _rows.Rows(closed, row_in, 4)
+  assert _rows.OTHER not in program.roles(row_out)
+
+  def rows(span):
+    given = [
+      x[span[0] : span[1]] if k in row_in else x for k, x in enumerate(args)
+    ]
+    return jax.jit(lambda *xs: program.evaluate(xs, span, row_out))(*given)
+
+  every = rows((0, 4))
+  whole = jax.jit(flat)(*args)
+  for a, o in zip(every, row_out):
+    np.testing.assert_allclose(a, whole[o], rtol=2e-7, atol=0)
+  for span in ((0, 1), (1, 3), (3, 4)):
+    for a, b in zip(rows(span), every):
+      np.testing.assert_array_equal(a, b[span[0] : span[1]])
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax.lamb(1e-2),
+    lambda: optax.adafactor(1e-2, min_dim_size_to_factor=2),
+  ],
+  ids=["lamb", "adafactor"],
+)
+def test_rows_refuse_an_update_that_reads_a_stack_whole(make):
+  """A trust ratio over the whole stack or factored moments are not rows:
+  the roles say so before anything runs, and evaluating raises."""
+  closed, args, row_in, row_out, _ = _row_probe(make())
+  program = _rows.Rows(closed, row_in, 4)
+  assert _rows.OTHER in program.roles(row_out)
+  given = [x[:2] if k in row_in else x for k, x in enumerate(args)]
+  with pytest.raises(_rows.NotRows):
+    program.evaluate(given, (0, 2), row_out)
+
+
 @pytest.mark.parametrize(
   "stage, params_host", [(1, False), (3, False), (3, True)]
 )
@@ -1058,3 +1150,119 @@ def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
   jax.tree.map(
     np.testing.assert_array_equal, results["crossing"], results["default"]
   )
+
+
+# --- layer stacks streamed a few rows per chunk ----------------------------
+@pytest.fixture
+def by_rows(monkeypatch):
+  """The stream with layer stacks split by rows (not the default); yields
+  the plans the steps streamed by."""
+  monkeypatch.setattr(_offload, "_by_rows", True)
+  plans, plan = [], _offload.plan
+
+  def recording(*args, **kw):
+    out = plan(*args, **kw)
+    plans.append(out[0])
+    return out
+
+  monkeypatch.setattr(_offload, "plan", recording)
+  return plans
+
+
+ROW_OPTIMIZERS = {
+  "clip+adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(0.1), optax.adamw(3e-3)
+  ),
+  "lion": lambda: optax.lion(1e-3),
+  "sgd+momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  # these read a stack whole (trust ratio, factored moments): whole leaves
+  "lamb": lambda: optax.lamb(1e-2),
+  "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+}
+
+
+def _gpt_run(optimizer, stage, off, mesh=None, policy=offload_BF16, **kw):
+  """Three steps of a 16-layer reference GPT (scanned stacks); returns the
+  state's leaves, the losses and the offload report."""
+  from zerojax.app import data, gpt
+
+  model = gpt.GPTConfig(width=32, depth=16, heads=2, seq_len=32)
+  tokens, _ = data.split(data.corpus_bytes())
+  loss_fn = functools.partial(gpt.loss, config=model)
+  tx = zerojax.zero(
+    optimizer,
+    stage=stage,
+    mesh=mesh,
+    policy=policy,
+    offload=off,
+    stacked=gpt.is_layer_stack,
+    **kw,
+  )
+  state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
+  step = zerojax.train_step(loss_fn, tx)
+  batch = lambda i: data.batch_at(tokens, seed=0, step=i, batch=16, seq_len=32)
+  rep = zerojax.report(step, state, batch(0)) if off else None
+  losses = []
+  for i in range(3):
+    state, m = step(state, batch(i))
+    losses.append(m["loss"])
+  return _offload_leaves(state), losses, rep
+
+
+@pytest.mark.parametrize("name", sorted(ROW_OPTIMIZERS))
+@pytest.mark.parametrize("stage", [1, 3])
+def test_layer_stacks_stream_by_rows_bitwise_equal_to_no_offload(
+  stage, name, by_rows
+):
+  """A stack larger than a chunk is updated a few layers per chunk, its
+  rows read from and written back into the host buffers: the same bits as
+  no offload. Updates that read a stack whole stream it whole."""
+  opt = ROW_OPTIMIZERS[name]
+  plain, plain_losses, _ = _gpt_run(opt(), stage, False)
+  leaves, losses, rep = _gpt_run(opt(), stage, True)
+  plans, by_rows = by_rows, rep.offload["stacks_by_rows"]
+  if name in ("lamb", "adafactor"):
+    assert by_rows == 0
+  else:
+    # the MLP and attention stacks each exceed a chunk's sixteenth
+    assert by_rows >= 3
+    assert rep.offload["chunks"] > 16
+    assert rep.offload["largest_chunk_fraction"] < 1 / 8
+    # some chunk ends one stack and begins the next: each reads only its own
+    spans = [
+      sum(1 for x in p.rows_of(k) if x)
+      for p in plans
+      for k in range(len(p.chunks))
+    ]
+    assert max(spans) >= 2
+  chex.assert_trees_all_equal(leaves, plain)
+  chex.assert_trees_all_equal(losses, plain_losses)
+
+
+@pytest.mark.parametrize(
+  "kw",
+  [
+    {"policy": zerojax.Policy(), "stage": 2},
+    {"policy": offload_BF16, "stage": 3, "offload_params": True},
+  ],
+  ids=["fp32-stage2", "params-on-host"],
+)
+def test_stacks_by_rows_without_master_and_with_params_on_host(kw, by_rows):
+  """Without a master copy the rows are the params' (stages 1-2: gathered
+  after the update); with the params on the host their rows are written
+  back into the host buffers too."""
+  kw = dict(kw)
+  policy, stage = kw.pop("policy"), kw.pop("stage")
+  opt = ROW_OPTIMIZERS["clip+adamw"]
+  plain, _, _ = _gpt_run(opt(), stage, False, policy=policy, **kw)
+  leaves, _, rep = _gpt_run(opt(), stage, True, policy=policy, **kw)
+  assert rep.offload["stacks_by_rows"] >= 3
+  chex.assert_trees_all_equal(leaves, plain)
+
+
+def test_stacks_by_rows_on_both_axis_types(any_mesh, by_rows):
+  opt = ROW_OPTIMIZERS["clip+adamw"]
+  plain, _, _ = _gpt_run(opt(), 3, False, mesh=any_mesh)
+  leaves, _, rep = _gpt_run(opt(), 3, True, mesh=any_mesh)
+  assert rep.offload["stacks_by_rows"] >= 3
+  chex.assert_trees_all_equal(leaves, plain)

@@ -25,12 +25,12 @@ import optax
 from jax.sharding import AbstractMesh, AxisType
 
 from zerojax._src.diagnostics import cost
+from zerojax._src.diagnostics import offload_stream as _offload_stream
 from zerojax._src.jaxpr import activations as _activations
 from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
 from zerojax._src.records.zeropp import ZeroPP
-from zerojax._src.step import offload as _offload
 from zerojax._src.step.loss_call import LossCall
 from zerojax._src.step.transform import zero
 
@@ -237,7 +237,7 @@ def plan_stage(
     k: v[1] for k, v in cost.stage_collectives(spec, ideal=False).items()
   }
   offloaded = spec.place.offload or offload_params
-  streamed = _offload.describe(spec) if spec.place.offload else {}
+  streamed = _offload_stream.describe(spec) if spec.place.offload else {}
   return StagePlan(
     stage,
     n_params,

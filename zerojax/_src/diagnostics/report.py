@@ -45,10 +45,10 @@ from zerojax._src.diagnostics import cost
 from zerojax._src.diagnostics import hlo as _hlo
 from zerojax._src.diagnostics import hlo_memory as _hlo_memory
 from zerojax._src.diagnostics import measure as _measure
+from zerojax._src.diagnostics import offload_stream as _offload_stream
 from zerojax._src.diagnostics import schedule as _schedule
 from zerojax._src.jaxpr import activations as _activations
 from zerojax._src.records.spec import ZeroState
-from zerojax._src.step import offload as _offload
 from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.steps import loss_call
 
@@ -426,7 +426,7 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
     if kind in ("host-to-device", "device-to-host")
   }
   return {
-    **_offload.describe(spec),
+    **_offload_stream.describe(spec),
     "params_on_host": bool(params_host),
     "host_to_device_bytes": down,
     "device_to_host_bytes": up,

@@ -158,18 +158,27 @@ _LAYOUTS = re.compile(r"\b[a-z]+\d*\[[\d,]*\]\{[^}]*\}")
 
 
 def _host_copy(line: str) -> str | None:
-  """``"host-to-device"`` or ``"device-to-host"`` for a ``copy-start``
-  between host memory (``S(5)``) and the device's (its result is
-  (destination, source, context)), else ``None``."""
-  if " copy-start(" not in line:
-    return None
-  shapes = _LAYOUTS.findall(line.split(" copy-start(")[0])
-  if len(shapes) < 2:
-    return None
-  to_host, from_host = ("S(5)" in shapes[0]), ("S(5)" in shapes[1])
-  if to_host == from_host:
-    return None
-  return "device-to-host" if to_host else "host-to-device"
+  """``"host-to-device"`` or ``"device-to-host"`` for an asynchronous move
+  between host memory (``S(5)``) and the device's, else ``None``: a
+  ``copy-start`` (its result is (destination, source, context)), a
+  ``dynamic-slice-start`` reading a slice of a host buffer, or a
+  ``dynamic-update-slice-start`` writing a slice into one (their results
+  are ((operands), destination, context))."""
+  for op, ends in (
+    ("copy-start", lambda s: (s[0], s[1])),
+    ("dynamic-slice-start", lambda s: (s[-2], s[0])),
+    ("dynamic-update-slice-start", lambda s: (s[-2], s[1])),
+  ):
+    if f" {op}(" in line:
+      shapes = _LAYOUTS.findall(line.split(f" {op}(")[0])
+      if len(shapes) < 2:
+        return None
+      dst, src = ends(shapes)
+      to_host, from_host = ("S(5)" in dst), ("S(5)" in src)
+      if to_host == from_host:
+        return None
+      return "device-to-host" if to_host else "host-to-device"
+  return None
 
 
 # instructions that move or name data rather than compute on it

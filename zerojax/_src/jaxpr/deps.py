@@ -40,14 +40,24 @@ def input_dependencies(fn, *flat_args) -> list[frozenset[int]] | None:
     when the function could not be traced to a jaxpr here (the caller then
     takes the path that needs no such knowledge).
   """
+  closed = trace(fn, *flat_args)
+  return None if closed is None else dependencies(closed)
+
+
+def trace(fn, *flat_args):
+  """``fn``'s closed jaxpr at ``flat_args``, or None when it cannot be
+  traced here (or takes another number of inputs)."""
   try:
     closed = jax.make_jaxpr(fn)(*flat_args)
   except Exception:  # noqa: BLE001 - any failure means "unknown", not an error
     return None
-  jaxpr = closed.jaxpr
-  if len(jaxpr.invars) != len(flat_args):
-    return None
-  return _propagate(jaxpr, [frozenset((i,)) for i in range(len(flat_args))])
+  return closed if len(closed.jaxpr.invars) == len(flat_args) else None
+
+
+def dependencies(closed) -> list[frozenset[int]]:
+  """:func:`input_dependencies` of a closed jaxpr."""
+  n = len(closed.jaxpr.invars)
+  return _propagate(closed.jaxpr, [frozenset((i,)) for i in range(n)])
 
 
 _CALLS = frozenset(

@@ -61,6 +61,7 @@ from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.spec import StateSpec
 from zerojax._src.step import leaf_ops as _ops
+from zerojax._src.step import offload_rows as _stacks
 
 # the state is streamed in chunks of at most 1/CHUNKS of its bytes
 CHUNKS = 16
@@ -104,6 +105,15 @@ class Plan:
   # per chunk, the chunk whose new (not yet stored) values its loads wait
   # for (None: none; k - 1 in the crossing stream, :func:`crossing_waits`)
   computed: tuple[int | None, ...] = ()
+  # per chunk, per param in it: the rows ``(a, b)`` of its layer stack the
+  # chunk updates (None: the whole leaf); a stack larger than a chunk's
+  # budget is spread over consecutive chunks (:mod:`zerojax._src.jaxpr.rows`)
+  rows: tuple[tuple[tuple[int, int] | None, ...], ...] = ()
+  # the update's jaxpr, which computes a stack's rows
+  program: object = dataclasses.field(default=None, compare=False)
+
+  def rows_of(self, k: int) -> tuple:
+    return self.rows[k] if k < len(self.rows) else (None,) * len(self.chunks[k])
 
   def _waits_for_computed(self, k: int) -> bool:
     return k < len(self.computed) and self.computed[k] is not None
@@ -143,7 +153,7 @@ def aval_of(x):
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 
-def _nbytes(aval) -> int:
+def nbytes(aval) -> int:
   if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
     return 0
   return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
@@ -188,15 +198,16 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
     )
     return jax.tree.leaves(updates), jax.tree.leaves(new)
 
-  deps = _deps.input_dependencies(
+  closed = _deps.trace(
     flat_update,
     *[g_avals[i] for i in train],
     *opt_avals,
     *[w_avals[i] for i in train],
     *e_leaves,
   )
-  if deps is None:
+  if closed is None:
     return None, "the inner update could not be traced to a jaxpr here"
+  deps = _deps.dependencies(closed)
   if len(deps) != n_g + n_o:
     return None, "the inner update returned a state of another structure"
   shared = tuple(j for j, p in enumerate(own) if p is None)
@@ -227,17 +238,61 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
   # a leaf kept on the device costs no chunk room: it joins its neighbours
   sizes = [
     (
-      _nbytes(w_avals[i])
-      + sum(_nbytes(opt_avals[j]) for j, p in enumerate(own) if p == i)
+      nbytes(w_avals[i])
+      + sum(nbytes(opt_avals[j]) for j, p in enumerate(own) if p == i)
     )
     * spec.leaves[i].place.offload
     for i in train
   ]
-  groups = byte_groups(sizes, CHUNKS)
-  chunks = tuple(tuple(train[k] for k in g) for g in groups)
+  items = []  # (param, row or None, bytes)
+  rows = _stack_rows(spec, closed, train, sizes, own) if _by_rows else {}
+  for k, i in enumerate(train):
+    n = rows.get(k, 0)
+    if n:
+      items.extend((i, r, sizes[k] / n) for r in range(n))
+    else:
+      items.append((i, None, sizes[k]))
+  chunks, rows, chunk_bytes = [], [], []
+  for g in byte_groups([b for _, _, b in items], CHUNKS):
+    pieces = []
+    for i, r, _ in (items[t] for t in g):
+      if r is not None and pieces and pieces[-1][0] == i:
+        pieces[-1] = (i, (pieces[-1][1][0], r + 1))
+      else:
+        pieces.append((i, None if r is None else (r, r + 1)))
+    chunks.append(tuple(i for i, _ in pieces))
+    rows.append(tuple(_whole_or(spec, i, span) for i, span in pieces))
+    chunk_bytes.append(sum(items[t][2] for t in g))
   owned = tuple(tuple(j for j, p in enumerate(own) if p in c) for c in chunks)
-  after, computed = _waits([sum(sizes[k] for k in g) for g in groups])
-  return Plan(chunks, owned, shared, after, computed), None
+  after, computed = _waits(chunk_bytes)
+  return Plan(
+    tuple(chunks), owned, shared, after, computed, tuple(rows), closed
+  ), None
+
+
+def _stack_rows(spec: StateSpec, closed, train, sizes, own) -> dict:
+  """``{k: rows}`` for the trained leaves (``k``-th) streamed by rows: the
+  layer stacks that can be (:func:`~zerojax._src.step.offload_rows.stack_rows`)
+  larger than both a chunk's budget and every leaf streamed whole, the
+  ones that set the largest chunk. A stack smaller than a whole leaf
+  would not lower it, and its rows only add transfers (on the TPU
+  compiler's program for a 21M GPT the peak rose: docs/results.md)."""
+  budget = sum(sizes) / CHUNKS
+  rows = {}
+  for k, i in enumerate(train):
+    if sizes[k] > budget:
+      n = _stacks.stack_rows(spec, closed, i, k, len(train), own)
+      if n:
+        rows[k] = n
+  whole = max((b for k, b in enumerate(sizes) if k not in rows), default=0)
+  return {k: n for k, n in rows.items() if sizes[k] > whole}
+
+
+def _whole_or(spec: StateSpec, i: int, span):
+  """``span``, or None where it is all of param ``i``'s rows."""
+  if span is None or span == (0, spec.leaves[i].aval.shape[0]):
+    return None
+  return span
 
 
 def default_waits(
@@ -265,6 +320,10 @@ def default_waits(
 
 # the stream plan() builds; experiments set it to crossing_waits to compare
 _waits = default_waits
+# whether a layer stack larger than a chunk is streamed by rows
+# (:mod:`zerojax._src.step.offload_rows`); not the default, measured beside
+# it in ``experiments/`` (docs/results.md)
+_by_rows = False
 
 
 def crossing_waits(
@@ -306,6 +365,7 @@ def stream(
   *,
   finish: Callable,
   opt_def=None,
+  bases: Callable | None = None,
 ):
   """Runs the inner update chunk by chunk (see the module docstring).
 
@@ -318,6 +378,9 @@ def stream(
     finish: ``finish(i, w, u)`` -> param ``i``'s results from its weights
       and update, computed inside its chunk (e.g. the new master copy,
       stashed, and the new params).
+    bases: ``bases(i)`` -> the values ``finish(i, ...)``'s results replace
+      (a tree like them, None where there is none), into which a layer
+      stack's results are written row by row; others are concatenated.
 
   Returns:
     ``(per-param finish results (None for frozen), new state leaves as
@@ -326,16 +389,17 @@ def stream(
   opt_def = spec.opt_def if opt_def is None else opt_def
   train = [i for i, s in enumerate(w_src) if s is not None]
   g_flat = [g_view[i] for i in train]
-  results = [None] * len(w_src)
-  new_opt = [None] * len(opt_raw)
+  own = owners(spec)
+  out = _stacks.Out(len(w_src), opt_raw, bases)
   shared = {
     j: _ops.opt_logical(spec.opt_leaves[j], opt_raw[j]) for j in p.shared
   }
   stored = []  # each chunk's results, as stored
   computed = []  # each chunk's new values on the device, before storing
   for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
-    raw_w = [w_src[i].raw for i in chunk]
-    raw_o = [opt_raw[j] for j in owned]
+    spans = dict(zip(chunk, p.rows_of(k)))
+    raw_w = [_stacks.rows_of(w_src[i].raw, spans[i]) for i in chunk]
+    raw_o = [_stacks.rows_of(opt_raw[j], spans[own[j]]) for j in owned]
     waits = []
     if p.after[k] is not None:
       waits.append(stored[p.after[k]])
@@ -345,120 +409,89 @@ def stream(
       # this chunk's loads wait for those results
       (raw_w, raw_o), _ = jax.lax.optimization_barrier(((raw_w, raw_o), waits))
     w = {i: w_src[i].load(x) for i, x in zip(chunk, raw_w)}
-    o = dict(shared)
-    o.update(
-      {j: _ops.opt_logical(spec.opt_leaves[j], x) for j, x in zip(owned, raw_o)}
-    )
-    # the other chunks' leaves: zeros, which no output kept here reads
-    # (checked by plan); typed keys have no zeros and are read as they are
-    opt_in = [
-      o[j] if j in o else _zeros(spec.opt_leaves[j], opt_raw[j])
-      for j in range(len(opt_raw))
-    ]
-    w_in = [
-      w[i] if i in w else jnp.zeros(a.shape, a.dtype)
-      for i, a in ((i, w_src[i].aval) for i in train)
-    ]
-    updates, new = _ops.inner_update(
-      spec,
-      _view(spec, train, g_flat),
-      jax.tree.unflatten(opt_def, opt_in),
-      _view(spec, train, w_in),
-      extra_args,
-    )
-    u_flat = spec.from_optimizer_view(updates)
-    new_leaves = jax.tree.leaves(new)
+    o = {
+      j: _ops.opt_logical(spec.opt_leaves[j], x) for j, x in zip(owned, raw_o)
+    }
+    u, new = {}, {}
+    whole = [i for i in chunk if spans[i] is None]
+    if whole or (k == 0 and p.shared):
+      o_whole = {j: x for j, x in o.items() if own[j] in whole}
+      u_w, new_w = _whole_update(
+        spec,
+        train,
+        w_src,
+        g_flat,
+        {i: w[i] for i in whole},
+        {**shared, **o_whole},
+        opt_raw,
+        extra_args,
+        opt_def,
+      )
+      u.update({i: u_w[i] for i in whole})
+      new.update({j: new_w[j] for j in owned if own[j] in whole})
+      if k == 0:
+        new.update({j: new_w[j] for j in p.shared})
+    for i in chunk:
+      if spans[i] is not None:
+        mine = [j for j in owned if own[j] == i]
+        outs = _stacks.stack_update(
+          spec,
+          p,
+          train,
+          g_flat,
+          i,
+          w[i],
+          {**shared, **o},
+          mine,
+          extra_args,
+          spans[i],
+        )
+        u[i] = outs[0]
+        new.update(zip(mine, outs[1:]))
     computed.append(
-      [u_flat[i] for i in chunk]
+      [u[i] for i in chunk]
       + [
-        x
-        for j, x in enumerate(new_leaves)
-        if j in owned
-        and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+        new[j]
+        for j in owned
+        if not jax.dtypes.issubdtype(new[j].dtype, jax.dtypes.extended)
       ]
     )
     outs = []
     for i in chunk:
-      results[i] = finish(i, w[i], u_flat[i])
-      outs.append(results[i])
+      outs.extend(out.result(i, spans[i], finish(i, w[i], u[i])))
     for j in owned + (p.shared if k == 0 else ()):
-      new_opt[j] = _ops.opt_storage(spec.opt_leaves[j], new_leaves[j])
-      outs.append(new_opt[j])
+      value = _ops.opt_storage(spec.opt_leaves[j], new[j])
+      outs.append(out.state(j, spans.get(own[j]), value))
     stored.append(outs)
-  return results, new_opt
+  return out.done()
+
+
+def _whole_update(
+  spec, train, w_src, g_flat, w, o, opt_raw, extra_args, opt_def
+):
+  """The inner update with the weights ``w`` and state ``o`` given, the
+  other leaves zeros (which no output kept reads: checked by
+  :func:`plan`); typed keys have no zeros and are read as they are.
+  Returns per param its update, and the new state's leaves."""
+  opt_in = [
+    o[j] if j in o else _zeros(spec.opt_leaves[j], opt_raw[j])
+    for j in range(len(opt_raw))
+  ]
+  w_in = [
+    w[i] if i in w else jnp.zeros(a.shape, a.dtype)
+    for i, a in ((i, w_src[i].aval) for i in train)
+  ]
+  updates, new = _ops.inner_update(
+    spec,
+    _view(spec, train, g_flat),
+    jax.tree.unflatten(opt_def, opt_in),
+    _view(spec, train, w_in),
+    extra_args,
+  )
+  return spec.from_optimizer_view(updates), jax.tree.leaves(new)
 
 
 def _zeros(o, raw):
   if jax.dtypes.issubdtype(o.aval.dtype, jax.dtypes.extended):
     return _ops.opt_logical(o, raw)
   return jnp.zeros(o.aval.shape, o.aval.dtype)
-
-
-def describe(spec: StateSpec, extra_avals=None) -> dict:
-  """How an offloaded state's update runs, from shapes alone:
-  ``{"host_fraction", "streamed", "chunks", "prefetched", "crossing",
-  "in_flight_fraction", "largest_chunk_fraction", "reason"}``: the share
-  of the master copy and optimizer state's bytes kept in host memory; the
-  chunks loaded while the one before them is updated
-  (:attr:`Plan.prefetched`), and those loaded while its results go back
-  (:attr:`Plan.crossing`);
-  the most of the offloaded bytes on the device at once
-  (:meth:`Plan.in_flight`); the fraction of them the largest chunk holds;
-  ``reason``: why the whole state is updated at once."""
-  return {"host_fraction": host_fraction(spec), **_stream(spec, extra_avals)}
-
-
-def host_fraction(spec: StateSpec) -> float:
-  """The share of the master copy and optimizer state's bytes (those of
-  trained leaves) kept in host memory."""
-  sizes = _host_memory.offload_bytes(
-    spec.leaves, spec.opt_leaves, spec.policy.has_master
-  )
-  held = sum(n for n, r in zip(sizes, spec.leaves) if r.place.offload)
-  return held / max(sum(sizes), 1)
-
-
-def _stream(spec: StateSpec, extra_avals) -> dict:
-  w_avals, g_avals = [], []
-  for r in spec.leaves:
-    if not r.trainable:
-      w_avals.append(None)
-      g_avals.append(None)
-      continue
-    dtype = r.master_dtype if spec.policy.has_master else r.compute_dtype
-    w_avals.append(jax.ShapeDtypeStruct(r.aval.shape, dtype))
-    g_avals.append(jax.ShapeDtypeStruct(r.aval.shape, r.master_dtype))
-  p, reason = plan(spec, g_avals, w_avals, extra_avals)
-  if p is None:
-    return {
-      "streamed": False,
-      "chunks": 1,
-      "prefetched": 0,
-      "crossing": 0,
-      "in_flight_fraction": 1.0,
-      "largest_chunk_fraction": 1.0,
-      "reason": reason,
-    }
-  own = owners(spec)
-  host = lambda i: spec.leaves[i].place.offload
-  sizes = [
-    sum(_nbytes(w_avals[i]) for i in c if host(i))
-    + sum(_nbytes(spec.opt_leaves[j].aval) for j in o if host(own[j]))
-    for c, o in zip(p.chunks, p.owned)
-  ]
-  total = sum(
-    _nbytes(a) for i, a in enumerate(w_avals) if a is not None and host(i)
-  ) + sum(
-    _nbytes(spec.opt_leaves[j].aval)
-    for j, q in enumerate(own)
-    if q is not None and host(q)
-  )
-  return {
-    "streamed": True,
-    "chunks": len(p.chunks),
-    "prefetched": p.prefetched,
-    "crossing": p.crossing,
-    "in_flight_fraction": p.in_flight(sizes) / max(total, 1),
-    "largest_chunk_fraction": max(sizes) / max(total, 1),
-    "reason": None,
-  }

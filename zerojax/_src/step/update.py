@@ -64,6 +64,7 @@ def run_update(
   *,
   finish,
   opt_def=None,
+  bases=None,
 ):
   """The inner Optax update, then ``finish(i, w, u)`` per trained param.
 
@@ -81,6 +82,9 @@ def run_update(
       and update.
     opt_def: the tree structure to hand the inner state in (default the
       spec's).
+    bases: ``bases(i)`` -> the stored values ``finish(i, ...)``'s results
+      replace, where a streamed update writes a layer stack by rows
+      (:func:`~zerojax._src.step.offload.stream`).
 
   Returns:
     ``(per-param finish results (None for frozen), new state leaves in
@@ -111,6 +115,7 @@ def run_update(
         extra_args,
         finish=finish,
         opt_def=opt_def,
+        bases=bases,
       )
   opt_def = spec.opt_def if opt_def is None else opt_def
   opt_logical = jax.tree.unflatten(
@@ -213,11 +218,21 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
     master, new = _ops.apply_update(spec.leaves[i], w, u, keep_master)
     return master, _state.stage3_param(spec.leaves[i], new) if stage3 else new
 
+  old = jax.tree.leaves(state.params)
+  old_masters = spec.masters(state.master)
   done, new_opt = run_update(
-    spec, g_view, w_src, state.opt_state, extra_args, finish=finish
+    spec,
+    g_view,
+    w_src,
+    state.opt_state,
+    extra_args,
+    finish=finish,
+    bases=lambda i: (
+      old_masters[i],
+      old[i] if stage3 and spec.leaves[i].place.params_host else None,
+    ),
   )
   done = [(None, None) if d is None else d for d in done]
-  old = jax.tree.leaves(state.params)
   if stage3:
     params = [o if w is None else w for o, (_, w) in zip(old, done)]
   else:

@@ -1,0 +1,102 @@
+"""How an offloaded update streams, from shapes alone: the share of the
+state in host memory, its chunks, and the most of it on the device at once
+(:func:`describe`; read by :func:`zerojax.report` and the planner)."""
+
+from __future__ import annotations
+
+import jax
+
+from zerojax._src.records import host_memory as _host_memory
+from zerojax._src.records.spec import StateSpec
+from zerojax._src.step import offload as _offload
+
+
+def describe(spec: StateSpec, extra_avals=None) -> dict:
+  """How an offloaded state's update runs, from shapes alone:
+  ``{"host_fraction", "streamed", "chunks", "prefetched", "crossing",
+  "in_flight_fraction", "largest_chunk_fraction", "reason"}``: the share
+  of the master copy and optimizer state's bytes kept in host memory; the
+  chunks loaded while the one before them is updated
+  (:attr:`~zerojax._src.step.offload.Plan.prefetched`), and those loaded while its results go back
+  (:attr:`~zerojax._src.step.offload.Plan.crossing`);
+  the most of the offloaded bytes on the device at once
+  (:meth:`~zerojax._src.step.offload.Plan.in_flight`); the fraction of them the largest chunk holds;
+  ``reason``: why the whole state is updated at once."""
+  return {"host_fraction": host_fraction(spec), **_stream(spec, extra_avals)}
+
+
+def host_fraction(spec: StateSpec) -> float:
+  """The share of the master copy and optimizer state's bytes (those of
+  trained leaves) kept in host memory."""
+  sizes = _host_memory.offload_bytes(
+    spec.leaves, spec.opt_leaves, spec.policy.has_master
+  )
+  held = sum(n for n, r in zip(sizes, spec.leaves) if r.place.offload)
+  return held / max(sum(sizes), 1)
+
+
+def _stream(spec: StateSpec, extra_avals) -> dict:
+  w_avals, g_avals = [], []
+  for r in spec.leaves:
+    if not r.trainable:
+      w_avals.append(None)
+      g_avals.append(None)
+      continue
+    dtype = r.master_dtype if spec.policy.has_master else r.compute_dtype
+    w_avals.append(jax.ShapeDtypeStruct(r.aval.shape, dtype))
+    g_avals.append(jax.ShapeDtypeStruct(r.aval.shape, r.master_dtype))
+  p, reason = _offload.plan(spec, g_avals, w_avals, extra_avals)
+  if p is None:
+    return {
+      "streamed": False,
+      "chunks": 1,
+      "stacks_by_rows": 0,
+      "prefetched": 0,
+      "crossing": 0,
+      "in_flight_fraction": 1.0,
+      "largest_chunk_fraction": 1.0,
+      "reason": reason,
+    }
+  own = _offload.owners(spec)
+  host = lambda i: spec.leaves[i].place.offload
+
+  def share(i, span):  # the fraction of param i's rows a chunk holds
+    if span is None:
+      return 1.0
+    return (span[1] - span[0]) / spec.leaves[i].aval.shape[0]
+
+  sizes = [
+    sum(
+      share(i, s)
+      * (
+        _offload.nbytes(w_avals[i])
+        + sum(
+          _offload.nbytes(spec.opt_leaves[j].aval) for j in o if own[j] == i
+        )
+      )
+      for i, s in zip(c, p.rows_of(k))
+      if host(i)
+    )
+    for k, (c, o) in enumerate(zip(p.chunks, p.owned))
+  ]
+  total = sum(
+    _offload.nbytes(a)
+    for i, a in enumerate(w_avals)
+    if a is not None and host(i)
+  ) + sum(
+    _offload.nbytes(spec.opt_leaves[j].aval)
+    for j, q in enumerate(own)
+    if q is not None and host(q)
+  )
+  return {
+    "streamed": True,
+    "chunks": len(p.chunks),
+    "stacks_by_rows": len(
+      {i for c, r in zip(p.chunks, p.rows) for i, s in zip(c, r) if s}
+    ),
+    "prefetched": p.prefetched,
+    "crossing": p.crossing,
+    "in_flight_fraction": p.in_flight(sizes) / max(total, 1),
+    "largest_chunk_fraction": max(sizes) / max(total, 1),
+    "reason": None,
+  }
