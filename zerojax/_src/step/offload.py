@@ -421,11 +421,11 @@ def stream(
         train,
         w_src,
         g_flat,
-        {i: w[i] for i in whole},
-        {**shared, **o_whole},
-        opt_raw,
-        extra_args,
-        opt_def,
+        w={i: w[i] for i in whole},
+        o={**shared, **o_whole},
+        opt_raw=opt_raw,
+        extra_args=extra_args,
+        opt_def=opt_def,
       )
       u.update({i: u_w[i] for i in whole})
       new.update({j: new_w[j] for j in owned if own[j] in whole})
@@ -439,12 +439,12 @@ def stream(
           p,
           train,
           g_flat,
-          i,
-          w[i],
-          {**shared, **o},
-          mine,
-          extra_args,
-          spans[i],
+          i=i,
+          w_rows=w[i],
+          o={**shared, **o},
+          mine=mine,
+          extra_args=extra_args,
+          span=spans[i],
         )
         u[i] = outs[0]
         new.update(zip(mine, outs[1:]))
@@ -467,7 +467,7 @@ def stream(
 
 
 def _whole_update(
-  spec, train, w_src, g_flat, w, o, opt_raw, extra_args, opt_def
+  spec, train, w_src, g_flat, *, w, o, opt_raw, extra_args, opt_def
 ):
   """The inner update with the weights ``w`` and state ``o`` given, the
   other leaves zeros (which no output kept reads: checked by

@@ -60,7 +60,9 @@ def rows_of(x, span):
   return x if span is None else jax.lax.slice_in_dim(x, *span, axis=0)
 
 
-def stack_update(spec, p, train, g_flat, i, w_rows, o, mine, extra_args, span):
+def stack_update(
+  spec, p, train, g_flat, *, i, w_rows, o, mine, extra_args, span
+):
   """Rows ``span`` of param ``i``'s update and of its state leaves
   ``mine`` from those rows of its weights and state (``o``: by rows for
   ``mine``, whole for the shared leaves): ``[update, *new state]``."""
