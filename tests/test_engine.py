@@ -1228,6 +1228,7 @@ def test_layer_stacks_stream_by_rows_bitwise_equal_to_no_offload(
     assert by_rows >= 3
     assert rep.offload["chunks"] > 16
     assert rep.offload["largest_chunk_fraction"] < 1 / 8
+    assert f"{by_rows} layer stacks a few layers per chunk" in str(rep)
     # some chunk ends one stack and begins the next: each reads only its own
     spans = [
       sum(1 for x in p.rows_of(k) if x)

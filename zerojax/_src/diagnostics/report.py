@@ -160,7 +160,13 @@ class Report:
         else f"streamed in {o['chunks']} chunks (largest "
         f"{o['largest_chunk_fraction']:.1%} of the offloaded state; "
         f"{o['prefetched']} loaded during the previous one's update, "
-        f"{o['crossing']} while its results go back); "
+        f"{o['crossing']} while its results go back"
+        + (
+          f", {o['stacks_by_rows']} layer stacks a few layers per chunk"
+          if o["stacks_by_rows"]
+          else ""
+        )
+        + "); "
         f"{o['host_fraction']:.1%} of master + optimizer state on the host"
         if o["streamed"]
         else f"whole state at once ({o['reason']})"

@@ -10,8 +10,9 @@ the update must bring them down; left to itself XLA's scheduler may bring
 all of them down at once, and the device then holds the whole state during
 the update, as without offload. Here the update runs chunk by chunk --
 groups of consecutive parameter leaves of at most ``1 / CHUNKS`` of the
-state's bytes (a larger leaf alone) -- and chunk ``k``'s loads from host
-memory wait, through an ``optimization_barrier``, for the stored results
+state's bytes (a larger leaf alone, or with ``_by_rows`` a layer stack a
+few layers per chunk: :mod:`~zerojax._src.step.offload_rows`) -- and
+chunk ``k``'s loads from host memory wait, through an ``optimization_barrier``, for the stored results
 of chunk ``k - 1``, or of chunk ``k - 2`` when the device has room for
 chunk ``k``'s old state beside chunk ``k - 1``'s old and new within the
 two largest chunks' worth the planner counts. Then chunk ``k`` comes down
