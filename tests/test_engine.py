@@ -1267,3 +1267,39 @@ def test_stacks_by_rows_on_both_axis_types(any_mesh, by_rows):
   leaves, _, rep = _gpt_run(opt(), 3, True, mesh=any_mesh)
   assert rep.offload["stacks_by_rows"] >= 3
   chex.assert_trees_all_equal(leaves, plain)
+
+
+def test_a_stack_whose_update_changes_mesh_types_streams_whole(by_rows):
+  """An extra argument typed on the caller's Explicit mesh runs on the
+  caller's axis types (a change of sharding type in the update's jaxpr):
+  no row of the stack is computed across it, so the stack streams whole,
+  with the numbers of no offload. The same update without it goes by
+  rows."""
+  plans = by_rows
+
+  def init(params):
+    return optax.EmptyState()
+
+  def update(grads, state, params=None, *, scale_fn, **_):
+    return jax.tree.map(lambda g: -0.1 * scale_fn(g), grads), state
+
+  scaled = optax.chain(
+    optax.GradientTransformationExtraArgs(init, update), optax.scale_by_adam()
+  )
+  for inner, split in ((scaled, False), (optax.adam(1e-2), True)):
+    outs = []
+    for off in (False, True):
+      plans.clear()
+      tx = zerojax.zero(inner, stage=3, offload=off, policy=offload_BF16)
+      state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+      _, grads = zerojax.value_and_grad(toy.loss_fn, tx)(
+        state, toy.batches(1)[0]
+      )
+      extra = {"scale_fn": lambda g: 2 * g} if inner is scaled else {}
+      outs.append(zerojax.apply_gradients(state, grads, **extra))
+    assert plans and all(p is not None for p in plans)
+    by = any(x for p in plans for r in p.rows for x in r)
+    assert by == split
+    chex.assert_trees_all_equal(
+      _offload_leaves(outs[1]), _offload_leaves(outs[0])
+    )
