@@ -1119,6 +1119,7 @@ def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
     ("crossing", _offload.crossing_waits),
   ):
     monkeypatch.setattr(_offload, "_waits", waits)
+    jax.clear_caches()  # compiled steps are cached by config (see by_rows)
     tx = zerojax.zero(
       opt(),
       stage=stage,
@@ -1150,13 +1151,17 @@ def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
   jax.tree.map(
     np.testing.assert_array_equal, results["crossing"], results["default"]
   )
+  jax.clear_caches()
 
 
 # --- layer stacks streamed a few rows per chunk ----------------------------
 @pytest.fixture
 def by_rows(monkeypatch):
   """The stream with layer stacks split by rows (not the default); yields
-  the plans the steps streamed by."""
+  the plans the steps streamed by (the report's among them)."""
+  # compiled steps are cached by their config, which the switch is not
+  # part of: none compiled before (or with) it is reused across it
+  jax.clear_caches()
   monkeypatch.setattr(_offload, "_by_rows", True)
   plans, plan = [], _offload.plan
 
@@ -1166,7 +1171,8 @@ def by_rows(monkeypatch):
     return out
 
   monkeypatch.setattr(_offload, "plan", recording)
-  return plans
+  yield plans
+  jax.clear_caches()
 
 
 ROW_OPTIMIZERS = {
@@ -1303,3 +1309,32 @@ def test_a_stack_whose_update_changes_mesh_types_streams_whole(by_rows):
     chex.assert_trees_all_equal(
       _offload_leaves(outs[1]), _offload_leaves(outs[0])
     )
+
+
+def test_the_dropin_streams_stacks_by_rows_as_whole_leaves(monkeypatch):
+  """Through the Optax drop-in (updates out, no stored params to write
+  into) a stack's rows are concatenated: the same updates and state as the
+  whole-leaf stream, bit for bit."""
+  params = toy.init_params(jax.random.key(0))
+  grads = jax.grad(toy.loss_fn, allow_int=True)(params, toy.batches(1)[0])
+  inner = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+  outs, plans, plan = [], [], _offload.plan
+
+  def recording(*args, **kw):
+    out = plan(*args, **kw)
+    plans.append(out[0])
+    return out
+
+  monkeypatch.setattr(_offload, "plan", recording)
+  for rows in (False, True):
+    monkeypatch.setattr(_offload, "_by_rows", rows)
+    jax.clear_caches()  # compiled updates are cached by config (see by_rows)
+    plans.clear()
+    tx = zerojax.zero(inner, stage=1, offload=True)
+    opt = tx.init(params)
+    for _ in range(2):
+      updates, opt = tx.update(grads, opt, params)
+    outs.append((updates, opt))
+    assert plans and all(p is not None for p in plans)
+    assert any(x for p in plans for r in p.rows for x in r) == rows
+  chex.assert_trees_all_equal(outs[1], outs[0])
