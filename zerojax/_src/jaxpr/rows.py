@@ -24,20 +24,17 @@ Every value of the jaxpr gets a role from its inputs':
   of that kind cannot be computed a few rows at a time; the caller streams
   the leaf whole.
 
-Evaluation is lazy: a free value is computed whole only where it is needed
-whole; where a row equation needs its rows and it is itself the output of
-a row equation, those are computed from its operands' rows, so no
-whole-stack temporary is made for a few rows' sake. Rows so computed are
-the same operations on the same elements as the whole stack's, so the
-result is bitwise that of slicing the whole update's outputs. Plain calls
-(``jit``, ``custom_jvp_call``...) are read through, as in
-:mod:`zerojax._src.jaxpr.deps`; any other equation is opaque: whole if its
-operands are free, else not rows.
+Where a row equation needs a free value's rows and that value is itself
+the output of a row equation, they are computed from its operands' rows,
+so no whole-stack temporary is made for a few rows' sake; other free
+values are computed whole, in the jaxpr's order. Rows so computed are the
+same operations on the same elements as the whole stack's (XLA may still
+compile two programs holding them differently: an ulp, tested). Plain
+calls (``jit``, ``custom_jvp_call``...) are read through, as in
+:mod:`zerojax._src.jaxpr.deps`.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 
@@ -290,9 +287,3 @@ def _body(eqn):
         return None
       return body, consts
   return None
-
-
-def row_bytes(aval) -> int:
-  """Bytes of one leading row of ``aval``."""
-  shape = tuple(aval.shape)
-  return math.prod(shape[1:]) * jax.numpy.dtype(aval.dtype).itemsize

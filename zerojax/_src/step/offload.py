@@ -276,8 +276,7 @@ def _stack_rows(spec: StateSpec, closed, train, sizes, own) -> dict:
   layer stacks that can be (:func:`~zerojax._src.step.offload_rows.stack_rows`)
   larger than both a chunk's budget and every leaf streamed whole, the
   ones that set the largest chunk. A stack smaller than a whole leaf
-  would not lower it, and its rows only add transfers (on the TPU
-  compiler's program for a 21M GPT the peak rose: docs/results.md)."""
+  would not lower it, and its rows would only add transfers."""
   budget = sum(sizes) / CHUNKS
   rows = {}
   for k, i in enumerate(train):

@@ -12,7 +12,7 @@ SGD with momentum, behind global-norm clipping), its rows are spread over
 consecutive chunks like any other leaves. Each chunk reads its rows from
 the stored buffers (a slice of host memory), computes them from the
 update's jaxpr, and writes them back into the buffers they replace
-(``dynamic_update_slice``, in place in the donated host buffer). An update
+(``dynamic_update_slice`` into the donated buffer). An update
 that reads the stack whole (LAMB's trust ratio, Adafactor's factored
 moments) streams it whole.
 """
@@ -82,8 +82,8 @@ def stack_update(
 class Out:
   """Each param's ``finish`` results and each state leaf's new value, put
   together from its chunks: a layer stack's rows are written into the
-  value they replace (``dynamic_update_slice``; in place where that is a
-  donated buffer, host memory included), or concatenated where there is
+  value they replace (``dynamic_update_slice`` into the donated buffer,
+  host memory included), or concatenated where there is
   none (a view the step lays out afterwards)."""
 
   def __init__(self, n_params: int, opt_raw, bases):
