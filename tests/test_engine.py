@@ -321,6 +321,66 @@ def test_a_layer_written_into_host_memory_counts_its_bytes_per_trip():
   }
 
 
+# the GPU compiler's forms of the same moves: a slice read from a host
+# buffer and a slice written into it are asynchronous fusions
+# (``fusion-start`` of a computation whose root is the slice), and a
+# scalar's device shape is written without a layout
+_GPU_HOST_ROWS = """
+HloModule m
+
+%wrapped_dynamic-slice_computation (a: f32[8,64,192], b: s32[], c: s32[], d: s32[]) -> f32[2,64,192] {
+  %a = f32[8,64,192]{2,1,0:S(5)} parameter(0)
+  %b = s32[] parameter(1)
+  %c = s32[] parameter(2)
+  %d = s32[] parameter(3)
+  ROOT %dynamic-slice.1 = f32[2,64,192]{2,1,0} dynamic-slice(%a, %b, %c, %d), dynamic_slice_sizes={2,64,192}
+}
+
+%wrapped_dynamic-update-slice_computation (a: f32[8,64,192], u: f32[2,64,192], b: s32[], c: s32[], d: s32[]) -> f32[8,64,192] {
+  %a = f32[8,64,192]{2,1,0:S(5)} parameter(0)
+  %u = f32[2,64,192]{2,1,0} parameter(1)
+  %b = s32[] parameter(2)
+  %c = s32[] parameter(3)
+  %d = s32[] parameter(4)
+  ROOT %dynamic-update-slice.1 = f32[8,64,192]{2,1,0:S(5)} dynamic-update-slice(%a, %u, %b, %c, %d)
+}
+
+ENTRY %main (m: f32[8,64,192], n: s32[]) -> (f32[8,64,192], s32[]) {
+  %m = f32[8,64,192]{2,1,0:S(5)} parameter(0)
+  %n = s32[]{:S(5)} parameter(1)
+  %z = s32[] constant(0)
+  %two = s32[] constant(2)
+  %copy-start = (s32[], s32[]{:S(5)}, u32[]) copy-start(%n)
+  %copy-done = s32[] copy-done(%copy-start)
+  %dynamic-slice-start = ((f32[8,64,192]{2,1,0:S(5)}, s32[], s32[], s32[]), f32[2,64,192]{2,1,0}, u32[]) fusion-start(%m, %two, %z, %z), kind=kLoop, calls=%wrapped_dynamic-slice_computation
+  %dynamic-slice-done = f32[2,64,192]{2,1,0} fusion-done(%dynamic-slice-start)
+  %add = f32[2,64,192]{2,1,0} add(%dynamic-slice-done, %dynamic-slice-done)
+  %dynamic-update-slice-start = ((f32[8,64,192]{2,1,0:S(5)}, f32[2,64,192]{2,1,0}, s32[], s32[], s32[]), f32[8,64,192]{2,1,0:S(5)}, u32[]) fusion-start(%m, %add, %two, %z, %z), kind=kLoop, calls=%wrapped_dynamic-update-slice_computation
+  %dynamic-update-slice-done = f32[8,64,192]{2,1,0:S(5)} fusion-done(%dynamic-update-slice-start)
+  ROOT %t = (f32[8,64,192]{2,1,0:S(5)}, s32[]) tuple(%dynamic-update-slice-done, %copy-done)
+}
+"""
+
+
+def test_the_gpu_compilers_slice_fusions_count_as_host_transfers():
+  """Two rows (2 x 64 x 192 floats) each way and the scalar counter down:
+  the slices' bytes, not their host buffer's; each an asynchronous host
+  copy in the schedule."""
+  from zerojax._src.diagnostics import hlo_memory
+
+  rows = 2 * 64 * 192 * 4
+  assert hlo_memory.host_transfers(_GPU_HOST_ROWS) == {
+    "host-to-device": {"count": 2, "bytes": rows + 4},
+    "device-to-host": {"count": 1, "bytes": rows},
+  }
+  issued = schedule.summary(_GPU_HOST_ROWS)
+  assert issued["host-to-device"]["async"] == 2, issued
+  assert issued["device-to-host"]["async"] == 1, issued
+  moved = schedule.host_copies_across_loops(_GPU_HOST_ROWS)
+  assert moved["host-to-device"]["bytes"] == rows + 4, moved
+  assert moved["device-to-host"]["bytes"] == rows, moved
+
+
 def test_host_copies_in_flight_across_a_layer_loop_are_counted_with_bytes():
   assert schedule.host_copies_across_loops(_TPU_LOOP) == {
     "host-to-device": {

@@ -111,10 +111,18 @@ class StagePlan:
     loop (the forward's gathers and the backward's), any other offloaded
     param's shard once (one read serves both passes' gathers: XLA merges
     the identical copies outside a loop, as the TPU compiler's program
-    shows)."""
+    shows); without a master copy the update reads the params' shards
+    once more (it updates the params themselves: the GPU compiler's
+    program for the stacks shows it)."""
     if not self.offload:
       return 0.0
-    return self.host_bytes + self.params_host + self.params_host_stacked
+    update_reads = 0.0 if self.master else self.params_host
+    return (
+      self.host_bytes
+      + self.params_host
+      + self.params_host_stacked
+      + update_reads
+    )
 
   @property
   def device_to_host(self) -> float:

@@ -408,6 +408,8 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   state_host = cost.host_state_bytes(spec)
   params_host = cost.host_param_bytes(spec)
   stacks_host = cost.host_param_bytes(spec, stacked_only=True)
+  # without a master copy the update reads the params' shards once more
+  update_reads = 0 if spec.policy.has_master else params_host
   compute = (
     sum(
       r.size
@@ -437,7 +439,9 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
     "host_to_device_bytes": down,
     "device_to_host_bytes": up,
     "measured_from": "host copies" if moved else "entry buffers",
-    "theory_host_to_device_bytes": int(state_host + params_host + stacks_host),
+    "theory_host_to_device_bytes": int(
+      state_host + params_host + stacks_host + update_reads
+    ),
     "theory_device_to_host_bytes": int(state_host + params_host),
     "theory_host_compute_bytes": int(2 * compute),
     "link_gb_s": float(link_gb_s),

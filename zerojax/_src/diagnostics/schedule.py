@@ -34,6 +34,7 @@ import dataclasses
 import re
 
 from zerojax._src.diagnostics.hlo import KINDS, dtype_bytes, split_computations
+from zerojax._src.diagnostics.hlo_memory import host_move
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -122,12 +123,14 @@ def issued(hlo_text: str) -> list[Issued]:
       elif op in KINDS:
         chain = _CHAIN.search(line)
         found = [(op, chain.group(1) if chain else None)]
-      elif op.endswith("-start") and (op[:-6] in KINDS or _host_copy(line)):
+      elif op.endswith("-start") and (
+        op[:-6] in KINDS or _host_copy(line, comps)
+      ):
         done = _first_done(instrs, position, name)
         between = instrs[i + 1 : done] if done is not None else []
         out.append(
           Issued(
-            _host_copy(line) or op[:-6],
+            _host_copy(line, comps) or op[:-6],
             "async",
             comp,
             sum(_line_matmuls(comps, l) for _, _, l in between),
@@ -154,31 +157,14 @@ def issued(hlo_text: str) -> list[Issued]:
   return out
 
 
-_LAYOUTS = re.compile(r"\b[a-z]+\d*\[[\d,]*\]\{[^}]*\}")
-
-
-def _host_copy(line: str) -> str | None:
+def _host_copy(line: str, comps: dict) -> str | None:
   """``"host-to-device"`` or ``"device-to-host"`` for an asynchronous move
-  between host memory (``S(5)``) and the device's, else ``None``: a
-  ``copy-start`` (its result is (destination, source, context)), a
-  ``dynamic-slice-start`` reading a slice of a host buffer, or a
-  ``dynamic-update-slice-start`` writing a slice into one (their results
-  are ((operands), destination, context))."""
-  for op, ends in (
-    ("copy-start", lambda s: (s[0], s[1])),
-    ("dynamic-slice-start", lambda s: (s[-2], s[0])),
-    ("dynamic-update-slice-start", lambda s: (s[-2], s[1])),
-  ):
-    if f" {op}(" in line:
-      shapes = _LAYOUTS.findall(line.split(f" {op}(")[0])
-      if len(shapes) < 2:
-        return None
-      dst, src = ends(shapes)
-      to_host, from_host = ("S(5)" in dst), ("S(5)" in src)
-      if to_host == from_host:
-        return None
-      return "device-to-host" if to_host else "host-to-device"
-  return None
+  between host memory and the device's
+  (:func:`~zerojax._src.diagnostics.hlo_memory.host_move`), else ``None``."""
+  move = host_move(line, comps)
+  if move is None or " copy(" in line:
+    return None
+  return "device-to-host" if move[0] else "host-to-device"
 
 
 # instructions that move or name data rather than compute on it
@@ -324,7 +310,10 @@ def host_copies_across_loops(hlo_text: str) -> dict:
       if m
     ]
     start, done = c.span
-    dtype, dims = _SHAPE.search(instrs[start][2].split("=", 1)[1]).groups()
+    move = host_move(
+      instrs[start][2], comps
+    )  # a slice's bytes, not its buffer's
+    dtype, dims = _SHAPE.search(move[1]).groups()
     nbytes = dtype_bytes(dtype)
     for d in filter(None, dims.split(",")):
       nbytes *= int(d)

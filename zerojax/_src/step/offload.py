@@ -398,11 +398,13 @@ def stream(
   computed = []  # each chunk's new values on the device, before storing
   for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
     spans = dict(zip(chunk, p.rows_of(k)))
-    raw_w = [_stacks.rows_of(w_src[i].raw, spans[i]) for i in chunk]
-    raw_o = [_stacks.rows_of(opt_raw[j], spans[own[j]]) for j in owned]
+    raw_w = [_stacks.rows_of(out.latest(w_src[i].raw), spans[i]) for i in chunk]
+    raw_o = [
+      _stacks.rows_of(out.latest(opt_raw[j]), spans[own[j]]) for j in owned
+    ]
     waits = []
     if p.after[k] is not None:
-      waits.append(stored[p.after[k]])
+      waits.append([out.latest(x) for x in stored[p.after[k]]])
     if p._waits_for_computed(k):
       waits.append(computed[p.computed[k]])
     if waits:

@@ -83,19 +83,42 @@ class Out:
   """Each param's ``finish`` results and each state leaf's new value, put
   together from its chunks: a layer stack's rows are written into the
   value they replace (``dynamic_update_slice`` into the donated buffer,
-  host memory included), or concatenated where there is
-  none (a view the step lays out afterwards)."""
+  host memory included), or concatenated where there is none (a view the
+  step lays out afterwards).
+
+  Each write makes a new version of the stored buffer. Later chunks read
+  their rows from the newest version (:meth:`latest`; rows no chunk has
+  written, so the stored values) and wait on it, never on an older one: a
+  use of an old version that the scheduler may place after the next write
+  makes the compiler copy the whole buffer before writing in place (the
+  GPU compiler did, a host-memory temp the size of the stacks' state)."""
 
   def __init__(self, n_params: int, opt_raw, bases):
     self.results = [None] * n_params
     self.opt = [None] * len(opt_raw)
     self._opt_raw = list(opt_raw)
     self._bases = bases
-    self._parts = {}  # param -> (tree, per leaf: pieces or [buffer], written)
+    # param -> (tree, per leaf: the buffer it is written into or None,
+    # per leaf: its pieces where there is no buffer)
+    self._parts = {}
+    self._versions = {}  # id(stored buffer) -> (it, its newest version)
+
+  def latest(self, x):
+    """The newest version of stored buffer ``x`` (``x`` if none written)."""
+    hit = self._versions.get(id(x))
+    return x if hit is None else hit[1]
+
+  def _write(self, buffer, rows, start: int):
+    new = jax.lax.dynamic_update_slice_in_dim(
+      self.latest(buffer), rows, start, axis=0
+    )
+    self._versions[id(buffer)] = (buffer, new)
+    return buffer
 
   def result(self, i: int, span, res) -> list:
     """Records param ``i``'s results for rows ``span`` (None: whole);
-    returns the arrays its chunk stores."""
+    returns what its chunk stores (a buffer written into stands for its
+    newest version: resolve with :meth:`latest`)."""
     if span is None:
       self.results[i] = res
       return jax.tree.leaves(res)
@@ -103,35 +126,35 @@ class Out:
     if i not in self._parts:
       base = None if self._bases is None else self._bases(i)
       base = [None] * len(leaves) if base is None else tree.flatten_up_to(base)
-      self._parts[i] = (
-        tree,
-        [[] if b is None else [b] for b in base],
-        [b is not None for b in base],
-      )
-    _, acc, written = self._parts[i]
-    for t, x in enumerate(leaves):
-      if written[t]:
-        acc[t][0] = _write_rows(acc[t][0], x, span[0])
+      self._parts[i] = (tree, base, [[] for _ in leaves])
+    _, base, pieces = self._parts[i]
+    out = []
+    for b, acc, x in zip(base, pieces, leaves):
+      if b is None:
+        acc.append(x)
+        out.append(x)
       else:
-        acc[t].append(x)
-    return [a[0] if w else x for a, w, x in zip(acc, written, leaves)]
+        out.append(self._write(b, x, span[0]))
+    return out
 
   def state(self, j: int, span, value):
     """Records state leaf ``j``'s new value (rows ``span`` of it, as
-    stored); returns the array its chunk stores."""
-    if span is not None:
-      value = self._opt_raw[j] = _write_rows(self._opt_raw[j], value, span[0])
-    self.opt[j] = value
-    return value
+    stored); returns what its chunk stores, as :meth:`result` does."""
+    if span is None:
+      self.opt[j] = value
+      return value
+    return self._write(self._opt_raw[j], value, span[0])
 
   def done(self):
-    for i, (tree, acc, written) in self._parts.items():
+    for i, (tree, base, pieces) in self._parts.items():
       self.results[i] = jax.tree.unflatten(
         tree,
-        [a[0] if w else jnp.concatenate(a) for a, w in zip(acc, written)],
+        [
+          jnp.concatenate(acc) if b is None else self.latest(b)
+          for b, acc in zip(base, pieces)
+        ],
       )
+    for j, x in enumerate(self._opt_raw):
+      if id(x) in self._versions:
+        self.opt[j] = self.latest(x)
     return self.results, self.opt
-
-
-def _write_rows(buffer, rows, start: int):
-  return jax.lax.dynamic_update_slice_in_dim(buffer, rows, start, axis=0)
