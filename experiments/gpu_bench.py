@@ -25,9 +25,9 @@ A configuration is ``plain`` or a stage, then options joined by ``+``:
 ``params`` (stage 3's parameter shards in host memory too,
 ``offload_params=True``), ``cross`` (the streamed update's crossing
 order, ``zerojax._src.step.offload.crossing_waits``: a chunk comes down
-while the one before goes back), ``rows`` (each layer stack larger
-than a chunk streamed a few layers per chunk,
-``zerojax._src.step.offload_rows``), ``accum4`` (4 micro-batches per step, the batch
+while the one before goes back), ``whole`` (each layer stack streamed
+as one chunk, not a few layers per chunk: ``zerojax._src.step.offload._by_rows``
+off), ``accum4`` (4 micro-batches per step, the batch
 4x as large; ``plain+accum4`` is the plain loop's baseline for it). An
 offloaded record adds init's own device peak and the host bytes it holds;
 ``step_vs_plain`` compares with the plain loop at the same size and
@@ -67,7 +67,7 @@ def parse_config(config: str) -> dict:
     offload_params=False,
     accum=1,
     cross=False,
-    rows=False,
+    whole=False,
   )
   for opt in opts:
     if opt == "offload":
@@ -76,14 +76,14 @@ def parse_config(config: str) -> dict:
       out["offload"] = float(opt.split("=", 1)[1])
     elif opt == "params":
       out["offload_params"] = True
-    elif opt in ("cross", "rows"):
+    elif opt in ("cross", "whole"):
       out[opt] = True
     elif opt.startswith("accum") and opt[5:].isdigit():
       out["accum"] = int(opt[5:])
     else:
       raise SystemExit(
         f"config {config!r}: unknown option {opt!r} (offload, offload=SHARE, "
-        "params, accumN, cross, rows)"
+        "params, accumN, cross, whole)"
       )
   if out["stage"] is None and (out["offload"] or out["offload_params"]):
     raise SystemExit(f"config {config!r}: the plain loop has no offload")
@@ -106,10 +106,10 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
     from zerojax._src.step import offload as _stream
 
     _stream._waits = _stream.crossing_waits
-  if opts["rows"]:
+  if opts["whole"]:
     from zerojax._src.step import offload as _stream
 
-    _stream._by_rows = True
+    _stream._by_rows = False
   accum = opts["accum"]
   model = gpt.GPTConfig(
     vocab=256,
@@ -258,6 +258,8 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
     # the planner's device bytes of model state (params, gradients, the
     # streamed update's chunks in flight; no activations), beside the peak
     "planned_device_state": None if not on_host else host_plan.device,
+    # how the update streams (chunks, layer stacks by rows)
+    "offload_stream": _offload_stream(state) if on_host else None,
     "losses": losses,
     "final_loss": losses[-1],
     "loss_fell": losses[-1] < losses[0],
@@ -275,6 +277,12 @@ def _host_schedule(compiled, mesh) -> dict:
   except Exception as e:  # noqa: BLE001 - recorded, not hidden
     return {"error": f"{type(e).__name__}: {e}"[:300]}
   return {k: v for k, v in report.items() if k in keys}
+
+
+def _offload_stream(state) -> dict:
+  from zerojax._src.diagnostics import offload_stream
+
+  return offload_stream.describe(state.spec)
 
 
 def _optimizer(warmup: int):

@@ -5,7 +5,7 @@
 #   experiments/gpu_checks.sh bench SECONDS OUT  # gpu_bench 1b + 2.7b, then 3.5b stage 3 (+offload)
 #   experiments/gpu_checks.sh rest SECONDS OUT   # the main job, no flags; longest_context, coarse
 #   experiments/gpu_checks.sh lc SECONDS OUT     # longest_context alone (dots, then offload), coarse
-#   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b and 7b offload: default, crossing, stacks by rows; 7b +params; accum4; link
+#   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b and 7b offload: default (stacks by rows), whole stacks, crossing; 7b +params; accum4; link
 #   experiments/gpu_checks.sh offload7b SECONDS OUT # 7b offload +accum4, +params (warm-up 1000)
 #   experiments/gpu_checks.sh offload7b8 SECONDS OUT # 7b offload +accum8, +params (warm-up 1000)
 #
@@ -62,12 +62,12 @@ case $part in
     cp "$out/lc/longest_context.json" "$out/" 2>/dev/null
     ;;
   offload)
-    # most wanted first: 2.7b offload (default, crossing stream, stacks by
-    # rows) against the plain loop, 7b offload (the same three), 7b with
-    # params on the host, the accumulation pair, then the link and the
-    # host's update
-    bench 2.7b plain,3+offload,3+offload+cross,3+offload+rows 3 180 offload
-    bench 7b 3+offload,3+offload+rows,3+offload+cross 2 300 7b
+    # most wanted first: 2.7b offload (default: stacks by rows; whole
+    # stacks; the crossing stream) against the plain loop, 7b offload (the
+    # same three), 7b with params on the host, the accumulation pair, then
+    # the link and the host's update
+    bench 2.7b plain,3+offload,3+offload+whole,3+offload+cross 3 180 offload
+    bench 7b 3+offload,3+offload+whole,3+offload+cross 2 300 7b
     bench 7b 3+offload+params 2 240 7b_params
     bench 2.7b plain+accum4,3+offload+accum4 3 150 accum4
     if [ "$(left)" -gt 30 ]; then

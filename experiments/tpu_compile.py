@@ -57,9 +57,9 @@ CONFIGS = (
   "3off50",
   "3off-serial",
   "3off-cross",
-  "3off-rows",
-  "3offb-rows",
-  "3offp-rows",
+  "3off-whole",
+  "3offb-whole",
+  "3offp-whole",
   "3offb",
   "3offp",
   "1-free",
@@ -78,9 +78,9 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # stores: no chunk prefetched), to compare with the prefetching stream;
 # "<stage>off-cross": offload=True with the crossing stream (a chunk the
 # default keeps serial comes down while the one before goes back);
-# "<config>-rows": that offloaded configuration with each layer stack
-# larger than a chunk streamed a few layers per chunk
-# (zerojax._src.step.offload_rows), to compare with whole stacks;
+# "<config>-whole": that offloaded configuration with each layer stack
+# streamed as one chunk (the default streams a stack larger than every
+# whole leaf a few layers per chunk: zerojax._src.step.offload_rows);
 # "<stage>offb": offload=True with bf16 params and an fp32 master copy;
 # "<stage>offp": the same and offload_params=True (the params' shards in
 # host memory too, each layer brought down before its gather);
@@ -176,11 +176,11 @@ def worker(args) -> dict:
       )
     if args.config.endswith("-cross"):
       _stream._waits = _stream.crossing_waits
-    if args.config.endswith("-rows"):
-      _stream._by_rows = True
+    if args.config.endswith("-whole"):
+      _stream._by_rows = False
     # fp32 params, no master copy, except "offb" / "offp": bf16 + master
     policy, stacked = zerojax.Policy(), None
-    base = args.config.removesuffix("-rows")
+    base = args.config.removesuffix("-whole")
     if base.endswith(("offb", "offp")):
       policy = zerojax.Policy(param_dtype=jnp.bfloat16)
       if args.model == "gpt":  # its embedding and head are not stacks

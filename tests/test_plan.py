@@ -169,9 +169,10 @@ def test_offload_moves_master_and_moments_to_host():
     assert off.host_traffic == 2 * off.host
   s3 = plan.plan_gpt(abstract, 3, 64, offload=True)
   assert s3.host / 1e9 == pytest.approx(12 * 7.5 / 64, rel=1e-3)
-  # the update streams leaf by leaf, and the GPT's largest leaf is its
-  # stacked MLP matrix: 4 D^2 of the ~12 D^2 per layer
-  assert 0.30 < s3.chunk_fraction < 0.35
+  # the update streams chunks of at most 1/16 of the state: the GPT's
+  # largest leaves, its layer stacks, a few layers per chunk (whole, the
+  # MLP matrix alone would be 4 D^2 of the ~12 D^2 per layer)
+  assert 0.05 < s3.chunk_fraction <= 1 / 16
   assert s3.device / 1e9 == pytest.approx(
     (4 + 12 * s3.in_flight_fraction) * 7.5 / 64, rel=1e-3
   )

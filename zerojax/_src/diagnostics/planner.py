@@ -111,18 +111,12 @@ class StagePlan:
     loop (the forward's gathers and the backward's), any other offloaded
     param's shard once (one read serves both passes' gathers: XLA merges
     the identical copies outside a loop, as the TPU compiler's program
-    shows); without a master copy the update reads the params' shards
-    once more (it updates the params themselves: the GPU compiler's
-    program for the stacks shows it)."""
+    shows); with no master copy the update reads the params' shards once
+    more."""
     if not self.offload:
       return 0.0
-    update_reads = 0.0 if self.master else self.params_host
-    return (
-      self.host_bytes
-      + self.params_host
-      + self.params_host_stacked
-      + update_reads
-    )
+    again = 0.0 if self.master else self.params_host  # the update's weights
+    return self.host_bytes + self.params_host + self.params_host_stacked + again
 
   @property
   def device_to_host(self) -> float:

@@ -10,8 +10,8 @@ the update must bring them down; left to itself XLA's scheduler may bring
 all of them down at once, and the device then holds the whole state during
 the update, as without offload. Here the update runs chunk by chunk --
 groups of consecutive parameter leaves of at most ``1 / CHUNKS`` of the
-state's bytes (a larger leaf alone, or with ``_by_rows`` a layer stack a
-few layers per chunk: :mod:`~zerojax._src.step.offload_rows`) -- and
+state's bytes (a larger leaf alone; a layer stack larger than every
+whole leaf a few layers per chunk: :mod:`~zerojax._src.step.offload_rows`) -- and
 chunk ``k``'s loads from host memory wait, through an ``optimization_barrier``, for the stored results
 of chunk ``k - 1``, or of chunk ``k - 2`` when the device has room for
 chunk ``k``'s old state beside chunk ``k - 1``'s old and new within the
@@ -320,10 +320,10 @@ def default_waits(
 
 # the stream plan() builds; experiments set it to crossing_waits to compare
 _waits = default_waits
-# whether a layer stack larger than a chunk is streamed by rows
-# (:mod:`zerojax._src.step.offload_rows`); not the default, measured beside
-# it in ``experiments/`` (docs/results.md)
-_by_rows = False
+# whether a layer stack larger than every whole leaf is streamed by rows
+# (:mod:`zerojax._src.step.offload_rows`); experiments turn it off to
+# measure the whole-leaf stream beside it (docs/results.md)
+_by_rows = True
 
 
 def crossing_waits(
