@@ -90,27 +90,19 @@ def parse_config(config: str) -> dict:
   return out
 
 
-def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
-  """Runs one configuration in this process; returns its record."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import optax
-
-  import zerojax
-  from zerojax.app import data, gpt, mfu
+def configure(size: str, config: str, platform: str | None = None):
+  """``(shapes, options, GPT config)`` of a run: the size's shapes, the
+  configuration's options (setting the stream's switches they name) and
+  the GPT, its attention and remat resolved for ``platform``."""
+  from zerojax._src.step import offload as _stream
+  from zerojax.app import gpt
 
   s = SIZES[size]
   opts = parse_config(config)
   if opts["cross"]:
-    from zerojax._src.step import offload as _stream
-
     _stream._waits = _stream.crossing_waits
   if opts["whole"]:
-    from zerojax._src.step import offload as _stream
-
     _stream._by_rows = False
-  accum = opts["accum"]
   model = gpt.GPTConfig(
     vocab=256,
     seq_len=s["seq_len"],
@@ -118,7 +110,50 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
     depth=s["depth"],
     heads=s["heads"],
     compute_dtype="bfloat16",
-  ).resolved()
+  ).resolved(platform)
+  return s, opts, model
+
+
+def plain_step_fn(loss_fn, opt, accum: int):
+  """The plain loop's step: ``(params, opt_state), batch -> (new, loss)``,
+  the batch split into ``accum`` micro-batches whose gradients are
+  averaged."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  def loss_and_grads(params, batch):
+    if accum == 1:
+      return jax.value_and_grad(loss_fn)(params, batch)
+    micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+
+    def add(total, b):
+      loss, grads = jax.value_and_grad(loss_fn)(params, b)
+      return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), params))
+    total, _ = jax.lax.scan(add, zeros, micro)
+    return jax.tree.map(lambda x: x / accum, total)
+
+  def plain_step(carry, batch):
+    params, opt_state = carry
+    loss, grads = loss_and_grads(params, batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return plain_step
+
+
+def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
+  """Runs one configuration in this process; returns its record."""
+  import jax
+  import numpy as np
+
+  import zerojax
+  from zerojax.app import data, gpt, mfu
+
+  s, opts, model = configure(size, config)
+  accum = opts["accum"]
   device = jax.devices()[0]
   n_params = gpt.num_params(model)
   tokens, _ = data.split(data.corpus_bytes())
@@ -137,25 +172,7 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
     params = jax.jit(lambda k: gpt.init(model, k))(key)
     opt_state = jax.jit(opt.init)(params)
 
-    def loss_and_grads(params, batch):
-      if accum == 1:
-        return jax.value_and_grad(loss_fn)(params, batch)
-      micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
-
-      def add(total, b):
-        loss, grads = jax.value_and_grad(loss_fn)(params, b)
-        return jax.tree.map(jnp.add, total, (loss, grads)), None
-
-      zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), params))
-      total, _ = jax.lax.scan(add, zeros, micro)
-      return jax.tree.map(lambda x: x / accum, total)
-
-    def plain_step(carry, batch):
-      params, opt_state = carry
-      loss, grads = loss_and_grads(params, batch)
-      updates, opt_state = opt.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state), loss
-
+    plain_step = plain_step_fn(loss_fn, opt, accum)
     step = jax.jit(plain_step, donate_argnums=0)
     state = (params, opt_state)
     call = lambda state, b: step(state, b)
@@ -304,29 +321,27 @@ def _optimizer(warmup: int):
 
 def _run_child(size: str, config: str, args) -> dict:
   """One configuration in a fresh process (its own device peak)."""
+  cmd = [sys.executable, __file__, "--one", size, config]
+  cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+  return child_record(cmd, size, config, args.timeout)
+
+
+def child_record(cmd: list, size: str, config: str, timeout: int) -> dict:
+  """Runs ``cmd`` (one configuration's process); returns the record it
+  printed (``RECORD {...}``) or, if none, its error."""
   try:
     proc = subprocess.run(
-      [
-        sys.executable,
-        __file__,
-        "--one",
-        size,
-        config,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-      ],
+      cmd,
       capture_output=True,
       text=True,
       env=dict(os.environ),
-      timeout=args.timeout,
+      timeout=timeout,
     )
   except subprocess.TimeoutExpired:
     return {
       "size": size,
       "config": config,
-      "error": f"timed out after {args.timeout} s",
+      "error": f"timed out after {timeout} s",
     }
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
   if lines:

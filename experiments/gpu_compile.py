@@ -29,7 +29,6 @@ import argparse
 import importlib.metadata
 import json
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -48,30 +47,13 @@ def compile_one(size: str, config: str, gpu: str) -> dict:
   gpu_aot.one_cpu_device()
   import jax
   import jax.numpy as jnp
-  import optax
 
   import zerojax
   from zerojax._src.diagnostics import offload_stream
   from zerojax.app import gpt
 
-  s = gpu_bench.SIZES[size]
-  opts = gpu_bench.parse_config(config)
-  if opts["cross"] or opts["whole"]:
-    from zerojax._src.step import offload as _stream
-
-    if opts["cross"]:
-      _stream._waits = _stream.crossing_waits
-    if opts["whole"]:
-      _stream._by_rows = False
+  s, opts, model = gpu_bench.configure(size, config, "cuda")
   accum = opts["accum"]
-  model = gpt.GPTConfig(
-    vocab=256,
-    seq_len=s["seq_len"],
-    width=s["width"],
-    depth=s["depth"],
-    heads=s["heads"],
-    compute_dtype="bfloat16",
-  ).resolved("cuda")
   opt = gpu_bench._optimizer(100)
   loss_fn = lambda p, b: gpt.loss(p, b, model)
   key = jax.random.key(0)
@@ -97,25 +79,7 @@ def compile_one(size: str, config: str, gpu: str) -> dict:
       for k, (shape, dtype) in batch_shapes.items()
     }
 
-    def plain_step(carry, batch):
-      params, opt_state = carry
-      if accum == 1:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      else:
-        micro = jax.tree.map(
-          lambda x: x.reshape(accum, -1, *x.shape[1:]), batch
-        )
-
-        def add(total, b):
-          loss, grads = jax.value_and_grad(loss_fn)(params, b)
-          return jax.tree.map(jnp.add, total, (loss, grads)), None
-
-        zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), params))
-        (loss, grads), _ = jax.lax.scan(add, zeros, micro)
-        loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
-      updates, opt_state = opt.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state), loss
-
+    plain_step = gpu_bench.plain_step_fn(loss_fn, opt, accum)
     state = (shapes, jax.eval_shape(opt.init, shapes))
     traced = jax.jit(plain_step, donate_argnums=0).trace(state, batch)
     on_host = False
@@ -193,26 +157,7 @@ def measured_on_h200() -> dict:
 def _run_child(size: str, config: str, args) -> dict:
   """One configuration in a fresh process (its own module switches)."""
   cmd = [sys.executable, __file__, "--one", size, config, "--gpu", args.gpu]
-  try:
-    proc = subprocess.run(
-      cmd, capture_output=True, text=True, timeout=args.timeout
-    )
-  except subprocess.TimeoutExpired:
-    return {
-      "size": size,
-      "config": config,
-      "error": f"timed out after {args.timeout} s",
-    }
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
-  if lines:
-    return json.loads(lines[-1][7:])
-  errs = [
-    l
-    for l in proc.stderr.splitlines()
-    if l and not l[0].isspace() and "Error" in l.split(":")[0]
-  ]
-  tail = errs or proc.stderr.strip().splitlines() or ["?"]
-  return {"size": size, "config": config, "error": tail[-1][:300]}
+  return gpu_bench.child_record(cmd, size, config, args.timeout)
 
 
 def main():

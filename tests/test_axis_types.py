@@ -468,3 +468,50 @@ def test_a_batch_on_another_mesh_of_the_same_devices_is_moved(setup):
     zerojax.init(params, tx), batch
   )
   assert np.isfinite(float(m["loss"]))
+
+
+def _stacked_init(key):
+  k1, k2, k3 = jax.random.split(key, 3)
+  return {
+    "embed": 0.1 * jax.random.normal(k1, (16, 16)),
+    "up": 0.1 * jax.random.normal(k2, (8, 16, 64)),
+    "down": 0.1 * jax.random.normal(k3, (8, 64, 16)),
+  }
+
+
+def _stacked_loss(params, batch):
+  x = params["embed"][batch["x"]]
+
+  def layer(x, w):
+    return x + jnp.tanh(x @ w[0]) @ w[1], None
+
+  x, _ = jax.lax.scan(layer, x, (params["up"], params["down"]))
+  logits = x @ params["embed"].T
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits, batch["y"]
+  ).mean()
+
+
+def test_offloaded_layer_stacks_by_rows_under_jax_set_mesh_bitwise():
+  """``jax.make_mesh`` (Explicit) under ``jax.set_mesh``: stage 3 with the
+  state in host memory streams the two layer stacks (each larger than the
+  embedding) a few layers per chunk, and three steps of clip + AdamW give
+  the params of no offload, bit for bit."""
+  mesh = jax.make_mesh((8,), ("data",))
+  ids = jnp.arange(64).reshape(8, 8)
+  batches = [{"x": ids % 16, "y": (3 * ids + s) % 16} for s in range(3)]
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  got = {}
+  with jax.set_mesh(mesh):
+    for offload in (False, True):
+      tx = zerojax.zero(opt, stage=3, offload=offload)
+      state = zerojax.init_from(_stacked_init, tx, jax.random.key(0))
+      step = zerojax.train_step(_stacked_loss, tx)
+      for b in batches:
+        state, _ = step(state, b)
+      got[offload] = zerojax.gather_params(state)
+      if offload:
+        rep = zerojax.report(step, state, batches[0]).offload
+        assert rep["stacks_by_rows"] == 2, rep
+  for a, b in zip(jax.tree.leaves(got[False]), jax.tree.leaves(got[True])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
