@@ -227,6 +227,47 @@ def test_cli_names_the_least_offload_share_that_fits():
   assert bad.returncode == 2 and "share in [0, 1]" in bad.stderr
 
 
+def test_largest_fitting_offloaded_model_is_bounded_by_host_memory_too():
+  """With the params on the host at stage 3, a 141 GB device is not what
+  bounds the model: 110 GB of pinned host memory is. The largest GPT found
+  fits both, a 2% larger one does not fit the host, and without the
+  host bound the answer is several times larger."""
+  kw = dict(offload=True, offload_params=True)
+  device_only = plan.largest_fitting(141e9, 3, 1, **kw)
+  both = plan.largest_fitting(141e9, 3, 1, **kw, host_memory_bytes=110e9)
+  n = gpt.num_params(both)
+  assert gpt.num_params(device_only) > 3 * n
+  fit = plan.plan_gpt(plan.abstract_gpt(both), 3, 1, **kw)
+  assert fit.device <= 141e9 and fit.host <= 110e9
+  bigger = gpt.config_for_params(1.02 * n, seq_len=both.seq_len)
+  over = plan.plan_gpt(plan.abstract_gpt(bigger), 3, 1, **kw)
+  assert over.device <= 141e9 and over.host > 110e9
+
+
+def test_cli_host_memory_bound_names_itself_and_needs_offload():
+  argv = ["--params", "7e9", "--devices", "1", "--memory-gb", "141"]
+  run = lambda *extra: subprocess.run(
+    [sys.executable, "-m", "zerojax.plan", *argv, *extra],
+    capture_output=True,
+    text=True,
+  )
+  out = run("--offload", "--offload-params", "--host-memory-gb", "110")
+  assert out.returncode == 0, out.stderr
+  assert "fits 141 GB per device and 110 GB of host memory" in out.stdout
+  data = json.loads(
+    run(
+      "--offload", "--offload-params", "--host-memory-gb", "110", "--json"
+    ).stdout
+  )
+  largest = int(data["largest_fitting"]["3"])
+  config = gpt.config_for_params(largest, seq_len=2048)
+  kw = dict(offload=True, offload_params=True)
+  assert plan.plan_gpt(plan.abstract_gpt(config), 3, 1, **kw).host <= 110e9
+  bad = run("--host-memory-gb", "110")
+  assert bad.returncode == 2
+  assert "give it with --memory-gb and --offload" in bad.stderr
+
+
 def test_working_set_counts_gathered_layers_only_at_stage_3():
   import jax.numpy as jnp
 

@@ -247,19 +247,25 @@ def largest_fitting(
   seq_len: int = 2048,
   offload: bool | float = False,
   offload_params: bool = False,
+  host_memory_bytes: float | None = None,
 ) -> gpt.GPTConfig | None:
-  """The largest GPT (by the count search) whose model state fits (its
-  device-memory part, with ``offload`` / ``offload_params``)."""
-  fits = lambda psi: (
-    plan_gpt(
+  """The largest GPT (by the count search) whose model state fits: its
+  device-memory part within ``memory_bytes`` per device and, with
+  ``offload`` / ``offload_params`` and ``host_memory_bytes`` given, its
+  host-memory part within that many bytes per device (the pinned host
+  memory a device's process may hold)."""
+
+  def fits(psi: float) -> bool:
+    x = plan_gpt(
       abstract_gpt(gpt.config_for_params(psi, seq_len=seq_len)),
       stage,
       n_devices,
       offload=offload,
       offload_params=offload_params,
-    ).device
-    <= memory_bytes
-  )
+    )
+    on_host = host_memory_bytes is None or x.host <= host_memory_bytes
+    return x.device <= memory_bytes and on_host
+
   lo, hi = 1e7, 1e7
   if not fits(lo):
     return None
@@ -271,6 +277,13 @@ def largest_fitting(
     if hi / lo < 1.002:
       break
   return gpt.config_for_params(lo, seq_len=seq_len)
+
+
+def _host_bytes(args) -> float | None:
+  """The host memory bound per device in bytes (None: unbounded)."""
+  if args.host_memory_gb is None or not args.offload:
+    return None
+  return args.host_memory_gb * GB
 
 
 def offload_needed(
@@ -376,6 +389,11 @@ def main(argv=None):
   args = p.parse_args(argv)
   if not 0.0 <= args.offload <= 1.0:
     p.error(f"--offload {args.offload}: give a share in [0, 1]")
+  if args.host_memory_gb is not None and not (args.memory_gb and args.offload):
+    p.error(
+      f"--host-memory-gb {args.host_memory_gb:g} bounds the host memory "
+      f"of an offloaded model: give it with --memory-gb and --offload"
+    )
   mesh, slices = _mesh(p, args)
   config = _config(p, args, mesh)
   plans = [
@@ -394,7 +412,7 @@ def main(argv=None):
         x, slices, args.hardware, args.fast_bw, args.slow_bw, args.collectives
       )
     )
-  fitting, needed = {}, {}
+  fitting, needed, needed_host = {}, {}, {}
   if args.memory_gb and args.offload:
     needed = {
       s: offload_needed(
@@ -406,6 +424,18 @@ def main(argv=None):
       )
       for s in range(4)
     }
+    needed_host = {
+      s: None
+      if f is None
+      else plan_gpt(
+        abstract_gpt(config),
+        s,
+        mesh=mesh,
+        offload=f,
+        offload_params=args.offload_params and s == 3,
+      ).host
+      for s, f in needed.items()
+    }
   if args.memory_gb:
     for s in range(4):
       c = largest_fitting(
@@ -415,6 +445,7 @@ def main(argv=None):
         args.seq_len,
         offload=args.offload,
         offload_params=args.offload_params and s == 3,
+        host_memory_bytes=_host_bytes(args),
       )
       fitting[s] = None if c is None else gpt.num_params(c)
   acts = _activations(p, args, config, mesh)
@@ -440,6 +471,7 @@ def main(argv=None):
           ],
           "largest_fitting": fitting,
           "offload_needed": needed,
+          "offload_needed_host_bytes": needed_host,
           "compiled": compiled,
           "argv": argv if argv is not None else sys.argv[1:],
           "jax_version": jax.__version__,
@@ -454,7 +486,10 @@ def main(argv=None):
       f"\nleast offload share (zero(..., offload=SHARE)) with which this "
       f"GPT's model state fits {args.memory_gb:g} GB per device:"
     )
+    host = _host_bytes(args)
     for s, f in needed.items():
+      h = needed_host[s]
+      over = host is not None and h is not None and h > host
       print(
         f"  stage {s}: "
         + (
@@ -462,7 +497,8 @@ def main(argv=None):
           if f is None
           else "fits without offload"
           if f == 0
-          else f"{f:.3f}"
+          else f"{f:.3f} ({h / GB:.2f} GB on the host"
+          + (f", above the {host / GB:g} GB given)" if over else ")")
         )
       )
   if compiled:
@@ -583,6 +619,14 @@ def _parser() -> argparse.ArgumentParser:
     default=None,
     help="also find the largest GPT whose model state fits this "
     "many GB (1e9 bytes) per device, at each stage",
+  )
+  p.add_argument(
+    "--host-memory-gb",
+    type=float,
+    default=None,
+    help="with --memory-gb and --offload: the largest GPT must also "
+    "fit this many GB (1e9 bytes) of pinned host memory per device "
+    "(its master copy, optimizer state and offloaded params)",
   )
   p.add_argument(
     "--offload",
@@ -784,8 +828,11 @@ def _print_report(args, config, mesh, slices, plans, acts, fitting):
   if args.zeropp:
     _print_zeropp(args, slices, plans[3].n_params, hw, fast, slow)
   if fitting:
+    host = _host_bytes(args)
+    on_host = "" if host is None else f" and {host / GB:g} GB of host memory"
     print(
-      f"\nlargest GPT whose model state fits {args.memory_gb:g} GB per device:"
+      f"\nlargest GPT whose model state fits {args.memory_gb:g} GB per "
+      f"device{on_host}:"
     )
     for s, n in fitting.items():
       print(
