@@ -44,8 +44,10 @@ def _train(stage, offload, policy=None, steps=3, optimizer=None, **kw):
 
 
 def _leaves(state):
+  """The state's leaves as NumPy arrays (a PRNG key as its key data)."""
+  key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
   return [
-    np.asarray(x)
+    np.asarray(jax.random.key_data(x) if key(x) else x)
     for x in jax.tree.leaves((state.params, state.master, state.opt_state))
   ]
 

@@ -53,6 +53,22 @@ def test_report_matches_theory(mesh, stage):
   assert "| collective |" in rep._repr_markdown_()
 
 
+def test_report_counts_a_prng_key_in_the_optimizer_state(mesh):
+  """``optax.add_noise`` keeps a typed PRNG key: the report prices it at its
+  key data's bytes, whole on every device, beside the moments."""
+  tx = zerojax.zero(
+    optax.chain(optax.add_noise(0.01, 0.55, 0), optax.adam(1e-3)),
+    stage=2,
+    mesh=mesh,
+  )
+  state = zerojax.init(wide_params(), tx)
+  rep = zerojax.report(zerojax.train_step(wide_loss, tx), state, BATCH)
+  theory = rep.theory_state_bytes
+  key_bytes = {k: v for k, v in theory.items() if "key" in k}
+  assert list(key_bytes.values()) == [8.0], theory
+  assert rep.ratios()["state_bytes"] == pytest.approx(1.0, abs=1e-3)
+
+
 def test_gspmd_fsdp_peer_all_reduces_the_gradient(mesh):
   """The peer zerojax beats: plain jit + NamedSharding emits an all-reduce
   of the full gradient on CPU, where zerojax stage 3 reduce-scatters."""

@@ -53,7 +53,8 @@ def stage_state_bytes(spec, *, ideal: bool) -> dict[str, float]:
   out: dict[str, float] = collections.defaultdict(float)
 
   def add(category, layout, size, dtype, sharded_at: int):
-    itemsize = np.dtype(dtype).itemsize
+    # a PRNG key's dtype is not NumPy's; its itemsize is its key data's
+    itemsize = dtype.itemsize if _extended(dtype) else np.dtype(dtype).itemsize
     if ideal:
       out[category] += (
         size

@@ -44,12 +44,13 @@ from zerojax._src.jaxpr import deps as _deps
 # operand of the output's shape (operands of shape () are scalars, read
 # whole)
 _ELEMENTWISE = frozenset(
-  """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp
-  complex conj convert_element_type copy copy_p cos cosh div eq erf erf_inv
-  erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma
-  digamma log log1p logistic lt max min mul ne neg nextafter not or pow
-  real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square
-  sub tan tanh xor""".split()
+  """abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type
+  cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos cosh
+  div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
+  is_finite le lgamma digamma log log1p logistic lt max min mul ne neg
+  nextafter not or population_count pow real reduce_precision rem round
+  rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign
+  sin sinh sqrt square sub tan tanh xor""".split()
 )
 
 
@@ -60,9 +61,10 @@ _ELEMENTWISE = frozenset(
 # stack whose update reads one streams whole.
 _WHOLE = frozenset(
   """argmax argmin broadcast_in_dim concatenate cumsum cumprod cummax
-  dot_general dynamic_slice expand_dims iota pad reduce_and reduce_max
+  dot_general dynamic_slice expand_dims iota pad random_bits random_fold_in
+  random_seed random_split random_unwrap random_wrap reduce_and reduce_max
   reduce_min reduce_or reduce_prod reduce_sum reshape rev slice squeeze
-  transpose""".split()
+  threefry2x32 transpose unstack""".split()
 )
 
 
