@@ -1324,6 +1324,10 @@ ROW_OPTIMIZERS_MORE = {
 # (two per moment in Nesterov's form) or scheduled scale to other
 # roundings than the whole update's: the same to within float rounding
 ROW_OPTIMIZERS_ROUNDED = {
+  # fp32 params, no master copy: the update writes the params' rows
+  "clip+adamw-fp32": lambda: optax.chain(
+    optax.clip_by_global_norm(0.5), optax.adamw(3e-3)
+  ),
   "nadamw": lambda: optax.nadamw(1e-3),
   "adan": lambda: optax.adan(1e-3),
   "adabelief": lambda: optax.adabelief(1e-3),
@@ -1341,18 +1345,20 @@ def test_more_elementwise_optimizers_stream_stacks_by_rows_exactly(
 ):
   """Stage 3, three steps: every layer stack streams by rows, and the
   state is bit for bit no offload's, or (Nesterov's moments, Adan,
-  AdaBelief, an injected schedule) within float rounding of it: no leaf
+  AdaBelief, an injected schedule, fp32 params written by rows) within
+  float rounding of it: no leaf
   of the params or state further from no offload's than 1e-4 of the
   largest change the three steps made to that leaf."""
   opt = {**ROW_OPTIMIZERS_MORE, **ROW_OPTIMIZERS_ROUNDED}[name]
-  plain, plain_losses, _ = _gpt_run(opt(), 3, False)
-  leaves, losses, rep = _gpt_run(opt(), 3, True)
+  kw = {"policy": zerojax.Policy()} if name.endswith("-fp32") else {}
+  plain, plain_losses, _ = _gpt_run(opt(), 3, False, **kw)
+  leaves, losses, rep = _gpt_run(opt(), 3, True, **kw)
   assert rep.offload["stacks_by_rows"] >= 3, rep.offload
   if name in ROW_OPTIMIZERS_MORE:
     chex.assert_trees_all_equal(leaves, plain)
     chex.assert_trees_all_equal(losses, plain_losses)
     return
-  start, _, _ = _gpt_run(opt(), 3, True, steps=0)
+  start, _, _ = _gpt_run(opt(), 3, True, steps=0, **kw)
   for x, y, x0 in zip(leaves, plain, start):
     x, y, x0 = (np.asarray(t, np.float64) for t in (x, y, x0))
     moved = np.max(np.abs(y - x0), initial=0.0)
