@@ -125,27 +125,47 @@ class Rows:
     return [outs[i].role for i in outputs]
 
   def evaluate(self, args, span, outputs) -> list:
-    made = []
-    outs = self._walk(list(args), span, made)
+    made, marks = [], []
+    outs = self._walk(list(args), span, made, marks)
     for i in outputs:
       if outs[i].role == OTHER:
         raise NotRows(f"output {i} is not computable by rows")
-    # free values whole in the jaxpr's order, so that none is computed by
-    # a recursion as deep as its chain (a global norm sums every leaf);
-    # those reading inputs not given are left, and what nothing reads is
-    # dead code to the compiler
-    for value in made:
-      if value.role == FREE:
-        try:
-          value.whole()
-        except NotRows:
-          pass
+    # the free values the outputs read, whole, in the jaxpr's order, so
+    # that none is computed by a recursion as deep as its chain (a global
+    # norm sums every leaf); the other leaves' updates are never traced
+    needed = self._needed(outputs)
+    for k, (start, end) in enumerate(marks):
+      if k not in needed:
+        continue
+      for value in made[start:end]:
+        if value.role == FREE:
+          try:
+            value.whole()
+          except NotRows:
+            pass
     return [
       outs[i].rows(span) if outs[i].role == ROW else _rows_of(outs[i], span)
       for i in outputs
     ]
 
-  def _walk(self, args, span, made=None):
+  def _needed(self, outputs) -> set[int]:
+    """Indices of the jaxpr's equations the ``outputs`` read, directly or
+    through other equations."""
+    jaxpr = self.closed.jaxpr
+    want = {
+      jaxpr.outvars[i]
+      for i in outputs
+      if not _deps._is_literal(jaxpr.outvars[i])
+    }
+    needed = set()
+    for k in range(len(jaxpr.eqns) - 1, -1, -1):
+      eqn = jaxpr.eqns[k]
+      if any(v in want for v in eqn.outvars):
+        needed.add(k)
+        want.update(v for v in eqn.invars if not _deps._is_literal(v))
+    return needed
+
+  def _walk(self, args, span, made=None, marks=None):
     jaxpr = self.closed.jaxpr
     ins = []
     for k, (var, x) in enumerate(zip(jaxpr.invars, args)):
@@ -155,7 +175,9 @@ class Rows:
       else:
         ins.append(_Value(aval, FREE, whole=lambda x=x, k=k: _given(x, k)))
     made = [] if made is None else made
-    return _run(jaxpr, list(self.closed.consts), ins, self.n, span, made)
+    return _run(
+      jaxpr, list(self.closed.consts), ins, self.n, span, made, marks
+    )
 
 
 def _rows_of(value, span):
@@ -169,7 +191,10 @@ def _given(x, k):
   return x
 
 
-def _run(jaxpr, consts, ins, n, span, made) -> list[_Value]:
+def _run(jaxpr, consts, ins, n, span, made, marks=None) -> list[_Value]:
+  """Values for ``jaxpr``'s outputs; each equation's values (a call's
+  included) are appended to ``made``, and with ``marks`` given, each
+  equation's ``(start, end)`` there."""
   env = {}
   for var, c in zip(jaxpr.constvars, consts):
     env[var] = _Value(var.aval, FREE, whole=lambda c=c: c)
@@ -181,9 +206,12 @@ def _run(jaxpr, consts, ins, n, span, made) -> list[_Value]:
     return env[v]
 
   for eqn in jaxpr.eqns:
+    start = len(made)
     outs = _equation(eqn, [read(v) for v in eqn.invars], n, span, made)
     made.extend(outs)
     env.update(zip(eqn.outvars, outs))
+    if marks is not None:
+      marks.append((start, len(made)))
   return [read(v) for v in jaxpr.outvars]
 
 
