@@ -175,9 +175,7 @@ class Rows:
       else:
         ins.append(_Value(aval, FREE, whole=lambda x=x, k=k: _given(x, k)))
     made = [] if made is None else made
-    return _run(
-      jaxpr, list(self.closed.consts), ins, self.n, span, made, marks
-    )
+    return _run(jaxpr, list(self.closed.consts), ins, self.n, span, made, marks)
 
 
 def _rows_of(value, span):
