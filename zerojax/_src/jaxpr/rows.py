@@ -175,7 +175,9 @@ class Rows:
       else:
         ins.append(_Value(aval, FREE, whole=lambda x=x, k=k: _given(x, k)))
     made = [] if made is None else made
-    return _run(jaxpr, list(self.closed.consts), ins, self.n, span, made, marks)
+    return _run(
+      jaxpr, list(self.closed.consts), ins, self.n, span, made, marks=marks
+    )
 
 
 def _rows_of(value, span):
@@ -189,7 +191,7 @@ def _given(x, k):
   return x
 
 
-def _run(jaxpr, consts, ins, n, span, made, marks=None) -> list[_Value]:
+def _run(jaxpr, consts, ins, n, span, made, *, marks=None) -> list[_Value]:
   """Values for ``jaxpr``'s outputs; each equation's values (a call's
   included) are appended to ``made``, and with ``marks`` given, each
   equation's ``(start, end)`` there."""
