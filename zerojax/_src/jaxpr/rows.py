@@ -26,10 +26,12 @@ Every value of the jaxpr gets a role from its inputs':
 
 Where a row equation needs a free value's rows and that value is itself
 the output of a row equation, they are computed from its operands' rows,
-so no whole-stack temporary is made for a few rows' sake; other free
-values are computed whole, in the jaxpr's order. Rows so computed are the
+so no whole-stack temporary is made for a few rows' sake; the other free
+values the outputs read are computed whole, in the jaxpr's order (those
+only other leaves' outputs read are not traced). Rows so computed are the
 same operations on the same elements as the whole stack's (XLA may still
-compile two programs holding them differently: an ulp, tested). Plain
+compile two programs holding them to other roundings: a few ulps,
+tested). Plain
 calls (``jit``, ``custom_jvp_call``...) are read through, as in
 :mod:`zerojax._src.jaxpr.deps`.
 """
