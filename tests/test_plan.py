@@ -227,21 +227,44 @@ def test_cli_names_the_least_offload_share_that_fits():
   assert bad.returncode == 2 and "share in [0, 1]" in bad.stderr
 
 
+def _fits_at_least_share(config, device, host, mesh):
+  """The least offload share the device needs for ``config`` (stage 3,
+  params on the host), and whether its host part then fits ``host``."""
+  share = cost.offload_fraction_needed(
+    plan.abstract_gpt(config),
+    3,
+    device,
+    mesh=mesh,
+    offload_params=True,
+    stacked=gpt.is_layer_stack,
+  )
+  if share is None:
+    return None, False
+  x = plan.plan_gpt(
+    plan.abstract_gpt(config),
+    3,
+    mesh=mesh,
+    offload=share,
+    offload_params=True,
+  )
+  assert x.device <= device
+  return share, x.host <= host
+
+
 def test_largest_fitting_offloaded_model_is_bounded_by_host_memory_too():
-  """With the params on the host at stage 3, a 141 GB device is not what
-  bounds the model: 110 GB of pinned host memory is. The largest GPT found
-  fits both, a 2% larger one does not fit the host, and without the
-  host bound the answer is several times larger."""
+  """With the params on the host at stage 3, 110 GB of pinned host memory
+  bounds the model a 141 GB device trains: the largest GPT found fits
+  both at the least offload share the device needs, a 2% larger one does
+  not, and without the host bound the answer is several times larger."""
   kw = dict(offload=True, offload_params=True)
   device_only = plan.largest_fitting(141e9, 3, 1, **kw)
   both = plan.largest_fitting(141e9, 3, 1, **kw, host_memory_bytes=110e9)
   n = gpt.num_params(both)
-  assert gpt.num_params(device_only) > 3 * n
-  fit = plan.plan_gpt(plan.abstract_gpt(both), 3, 1, **kw)
-  assert fit.device <= 141e9 and fit.host <= 110e9
+  assert gpt.num_params(device_only) > 2 * n
+  share, on_host = _fits_at_least_share(both, 141e9, 110e9, {"data": 1})
+  assert on_host and 0 < share < 1
   bigger = gpt.config_for_params(1.02 * n, seq_len=both.seq_len)
-  over = plan.plan_gpt(plan.abstract_gpt(bigger), 3, 1, **kw)
-  assert over.device <= 141e9 and over.host > 110e9
+  assert not _fits_at_least_share(bigger, 141e9, 110e9, {"data": 1})[1]
 
 
 def test_cli_host_memory_bound_names_itself_and_needs_offload():
@@ -251,18 +274,13 @@ def test_cli_host_memory_bound_names_itself_and_needs_offload():
     capture_output=True,
     text=True,
   )
-  out = run("--offload", "--offload-params", "--host-memory-gb", "110")
-  assert out.returncode == 0, out.stderr
-  assert "fits 141 GB per device and 110 GB of host memory" in out.stdout
-  data = json.loads(
-    run(
-      "--offload", "--offload-params", "--host-memory-gb", "110", "--json"
-    ).stdout
+  out = run(
+    "--offload", "--offload-params", "--host-memory-gb", "110", "--json"
   )
-  largest = int(data["largest_fitting"]["3"])
+  assert out.returncode == 0, out.stderr
+  largest = int(json.loads(out.stdout)["largest_fitting"]["3"])
   config = gpt.config_for_params(largest, seq_len=2048)
-  kw = dict(offload=True, offload_params=True)
-  assert plan.plan_gpt(plan.abstract_gpt(config), 3, 1, **kw).host <= 110e9
+  assert _fits_at_least_share(config, 141e9, 110e9, {"data": 1})[1]
   bad = run("--host-memory-gb", "110")
   assert bad.returncode == 2
   assert "give it with --memory-gb and --offload" in bad.stderr

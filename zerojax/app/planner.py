@@ -250,17 +250,28 @@ def largest_fitting(
   host_memory_bytes: float | None = None,
 ) -> gpt.GPTConfig | None:
   """The largest GPT (by the count search) whose model state fits: its
-  device-memory part within ``memory_bytes`` per device and, with
-  ``offload`` / ``offload_params`` and ``host_memory_bytes`` given, its
-  host-memory part within that many bytes per device (the pinned host
-  memory a device's process may hold)."""
+  device-memory part within ``memory_bytes`` per device, with ``offload``
+  / ``offload_params``. With ``host_memory_bytes`` (the pinned host memory
+  a device's process may hold) the offloaded share is not ``offload`` but
+  the least one with which the device part fits (as
+  :func:`offload_needed` names it), and the host part at that share must
+  fit too: host memory then bounds the model only where the device cannot
+  take the rest."""
 
   def fits(psi: float) -> bool:
+    config = gpt.config_for_params(psi, seq_len=seq_len)
+    share = offload
+    if host_memory_bytes is not None:
+      share = offload_needed(
+        config, stage, memory_bytes, {"data": n_devices}, offload_params
+      )
+      if share is None:
+        return False
     x = plan_gpt(
-      abstract_gpt(gpt.config_for_params(psi, seq_len=seq_len)),
+      abstract_gpt(config),
       stage,
       n_devices,
-      offload=offload,
+      offload=share,
       offload_params=offload_params,
     )
     on_host = host_memory_bytes is None or x.host <= host_memory_bytes
@@ -829,7 +840,12 @@ def _print_report(args, config, mesh, slices, plans, acts, fitting):
     _print_zeropp(args, slices, plans[3].n_params, hw, fast, slow)
   if fitting:
     host = _host_bytes(args)
-    on_host = "" if host is None else f" and {host / GB:g} GB of host memory"
+    on_host = (
+      ""
+      if host is None
+      else f" and {host / GB:g} GB of host memory (at the least offload "
+      f"share that fits the device)"
+    )
     print(
       f"\nlargest GPT whose model state fits {args.memory_gb:g} GB per "
       f"device{on_host}:"
