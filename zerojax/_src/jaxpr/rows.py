@@ -29,9 +29,9 @@ the output of a row equation, they are computed from its operands' rows,
 so no whole-stack temporary is made for a few rows' sake; the other free
 values the outputs read are computed whole, in the jaxpr's order (those
 only other leaves' outputs read are not traced). Rows so computed are the
-same operations on the same elements as the whole stack's (XLA may still
-compile two programs holding them to other roundings: a few ulps,
-tested). Plain
+same operations on the same elements as the whole stack's; a compiler
+that contracts multiply-adds to FMA instructions in other places in the
+two programs rounds them apart in the last bits (docs/design.md). Plain
 calls (``jit``, ``custom_jvp_call``...) are read through, as in
 :mod:`zerojax._src.jaxpr.deps`.
 """
