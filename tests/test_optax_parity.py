@@ -262,6 +262,58 @@ def test_extra_args_of_any_type_reach_the_inner_optimizer(mesh):
   assert seen["tag"] == "w"
 
 
+def _fast_grads(tx):
+  """optax.lookahead's update takes the gradients of ``params.fast``."""
+  return optax.GradientTransformation(
+    tx.init, lambda g, s, p=None: tx.update(g.fast, s, p)
+  )
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_lookahead_trains_like_optax_behind_an_adapter(mesh, offload):
+  """optax.lookahead takes the gradients of the fast params, not of every
+  param: through zerojax behind an adapter that selects them it trains
+  like Optax (stage 3, the state on the host or not); without one the
+  error says what zerojax called the update with and names the adapter."""
+  target = jnp.arange(16.0).reshape(4, 4) / 10
+  objective = lambda w: jnp.sum((jnp.tanh(w) - target) ** 2)
+  la = lambda: optax.lookahead(optax.adam(0.05), 2, 0.5)
+  params = optax.LookaheadParams.init_synced({"w": jnp.ones((4, 4))})
+  state = la().init(params)
+  want = params
+  for _ in range(5):
+    g = jax.grad(lambda p: objective(p["w"]))(want.fast)
+    updates, state = la().update(g, state, want)
+    want = optax.apply_updates(want, updates)
+
+  loss = lambda p, b: objective(zerojax.gather(p.fast)["w"]) + 0 * b.sum()
+  tx = zerojax.zero(_fast_grads(la()), stage=3, mesh=mesh, offload=offload)
+  zstate = zerojax.init(params, tx)
+  step = zerojax.train_step(loss, tx)
+  for _ in range(5):
+    zstate, _ = step(zstate, jnp.zeros((8,)))
+  got = zerojax.gather_params(zstate)
+  assert not np.allclose(got.slow["w"], got.fast["w"])  # 5 steps: unsynced
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+    got,
+    want,
+  )
+
+  tx = zerojax.zero(la(), stage=3, mesh=mesh, offload=offload)
+  zstate = zerojax.init(params, tx)
+  step = zerojax.train_step(loss, tx)
+  with pytest.raises(ValueError) as e:
+    step(zstate, jnp.zeros((8,)))
+  notes = "\n".join(getattr(e.value, "__notes__", []))
+  assert "update(grads, opt_state, params)" in notes
+  assert "tx.update(g.fast, s, p)" in notes
+  # nothing ran: the state is the one given
+  np.testing.assert_array_equal(
+    zerojax.gather_params(zstate).fast["w"], params.fast["w"]
+  )
+
+
 def _model_params():
   k = jax.random.split(jax.random.key(0), 3)
   return {

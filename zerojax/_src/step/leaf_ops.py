@@ -220,8 +220,9 @@ def inner_update(spec: StateSpec, g_tree, opt_state, w_tree, extra_args):
   run = functools.partial(_inner_update, spec.config.inner)
   try:
     return run(g_tree, opt_state, w_tree, extra_args)
-  except ValueError as e:
-    if not closes_over_caller_types(e):
+  except Exception as e:
+    if not (isinstance(e, ValueError) and closes_over_caller_types(e)):
+      _note_contract(e)
       raise
   args = (g_tree, opt_state, w_tree, extra_args)
   mesh = spec.config.mesh
@@ -240,6 +241,25 @@ def inner_update(spec: StateSpec, g_tree, opt_state, w_tree, extra_args):
       f"mesh (or pass mesh= the mesh they are typed on). JAX said: "
       f"{str(e).splitlines()[0]}"
     ) from e
+
+
+def _note_contract(e: Exception) -> None:
+  """Adds to an error the inner optimizer's ``update`` raised what it was
+  called with, and, for a tree structure error, the adapter an optimizer
+  that takes gradients of part of the params needs."""
+  e.add_note(
+    "zerojax: raised by the inner optimizer's update(grads, opt_state, "
+    "params), called as Optax's contract has it: grads and params are "
+    "trees shaped like the params (the gradient of the loss with respect "
+    "to every trained param)."
+  )
+  if "pytree structure" in str(e) or "tree structure" in str(e):
+    e.add_note(
+      "zerojax: an optimizer that takes the gradients of part of the params "
+      "(optax.lookahead takes those of params.fast) runs behind an adapter "
+      "that selects them: optax.GradientTransformation(tx.init, lambda g, "
+      "s, p=None: tx.update(g.fast, s, p))."
+    )
 
 
 def _inner_update(inner, g_tree, opt_state, w_tree, extra_args):
