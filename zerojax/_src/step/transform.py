@@ -115,8 +115,9 @@ def zero(
       the backward, and the updated shards go back. Same numbers as
       without. Layer stacks of vectors stay on the device, and every leaf
       is a stack unless ``stacked`` says otherwise. The TPU compiler
-      streams the layers, but on a small model its peak falls by less
-      than the arguments it frees: temp grows by most of what they save
+      streams the layers, but its temp grows by about what the arguments
+      save (by more at 8.3B over 64 chips, where a chip's params are
+      small): the parameter tier pays where few devices hold the model
       (``docs/results.md``).
 
   Returns:
