@@ -86,12 +86,12 @@ def zero(
       bitwise, except where a layer stack updated a few layers at a time
       is compiled with multiply-adds contracted to FMA in other places
       than the whole update's (XLA's default CPU flags), which rounds the
-      last bits apart (``docs/design.md``). Device memory then holds params, gradients and the
-      update's working set; the host holds ``(4 + K) Ψ / N`` bytes (fp32
-      master plus K bytes of optimizer state per parameter). A float in
-      ``[0, 1]`` offloads that fraction of those bytes: whole leaves,
-      largest first, until the fraction is reached; the rest stays on the
-      device (``zerojax.report(...).offload["host_fraction"]`` gives the
+      last bits apart (``docs/design.md``). Device memory then holds
+      params, gradients and the update's working set; the host holds
+      ``(4 + K) Ψ / N`` bytes (fp32 master plus K bytes of optimizer
+      state per parameter). A float in ``[0, 1]`` offloads that fraction
+      of those bytes: whole leaves, largest first, until the fraction is
+      reached; the rest stays on the device (``zerojax.report(...).offload["host_fraction"]`` gives the
       share reached; ``zerojax.plan_stage`` the one a device needs).
     zeropp: ZeRO++, a :class:`zerojax.ZeroPP`: int8 weight all-gathers at
       stage 3 (qwZ), int8 or int4 gradient reduce-scatters at stages 1-3
