@@ -91,8 +91,9 @@ def zero(
       ``(4 + K) Ψ / N`` bytes (fp32 master plus K bytes of optimizer
       state per parameter). A float in ``[0, 1]`` offloads that fraction
       of those bytes: whole leaves, largest first, until the fraction is
-      reached; the rest stays on the device (``zerojax.report(...).offload["host_fraction"]`` gives the
-      share reached; ``zerojax.plan_stage`` the one a device needs).
+      reached; the rest stays on the device
+      (``zerojax.report(...).offload["host_fraction"]`` gives the share
+      reached; ``zerojax.plan_stage`` the one a device needs).
     zeropp: ZeRO++, a :class:`zerojax.ZeroPP`: int8 weight all-gathers at
       stage 3 (qwZ), int8 or int4 gradient reduce-scatters at stages 1-3
       (qgZ), a secondary partition inside nodes at stage 3 (hpZ). The
