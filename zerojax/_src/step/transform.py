@@ -116,10 +116,9 @@ def zero(
       the backward, and the updated shards go back. Same numbers as
       without. Layer stacks of vectors stay on the device, and every leaf
       is a stack unless ``stacked`` says otherwise. The TPU compiler
-      streams the layers, but its temp grows by about what the arguments
-      save (by more at 8.3B over 64 chips, where a chip's params are
-      small): the parameter tier pays where few devices hold the model
-      (``docs/results.md``).
+      streams the layers; the peak falls where a device's share of the
+      params is large (8.3B over 8 chips: 36% lower) and can rise where
+      it is small (over 64 chips: 6.6% higher) (``docs/results.md``).
 
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and
