@@ -220,9 +220,8 @@ def inner_update(spec: StateSpec, g_tree, opt_state, w_tree, extra_args):
   run = functools.partial(_inner_update, spec.config.inner)
   try:
     return run(g_tree, opt_state, w_tree, extra_args)
-  except Exception as e:
-    if not (isinstance(e, ValueError) and closes_over_caller_types(e)):
-      _note_contract(e)
+  except ValueError as e:
+    if not closes_over_caller_types(e):
       raise
   args = (g_tree, opt_state, w_tree, extra_args)
   mesh = spec.config.mesh
@@ -263,9 +262,13 @@ def _note_contract(e: Exception) -> None:
 
 
 def _inner_update(inner, g_tree, opt_state, w_tree, extra_args):
-  if isinstance(inner, optax.GradientTransformationExtraArgs):
-    return inner.update(g_tree, opt_state, w_tree, **extra_args)
-  return inner.update(g_tree, opt_state, w_tree)
+  try:
+    if isinstance(inner, optax.GradientTransformationExtraArgs):
+      return inner.update(g_tree, opt_state, w_tree, **extra_args)
+    return inner.update(g_tree, opt_state, w_tree)
+  except Exception as e:
+    _note_contract(e)
+    raise
 
 
 def _caller_specs(spec: StateSpec, g_tree, opt_state, w_tree, extra_args):
