@@ -5,7 +5,7 @@
 #   experiments/gpu_checks.sh bench SECONDS OUT  # gpu_bench 1b + 2.7b, then 3.5b stage 3 (+offload)
 #   experiments/gpu_checks.sh rest SECONDS OUT   # the main job, no flags; longest_context, coarse
 #   experiments/gpu_checks.sh lc SECONDS OUT     # longest_context alone (dots, then offload), coarse
-#   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b and 7b offload: default (stacks by rows), whole stacks, crossing; 7b +params; accum4; link
+#   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b and 7b offload: default (stacks by rows), whole stacks, crossing; 7b +params; accum4; link; rows' rounding
 #   experiments/gpu_checks.sh offload7b SECONDS OUT # 7b offload +accum4, +params (warm-up 1000)
 #   experiments/gpu_checks.sh offload7b8 SECONDS OUT # 7b offload +accum8, +params (warm-up 1000)
 #
@@ -73,6 +73,12 @@ case $part in
     if [ "$(left)" -gt 30 ]; then
       timeout "$(( $(left) < 60 ? $(left) : 60 ))" python3 \
         experiments/host_update.py --out "$out" 2>&1 | tee -a "$out/gpu_checks.log"
+    fi
+    # whether the GPU compiler rounds the streamed update (by rows, and
+    # whole stacks) apart from no offload's
+    if [ "$(left)" -gt 60 ]; then
+      timeout "$(left)" python3 experiments/rows_rounding.py --out "$out" \
+        2>&1 | tee -a "$out/gpu_checks.log"
     fi
     ;;
   offload7b)

@@ -46,6 +46,9 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "lib"))
+import xla_live
+
 CONFIGS = (
   "1",
   "2",
@@ -97,13 +100,11 @@ def worker(args) -> dict:
   import jax
   import jax.numpy as jnp
   import optax
+  import peers
+  import plain_gpt
 
   import zerojax
   from zerojax import aot, cost
-
-  sys.path.insert(0, str(HERE / "lib"))
-  import peers
-  import plain_gpt
 
   mesh = aot.topology_mesh(args.topology, args.mesh, num_slices=args.num_slices)
   n = mesh.size
@@ -262,25 +263,32 @@ def worker(args) -> dict:
   return out
 
 
-def largest_buffers(dump: str, n: int) -> dict:
-  """The ``n`` largest allocations in device memory of the TPU program in
-  an XLA dump folder: its ``*memory-usage-report.txt`` (the module with
-  the most bytes that is not one of the CPU backend's), each allocation's
-  bytes and the shapes of the values sharing it over the program."""
-  reports = [
-    f
-    for f in pathlib.Path(dump).glob("*memory-usage-report.txt")
-    if "cpu_after" not in f.name
-  ]
+def _main_report(dump: str):
+  """The TPU program's ``*memory-usage-report.txt`` in an XLA dump folder
+  (the module with the most bytes that is not one of the CPU backend's):
+  ``(total bytes, path, text)``, or None."""
   best = None
-  for f in reports:
+  for f in pathlib.Path(dump).glob("*memory-usage-report.txt"):
+    if "cpu_after" in f.name:
+      continue
     text = f.read_text()
     m = re.search(r"Total bytes: (\d+)", text)
     if m and (best is None or int(m.group(1)) > best[0]):
-      best = (int(m.group(1)), f.name, text)
+      best = (int(m.group(1)), f, text)
+  return best
+
+
+def largest_buffers(dump: str, n: int) -> dict:
+  """The ``n`` largest allocations in device memory of the TPU program in
+  an XLA dump folder (:func:`_main_report`), each allocation's bytes and
+  the shapes of the values sharing it over the program; with the live
+  bytes over its schedule beside the heap they were packed into
+  (``device_live``: ``experiments/lib/xla_live.py``)."""
+  best = _main_report(dump)
   if best is None:
     return {}
-  total, name, text = best
+  total, path, text = best
+  name = path.name
   table = text.split("\n\n")[0]  # the first table: the default memory space
   rows = []
   for line in table.splitlines():
@@ -289,7 +297,12 @@ def largest_buffers(dump: str, n: int) -> dict:
     if len(cols) == 5 and cols[2].isdigit():
       rows.append({"bytes": _size_bytes(cols[1]), "shapes": cols[4]})
   rows.sort(key=lambda r: -r["bytes"])
-  return {"report": name, "total_bytes": total, "allocations": rows[:n]}
+  return {
+    "report": name,
+    "total_bytes": total,
+    "allocations": rows[:n],
+    "device_live": xla_live.from_dump(path, n),
+  }
 
 
 def _size_bytes(text: str) -> int:
@@ -372,7 +385,10 @@ def main():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with tempfile.TemporaryDirectory() as dump:
       if args.buffers:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}"
+        env["XLA_FLAGS"] = (
+          f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+          "--xla_dump_hlo_as_text"
+        )
       proc = subprocess.run(argv, capture_output=True, text=True, env=env)
       lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
       if proc.returncode or not lines:

@@ -1373,16 +1373,17 @@ for name in sys.argv[1:]:
   offload._by_rows = True
   jax.clear_caches()
   f = lambda ts: [np.asarray(x, np.float64) for x in ts]
-  off = [
+  off = lambda got: max(
     float(np.max(np.abs(x - y), initial=0.0) / max(np.max(np.abs(y - x0),
       initial=0.0), 1e-30))
-    for x, y, x0 in zip(f(rows), f(plain), f(start))
-  ]
+    for x, y, x0 in zip(f(got), f(plain), f(start))
+  )
   out[name] = {
     "by_rows": rep.offload["stacks_by_rows"],
     "rows_bitwise": all(np.array_equal(x, y) for x, y in zip(rows, plain)),
     "whole_bitwise": all(np.array_equal(x, y) for x, y in zip(whole, plain)),
-    "rows_off_of_change": max(off),
+    "rows_off_of_change": off(rows),
+    "whole_off_of_change": off(whole),
     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(
       map(float, losses), map(float, plain_losses))),
   }
@@ -1391,20 +1392,22 @@ print("RESULT " + json.dumps(out))
 
 
 @pytest.mark.slow
-def test_by_rows_with_multiply_adds_contracted_is_within_rounding():
+@pytest.mark.parametrize("devices", [8, 1])
+def test_by_rows_with_multiply_adds_contracted_is_within_rounding(devices):
   """With XLA's default CPU flags (LLVM contracts multiply-adds to FMA
   instructions), the compiler fuses the row program apart from the whole
   update and may round the two differently: by rows the state after two
   steps is within 1e-3 of each leaf's change of no offload's (a row
   computed from another row, or a wrong bias correction, is off by the
-  change itself), the losses within 1e-6; whole stacks stay bitwise."""
+  change itself), the losses within 1e-6. Whole stacks stay bitwise on 8
+  devices; on one, whole leaves round apart too, within the same bound."""
   import os
   import subprocess
   import sys
 
   env = {
     **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
     "JAX_PLATFORMS": "cpu",
   }
   names = ["clip+adamw-fp32", "nadamw"]
@@ -1421,7 +1424,8 @@ def test_by_rows_with_multiply_adds_contracted_is_within_rounding():
   for name in names:
     r = result[name]
     assert r["by_rows"] == 4, r
-    assert r["whole_bitwise"], r
+    assert r["whole_bitwise"] or devices == 1, r
+    assert r["whole_off_of_change"] <= 1e-3, r
     assert r["rows_off_of_change"] <= 1e-3, r
     assert r["loss_rel"] <= 1e-6, r
 

@@ -83,10 +83,12 @@ def zero(
       (JAX memory kind ``pinned_host``; ZeRO-Offload's placement). The step
       brings them into device memory for the update and writes them back;
       params and gradients stay on device. Same numbers as without:
-      bitwise, except where a layer stack updated a few layers at a time
-      is compiled with multiply-adds contracted to FMA in other places
-      than the whole update's (XLA's default CPU flags), which rounds the
-      last bits apart (``docs/design.md``). Device memory then holds
+      bitwise where the compiler contracts no multiply-adds (the suite's
+      CPU flags); where it contracts them to FMA (XLA's default CPU
+      flags), the streamed update is compiled apart from the whole one
+      and may round the last bits apart: layer stacks updated a few
+      layers at a time, and on one device whole leaves too
+      (``docs/design.md``). Device memory then holds
       params, gradients and the update's working set; the host holds
       ``(4 + K) Ψ / N`` bytes (fp32 master plus K bytes of optimizer
       state per parameter). A float in ``[0, 1]`` offloads that fraction
