@@ -1143,6 +1143,38 @@ def test_rows_of_an_update_are_the_rows_of_the_whole_update(make):
       np.testing.assert_array_equal(a, b[span[0] : span[1]])
 
 
+@pytest.mark.parametrize("clip", [True, False], ids=["clip+adamw", "adamw"])
+def test_rows_read_a_lazy_gradient_by_rows_where_the_update_does(clip):
+  """A stack's gradient handed as a ``Lazy`` (whole, and a function for
+  its rows: the streamed update slices before casting) gives the rows of
+  the plain evaluation bit for bit, and Adam's moments take the chunk's
+  rows from the function, once (clipping's norm reads the whole value)."""
+  opt = optax.adamw(1e-2)
+  if clip:
+    opt = optax.chain(optax.clip_by_global_norm(0.5), opt)
+  closed, args, row_in, row_out, _ = _row_probe(opt)
+  program = _rows.Rows(closed, row_in, 4)
+  k = next(i for i, x in enumerate(args) if np.shape(x) == (4, 3, 5))
+  span = (1, 3)
+  given = [x[1:3] if i in row_in else x for i, x in enumerate(args)]
+  plain = jax.jit(lambda *xs: program.evaluate(xs, span, row_out))(*given)
+  spans = []
+
+  def rows(s):
+    spans.append(s)
+    return jax.lax.slice_in_dim(args[k], *s, axis=0)
+
+  def run(*xs):
+    xs = list(xs)
+    xs[k] = _rows.Lazy(xs[k], rows)
+    return program.evaluate(xs, span, row_out)
+
+  got = jax.jit(run)(*given)
+  for a, b in zip(got, plain):
+    np.testing.assert_array_equal(a, b)
+  assert spans == [span]
+
+
 @pytest.mark.parametrize(
   "make",
   [

@@ -70,6 +70,15 @@ _WHOLE = frozenset(
 )
 
 
+class Lazy:
+  """An argument given whole (``whole``) and by rows (``rows(span)``, the
+  same values): an input read by rows where an equation reads it by rows
+  is then never sliced from the whole value."""
+
+  def __init__(self, whole, rows):
+    self.whole, self.rows = whole, rows
+
+
 class NotRows(Exception):
   """An output asked for reads the row inputs other than row by row."""
 
@@ -174,6 +183,9 @@ class Rows:
       aval = var.aval
       if k in self.row_inputs:
         ins.append(_Value(aval, ROW, rows=lambda x=x: x))
+      elif isinstance(x, Lazy):
+        rows = None if span is None else (lambda x=x: x.rows(span))
+        ins.append(_Value(aval, FREE, whole=lambda x=x: x.whole, rows=rows))
       else:
         ins.append(_Value(aval, FREE, whole=lambda x=x, k=k: _given(x, k)))
     made = [] if made is None else made

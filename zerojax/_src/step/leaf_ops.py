@@ -127,20 +127,43 @@ def grad_view(r: LeafSpec, g, stage: int, where: str):
 
   Accepts the logical shape (e.g. replicated, from ``jax.grad``) or the
   stage's storage shape (from :func:`zerojax.value_and_grad`)."""
+  return _cast_grad(r, _logical_grad(r, g, stage, where))
+
+
+def _logical_grad(r: LeafSpec, g, stage: int, where: str):
   shape = tuple(np.shape(g))
   if shape == tuple(r.aval.shape):
-    logical = g
-  elif r.shard.sharded and shape == r.shard.storage_shape:
-    logical = r.shard.to_logical(g)
-  else:
-    raise ValueError(
-      f"{where}: gradient{r.path} has shape {list(shape)}; the param "
-      f"is {list(r.aval.shape)} (stored as "
-      f"{list(r.shard.storage_shape)} at stage {stage}). Pass "
-      f"gradients shaped like the params, or as returned by "
-      f"zerojax.value_and_grad."
-    )
-  return r.place.constrain(logical.astype(r.master_dtype), r.shard)
+    return g
+  if r.shard.sharded and shape == r.shard.storage_shape:
+    return r.shard.to_logical(g)
+  raise ValueError(
+    f"{where}: gradient{r.path} has shape {list(shape)}; the param "
+    f"is {list(r.aval.shape)} (stored as "
+    f"{list(r.shard.storage_shape)} at stage {stage}). Pass "
+    f"gradients shaped like the params, or as returned by "
+    f"zerojax.value_and_grad."
+  )
+
+
+def _cast_grad(r: LeafSpec, x):
+  return r.place.constrain(x.astype(r.master_dtype), r.shard)
+
+
+def _conj(x):
+  return x.conj() if jnp.iscomplexobj(x) else x
+
+
+def grad_rows(r: LeafSpec, g, stage: int, where: str) -> Callable:
+  """``rows(span)``: rows ``[a, b)`` of :func:`grad_view`'s value (its
+  complex conjugate for a complex leaf), sliced from the gradient before
+  the cast to the master dtype. The same elements in the same operations;
+  a streamed update that reads a layer stack's gradient a few rows at a
+  time then never makes the cast's whole copy (an fp32 copy of a bf16
+  stack)."""
+  logical = _logical_grad(r, g, stage, where)
+  return lambda span: _conj(
+    _cast_grad(r, jax.lax.slice_in_dim(logical, *span, axis=0))
+  )
 
 
 def apply_update(r: LeafSpec, w, u, keep_master: bool):
@@ -183,12 +206,13 @@ def opt_storage(o: OptLeafSpec, x):
 
 # --- one optimizer update --------------------------------------------------
 def update_inputs(spec: StateSpec, state: ZeroState, grads, where: str):
-  """Per param, ``(gradient views, weight sources)`` of one update of
-  ``state`` with ``grads`` (per-param list, logical or storage shapes;
-  ``None`` at frozen leaves, in both outputs). A complex leaf's gradient
-  is conjugated: Optax's convention, under which every optimizer descends
-  on ``jax.grad``'s gradient of a complex leaf."""
-  g_view, w_src = [], []
+  """Per param, ``(gradient views, their rows, weight sources)`` of one
+  update of ``state`` with ``grads`` (per-param list, logical or storage
+  shapes; ``None`` at frozen leaves, in every output); the rows as
+  :func:`grad_rows` gives them. A complex leaf's gradient is conjugated:
+  Optax's convention, under which every optimizer descends on
+  ``jax.grad``'s gradient of a complex leaf."""
+  g_view, g_rows, w_src = [], [], []
   for g, p, m, r in zip(
     grads,
     jax.tree.leaves(state.params),
@@ -197,12 +221,13 @@ def update_inputs(spec: StateSpec, state: ZeroState, grads, where: str):
   ):
     if not r.trainable:
       g_view.append(None)
+      g_rows.append(None)
       w_src.append(None)
       continue
-    g = grad_view(r, g, spec.stage, where)
-    g_view.append(g.conj() if jnp.iscomplexobj(g) else g)
+    g_view.append(_conj(grad_view(r, g, spec.stage, where)))
+    g_rows.append(grad_rows(r, g, spec.stage, where))
     w_src.append(weight_source(r, p, m))
-  return g_view, w_src
+  return g_view, g_rows, w_src
 
 
 def inner_update(spec: StateSpec, g_tree, opt_state, w_tree, extra_args):

@@ -366,6 +366,7 @@ def stream(
   finish: Callable,
   opt_def=None,
   bases: Callable | None = None,
+  g_rows=None,
 ):
   """Runs the inner update chunk by chunk (see the module docstring).
 
@@ -381,6 +382,9 @@ def stream(
     bases: ``bases(i)`` -> the values ``finish(i, ...)``'s results replace
       (a tree like them, None where there is none), into which a layer
       stack's results are written row by row; others are concatenated.
+    g_rows: per param, ``rows(span)`` -> those rows of ``g_view[i]``,
+      which a layer stack updated by rows reads its gradient by (None:
+      sliced from ``g_view``).
 
   Returns:
     ``(per-param finish results (None for frozen), new state leaves as
@@ -447,6 +451,7 @@ def stream(
           mine=mine,
           extra_args=extra_args,
           span=spans[i],
+          g_rows=None if g_rows is None else g_rows[i],
         )
         u[i] = outs[0]
         new.update(zip(mine, outs[1:]))

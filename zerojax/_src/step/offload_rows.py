@@ -61,14 +61,19 @@ def rows_of(x, span):
 
 
 def stack_update(
-  spec, p, train, g_flat, *, i, w_rows, o, mine, extra_args, span
+  spec, p, train, g_flat, *, i, w_rows, o, mine, extra_args, span, g_rows=None
 ):
   """Rows ``span`` of param ``i``'s update and of its state leaves
   ``mine`` from those rows of its weights and state (``o``: by rows for
-  ``mine``, whole for the shared leaves): ``[update, *new state]``."""
+  ``mine``, whole for the shared leaves): ``[update, *new state]``.
+  ``g_rows(span)``: rows of its gradient, where the update reads them by
+  rows (the gradient whole where it reads it whole: a global norm)."""
   n_g, n_o, k = len(train), len(spec.opt_leaves), train.index(i)
   given = set(mine) | set(p.shared)  # not the other leaves' rows or state
-  args = [*g_flat, *[o[j] if j in given else None for j in range(n_o)]]
+  grads = list(g_flat)
+  if g_rows is not None:
+    grads[k] = _rows.Lazy(g_flat[k], g_rows)
+  args = [*grads, *[o[j] if j in given else None for j in range(n_o)]]
   args += [w_rows if t == k else None for t in range(n_g)]
   args += [x for x in jax.tree.leaves(extra_args) if hasattr(x, "dtype")]
   program = _rows.Rows(

@@ -65,6 +65,7 @@ def run_update(
   finish,
   opt_def=None,
   bases=None,
+  g_rows=None,
 ):
   """The inner Optax update, then ``finish(i, w, u)`` per trained param.
 
@@ -85,6 +86,10 @@ def run_update(
     bases: ``bases(i)`` -> the stored values ``finish(i, ...)``'s results
       replace, where a streamed update writes a layer stack by rows
       (:func:`~zerojax._src.step.offload.stream`).
+    g_rows: per param, ``rows(span)`` -> those rows of its gradient view
+      (:func:`~zerojax._src.step.leaf_ops.grad_rows`), which a streamed
+      update reads a layer stack's gradient by; None: sliced from
+      ``g_view``.
 
   Returns:
     ``(per-param finish results (None for frozen), new state leaves in
@@ -116,6 +121,7 @@ def run_update(
         finish=finish,
         opt_def=opt_def,
         bases=bases,
+        g_rows=g_rows,
       )
   opt_def = spec.opt_def if opt_def is None else opt_def
   opt_logical = jax.tree.unflatten(
@@ -203,7 +209,7 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   (:func:`~zerojax._src.step.state.stored_params`: all-gathered at stages
   1-2) and go into the state (:func:`~zerojax._src.step.leaf_ops.after_update`)."""
   spec = state.spec
-  g_view, w_src = _ops.update_inputs(spec, state, grads, where)
+  g_view, g_rows, w_src = _ops.update_inputs(spec, state, grads, where)
   w_src = _shards_before_update(spec, state, g_view, w_src)
   grad_norm = _global_norm(
     [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None],
@@ -227,6 +233,7 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
     state.opt_state,
     extra_args,
     finish=finish,
+    g_rows=g_rows,
     bases=lambda i: (
       old_masters[i],
       old[i] if stage3 and spec.leaves[i].place.params_host else None,
