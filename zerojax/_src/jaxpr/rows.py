@@ -28,11 +28,13 @@ Where a row equation needs a free value's rows and that value is itself
 the output of a row equation, they are computed from its operands' rows,
 so no whole-stack temporary is made for a few rows' sake; the other free
 values the outputs read are computed whole, in the jaxpr's order (those
-only other leaves' outputs read are not traced). Rows so computed are the
-same operations on the same elements as the whole stack's; a compiler
-that contracts multiply-adds to FMA instructions in other places in the
-two programs rounds them apart in the last bits (docs/design.md). Plain
-calls (``jit``, ``custom_jvp_call``...) are read through, as in
+only other leaves' outputs read are not traced). A free input may come
+both whole and by rows (:class:`Lazy`: a gradient sliced before its cast
+to the master dtype), and row equations then read its rows. Rows so
+computed are the same operations on the same elements as the whole
+stack's; a compiler that contracts multiply-adds to FMA instructions in
+other places in the two programs rounds them apart in the last bits
+(docs/design.md). Plain calls (``jit``, ``custom_jvp_call``...) are read through, as in
 :mod:`zerojax._src.jaxpr.deps`.
 """
 
