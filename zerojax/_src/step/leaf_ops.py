@@ -193,6 +193,15 @@ def opt_logical(o: OptLeafSpec, x):
   )
 
 
+def opt_zeros(o: OptLeafSpec, raw):
+  """Zeros in place of state leaf ``o`` (stored as ``raw``) for an update
+  whose kept outputs do not read it; a typed PRNG key has no zeros and is
+  read as it is."""
+  if jax.dtypes.issubdtype(o.aval.dtype, jax.dtypes.extended):
+    return opt_logical(o, raw)
+  return jnp.zeros(o.aval.shape, o.aval.dtype)
+
+
 def opt_storage(o: OptLeafSpec, x):
   """The inner optimizer's new value -> as stored, in the state's dtype (an
   optimizer may promote, e.g. a bf16 moment to fp32; typed PRNG keys are

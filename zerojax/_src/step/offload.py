@@ -382,9 +382,8 @@ def stream(
     bases: ``bases(i)`` -> the values ``finish(i, ...)``'s results replace
       (a tree like them, None where there is none), into which a layer
       stack's results are written row by row; others are concatenated.
-    g_rows: per param, ``rows(span)`` -> those rows of ``g_view[i]``,
-      which a layer stack updated by rows reads its gradient by (None:
-      sliced from ``g_view``).
+    g_rows: per param, ``rows(span)`` -> rows of ``g_view[i]``, which a
+      stack updated by rows reads (None: sliced from ``g_view``).
 
   Returns:
     ``(per-param finish results (None for frozen), new state leaves as
@@ -481,7 +480,7 @@ def _whole_update(
   :func:`plan`); typed keys have no zeros and are read as they are.
   Returns per param its update, and the new state's leaves."""
   opt_in = [
-    o[j] if j in o else _zeros(spec.opt_leaves[j], opt_raw[j])
+    o[j] if j in o else _ops.opt_zeros(spec.opt_leaves[j], opt_raw[j])
     for j in range(len(opt_raw))
   ]
   w_in = [
@@ -496,9 +495,3 @@ def _whole_update(
     extra_args,
   )
   return spec.from_optimizer_view(updates), jax.tree.leaves(new)
-
-
-def _zeros(o, raw):
-  if jax.dtypes.issubdtype(o.aval.dtype, jax.dtypes.extended):
-    return _ops.opt_logical(o, raw)
-  return jnp.zeros(o.aval.shape, o.aval.dtype)
