@@ -33,12 +33,12 @@ import zerojax
 from zerojax._src.step import offload as _stream
 from zerojax.app import data, gpt
 
-OPTIMIZERS = {
-  "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
+OPTIMIZERS = {  # most wanted first
   "clip+adamw": lambda: optax.chain(
     optax.clip_by_global_norm(0.5), optax.adamw(3e-3)
   ),
   "nadamw": lambda: optax.nadamw(1e-3),
+  "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
   "lion": lambda: optax.lion(1e-4),
 }
 
@@ -125,14 +125,15 @@ def main():
     "stage 3, fp32 params, no master copy",
     "optimizers": {},
   }
-  for name in args.optimizers.split(","):
-    result["optimizers"][name] = compare(name, args.steps)
-    print(name, json.dumps(result["optimizers"][name]), flush=True)
   path = pathlib.Path(args.out) / (
     f"rows_rounding_{device.platform}{jax.device_count()}_jax{jax.__version__}.json"
   )
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(result, indent=1) + "\n")
+  for name in args.optimizers.split(","):
+    result["optimizers"][name] = compare(name, args.steps)
+    print(name, json.dumps(result["optimizers"][name]), flush=True)
+    # written after each optimizer, so a run cut short keeps its rows
+    path.write_text(json.dumps(result, indent=1) + "\n")
   print(path)
 
 
