@@ -153,14 +153,13 @@ def _conj(x):
   return x.conj() if jnp.iscomplexobj(x) else x
 
 
-def grad_rows(r: LeafSpec, g, stage: int, where: str) -> Callable:
+def grad_rows(r: LeafSpec, logical) -> Callable:
   """``rows(span)``: rows ``[a, b)`` of :func:`grad_view`'s value (its
-  complex conjugate for a complex leaf), sliced from the gradient before
-  the cast to the master dtype. The same elements in the same operations;
-  a streamed update that reads a layer stack's gradient a few rows at a
-  time then never makes the cast's whole copy (an fp32 copy of a bf16
-  stack)."""
-  logical = _logical_grad(r, g, stage, where)
+  complex conjugate for a complex leaf), sliced from the logical gradient
+  before the cast to the master dtype. The same elements in the same
+  operations; a streamed update that reads a layer stack's gradient a
+  few rows at a time then never makes the cast's whole copy (an fp32 copy
+  of a bf16 stack)."""
   return lambda span: _conj(
     _cast_grad(r, jax.lax.slice_in_dim(logical, *span, axis=0))
   )
@@ -233,8 +232,9 @@ def update_inputs(spec: StateSpec, state: ZeroState, grads, where: str):
       g_rows.append(None)
       w_src.append(None)
       continue
-    g_view.append(_conj(grad_view(r, g, spec.stage, where)))
-    g_rows.append(grad_rows(r, g, spec.stage, where))
+    logical = _logical_grad(r, g, spec.stage, where)
+    g_view.append(_conj(_cast_grad(r, logical)))
+    g_rows.append(grad_rows(r, logical))
     w_src.append(weight_source(r, p, m))
   return g_view, g_rows, w_src
 
