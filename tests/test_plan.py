@@ -267,6 +267,30 @@ def test_largest_fitting_offloaded_model_is_bounded_by_host_memory_too():
   assert not _fits_at_least_share(bigger, 141e9, 110e9, {"data": 1})[1]
 
 
+def test_what_binds_the_largest_offloaded_gpt_is_the_gradients_or_the_host():
+  """Stage 3 with the params and state on the host: on one 141 GB device
+  with no host bound the GPT just past the largest overflows the device,
+  most of it the bf16 gradients the device keeps (2 bytes per param: so
+  bf16 params never exceed the device's memory), and its device parts
+  sum to the plan's device bytes; with 110 GB of host memory it is the
+  host that overflows."""
+  kw = dict(offload=True, offload_params=True)
+  largest = plan.largest_fitting(141e9, 3, 1, **kw)
+  b = plan.what_binds(largest, 141e9, 3, 1, **kw)
+  assert b["memory"] == "device"
+  parts = b["device_parts"]
+  assert max(parts, key=parts.get) == "gradients"
+  assert parts["gradients"] == pytest.approx(2 * b["n_params"], rel=1e-3)
+  assert 2 * gpt.num_params(largest) < 141e9 < sum(parts.values())
+  bigger = gpt.config_for_params(b["n_params"], seq_len=largest.seq_len)
+  x = plan.plan_gpt(plan.abstract_gpt(bigger), 3, 1, **kw)
+  assert sum(parts.values()) == pytest.approx(x.device)
+  bounded = plan.largest_fitting(141e9, 3, 1, **kw, host_memory_bytes=110e9)
+  h = plan.what_binds(bounded, 141e9, 3, 1, **kw, host_memory_bytes=110e9)
+  assert h["memory"] == "host" and h["host"] > 110e9
+  assert sum(h["device_parts"].values()) <= 141e9
+
+
 def test_cli_host_memory_bound_names_itself_and_needs_offload():
   argv = ["--params", "7e9", "--devices", "1", "--memory-gb", "141"]
   run = lambda *extra: subprocess.run(
@@ -278,7 +302,9 @@ def test_cli_host_memory_bound_names_itself_and_needs_offload():
     "--offload", "--offload-params", "--host-memory-gb", "110", "--json"
   )
   assert out.returncode == 0, out.stderr
-  largest = int(json.loads(out.stdout)["largest_fitting"]["3"])
+  record = json.loads(out.stdout)
+  largest = int(record["largest_fitting"]["3"])
+  assert record["largest_fitting_bound"]["3"]["memory"] == "host"
   config = gpt.config_for_params(largest, seq_len=2048)
   assert _fits_at_least_share(config, 141e9, 110e9, {"data": 1})[1]
   bad = run("--host-memory-gb", "110")

@@ -3,8 +3,8 @@
     python -m zerojax.plan --params 7.5e9 --devices 64
 
 :mod:`zerojax.cost` (library) prices any params; this namespace adds the
-GPT: its saved activations, its working set, the largest one that fits,
-and the command line. See :mod:`zerojax.app.planner`.
+GPT: its saved activations, its working set, the largest one that fits
+and what stops a larger one, and the command line. See :mod:`zerojax.app.planner`.
 """
 
 from zerojax.app.planner import abstract_gpt as abstract_gpt
@@ -13,6 +13,7 @@ from zerojax.app.planner import largest_fitting as largest_fitting
 from zerojax.app.planner import main
 from zerojax.app.planner import plan_gpt as plan_gpt
 from zerojax.app.planner import predicted_peak as predicted_peak
+from zerojax.app.planner import what_binds as what_binds
 from zerojax.app.planner import working_set as working_set
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
   "largest_fitting",
   "plan_gpt",
   "predicted_peak",
+  "what_binds",
   "working_set",
 ]
 

@@ -260,22 +260,18 @@ def largest_fitting(
 
   def fits(psi: float) -> bool:
     config = gpt.config_for_params(psi, seq_len=seq_len)
-    share = offload
-    if host_memory_bytes is not None:
-      share = offload_needed(
-        config, stage, memory_bytes, {"data": n_devices}, offload_params
-      )
-      if share is None:
-        return False
-    x = plan_gpt(
-      abstract_gpt(config),
+    x = _plan_at_share(
+      config,
+      memory_bytes,
       stage,
       n_devices,
-      offload=share,
-      offload_params=offload_params,
+      offload,
+      offload_params,
+      host_memory_bytes,
     )
-    on_host = host_memory_bytes is None or x.host <= host_memory_bytes
-    return x.device <= memory_bytes and on_host
+    return (
+      x is not None and _overflows(x, memory_bytes, host_memory_bytes) is None
+    )
 
   lo, hi = 1e7, 1e7
   if not fits(lo):
@@ -288,6 +284,95 @@ def largest_fitting(
     if hi / lo < 1.002:
       break
   return gpt.config_for_params(lo, seq_len=seq_len)
+
+
+def _plan_at_share(
+  config, memory_bytes, stage, n_devices, offload, offload_params, host_bytes
+):
+  """The GPT's plan at the offload share :func:`largest_fitting` prices
+  it at (``offload``, or with a host bound the least share with which the
+  device part fits); None where no share fits the device."""
+  share = offload
+  if host_bytes is not None:
+    share = offload_needed(
+      config, stage, memory_bytes, {"data": n_devices}, offload_params
+    )
+    if share is None:
+      return None
+  return plan_gpt(
+    abstract_gpt(config),
+    stage,
+    n_devices,
+    offload=share,
+    offload_params=offload_params,
+  )
+
+
+def _overflows(x, memory_bytes, host_bytes) -> str | None:
+  """Which memory plan ``x`` overflows, the device's first; None: fits."""
+  if x.device > memory_bytes:
+    return "device"
+  if host_bytes is not None and x.host > host_bytes:
+    return "host"
+  return None
+
+
+def device_parts(x) -> dict:
+  """Plan ``x``'s device bytes per device, by part: the params' shards
+  kept there, the master copy and optimizer state kept there, the
+  gradients, and the streamed update's chunks (they sum to ``x.device``)."""
+  return {
+    "params": x.params - (x.params_host if x.offload else 0.0),
+    "master and optimizer": x.master
+    + x.optimizer
+    - (x.host_bytes if x.offload else 0.0),
+    "gradients": x.grads,
+    "update chunks": x.update_transient,
+  }
+
+
+def what_binds(
+  config: gpt.GPTConfig,
+  memory_bytes: float,
+  stage: int,
+  n_devices: int,
+  offload: bool | float = False,
+  offload_params: bool = False,
+  host_memory_bytes: float | None = None,
+  step: float = 1.02,
+) -> dict:
+  """What keeps a GPT ``step`` times larger than ``config`` (the one
+  :func:`largest_fitting` found, with the same arguments) from fitting:
+  ``memory`` (``"device"`` or ``"host"``, the one it overflows; the
+  device's is checked first), ``device_parts`` (:func:`device_parts` of
+  that larger GPT, bytes per device; empty where no offload share fits
+  its device part), ``host`` (its bytes per device in host memory) and
+  ``n_params`` (its parameter count)."""
+  bigger = gpt.config_for_params(
+    step * gpt.num_params(config), seq_len=config.seq_len
+  )
+  x = _plan_at_share(
+    bigger,
+    memory_bytes,
+    stage,
+    n_devices,
+    offload,
+    offload_params,
+    host_memory_bytes,
+  )
+  if x is None:
+    return {
+      "memory": "device",
+      "device_parts": {},
+      "host": None,
+      "n_params": gpt.num_params(bigger),
+    }
+  return {
+    "memory": _overflows(x, memory_bytes, host_memory_bytes),
+    "device_parts": device_parts(x),
+    "host": x.host,
+    "n_params": gpt.num_params(bigger),
+  }
 
 
 def _host_bytes(args) -> float | None:
@@ -423,7 +508,7 @@ def main(argv=None):
         x, slices, args.hardware, args.fast_bw, args.slow_bw, args.collectives
       )
     )
-  fitting, needed, needed_host = {}, {}, {}
+  fitting, bound, needed, needed_host = {}, {}, {}, {}
   if args.memory_gb and args.offload:
     needed = {
       s: offload_needed(
@@ -459,6 +544,16 @@ def main(argv=None):
         host_memory_bytes=_host_bytes(args),
       )
       fitting[s] = None if c is None else gpt.num_params(c)
+      if c is not None:
+        bound[s] = what_binds(
+          c,
+          args.memory_gb * GB,
+          s,
+          args.devices,
+          offload=args.offload,
+          offload_params=args.offload_params and s == 3,
+          host_memory_bytes=_host_bytes(args),
+        )
   acts = _activations(p, args, config, mesh)
   if args.zeropp and (len(mesh) > 1 or slices < 2):
     p.error("--zeropp: give --devices N and --slices S >= 2 (nodes)")
@@ -481,6 +576,7 @@ def main(argv=None):
             for x in plans
           ],
           "largest_fitting": fitting,
+          "largest_fitting_bound": bound,
           "offload_needed": needed,
           "offload_needed_host_bytes": needed_host,
           "compiled": compiled,
@@ -491,7 +587,7 @@ def main(argv=None):
       )
     )
     return
-  _print_report(args, config, mesh, slices, plans, acts, fitting)
+  _print_report(args, config, mesh, slices, plans, acts, fitting, bound)
   if needed:
     print(
       f"\nleast offload share (zero(..., offload=SHARE)) with which this "
@@ -803,7 +899,7 @@ def _activations(p, args, config, mesh: dict) -> dict:
   return acts
 
 
-def _print_report(args, config, mesh, slices, plans, acts, fitting):
+def _print_report(args, config, mesh, slices, plans, acts, fitting, bound):
   hw = HARDWARE[args.hardware]
   fast = args.fast_bw or hw["fast"]
   slow = args.slow_bw or hw["slow"]
@@ -854,7 +950,25 @@ def _print_report(args, config, mesh, slices, plans, acts, fitting):
       print(
         f"  stage {s}: "
         f"{'nothing fits' if n is None else f'{n / 1e9:,.2f} B params'}"
+        f"{_binds_text(bound.get(s))}"
       )
+
+
+def _binds_text(b: dict | None) -> str:
+  """``what_binds``' answer as the tail of a largest-GPT line."""
+  if not b:
+    return ""
+  more = f"{b['n_params'] / 1e9:,.2f} B"
+  if b["memory"] == "host":
+    return f"; at {more} the host memory overflows ({b['host'] / GB:.1f} GB)"
+  if not b["device_parts"]:
+    return f"; at {more} no offload share fits the device"
+  part, size = max(b["device_parts"].items(), key=lambda kv: kv[1])
+  total = sum(b["device_parts"].values())
+  return (
+    f"; at {more} the device overflows ({total / GB:.1f} GB, most of it "
+    f"{part}: {size / GB:.1f} GB)"
+  )
 
 
 def _print_zeropp(args, slices, n_params, hw, fast, slow):
