@@ -11,7 +11,8 @@ For a GPT-shaped model (from a parameter count, or an explicit config) on N
 data-parallel devices, prints for each ZeRO stage the per-device bytes of
 params, master weights, optimizer moments and gradients, and the collective
 bytes per step; then the largest GPT that fits ``--memory-gb`` per device at
-each stage. Everything comes from the layouts zerojax would use -- the same
+each stage, and what stops one 2% larger (the memory it overflows and, on
+the device, its largest part: :func:`what_binds`). Everything comes from the layouts zerojax would use -- the same
 :func:`zerojax.layout.make_spec` that ``zerojax.init`` runs, on abstract
 shapes (``jax.eval_shape``) and an ``AbstractMesh`` of N devices -- so no
 array is allocated and 1024 devices or 1T parameters cost nothing. Padding
