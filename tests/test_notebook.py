@@ -42,6 +42,14 @@ def test_zero_stages_notebook_runs(tmp_path):
   outputs = _run("zero_stages.ipynb", tmp_path)
   assert "stage 3 over 8 devices" in outputs
   assert "7.5e+09 params on 64 devices: stage 0 120.0 GB" in outputs
+  # offload: where the state lives, the same params, what the planner says
+  assert "offload=0.5: optimizer state in ['device', 'pinned_host']" in outputs
+  for name in ("offload=True", "offload=0.5", "offload_params=True"):
+    assert f"{name}: the same params as on the device after 3 steps: True" in (
+      outputs
+    ), outputs
+  assert "7B, one 80 GB device: needs offload=" in outputs
+  assert re.search(r"the device overflows: .*gradients \d", outputs), outputs
 
 
 def test_bring_your_model_notebook_runs(tmp_path):
