@@ -10,6 +10,7 @@ python -m tests.mp_worker zeropp  3 OUT JSON       # ZeRO++, node = process
 python -m tests.mp_worker qgz     3 OUT JSON       # qgZ alone, node = process
 python -m tests.mp_worker aux     STAGE PREFIX     # per-example aux rows
 python -m tests.mp_worker safetensors STAGE DIR OUT # train, export, load back
+python -m tests.mp_worker offload 3 OUT DIR       # offloaded settings, checkpoint
 """
 
 import os
@@ -159,6 +160,59 @@ def main(mode, *rest):
       for a, b in zip(trained, loaded)
     )
     save_params(back, rest[2])
+  elif mode == "offload":
+    # stage 3 with all, half, or all of the state and the params' shards in
+    # host memory, each beside the same run on the device: the params after
+    # five steps, whether they have the same bits, and a checkpoint of the
+    # offloaded state saved after three steps and restored on the device
+    # (continued for two), against the uninterrupted run
+    import json
+
+    settings = {
+      "all": dict(offload=True),
+      "half": dict(offload=0.5),
+      "params": dict(offload=True, offload_params=True),
+    }
+
+    def run(kw, stop=None):
+      t = zerojax.zero(optax.adamw(1e-2), stage=stage, **kw)
+      state = zerojax.init(params, t)
+      s = zerojax.train_step(toy.loss_fn, t)
+      for b in batches[:stop]:
+        state, _ = s(state, b)
+      return state
+
+    def full(state):
+      return [
+        np.asarray(x.addressable_data(0))
+        for x in jax.tree.leaves(zerojax.gather_params(state))
+      ]
+
+    plain = full(run({}))
+    same = {}
+    for name, kw in settings.items():
+      state = run(kw)
+      kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)}
+      same[name] = {
+        "bits": all(np.array_equal(a, b) for a, b in zip(full(state), plain)),
+        "host": "pinned_host" in kinds,
+      }
+    with checkpoint.Checkpointer(rest[2]) as ckpt:
+      ckpt.save(run(settings["params"], stop=3))
+    on_device = zerojax.zero(optax.adamw(1e-2), stage=stage)
+    with checkpoint.Checkpointer(rest[2]) as ckpt:
+      state, _ = ckpt.restore(params, on_device)
+    s = zerojax.train_step(toy.loss_fn, on_device)
+    for b in batches[3:]:
+      state, _ = s(state, b)
+    same["restored"] = {
+      "bits": all(np.array_equal(a, b) for a, b in zip(full(state), plain)),
+      "host": False,
+    }
+    if distributed.is_main():
+      np.savez(rest[1] + ".npz", *plain)
+      with open(rest[1] + ".json", "w") as f:
+        json.dump(same, f)
   elif mode == "train":
     state = zerojax.init(params, tx)
     for b in batches:

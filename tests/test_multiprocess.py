@@ -104,6 +104,31 @@ def test_checkpoint_from_two_processes_restores_in_one_and_back(tmp_path):
     assert np.array_equal(a, b)
 
 
+def test_offload_across_two_processes_equals_the_device_and_one_process(
+  tmp_path,
+):
+  """Stage 3 over two processes with all, half, or all of the state and
+  the params' shards in host memory: the params after five steps have the
+  bits of the same two processes without offload, and a checkpoint of the
+  offloaded state restores on the device and continues to the same bits;
+  that run equals one process's to rounding (gloo sums in another
+  order)."""
+  out = tmp_path / "off"
+  assert _launch(tmp_path, "offload", 3, out, tmp_path / "ckpt") == 0
+  import json
+
+  same = json.loads((tmp_path / "off.json").read_text())
+  assert same == {
+    "all": {"bits": True, "host": True},
+    "half": {"bits": True, "host": True},
+    "params": {"bits": True, "host": True},
+    "restored": {"bits": True, "host": False},
+  }, same
+  _, want = _single(3, 5)
+  for a, b in zip(_load(tmp_path / "off.npz"), want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_a_killed_process_stops_the_run_in_bounded_time(tmp_path):
   """Process 1 is SIGKILLed at step 2; process 0 must not hang.
 
