@@ -259,20 +259,13 @@ def largest_fitting(
   fit too: host memory then bounds the model only where the device cannot
   take the rest."""
 
+  fit = _Fit(
+    memory_bytes, stage, n_devices, offload, offload_params, host_memory_bytes
+  )
+
   def fits(psi: float) -> bool:
-    config = gpt.config_for_params(psi, seq_len=seq_len)
-    x = _plan_at_share(
-      config,
-      memory_bytes,
-      stage,
-      n_devices,
-      offload,
-      offload_params,
-      host_memory_bytes,
-    )
-    return (
-      x is not None and _overflows(x, memory_bytes, host_memory_bytes) is None
-    )
+    x = fit.plan(gpt.config_for_params(psi, seq_len=seq_len))
+    return x is not None and fit.overflows(x) is None
 
   lo, hi = 1e7, 1e7
   if not fits(lo):
@@ -287,35 +280,48 @@ def largest_fitting(
   return gpt.config_for_params(lo, seq_len=seq_len)
 
 
-def _plan_at_share(
-  config, memory_bytes, stage, n_devices, offload, offload_params, host_bytes
-):
-  """The GPT's plan at the offload share :func:`largest_fitting` prices
-  it at (``offload``, or with a host bound the least share with which the
-  device part fits); None where no share fits the device."""
-  share = offload
-  if host_bytes is not None:
-    share = offload_needed(
-      config, stage, memory_bytes, {"data": n_devices}, offload_params
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+  """The bounds :func:`largest_fitting` searches under, and how it prices
+  one GPT against them."""
+
+  memory_bytes: float
+  stage: int
+  n_devices: int
+  offload: bool | float = False
+  offload_params: bool = False
+  host_bytes: float | None = None
+
+  def plan(self, config):
+    """The GPT's plan at the offload share the search prices it at
+    (``offload``, or with a host bound the least share with which the
+    device part fits); None where no share fits the device."""
+    share = self.offload
+    if self.host_bytes is not None:
+      share = offload_needed(
+        config,
+        self.stage,
+        self.memory_bytes,
+        {"data": self.n_devices},
+        self.offload_params,
+      )
+      if share is None:
+        return None
+    return plan_gpt(
+      abstract_gpt(config),
+      self.stage,
+      self.n_devices,
+      offload=share,
+      offload_params=self.offload_params,
     )
-    if share is None:
-      return None
-  return plan_gpt(
-    abstract_gpt(config),
-    stage,
-    n_devices,
-    offload=share,
-    offload_params=offload_params,
-  )
 
-
-def _overflows(x, memory_bytes, host_bytes) -> str | None:
-  """Which memory plan ``x`` overflows, the device's first; None: fits."""
-  if x.device > memory_bytes:
-    return "device"
-  if host_bytes is not None and x.host > host_bytes:
-    return "host"
-  return None
+  def overflows(self, x) -> str | None:
+    """Which memory plan ``x`` overflows, the device's first; None: fits."""
+    if x.device > self.memory_bytes:
+      return "device"
+    if self.host_bytes is not None and x.host > self.host_bytes:
+      return "host"
+    return None
 
 
 def device_parts(x) -> dict:
@@ -352,15 +358,10 @@ def what_binds(
   bigger = gpt.config_for_params(
     step * gpt.num_params(config), seq_len=config.seq_len
   )
-  x = _plan_at_share(
-    bigger,
-    memory_bytes,
-    stage,
-    n_devices,
-    offload,
-    offload_params,
-    host_memory_bytes,
+  fit = _Fit(
+    memory_bytes, stage, n_devices, offload, offload_params, host_memory_bytes
   )
+  x = fit.plan(bigger)
   if x is None:
     return {
       "memory": "device",
@@ -369,7 +370,7 @@ def what_binds(
       "n_params": gpt.num_params(bigger),
     }
   return {
-    "memory": _overflows(x, memory_bytes, host_memory_bytes),
+    "memory": fit.overflows(x),
     "device_parts": device_parts(x),
     "host": x.host,
     "n_params": gpt.num_params(bigger),
