@@ -350,8 +350,9 @@ def what_binds(
 ) -> dict:
   """What keeps a GPT ``step`` times larger than ``config`` (the one
   :func:`largest_fitting` found, with the same arguments) from fitting:
-  ``memory`` (``"device"`` or ``"host"``, the one it overflows; the
-  device's is checked first), ``device_parts`` (:func:`device_parts` of
+  ``memory`` (``"device"`` or ``"host"``, the one it overflows, the
+  device's checked first; None where it fits: the search stopped at its
+  cap), ``device_parts`` (:func:`device_parts` of
   that larger GPT, bytes per device; empty where no offload share fits
   its device part), ``host`` (its bytes per device in host memory) and
   ``n_params`` (its parameter count)."""
@@ -958,7 +959,7 @@ def _print_report(args, config, mesh, slices, plans, acts, fitting, bound):
 
 def _binds_text(b: dict | None) -> str:
   """``what_binds``' answer as the tail of a largest-GPT line."""
-  if not b:
+  if not b or b["memory"] is None:  # the search's cap, not a memory
     return ""
   more = f"{b['n_params'] / 1e9:,.2f} B"
   if b["memory"] == "host":
