@@ -952,16 +952,21 @@ def _print_report(args, config, mesh, slices, plans, acts, fitting, bound):
     for s, n in fitting.items():
       print(
         f"  stage {s}: "
-        f"{'nothing fits' if n is None else f'{n / 1e9:,.2f} B params'}"
+        f"{'nothing fits' if n is None else f'{_count(n)} params'}"
         f"{_binds_text(bound.get(s))}"
       )
+
+
+def _count(n: float) -> str:
+  """A parameter count in billions, or millions below one billion."""
+  return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
 
 
 def _binds_text(b: dict | None) -> str:
   """``what_binds``' answer as the tail of a largest-GPT line."""
   if not b or b["memory"] is None:  # the search's cap, not a memory
     return ""
-  more = f"{b['n_params'] / 1e9:,.2f} B"
+  more = _count(b["n_params"])
   if b["memory"] == "host":
     return f"; at {more} the host memory overflows ({b['host'] / GB:.1f} GB)"
   if not b["device_parts"]:
