@@ -12,7 +12,8 @@ data-parallel devices, prints for each ZeRO stage the per-device bytes of
 params, master weights, optimizer moments and gradients, and the collective
 bytes per step; then the largest GPT that fits ``--memory-gb`` per device at
 each stage, and what stops one 2% larger (the memory it overflows and, on
-the device, its largest part: :func:`what_binds`). Everything comes from the layouts zerojax would use -- the same
+the device, its largest part: :func:`what_binds`). Everything comes from
+the layouts zerojax would use -- the same
 :func:`zerojax.layout.make_spec` that ``zerojax.init`` runs, on abstract
 shapes (``jax.eval_shape``) and an ``AbstractMesh`` of N devices -- so no
 array is allocated and 1024 devices or 1T parameters cost nothing. Padding
@@ -352,10 +353,10 @@ def what_binds(
   :func:`largest_fitting` found, with the same arguments) from fitting:
   ``memory`` (``"device"`` or ``"host"``, the one it overflows, the
   device's checked first; None where it fits: the search stopped at its
-  cap), ``device_parts`` (:func:`device_parts` of
-  that larger GPT, bytes per device; empty where no offload share fits
-  its device part), ``host`` (its bytes per device in host memory) and
-  ``n_params`` (its parameter count)."""
+  cap), ``device_parts`` (:func:`device_parts` of that larger GPT, bytes
+  per device; empty where no offload share fits its device part),
+  ``host`` (its bytes per device in host memory) and ``n_params`` (its
+  parameter count)."""
   bigger = gpt.config_for_params(
     step * gpt.num_params(config), seq_len=config.seq_len
   )
