@@ -344,6 +344,7 @@ def what_binds(
   memory_bytes: float,
   stage: int,
   n_devices: int,
+  *,
   offload: bool | float = False,
   offload_params: bool = False,
   host_memory_bytes: float | None = None,
