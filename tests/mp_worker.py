@@ -161,8 +161,9 @@ def main(mode, *rest):
     )
     save_params(back, rest[2])
   elif mode == "offload":
-    # stage 3 with all, half, or all of the state and the params' shards in
-    # host memory, each beside the same run on the device: the params after
+    # stage 3 with the whole state, half of it, or the whole state and the
+    # params' shards in host memory, each beside the same run on the
+    # device: the params after
     # five steps, whether they have the same bits, and a checkpoint of the
     # offloaded state saved after three steps and restored on the device
     # (continued for two), against the uninterrupted run
@@ -205,9 +206,10 @@ def main(mode, *rest):
     s = zerojax.train_step(toy.loss_fn, on_device)
     for b in batches[3:]:
       state, _ = s(state, b)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)}
     same["restored"] = {
       "bits": all(np.array_equal(a, b) for a, b in zip(full(state), plain)),
-      "host": False,
+      "host": "pinned_host" in kinds,
     }
     if distributed.is_main():
       np.savez(rest[1] + ".npz", *plain)

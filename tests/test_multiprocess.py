@@ -107,12 +107,12 @@ def test_checkpoint_from_two_processes_restores_in_one_and_back(tmp_path):
 def test_offload_across_two_processes_equals_the_device_and_one_process(
   tmp_path,
 ):
-  """Stage 3 over two processes with all, half, or all of the state and
-  the params' shards in host memory: the params after five steps have the
-  bits of the same two processes without offload, and a checkpoint of the
-  offloaded state restores on the device and continues to the same bits;
-  that run equals one process's to rounding (gloo sums in another
-  order)."""
+  """Stage 3 over two processes with the whole state, half of it, or the
+  whole state and the params' shards in host memory: the state is there
+  and the params after five steps have the bits of the same two processes
+  without offload; a checkpoint of the offloaded state restores into
+  device memory and continues to the same bits; that run equals one
+  process's to rounding (gloo sums in another order)."""
   out = tmp_path / "off"
   assert _launch(tmp_path, "offload", 3, out, tmp_path / "ckpt") == 0
   import json
