@@ -65,6 +65,8 @@ CONFIGS = (
   "3offp-whole",
   "3offb",
   "3offp",
+  "3offbg",
+  "3offpg",
   "1-free",
   "3-free",
   "3off-free",
@@ -87,6 +89,8 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # "<stage>offb": offload=True with bf16 params and an fp32 master copy;
 # "<stage>offp": the same and offload_params=True (the params' shards in
 # host memory too, each layer brought down before its gather);
+# "<stage>offbg" / "<stage>offpg": those with offload_grads=True (the
+# reduced gradients in host memory, each chunk's brought down with it);
 # "<config>-free": that configuration with the update free to start before
 # the last gradient exists (zerojax's step waits for all of them), to
 # compare the compiler's peaks; "<stage>split": the step as a user's own
@@ -182,6 +186,8 @@ def worker(args) -> dict:
     # fp32 params, no master copy, except "offb" / "offp": bf16 + master
     policy, stacked = zerojax.Policy(), None
     base = args.config.removesuffix("-whole")
+    grads_host = base.endswith(("offbg", "offpg"))
+    base = base.removesuffix("g") if grads_host else base
     if base.endswith(("offb", "offp")):
       policy = zerojax.Policy(param_dtype=jnp.bfloat16)
       if args.model == "gpt":  # its embedding and head are not stacks
@@ -195,6 +201,7 @@ def worker(args) -> dict:
       stacked=stacked,
       offload=offload,
       offload_params=base.endswith("offp"),
+      offload_grads=grads_host,
     )
     state = jax.eval_shape(
       lambda k: zerojax.init_from(init_fn, tx, k), jax.random.key(0)
@@ -225,6 +232,7 @@ def worker(args) -> dict:
       stacked=stacked,
       offload=offload,
       offload_params=base.endswith("offp"),
+      offload_grads=grads_host,
     )
     if offload:
       out["offload"] = {
@@ -251,6 +259,7 @@ def worker(args) -> dict:
       "master": plan.master,
       "optimizer": plan.optimizer,
       "grads": plan.grads,
+      "grads_host": plan.grads_host,
       "activations": plan.activations,
       "working_set": plan.working_set,
       "collectives": plan.collectives,
@@ -316,7 +325,7 @@ def _offload_share(config: str) -> bool | float:
   """``offload=`` of a configuration name (see :data:`CONFIGS`)."""
   if "off" not in config:
     return False
-  digits = config.split("off", 1)[1].split("-")[0].rstrip("bp")
+  digits = config.split("off", 1)[1].split("-")[0].rstrip("bpg")
   return int(digits) / 100 if digits else True
 
 

@@ -7,6 +7,7 @@ the extra after the suite and runs ``pytest -m tpu_compiler``.
 """
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -196,10 +197,29 @@ def _offloaded_step(tpu_mesh, **offload):
     {k: ((rows, config.seq_len), jnp.int32) for k in ("x", "y")}
   )
   step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
-  row = aot.compiled_report(step.lower(state, batch).compile(), tpu_mesh)
+  compiled = step.lower(state, batch).compile()
+  row = aot.compiled_report(compiled, tpu_mesh)
+  row["hlo"] = compiled.as_text()
   shapes = jax.eval_shape(init, jax.random.key(0))
   planned = cost.plan_stage(shapes, 3, mesh=dict(tpu_mesh.shape), **kw)
   return row, planned
+
+
+def _loop_bodies(hlo: str) -> dict:
+  """Each while loop's body computation, by name, as text."""
+  names = set(re.findall(r"while\(.*?body=%([\w.\-]+)", hlo))
+  out, name, lines = {}, None, []
+  for line in hlo.splitlines():
+    head = re.match(r"^%([\w.\-]+) .*\{$", line)
+    if head:
+      name, lines = head.group(1), []
+    elif line.startswith("}") and name:
+      if name in names:
+        out[name] = "\n".join(lines)
+      name = None
+    elif name:
+      lines.append(line)
+  return out
 
 
 def test_the_tpu_compiler_brings_offloaded_state_down_while_layers_run(
@@ -234,6 +254,33 @@ def test_the_tpu_compiler_reads_host_layer_stacks_once_per_pass(tpu_mesh):
   assert moved["host-to-device"]["bytes"] == planned.host_to_device
   assert moved["device-to-host"]["bytes"] == planned.device_to_host
   assert planned.host_to_device == planned.device_to_host + stacks
+
+
+def test_the_tpu_compiler_writes_each_layers_gradient_to_host_memory(
+  tpu_mesh,
+):
+  """Stage 3 with the state, the params' shards and the gradients in host
+  memory: the backward loop writes each layer's gradient shard into a
+  host buffer (``dynamic-update-slice-start`` into memory space 5), and
+  the update brings each down once. The bytes each way are the
+  planner's to the byte: the gradients' more, once each way."""
+  kw = dict(offload=True, offload_params=True)
+  row, planned = _offloaded_step(tpu_mesh, offload_grads=True, **kw)
+  base_row, base = _offloaded_step(tpu_mesh, **kw)
+  moved = row["host_transfers"]
+  assert 0 < planned.grads_host <= planned.grads
+  assert moved["host-to-device"]["bytes"] == planned.host_to_device
+  assert moved["device-to-host"]["bytes"] == planned.device_to_host
+  assert planned.host_to_device == base.host_to_device + planned.grads_host
+  assert planned.device_to_host == base.device_to_host + planned.grads_host
+  into_host = re.compile(
+    r"= \(?\(?\w+\[[\d,]*\]\{[^}]*S\(5\)\}.* dynamic-update-slice-start\("
+  )
+  count = lambda bodies: sum(len(into_host.findall(b)) for b in bodies.values())
+  # the stacks' gradients: written per layer in a loop (not there
+  # without offload_grads)
+  assert count(_loop_bodies(row["hlo"])) >= 4, row["memory"]
+  assert count(_loop_bodies(base_row["hlo"])) == 0
 
 
 def test_the_tpu_compiler_moves_offloaded_block_inputs_as_planned(tpu_mesh):

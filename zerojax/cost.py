@@ -10,7 +10,6 @@ state and collective bytes from zerojax's own layouts, for any params.
 
 from zerojax._src.diagnostics.planner import GB as GB
 from zerojax._src.diagnostics.planner import HARDWARE as HARDWARE
-from zerojax._src.diagnostics.planner import ZEROPP_ROWS as ZEROPP_ROWS
 from zerojax._src.diagnostics.planner import StagePlan as StagePlan
 from zerojax._src.diagnostics.planner import comm_time as comm_time
 from zerojax._src.diagnostics.planner import (
@@ -20,7 +19,8 @@ from zerojax._src.diagnostics.planner import plan_stage as plan_stage
 from zerojax._src.diagnostics.planner import (
   saved_activations as saved_activations,
 )
-from zerojax._src.diagnostics.planner import zeropp_comm as zeropp_comm
+from zerojax._src.diagnostics.zeropp_comm import ZEROPP_ROWS as ZEROPP_ROWS
+from zerojax._src.diagnostics.zeropp_comm import zeropp_comm as zeropp_comm
 
 __all__ = [
   "GB",

@@ -334,7 +334,7 @@ def device_parts(x) -> dict:
     "master and optimizer": x.master
     + x.optimizer
     - (x.host_bytes if x.offload else 0.0),
-    "gradients": x.grads,
+    "gradients": x.grads - (x.grads_host if x.offload else 0.0),
     "update chunks": x.update_transient,
   }
 

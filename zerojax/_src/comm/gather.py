@@ -78,6 +78,10 @@ class GatherSpec:
   group_bytes: int | None = None  # cap on one grouped collective's full
   # bytes (the tx's bucket_bytes; None: no cap)
   on_host: bool = False  # stage 3: ``src`` lives in host memory
+  # stages 2-3 with offload_grads: the reduced gradient is scaled by this
+  # (the step's mean over devices and micro-batches) and written to host
+  # memory where the backward pass reduces it (None: left on the device)
+  grad_to_host: float | None = None
 
 
 def _entries(model, ndim):
@@ -382,8 +386,18 @@ def zerojax_gather_fwd(specs, sinks, srcs):
 
 def zerojax_gather_bwd(specs, _, cts):
   if len(specs) > 1:
-    return _reduce_flat(specs, cts), None
-  return (_reduce_one(specs[0], cts[0]),), None
+    out = _reduce_flat(specs, cts)
+  else:
+    out = (_reduce_one(specs[0], cts[0]),)
+  return tuple(_to_host(g, s) for g, s in zip(out, specs)), None
+
+
+def _to_host(g, spec: GatherSpec):
+  """A reduced gradient, scaled and in host memory where the leaf's
+  gradient is offloaded (its sink lives there: :func:`sink_like`)."""
+  if spec.grad_to_host is None:
+    return g
+  return jax.device_put(g * spec.grad_to_host, jax.memory.Space.Host)
 
 
 def _reduce_one(spec, ct):
@@ -450,9 +464,12 @@ def reduce_scatter(x, axis_name, dim: int, spec: GatherSpec):
 zerojax_gather.defvjp(zerojax_gather_fwd, zerojax_gather_bwd)
 
 
-def sink_like(src_shard_shape, dtype, axes):
+def sink_like(src_shard_shape, dtype, axes, on_host: bool = False):
   """A zero gradient sink of the local shard's shape, device-varying over
-  ``axes`` (the data axis, and the replica axis under hybrid sharding)."""
-  return jax.lax.pcast(
+  ``axes`` (the data axis, and the replica axis under hybrid sharding);
+  in host memory where the gradient goes there (a cotangent has its
+  primal's memory space). Only its cotangent is used."""
+  sink = jax.lax.pcast(
     jnp.zeros(src_shard_shape, np.dtype(dtype)), axes, to="varying"
   )
+  return jax.device_put(sink, jax.memory.Space.Host) if on_host else sink

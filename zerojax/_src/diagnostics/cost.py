@@ -110,6 +110,20 @@ def host_param_bytes(spec, *, stacked_only: bool = False) -> float:
   )
 
 
+def host_grad_bytes(spec) -> float:
+  """Per-device bytes of the reduced gradients kept in host memory
+  (``zero(..., offload_grads=True)``): each trained leaf's shard in its
+  reduce dtype, layer stacks of vectors' excepted (kept on the device)."""
+  if not spec.config.offload_grads:
+    return 0.0
+  n, sizes = spec.tx.num_shards, spec.tx.model_axes
+  return sum(
+    layout_bytes(r.shard, n, sizes, np.dtype(r.reduce_dtype).itemsize)
+    for r in spec.leaves
+    if r.trainable and not (r.stacked and len(r.aval.shape) <= 2)
+  )
+
+
 def _extended(dtype) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 

@@ -45,7 +45,9 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
     dtype = r.master_dtype if spec.policy.has_master else r.compute_dtype
     w_avals.append(jax.ShapeDtypeStruct(r.aval.shape, dtype))
     g_avals.append(jax.ShapeDtypeStruct(r.aval.shape, r.master_dtype))
-  p, reason = _offload.plan(spec, g_avals, w_avals, extra_avals)
+  p, reason = _offload.plan(
+    spec, g_avals, w_avals, extra_avals, grads_host=spec.config.offload_grads
+  )
   if p is None:
     return {
       "streamed": False,

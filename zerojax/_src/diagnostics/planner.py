@@ -6,7 +6,8 @@ params and an ``AbstractMesh``, so no array is allocated and 1024 devices
 cost nothing; the bytes come from :mod:`zerojax._src.diagnostics.cost`, the
 formulas ``zerojax.report`` and the layout table read too.
 :func:`comm_time` turns collective bytes into seconds over fast and slow
-links; :func:`zeropp_comm` prices ZeRO++'s settings from a parameter count.
+links (:mod:`~zerojax._src.diagnostics.zeropp_comm` prices ZeRO++'s
+settings from a parameter count).
 Model-state memory, as in the ZeRO paper's Figure 1; :func:`saved_activations`
 traces a user's loss abstractly for what its backward pass keeps (ZeRO-R's
 activation checkpoints), and ``plan_stage(..., activations=...)`` adds it to
@@ -30,7 +31,6 @@ from zerojax._src.jaxpr import activations as _activations
 from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
-from zerojax._src.records.zeropp import ZeroPP
 from zerojax._src.step.loss_call import LossCall
 from zerojax._src.step.transform import zero
 
@@ -76,6 +76,8 @@ class StagePlan:
   params_host: float = 0.0
   # offload_params: the part of params_host in layer stacks (``stacked``)
   params_host_stacked: float = 0.0
+  # offload_grads: per-device bytes of the reduced gradients in host memory
+  grads_host: float = 0.0
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
@@ -102,7 +104,9 @@ class StagePlan:
     master + optimizer state old and new, and the next chunk loading)."""
     if not self.offload:
       return 0.0
-    return min(self.in_flight_fraction, 1.0) * self.host_bytes
+    return min(self.in_flight_fraction, 1.0) * (
+      self.host_bytes + self.grads_host
+    )
 
   @property
   def host_to_device(self) -> float:
@@ -112,17 +116,27 @@ class StagePlan:
     param's shard once (one read serves both passes' gathers: XLA merges
     the identical copies outside a loop, as the TPU compiler's program
     shows); with no master copy the update reads the params' shards once
-    more."""
+    more; offloaded gradients once (their chunk's update reads them, and
+    the step's grad norm reads them there)."""
     if not self.offload:
       return 0.0
     again = 0.0 if self.master else self.params_host  # the update's weights
-    return self.host_bytes + self.params_host + self.params_host_stacked + again
+    return (
+      self.host_bytes
+      + self.params_host
+      + self.params_host_stacked
+      + again
+      + self.grads_host
+    )
 
   @property
   def device_to_host(self) -> float:
     """Offload: bytes written back to host memory per step per device:
-    the offloaded state and params' shards, once each."""
-    return self.host_bytes + self.params_host if self.offload else 0.0
+    the offloaded state and params' shards, and the reduced gradients,
+    once each."""
+    if not self.offload:
+      return 0.0
+    return self.host_bytes + self.params_host + self.grads_host
 
   @property
   def host_traffic(self) -> float:
@@ -132,9 +146,11 @@ class StagePlan:
   @property
   def host(self) -> float:
     """Bytes per device kept in host memory (offload: the master copy and
-    optimizer state of the leaves offloaded, and the params' shards with
-    ``offload_params``)."""
-    return self.host_bytes + self.params_host if self.offload else 0.0
+    optimizer state of the leaves offloaded, the params' shards with
+    ``offload_params``, the reduced gradients with ``offload_grads``)."""
+    if not self.offload:
+      return 0.0
+    return self.host_bytes + self.params_host + self.grads_host
 
   @property
   def device(self) -> float:
@@ -155,6 +171,7 @@ def plan_spec(
   stacked=None,
   offload: bool | float = False,
   offload_params: bool = False,
+  offload_grads: bool = False,
 ):
   """The records :func:`plan_stage` prices: ``zerojax.zero``'s layouts on
   an abstract mesh of ``mesh``'s axis sizes (AdamW and bf16 params with an
@@ -182,6 +199,7 @@ def plan_spec(
     stacked=stacked,
     offload=offload,
     offload_params=offload_params,
+    offload_grads=offload_grads,
   )
   return make_spec(abstract_params, tx)
 
@@ -198,6 +216,7 @@ def plan_stage(
   stacked=None,
   offload: bool | float = False,
   offload_params: bool = False,
+  offload_grads: bool = False,
   activations: dict | None = None,
 ) -> StagePlan:
   """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
@@ -208,7 +227,9 @@ def plan_stage(
   :attr:`StagePlan.host` split the total. :func:`offload_fraction_needed`
   finds the least fraction a device's memory needs. ``offload_params``:
   stage 3's parameter shards in host memory too (the layers in use, in
-  the working set, come to the device).
+  the working set, come to the device). ``offload_grads``: the reduced
+  gradients in host memory too (stages 2-3 with ``offload=True``); the
+  chunks the update streams then carry their gradients.
 
   ``mesh``: axis sizes (e.g. ``{"replica": 4, "data": 256}``); default a
   1-D data mesh of ``n_devices``. Collective bytes are per data-axis group
@@ -228,6 +249,7 @@ def plan_stage(
     stacked=stacked,
     offload=offload,
     offload_params=offload_params,
+    offload_grads=offload_grads,
   )
   tx = spec.tx
   state = cost.stage_state_bytes(spec, ideal=False)
@@ -254,6 +276,7 @@ def plan_stage(
     host_bytes=cost.host_state_bytes(spec),
     params_host=cost.host_param_bytes(spec),
     params_host_stacked=cost.host_param_bytes(spec, stacked_only=True),
+    grads_host=cost.host_grad_bytes(spec),
     chunk_fraction=streamed.get("largest_chunk_fraction", 1.0),
     in_flight_fraction=streamed.get("in_flight_fraction", 1.0),
     activations=float((activations or {}).get("device", 0)),
@@ -418,81 +441,3 @@ def comm_time(
   for e in out.values():
     e["seconds"] = e["fast_bytes"] / fast + e["slow_bytes"] / slow
   return out
-
-
-ZEROPP_ROWS = (
-  ("stage 3", {}),
-  ("qwZ", dict(weight_bits=8)),
-  ("qgZ int8", dict(grad_bits=8)),
-  ("qgZ int4", dict(grad_bits=4)),
-  ("qgZ int8, flat (nodes unknown)", dict(grad_bits=8, nodes_known=False)),
-  ("hpZ", dict(hpz=True)),
-  ("qwZ + hpZ + qgZ int8", dict(weight_bits=8, grad_bits=8, hpz=True)),
-  ("qwZ + hpZ + qgZ int4", dict(weight_bits=8, grad_bits=4, hpz=True)),
-)
-
-
-def zeropp_comm(
-  n_params: int,
-  n_devices: int,
-  slices: int,
-  *,
-  weight_bits=None,
-  grad_bits=None,
-  hpz=False,
-  block=None,
-  param_bytes=2,
-  fast=1.8e11,
-  slow=6e9,
-  nodes_known=True,
-) -> dict:
-  """Stage 3's bytes per chip and step over fast and slow links, with
-  ZeRO++ settings (``zerojax.ZeroPP``) on a data axis of ``n_devices``
-  spanning ``slices`` nodes of ``k = n_devices / slices`` chips.
-
-  Per collective (Ψ elements, ``w`` bytes per gathered element: the param
-  dtype, or 1 + 4/block with qwZ; ``g``: the reduce dtype, or 1 or 0.5 +
-  4/block with qgZ), hierarchical like :func:`comm_time`:
-
-  * weight all-gathers, forward and backward: ``2 x`` a gather of Ψw over
-    all chips; with hpZ instead one gather of Ψw/k across nodes (the
-    secondary) and ``2 x`` in-node gathers of Ψ·param_bytes;
-  * gradients: reduce-scatter of Ψg; qgZ the hierarchical all-to-all
-    (zerojax knows the node: ``node_size``, ``hpz_size`` or one process
-    per node): Ψg inside the node, Ψg/k across; with ``nodes_known=False``
-    a flat all-to-all, whose cross-node share ``(n-k)/n`` cannot be
-    reduced in the node first.
-
-  Padding to blocks and devices is left out (below 1% at these sizes)."""
-  n, s = n_devices, slices
-  k = n // s
-  block = block or ZeroPP(weight_bits=weight_bits, grad_bits=grad_bits).block
-  w = (
-    cost.wire_bytes_per_element(weight_bits, block)
-    if weight_bits
-    else param_bytes
-  )
-  g = (
-    cost.wire_bytes_per_element(grad_bits, block) if grad_bits else param_bytes
-  )
-  f = sl = 0.0
-
-  def hier(buffer, times=1):  # gather / reduce-scatter over all n
-    nonlocal f, sl
-    f += times * (k - 1) / k * buffer
-    sl += times * ((s - 1) / s * buffer / k if s > 1 else 0.0)
-
-  if hpz and s > 1:
-    sl += (s - 1) / s * n_params * w / k  # the secondary, once
-    f += 2 * (k - 1) / k * n_params * param_bytes  # in-node gathers
-  else:
-    hier(n_params * w, 2)
-  if grad_bits and nodes_known and s > 1:
-    f += (k - 1) / k * n_params * g
-    sl += (s - 1) / s * n_params * g / k
-  elif grad_bits:  # flat all-to-all
-    f += (k - 1) / n * n_params * g
-    sl += (n - k) / n * n_params * g
-  else:
-    hier(n_params * param_bytes)
-  return {"fast_bytes": f, "slow_bytes": sl, "seconds": f / fast + sl / slow}

@@ -410,6 +410,9 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   stacks_host = cost.host_param_bytes(spec, stacked_only=True)
   # without a master copy the update reads the params' shards once more
   update_reads = 0 if spec.policy.has_master else params_host
+  # offloaded gradients: written once in the backward pass, read once by
+  # the update (the grad norm reads them there)
+  grads_host = cost.host_grad_bytes(spec)
   compute = (
     sum(
       r.size
@@ -436,13 +439,14 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   return {
     **_offload_stream.describe(spec),
     "params_on_host": bool(params_host),
+    "grads_on_host": bool(grads_host),
     "host_to_device_bytes": down,
     "device_to_host_bytes": up,
     "measured_from": "host copies" if moved else "entry buffers",
     "theory_host_to_device_bytes": int(
-      state_host + params_host + stacks_host + update_reads
+      state_host + params_host + stacks_host + update_reads + grads_host
     ),
-    "theory_device_to_host_bytes": int(state_host + params_host),
+    "theory_device_to_host_bytes": int(state_host + params_host + grads_host),
     "theory_host_compute_bytes": int(2 * compute),
     "link_gb_s": float(link_gb_s),
     "host_to_device_s": down / (link_gb_s * 1e9),

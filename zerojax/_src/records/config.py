@@ -64,6 +64,7 @@ class ZeroConfig:
   zeropp: ZeroPP = ZeroPP()
   bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
   offload_params: bool = False
+  offload_grads: bool = False
 
   def __post_init__(self):
     """Checks every field, however the config was built (``zero()``,
@@ -112,6 +113,7 @@ class ZeroConfig:
     _check_policy(self.policy)
     _check_offload(self.offload)
     self._check_offload_params()
+    self._check_offload_grads()
     if (self.offload_fraction or self.offload_params) and isinstance(
       self.mesh, Mesh
     ):  # abstract
@@ -146,6 +148,45 @@ class ZeroConfig:
         f"zerojax.zero: offload_params=True with zeropp={self.zeropp}: "
         f"ZeRO++'s quantized and in-node gathers read the shards on the "
         f"device. Drop one of them."
+      )
+
+  def _check_offload_grads(self):
+    """Gradients in host memory: each leaf's reduced shard is written
+    there in the backward pass (stages 2-3), and the streamed update
+    brings each chunk's gradients down beside its state, so the whole
+    state must be streamed (``offload=True``)."""
+    g = self.offload_grads
+    if not isinstance(g, bool):
+      raise TypeError(
+        f"zerojax.zero: offload_grads={g!r}; pass True (the reduced "
+        f"gradients in host memory) or False."
+      )
+    if not g:
+      return
+    if self.stage < 2:
+      raise ValueError(
+        f"zerojax.zero: offload_grads=True needs stage 2 or 3 (got "
+        f"stage={self.stage}): only there is each gradient reduced to its "
+        f"shard in the backward pass, where it can go to host memory. Use "
+        f"stage=2 or stage=3."
+      )
+    if self.offload is not True:
+      raise ValueError(
+        f"zerojax.zero: offload_grads=True needs offload=True (got "
+        f"offload={self.offload!r}): the update brings each chunk's "
+        f"gradients down with its optimizer state, so all of the state "
+        f"must be streamed. Pass offload=True."
+      )
+    if self.zeropp.active or self.replica_axis is not None:
+      what = (
+        f"zeropp={self.zeropp}"
+        if self.zeropp.active
+        else f"replica_axis={self.replica_axis!r}"
+      )
+      raise ValueError(
+        f"zerojax.zero: offload_grads=True with {what}: the gradient goes "
+        f"to host memory as the data axis's reduce-scatter leaves it, "
+        f"before any further reduction. Drop one of them."
       )
 
   def _check_replica_axis(self):

@@ -57,6 +57,20 @@ def gather_spec(
   )
 
 
+def grad_to_host(spec: StateSpec, r) -> bool:
+  """Whether param ``r``'s reduced gradient goes to host memory
+  (``offload_grads``): a gathered leaf's in the backward pass, another
+  once reduced. A layer stack of vectors (biases, norm scales: a few
+  bytes per layer) keeps its gradient on the device, where a TPU writes
+  its per-layer row (the compiler refuses that row of a packed bf16 tile
+  into host memory)."""
+  return (
+    spec.config.offload_grads
+    and r.trainable
+    and not (r.stacked and len(r.aval.shape) <= 2)
+  )
+
+
 def hooked_leaves(spec: StateSpec) -> list[bool]:
   """Which params reach a stage 2-3 loss as ShardedParam."""
   return [spec.stage >= 2 and r.hooked for r in spec.leaves]
@@ -243,7 +257,10 @@ def diff_inputs(spec: StateSpec, leaves, hooked, direct=None):
       )
       out.append(
         _gather.sink_like(
-          r.shard.shard_shape(tx.num_shards), r.reduce_dtype, axes
+          r.shard.shard_shape(tx.num_shards),
+          r.reduce_dtype,
+          axes,
+          on_host=grad_to_host(spec, r),
         )
       )
     else:

@@ -27,6 +27,7 @@ checked (``step/gather_mode.py``): never silently on shards.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -51,6 +52,7 @@ from zerojax._src.step.gather_mode import (
   gather_mode,
   gather_spec,
   gathered_by_the_loss,
+  grad_to_host,
   hooked_leaves,
   reduce_in_backward,
   run_loss,
@@ -100,8 +102,24 @@ def local_grads(
     )
     how = GatherMode(mode)
     hooked = [h and not d for h, d in zip(gathered, direct)]
+  if spec.config.offload_grads and k > 1:
+    raise ValueError(
+      f"zerojax: offload_grads=True with accum_steps={k}: the micro-batches' "
+      f"gradients would be summed in host memory, which no device computes "
+      f"on. Use accum_steps=1 (a larger batch per step), or offload_grads="
+      f"False."
+    )
+  # offloaded gradients are scaled to the mean where they are reduced
+  scale = 1.0 / (tx.batch_shards * k)
   gspecs = [
-    gather_spec(spec, r) if h else None for r, h in zip(spec.leaves, hooked)
+    (
+      dataclasses.replace(gather_spec(spec, r), grad_to_host=scale)
+      if grad_to_host(spec, r)
+      else gather_spec(spec, r)
+    )
+    if h
+    else None
+    for r, h in zip(spec.leaves, hooked)
   ]
   if tx.stage == 3 and tx.zeropp.hpz_size:
     leaves = secondary_shards(spec, leaves, hooked)
@@ -119,7 +137,6 @@ def local_grads(
     )
   diff_in = diff_inputs(spec, leaves, hooked, direct)
 
-  scale = 1.0 / (tx.batch_shards * k)
   # Stage 0 with one micro-batch reduces inside the backward pass (leaves
   # reduced where used, gathered leaves): the loss is scaled before it is
   # differentiated, so each sum made there is the mean, with no scaled copy

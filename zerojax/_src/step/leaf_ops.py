@@ -165,6 +165,27 @@ def grad_rows(r: LeafSpec, logical) -> Callable:
   )
 
 
+def grad_source(r: LeafSpec, g, stage: int, where: str) -> WeightSource:
+  """An offloaded gradient (``offload_grads``: in host memory, storage or
+  logical shape) and the function bringing it, or a layer stack's rows of
+  it, to :func:`grad_view`'s value (conjugated, as :func:`update_inputs`
+  gives it) in device memory: moved, unpadded, cast, in that order."""
+  shape = tuple(np.shape(g))
+  storage = shape != tuple(r.aval.shape)
+  if storage:
+    _logical_grad(r, g, stage, where)  # a shape it cannot be: raised here
+  device = jax.memory.Space.Device
+
+  def load(x):
+    if storage:
+      x = r.shard.to_logical(_move(r.place, x, r.shard, device))
+    else:
+      x = jax.device_put(x, device)
+    return _conj(_cast_grad(r, x))
+
+  return WeightSource(g, load)
+
+
 def apply_update(r: LeafSpec, w, u, keep_master: bool):
   """``(master copy as stored or None, new params' weights)`` from the
   optimizer's weights ``w`` and its update ``u``."""
@@ -237,6 +258,25 @@ def update_inputs(spec: StateSpec, state: ZeroState, grads, where: str):
     g_rows.append(grad_rows(r, logical))
     w_src.append(weight_source(r, p, m))
   return g_view, g_rows, w_src
+
+
+def weight_sources(spec: StateSpec, state: ZeroState) -> list:
+  """Per param, :func:`weight_source` (None for frozen leaves)."""
+  return [
+    weight_source(r, p, m) if r.trainable else None
+    for p, m, r in zip(
+      jax.tree.leaves(state.params), spec.masters(state.master), spec.leaves
+    )
+  ]
+
+
+def grad_sources(spec: StateSpec, grads, where: str) -> list:
+  """Per param, :func:`grad_source` of its offloaded gradient (None for
+  frozen leaves)."""
+  return [
+    grad_source(r, g, spec.stage, where) if r.trainable else None
+    for g, r in zip(grads, spec.leaves)
+  ]
 
 
 def inner_update(spec: StateSpec, g_tree, opt_state, w_tree, extra_args):

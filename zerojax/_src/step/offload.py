@@ -52,10 +52,8 @@ update) gets the whole-state update instead: exact, not bounded.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import deps as _deps
@@ -160,9 +158,18 @@ def nbytes(aval) -> int:
   return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
 
 
-def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
+def plan(
+  spec: StateSpec,
+  g_avals,
+  w_avals,
+  extra_avals=None,
+  opt_def=None,
+  grads_host: bool = False,
+):
   """``(Plan, None)`` when streaming gives the whole update's numbers, else
-  ``(None, reason)``. Decided from shapes alone.
+  ``(None, reason)``. Decided from shapes alone. ``grads_host``: the
+  gradients are in host memory too (``offload_grads``), so each chunk is
+  given only its own, and no output may read another leaf's.
 
   Args:
     g_avals, w_avals: per-param logical gradients and weights as the
@@ -192,9 +199,9 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
     ]
     updates, new = _ops.inner_update(
       spec,
-      _view(spec, train, g),
+      view(spec, train, g),
       jax.tree.unflatten(opt_def, list(o)),
-      _view(spec, train, w),
+      view(spec, train, w),
       jax.tree.unflatten(e_def, extra),
     )
     return jax.tree.leaves(updates), jax.tree.leaves(new)
@@ -213,28 +220,28 @@ def plan(spec: StateSpec, g_avals, w_avals, extra_avals=None, opt_def=None):
     return None, "the inner update returned a state of another structure"
   shared = tuple(j for j, p in enumerate(own) if p is None)
   always = (
-    frozenset(range(n_g))
+    (frozenset() if grads_host else frozenset(range(n_g)))
     | {n_g + j for j in shared}
     | frozenset(range(2 * n_g + n_o, 2 * n_g + n_o + len(e_leaves)))
   )
   slot = {i: k for k, i in enumerate(train)}
   allowed = {
     i: always
-    | {n_g + n_o + slot[i]}
+    | {n_g + n_o + slot[i], slot[i]}
     | {n_g + j for j, p in enumerate(own) if p == i}
     for i in train
   }
+  what = "weights, state or gradients" if grads_host else "weights or state"
   for i in train:
     if not deps[slot[i]] <= allowed[i]:
       return None, (
-        f"the update of params{spec.leaves[i].path} reads other "
-        f"leaves' weights or state"
+        f"the update of params{spec.leaves[i].path} reads other leaves' {what}"
       )
   for j, p in enumerate(own):
     if not deps[n_g + j] <= (always if p is None else allowed[p]):
       return None, (
-        f"optimizer state{spec.opt_leaves[j].path} reads other "
-        f"leaves' weights or state"
+        f"optimizer state{spec.opt_leaves[j].path} reads "
+        + (f"other leaves' {what}" if p is not None else f"the leaves' {what}")
       )
   # a leaf kept on the device costs no chunk room: it joins its neighbours
   sizes = [
@@ -351,147 +358,6 @@ def scatter(n: int, index, values) -> list:
   return out
 
 
-def _view(spec, train, leaves):
+def view(spec, train, leaves):
+  """Per-param leaves of the trained params -> the optimizer's view."""
   return spec.optimizer_view(scatter(len(spec.leaves), train, leaves))
-
-
-def stream(
-  spec: StateSpec,
-  p: Plan,
-  g_view,
-  w_src,
-  opt_raw,
-  extra_args,
-  *,
-  finish: Callable,
-  opt_def=None,
-  bases: Callable | None = None,
-  g_rows=None,
-):
-  """Runs the inner update chunk by chunk (see the module docstring).
-
-  Args:
-    p: from :func:`plan`.
-    g_view: per-param logical gradients on device (None for frozen).
-    w_src: per-param :class:`~zerojax._src.step.leaf_ops.WeightSource`
-      (None for frozen).
-    opt_raw: the inner state's leaves as stored.
-    finish: ``finish(i, w, u)`` -> param ``i``'s results from its weights
-      and update, computed inside its chunk (e.g. the new master copy,
-      stashed, and the new params).
-    bases: ``bases(i)`` -> the values ``finish(i, ...)``'s results replace
-      (a tree like them, None where there is none), into which a layer
-      stack's results are written row by row; others are concatenated.
-    g_rows: per param, ``rows(span)`` -> rows of ``g_view[i]``, which a
-      stack updated by rows reads (None: sliced from ``g_view``).
-
-  Returns:
-    ``(per-param finish results (None for frozen), new state leaves as
-    stored)``.
-  """
-  opt_def = spec.opt_def if opt_def is None else opt_def
-  train = [i for i, s in enumerate(w_src) if s is not None]
-  g_flat = [g_view[i] for i in train]
-  own = owners(spec)
-  out = _stacks.Out(len(w_src), opt_raw, bases)
-  shared = {
-    j: _ops.opt_logical(spec.opt_leaves[j], opt_raw[j]) for j in p.shared
-  }
-  stored = []  # each chunk's results, as stored
-  computed = []  # each chunk's new values on the device, before storing
-  for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
-    spans = dict(zip(chunk, p.rows_of(k)))
-    raw_w = [_stacks.rows_of(out.latest(w_src[i].raw), spans[i]) for i in chunk]
-    raw_o = [
-      _stacks.rows_of(out.latest(opt_raw[j]), spans[own[j]]) for j in owned
-    ]
-    waits = []
-    if p.after[k] is not None:
-      waits.append([out.latest(x) for x in stored[p.after[k]]])
-    if p._waits_for_computed(k):
-      waits.append(computed[p.computed[k]])
-    if waits:
-      # this chunk's loads wait for those results
-      (raw_w, raw_o), _ = jax.lax.optimization_barrier(((raw_w, raw_o), waits))
-    w = {i: w_src[i].load(x) for i, x in zip(chunk, raw_w)}
-    o = {
-      j: _ops.opt_logical(spec.opt_leaves[j], x) for j, x in zip(owned, raw_o)
-    }
-    u, new = {}, {}
-    whole = [i for i in chunk if spans[i] is None]
-    if whole or (k == 0 and p.shared):
-      o_whole = {j: x for j, x in o.items() if own[j] in whole}
-      u_w, new_w = _whole_update(
-        spec,
-        train,
-        w_src,
-        g_flat,
-        w={i: w[i] for i in whole},
-        o={**shared, **o_whole},
-        opt_raw=opt_raw,
-        extra_args=extra_args,
-        opt_def=opt_def,
-      )
-      u.update({i: u_w[i] for i in whole})
-      new.update({j: new_w[j] for j in owned if own[j] in whole})
-      if k == 0:
-        new.update({j: new_w[j] for j in p.shared})
-    for i in chunk:
-      if spans[i] is not None:
-        mine = [j for j in owned if own[j] == i]
-        outs = _stacks.stack_update(
-          spec,
-          p,
-          train,
-          g_flat,
-          i=i,
-          w_rows=w[i],
-          o={**shared, **o},
-          mine=mine,
-          extra_args=extra_args,
-          span=spans[i],
-          g_rows=None if g_rows is None else g_rows[i],
-        )
-        u[i] = outs[0]
-        new.update(zip(mine, outs[1:]))
-    computed.append(
-      [u[i] for i in chunk]
-      + [
-        new[j]
-        for j in owned
-        if not jax.dtypes.issubdtype(new[j].dtype, jax.dtypes.extended)
-      ]
-    )
-    outs = []
-    for i in chunk:
-      outs.extend(out.result(i, spans[i], finish(i, w[i], u[i])))
-    for j in owned + (p.shared if k == 0 else ()):
-      value = _ops.opt_storage(spec.opt_leaves[j], new[j])
-      outs.append(out.state(j, spans.get(own[j]), value))
-    stored.append(outs)
-  return out.done()
-
-
-def _whole_update(
-  spec, train, w_src, g_flat, *, w, o, opt_raw, extra_args, opt_def
-):
-  """The inner update with the weights ``w`` and state ``o`` given, the
-  other leaves zeros (which no output kept reads: checked by
-  :func:`plan`); typed keys have no zeros and are read as they are.
-  Returns per param its update, and the new state's leaves."""
-  opt_in = [
-    o[j] if j in o else _ops.opt_zeros(spec.opt_leaves[j], opt_raw[j])
-    for j in range(len(opt_raw))
-  ]
-  w_in = [
-    w[i] if i in w else jnp.zeros(a.shape, a.dtype)
-    for i, a in ((i, w_src[i].aval) for i in train)
-  ]
-  updates, new = _ops.inner_update(
-    spec,
-    _view(spec, train, g_flat),
-    jax.tree.unflatten(opt_def, opt_in),
-    _view(spec, train, w_in),
-    extra_args,
-  )
-  return spec.from_optimizer_view(updates), jax.tree.leaves(new)

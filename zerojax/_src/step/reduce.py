@@ -12,7 +12,7 @@ from zerojax._src.comm import buckets as _buckets
 from zerojax._src.comm import gather as _gather
 from zerojax._src.records.spec import StateSpec, is_key_dtype
 from zerojax._src.step import aux as _aux
-from zerojax._src.step.gather_mode import gather_spec
+from zerojax._src.step.gather_mode import gather_spec, grad_to_host
 
 
 def reduced_where_used(spec: StateSpec, accum_steps: int) -> list[bool]:
@@ -77,6 +77,10 @@ def reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
       out.append(None)
       continue
     size = _buckets.itemsize(g.dtype)
+    to_host = grad_to_host(spec, r)
+    if h and to_host:  # reduced, scaled and in host memory already
+      out.append(g)
+      continue
     if d:  # summed where the loss used it
       out.append(g if scale == 1.0 else g * scale)
     elif h and tx.stage == 0:  # all-reduced and scaled already
@@ -123,6 +127,8 @@ def reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
       out.append(
         _buckets.bucketed(fn, g, size, bucket, _buckets.splittable(r.param))
       )
+    if to_host:  # a leaf reduced after the backward pass
+      out[-1] = jax.device_put(out[-1], jax.memory.Space.Host)
   return out
 
 

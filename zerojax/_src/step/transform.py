@@ -38,6 +38,7 @@ def zero(
   zeropp: ZeroPP | None = None,
   bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
   offload_params: bool = False,
+  offload_grads: bool = False,
 ) -> ZeroTransformation:
   """Wraps an Optax optimizer to shard training state at a ZeRO stage.
 
@@ -121,6 +122,19 @@ def zero(
       streams the layers; the peak falls where a device's share of the
       params is large (8.3B over 8 chips: 36% lower) and can rise where
       it is small (over 64 chips: 6.6% higher) (``docs/results.md``).
+    offload_grads: stages 2-3 with ``offload=True``: keep the reduced
+      gradients in host memory too (ZeRO-Offload's gradient placement).
+      Each leaf's shard goes to the host as the backward pass reduces it,
+      layer by layer inside a scan, and the streamed update brings each
+      chunk's gradients down with its state, so the device never holds
+      the whole gradient. Same numbers as without. The update must read
+      each leaf's gradient only for that leaf (Adam, LAMB, Adafactor,
+      per-leaf clipping); one that combines every gradient
+      (``optax.clip_by_global_norm``) is refused while tracing, and so is
+      ``accum_steps > 1``. The step's ``grad_norm`` is summed from the
+      gradients each chunk loads, so a layer stack updated a few layers
+      per chunk adds its rows' sums: its last bits may differ from the
+      norm without ``offload_grads`` (the state's do not).
 
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and
@@ -152,6 +166,7 @@ def zero(
       ZeroPP() if zeropp is None else zeropp,
       bucket_bytes,
       offload_params,
+      offload_grads,
     )
   )
 

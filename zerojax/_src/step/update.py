@@ -26,6 +26,7 @@ from zerojax._src.records.mesh import compute_mesh, in_caller_types
 from zerojax._src.records.spec import StateSpec, ZeroState
 from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload as _offload
+from zerojax._src.step import offload_run as _offload_run
 from zerojax._src.step import state as _state
 
 # At stages 1-3 the update begins once every gradient exists. Left free, a
@@ -66,6 +67,8 @@ def run_update(
   opt_def=None,
   bases=None,
   g_rows=None,
+  g_src=None,
+  seen=None,
 ):
   """The inner Optax update, then ``finish(i, w, u)`` per trained param.
 
@@ -85,11 +88,16 @@ def run_update(
       spec's).
     bases: ``bases(i)`` -> the stored values ``finish(i, ...)``'s results
       replace, where a streamed update writes a layer stack by rows
-      (:func:`~zerojax._src.step.offload.stream`).
+      (:func:`~zerojax._src.step.offload_run.stream`).
     g_rows: per param, ``rows(span)`` -> those rows of its gradient view
       (:func:`~zerojax._src.step.leaf_ops.grad_rows`), which a streamed
       update reads a layer stack's gradient by; None: sliced from
       ``g_view``.
+    g_src: the gradients in host memory (``offload_grads``), per param a
+      :class:`~zerojax._src.step.leaf_ops.WeightSource`, in place of
+      ``g_view``: the update is streamed, each chunk loading its own, or
+      refused with the reason; ``seen`` is called with each gradient a
+      chunk loads (:func:`~zerojax._src.step.offload_run.stream`).
 
   Returns:
     ``(per-param finish results (None for frozen), new state leaves in
@@ -101,17 +109,32 @@ def run_update(
     for k, v in extra_args.items()
   }
   if spec.place.offload:
-    p, _ = _offload.plan(
+    g_avals = (
+      [None if g is None else _offload.aval_of(g) for g in g_view]
+      if g_src is None
+      else [None if s is None else s.aval for s in g_src]
+    )
+    p, reason = _offload.plan(
       spec,
-      [None if g is None else _offload.aval_of(g) for g in g_view],
+      g_avals,
       [None if s is None else s.aval for s in w_src],
       jax.tree.map(
         lambda x: _offload.aval_of(x) if hasattr(x, "dtype") else x, extra_args
       ),
       opt_def,
+      grads_host=g_src is not None,
     )
+    if p is None and g_src is not None:
+      raise ValueError(
+        f"zerojax: offload_grads=True, but this optimizer's update cannot "
+        f"be streamed with each chunk's own gradients: {reason} (a global "
+        f"norm, as optax.clip_by_global_norm computes, reads every leaf's "
+        f"gradient, which would bring them all to the device). Clip per "
+        f"leaf (optax.clip, optax.clip_by_block_rms), or use "
+        f"offload_grads=False."
+      )
     if p is not None:
-      return _offload.stream(
+      return _offload_run.stream(
         spec,
         p,
         g_view,
@@ -122,6 +145,8 @@ def run_update(
         opt_def=opt_def,
         bases=bases,
         g_rows=g_rows,
+        g_src=g_src,
+        seen=seen,
       )
   opt_def = spec.opt_def if opt_def is None else opt_def
   opt_logical = jax.tree.unflatten(
@@ -209,12 +234,20 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   (:func:`~zerojax._src.step.state.stored_params`: all-gathered at stages
   1-2) and go into the state (:func:`~zerojax._src.step.leaf_ops.after_update`)."""
   spec = state.spec
-  g_view, g_rows, w_src = _ops.update_inputs(spec, state, grads, where)
-  w_src = _shards_before_update(spec, state, g_view, w_src)
-  grad_norm = _global_norm(
-    [(g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None],
-    spec.place.mesh,
-  )
+  g_src, pieces = None, []
+  if spec.config.offload_grads:
+    # the norm sums each gradient as its chunk loads it: a stack updated
+    # by rows adds its rows' sums (the last bits may differ from the
+    # whole stack's sum; the state's do not)
+    g_src = _ops.grad_sources(spec, grads, where)
+    w_src = _ops.weight_sources(spec, state)
+    g_view = g_rows = [None] * len(grads)
+  else:
+    g_view, g_rows, w_src = _ops.update_inputs(spec, state, grads, where)
+    w_src = _shards_before_update(spec, state, g_view, w_src)
+    pieces = [
+      (g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None
+    ]
   keep_master = state.master is not None
   stage3 = spec.stage == 3
 
@@ -234,11 +267,16 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
     extra_args,
     finish=finish,
     g_rows=g_rows,
+    g_src=g_src,
+    seen=lambda i, span, g: pieces.append(
+      (g, spec.leaves[i].whole and span is None)
+    ),
     bases=lambda i: (
       old_masters[i],
       old[i] if stage3 and spec.leaves[i].place.params_host else None,
     ),
   )
+  grad_norm = _global_norm(pieces, spec.place.mesh)
   done = [(None, None) if d is None else d for d in done]
   if stage3:
     params = [o if w is None else w for o, (_, w) in zip(old, done)]

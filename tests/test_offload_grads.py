@@ -1,0 +1,197 @@
+"""Gradients in host memory (``zero(..., offload_grads=True)``).
+
+Each leaf's reduced gradient shard goes to host memory in the backward
+pass, and the streamed update brings each chunk's gradients down beside
+its state. The numbers must be the same bits as with the gradients on the
+device; the gradients must really be in host memory (as ``value_and_grad``
+returns them, and in the compiled step's memory spaces); an update that
+reads every gradient, or accumulation, is refused with the fix.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from tests import toy
+
+BF16 = zerojax.Policy(param_dtype=jnp.bfloat16)
+
+# updates that read each leaf's gradient for that leaf only
+OPTIMIZERS = {
+  "adamw": lambda: optax.adamw(1e-2),
+  "clip+adamw": lambda: optax.chain(optax.clip(0.05), optax.adamw(1e-2)),
+  "lamb": lambda: optax.lamb(1e-2),
+  "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+}
+
+
+def _leaves(state):
+  return [
+    np.asarray(x)
+    for x in jax.tree.leaves((state.params, state.master, state.opt_state))
+    if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  ]
+
+
+def _train(opt, stage, grads, policy=BF16, steps=3, **kw):
+  tx = zerojax.zero(
+    opt(), stage=stage, offload=True, offload_grads=grads, policy=policy, **kw
+  )
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  for b in toy.batches(steps):
+    state, metrics = step(state, b)
+  return _leaves(state), metrics
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_gradients_train_bitwise_equal(stage, name):
+  """AdamW, per-leaf clipping + AdamW, LAMB, Adafactor at stages 2-3: the
+  same state and loss bits as with the gradients on the device; the grad
+  norm, summed as the chunks load the gradients, to rounding."""
+  want, m_want = _train(OPTIMIZERS[name], stage, False)
+  got, m_got = _train(OPTIMIZERS[name], stage, True)
+  chex.assert_trees_all_equal(got, want)
+  _same_metrics(m_got, m_want)
+
+
+def _same_metrics(got, want):
+  assert np.asarray(got["loss"]) == np.asarray(want["loss"])
+  np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-6)
+
+
+def test_the_scanned_gpt_trains_bitwise_equal_with_its_stacks_by_rows(mesh):
+  """The reference GPT's layer stacks are updated a few layers per chunk;
+  each chunk loads those rows of the stack's offloaded gradient."""
+  from zerojax.app import data, gpt
+
+  model = gpt.GPTConfig(width=32, depth=4, heads=2, seq_len=32)
+  tokens, _ = data.split(data.corpus_bytes())
+  loss_fn = functools.partial(gpt.loss, config=model)
+  out = []
+  for grads in (False, True):
+    tx = zerojax.zero(
+      optax.adamw(3e-3),
+      stage=3,
+      mesh=mesh,
+      policy=BF16,
+      offload=True,
+      offload_params=True,
+      offload_grads=grads,
+      stacked=gpt.is_layer_stack,
+    )
+    state = zerojax.init(gpt.init(model, jax.random.key(0)), tx)
+    step = zerojax.train_step(loss_fn, tx)
+    for i in range(2):
+      batch = data.batch_at(tokens, seed=0, step=i, batch=16, seq_len=32)
+      state, m = step(state, batch)
+    out.append((_leaves(state), m))
+  offload = zerojax.report(step, state, batch).offload
+  assert offload["grads_on_host"] and offload["stacks_by_rows"] >= 2, offload
+  chex.assert_trees_all_equal(out[1][0], out[0][0])
+  _same_metrics(out[1][1], out[0][1])
+
+
+def test_value_and_grad_returns_the_gradients_in_host_memory():
+  """The gradients come out of the gradient half in host memory, as
+  shards; ``apply_gradients`` takes them as they are."""
+  kw = dict(stage=3, offload=True, policy=BF16)
+  out = []
+  for grads in (False, True):
+    tx = zerojax.zero(optax.adamw(1e-2), offload_grads=grads, **kw)
+    state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+    _, g = zerojax.value_and_grad(toy.loss_fn, tx)(state, toy.batches(1)[0])
+    g_arrays = [x for x in jax.tree.leaves(g) if isinstance(x, jax.Array)]
+    kinds = {x.sharding.memory_kind for x in g_arrays}
+    state = zerojax.apply_gradients(state, g)
+    grads = [np.asarray(x) for x in g_arrays]
+    out.append((_leaves(state), grads, kinds))
+  chex.assert_trees_all_equal(out[1][:2], out[0][:2])
+  assert out[0][2] == {"device"}
+  assert "pinned_host" in out[1][2]
+
+
+def test_an_update_that_reads_every_gradient_is_refused_with_the_fix():
+  """``clip_by_global_norm`` reads every leaf's gradient for each leaf's
+  update: streaming it would bring them all to the device. Refused while
+  tracing, naming the leaf and the per-leaf clips; the state is kept."""
+  tx = zerojax.zero(
+    optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),
+    stage=3,
+    offload=True,
+    offload_grads=True,
+  )
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  before = _leaves(state)
+  step = zerojax.train_step(toy.loss_fn, tx)
+  with pytest.raises(ValueError, match=r"offload_grads=True, but") as e:
+    step(state, toy.batches(1)[0])
+  assert "reads other leaves' weights, state or gradients" in str(e.value)
+  assert "optax.clip_by_block_rms" in str(e.value)
+  chex.assert_trees_all_equal(_leaves(state), before)
+
+
+def test_accumulation_is_refused_with_the_fix():
+  tx = zerojax.zero(
+    optax.adamw(1e-2), stage=2, offload=True, offload_grads=True
+  )
+  state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+  step = zerojax.train_step(toy.loss_fn, tx, accum_steps=2)
+  with pytest.raises(ValueError, match="accum_steps=2.*accum_steps=1"):
+    step(state, toy.batches(1)[0])
+
+
+@pytest.mark.parametrize(
+  "kw, match",
+  [
+    (dict(stage=1, offload=True), "needs stage 2 or 3"),
+    (dict(stage=3), "needs offload=True"),
+    (dict(stage=3, offload=0.5), "needs offload=True"),
+    (
+      dict(stage=3, offload=True, zeropp=zerojax.ZeroPP(weight_bits=8)),
+      "zeropp=",
+    ),
+  ],
+)
+def test_offload_grads_is_validated(kw, match):
+  with pytest.raises(ValueError, match=match):
+    zerojax.zero(optax.adam(1e-3), offload_grads=True, **kw)
+  with pytest.raises(TypeError, match="offload_grads='yes'"):
+    zerojax.zero(optax.adam(1e-3), stage=3, offload=True, offload_grads="yes")
+
+
+def test_the_planner_counts_the_gradients_on_the_host():
+  """The planner moves the gradient shards from the device's bytes to the
+  host's, writes them once and reads them once (the update); the report's
+  theory is the planner's."""
+  params = toy.init_params(jax.random.key(0))
+  shapes = jax.eval_shape(lambda: params)
+  plans = [
+    zerojax.cost.plan_stage(
+      shapes, 3, 8, offload=True, offload_grads=g, policy=BF16
+    )
+    for g in (False, True)
+  ]
+  base, off = plans
+  assert 0 < off.grads_host <= off.grads == base.grads
+  assert off.host == base.host + off.grads_host
+  assert off.device_to_host == base.device_to_host + off.grads_host
+  assert off.host_to_device == base.host_to_device + off.grads_host
+  assert off.device < base.device
+  tx = zerojax.zero(
+    optax.adamw(1e-2), stage=3, offload=True, offload_grads=True, policy=BF16
+  )
+  state = zerojax.init(params, tx)
+  o = zerojax.report(
+    zerojax.train_step(toy.loss_fn, tx), state, toy.batches(1)[0]
+  ).offload
+  assert o["grads_on_host"] and o["streamed"]
+  assert o["theory_host_to_device_bytes"] == off.host_to_device
+  assert o["theory_device_to_host_bytes"] == off.device_to_host
