@@ -271,7 +271,8 @@ def test_what_binds_the_largest_offloaded_gpt_is_the_gradients_or_the_host():
   """Stage 3 with the params and state on the host: on one 141 GB device
   with no host bound the GPT just past the largest overflows the device,
   most of it the bf16 gradients the device keeps (2 bytes per param: so
-  bf16 params never exceed the device's memory), and its device parts
+  with them there bf16 params never exceed the device's memory), and its
+  device parts
   sum to the plan's device bytes; with 110 GB of host memory it is the
   host that overflows."""
   kw = dict(offload=True, offload_params=True)
@@ -289,6 +290,32 @@ def test_what_binds_the_largest_offloaded_gpt_is_the_gradients_or_the_host():
   h = plan.what_binds(bounded, 141e9, 3, 1, **kw, host_memory_bytes=110e9)
   assert h["memory"] == "host" and h["host"] > 110e9
   assert sum(h["device_parts"].values()) <= 141e9
+
+
+def test_with_the_gradients_on_the_host_bf16_params_exceed_the_device():
+  """Stage 3 with the params, state and gradients on the host: on one
+  141 GB device the largest GPT's bf16 params exceed the device's memory
+  (twice the largest with the gradients on the device, whose bound they
+  were); what stops a larger one is the streamed update's chunks, and the
+  host holds 16 bytes per parameter."""
+  kw = dict(offload=True, offload_params=True)
+  on_device = plan.largest_fitting(141e9, 3, 1, **kw)
+  largest = plan.largest_fitting(141e9, 3, 1, **kw, offload_grads=True)
+  n = gpt.num_params(largest)
+  assert 2 * n > 141e9 and n > 1.9 * gpt.num_params(on_device)
+  b = plan.what_binds(largest, 141e9, 3, 1, **kw, offload_grads=True)
+  parts = b["device_parts"]
+  assert b["memory"] == "device"
+  assert max(parts, key=parts.get) == "update chunks"
+  assert parts["gradients"] < 1e-3 * parts["update chunks"]
+  assert b["host"] == pytest.approx(16 * b["n_params"], rel=1e-3)
+  bad = subprocess.run(
+    [sys.executable, "-m", "zerojax.plan", "--params", "7e9"]
+    + ["--devices", "1", "--offload", "0.5", "--offload-grads"],
+    capture_output=True,
+    text=True,
+  )
+  assert bad.returncode != 0 and "--offload-grads" in bad.stderr
 
 
 def test_cli_host_memory_bound_names_itself_and_needs_offload():

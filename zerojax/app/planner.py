@@ -89,7 +89,9 @@ def plan_gpt(
   if mesh is not None and mesh.get("model", 1) > 1:
     model_specs = gpt.model_specs() if model_specs is None else model_specs
   if stacked is None and (
-    kwargs.get("offload_params") or (mesh and mesh.get("model", 1) > 1)
+    kwargs.get("offload_params")
+    or kwargs.get("offload_grads")
+    or (mesh and mesh.get("model", 1) > 1)
   ):
     stacked = gpt.is_layer_stack
   return cost.plan_stage(
@@ -250,18 +252,25 @@ def largest_fitting(
   offload: bool | float = False,
   offload_params: bool = False,
   host_memory_bytes: float | None = None,
+  offload_grads: bool = False,
 ) -> gpt.GPTConfig | None:
   """The largest GPT (by the count search) whose model state fits: its
   device-memory part within ``memory_bytes`` per device, with ``offload``
-  / ``offload_params``. With ``host_memory_bytes`` (the pinned host memory
+  / ``offload_params`` / ``offload_grads``. With ``host_memory_bytes`` (the pinned host memory
   a device's process may hold) the offloaded share is not ``offload`` but
   the least one with which the device part fits (as
   :func:`offload_needed` names it), and the host part at that share must
   fit too: host memory then bounds the model only where the device cannot
-  take the rest."""
+  take the rest (with ``offload_grads`` the whole state is offloaded)."""
 
   fit = _Fit(
-    memory_bytes, stage, n_devices, offload, offload_params, host_memory_bytes
+    memory_bytes,
+    stage,
+    n_devices,
+    offload,
+    offload_params,
+    host_memory_bytes,
+    offload_grads,
   )
 
   def fits(psi: float) -> bool:
@@ -292,13 +301,15 @@ class _Fit:
   offload: bool | float = False
   offload_params: bool = False
   host_bytes: float | None = None
+  offload_grads: bool = False
 
   def plan(self, config):
     """The GPT's plan at the offload share the search prices it at
     (``offload``, or with a host bound the least share with which the
-    device part fits); None where no share fits the device."""
-    share = self.offload
-    if self.host_bytes is not None:
+    device part fits; all of it with ``offload_grads``); None where no
+    share fits the device."""
+    share = True if self.offload_grads else self.offload
+    if self.host_bytes is not None and not self.offload_grads:
       share = offload_needed(
         config,
         self.stage,
@@ -314,6 +325,7 @@ class _Fit:
       self.n_devices,
       offload=share,
       offload_params=self.offload_params,
+      offload_grads=self.offload_grads,
     )
 
   def overflows(self, x) -> str | None:
@@ -348,6 +360,7 @@ def what_binds(
   offload: bool | float = False,
   offload_params: bool = False,
   host_memory_bytes: float | None = None,
+  offload_grads: bool = False,
   step: float = 1.02,
 ) -> dict:
   """What keeps a GPT ``step`` times larger than ``config`` (the one
@@ -362,7 +375,13 @@ def what_binds(
     step * gpt.num_params(config), seq_len=config.seq_len
   )
   fit = _Fit(
-    memory_bytes, stage, n_devices, offload, offload_params, host_memory_bytes
+    memory_bytes,
+    stage,
+    n_devices,
+    offload,
+    offload_params,
+    host_memory_bytes,
+    offload_grads,
   )
   x = fit.plan(bigger)
   if x is None:
@@ -490,6 +509,10 @@ def main(argv=None):
   args = p.parse_args(argv)
   if not 0.0 <= args.offload <= 1.0:
     p.error(f"--offload {args.offload}: give a share in [0, 1]")
+  if args.offload_grads and args.offload != 1.0:
+    p.error(
+      "--offload-grads streams each chunk's gradients with the whole state: give --offload"
+    )
   if args.host_memory_gb is not None and not (args.memory_gb and args.offload):
     p.error(
       f"--host-memory-gb {args.host_memory_gb:g} bounds the host memory "
@@ -504,6 +527,7 @@ def main(argv=None):
       mesh=mesh,
       offload=args.offload,
       offload_params=args.offload_params and s == 3,
+      offload_grads=args.offload_grads and s >= 2,
     )
     for s in range(4)
   ]
@@ -547,6 +571,7 @@ def main(argv=None):
         offload=args.offload,
         offload_params=args.offload_params and s == 3,
         host_memory_bytes=_host_bytes(args),
+        offload_grads=args.offload_grads and s >= 2,
       )
       fitting[s] = None if c is None else gpt.num_params(c)
       if c is not None:
@@ -558,6 +583,7 @@ def main(argv=None):
           offload=args.offload,
           offload_params=args.offload_params and s == 3,
           host_memory_bytes=_host_bytes(args),
+          offload_grads=args.offload_grads and s >= 2,
         )
   acts = _activations(p, args, config, mesh)
   if args.zeropp and (len(mesh) > 1 or slices < 2):
@@ -758,6 +784,12 @@ def _parser() -> argparse.ArgumentParser:
     action="store_true",
     help="stage 3 also with its parameter shards in host memory "
     "(zero(..., offload_params=True))",
+  )
+  p.add_argument(
+    "--offload-grads",
+    action="store_true",
+    help="stages 2-3 also with the reduced gradients in host memory "
+    "(zero(..., offload_grads=True)); needs --offload",
   )
   p.add_argument(
     "--zeropp",

@@ -170,7 +170,7 @@ class ZeroConfig:
         f"shard in the backward pass, where it can go to host memory. Use "
         f"stage=2 or stage=3."
       )
-    if self.offload is not True:
+    if self.offload_fraction < 1.0:
       raise ValueError(
         f"zerojax.zero: offload_grads=True needs offload=True (got "
         f"offload={self.offload!r}): the update brings each chunk's "

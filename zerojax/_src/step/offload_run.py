@@ -64,12 +64,13 @@ def stream(
   """
   opt_def = spec.opt_def if opt_def is None else opt_def
   train = [i for i, s in enumerate(w_src) if s is not None]
-  if g_src is None:
-    g_flat = [g_view[i] for i in train]
-  else:
-    g_zeros = [
-      jnp.zeros(a.shape, a.dtype) for a in (g_src[i].aval for i in train)
-    ]
+  # offloaded gradients: each chunk replaces its own leaves' zeros
+  g_flat = (
+    [g_view[i] for i in train]
+    if g_src is None
+    else [jnp.zeros(a.shape, a.dtype) for a in (g_src[i].aval for i in train)]
+  )
+  g_zeros = g_flat
   own = owners(spec)
   out = _stacks.Out(len(w_src), opt_raw, bases)
   shared = {

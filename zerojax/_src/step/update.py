@@ -234,7 +234,7 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   (:func:`~zerojax._src.step.state.stored_params`: all-gathered at stages
   1-2) and go into the state (:func:`~zerojax._src.step.leaf_ops.after_update`)."""
   spec = state.spec
-  g_src, pieces = None, []
+  g_src, pieces, grad_norm = None, [], None
   if spec.config.offload_grads:
     # the norm sums each gradient as its chunk loads it: a stack updated
     # by rows adds its rows' sums (the last bits may differ from the
@@ -248,6 +248,7 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
     pieces = [
       (g, r.whole) for g, r in zip(g_view, spec.leaves) if g is not None
     ]
+    grad_norm = _global_norm(pieces, spec.place.mesh)
   keep_master = state.master is not None
   stage3 = spec.stage == 3
 
@@ -276,7 +277,8 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
       old[i] if stage3 and spec.leaves[i].place.params_host else None,
     ),
   )
-  grad_norm = _global_norm(pieces, spec.place.mesh)
+  if g_src is not None:  # the pieces the chunks loaded
+    grad_norm = _global_norm(pieces, spec.place.mesh)
   done = [(None, None) if d is None else d for d in done]
   if stage3:
     params = [o if w is None else w for o, (_, w) in zip(old, done)]
