@@ -195,3 +195,24 @@ def test_the_planner_counts_the_gradients_on_the_host():
   assert o["grads_on_host"] and o["streamed"]
   assert o["theory_host_to_device_bytes"] == off.host_to_device
   assert o["theory_device_to_host_bytes"] == off.device_to_host
+
+
+@pytest.mark.parametrize("gather", ["all", "model"])
+def test_the_gather_modes_and_jax_set_mesh_give_the_same_bits(gather):
+  """The whole tree gathered first (``gather="all"``) or per layer, on
+  the mesh set with ``jax.set_mesh``: the same bits as with the
+  gradients on the device."""
+  out = []
+  mesh = zerojax.make_mesh()
+  for grads in (False, True):
+    with jax.set_mesh(mesh):
+      tx = zerojax.zero(
+        optax.adamw(1e-2), stage=3, offload=True, offload_grads=grads
+      )
+      state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+      step = zerojax.train_step(toy.loss_fn, tx, gather=gather)
+      for b in toy.batches(2):
+        state, m = step(state, b)
+    out.append((_leaves(state), m))
+  chex.assert_trees_all_equal(out[1][0], out[0][0])
+  _same_metrics(out[1][1], out[0][1])
