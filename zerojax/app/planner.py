@@ -267,10 +267,10 @@ def largest_fitting(
     memory_bytes,
     stage,
     n_devices,
-    offload,
-    offload_params,
-    host_memory_bytes,
-    offload_grads,
+    offload=offload,
+    offload_params=offload_params,
+    host_memory_bytes=host_memory_bytes,
+    offload_grads=offload_grads,
   )
 
   def fits(psi: float) -> bool:
@@ -300,7 +300,7 @@ class _Fit:
   n_devices: int
   offload: bool | float = False
   offload_params: bool = False
-  host_bytes: float | None = None
+  host_memory_bytes: float | None = None
   offload_grads: bool = False
 
   def plan(self, config):
@@ -309,7 +309,7 @@ class _Fit:
     device part fits; all of it with ``offload_grads``); None where no
     share fits the device."""
     share = True if self.offload_grads else self.offload
-    if self.host_bytes is not None and not self.offload_grads:
+    if self.host_memory_bytes is not None and not self.offload_grads:
       share = offload_needed(
         config,
         self.stage,
@@ -332,7 +332,8 @@ class _Fit:
     """Which memory plan ``x`` overflows, the device's first; None: fits."""
     if x.device > self.memory_bytes:
       return "device"
-    if self.host_bytes is not None and x.host > self.host_bytes:
+    hb = self.host_memory_bytes
+    if hb is not None and x.host > hb:
       return "host"
     return None
 
@@ -357,11 +358,8 @@ def what_binds(
   stage: int,
   n_devices: int,
   *,
-  offload: bool | float = False,
-  offload_params: bool = False,
-  host_memory_bytes: float | None = None,
-  offload_grads: bool = False,
   step: float = 1.02,
+  **bounds,
 ) -> dict:
   """What keeps a GPT ``step`` times larger than ``config`` (the one
   :func:`largest_fitting` found, with the same arguments) from fitting:
@@ -370,19 +368,13 @@ def what_binds(
   cap), ``device_parts`` (:func:`device_parts` of that larger GPT, bytes
   per device; empty where no offload share fits its device part),
   ``host`` (its bytes per device in host memory) and ``n_params`` (its
-  parameter count)."""
+  parameter count). ``bounds``: ``offload``, ``offload_params``,
+  ``host_memory_bytes``, ``offload_grads``, as :func:`largest_fitting`
+  takes them."""
   bigger = gpt.config_for_params(
     step * gpt.num_params(config), seq_len=config.seq_len
   )
-  fit = _Fit(
-    memory_bytes,
-    stage,
-    n_devices,
-    offload,
-    offload_params,
-    host_memory_bytes,
-    offload_grads,
-  )
+  fit = _Fit(memory_bytes, stage, n_devices, **bounds)
   x = fit.plan(bigger)
   if x is None:
     return {
