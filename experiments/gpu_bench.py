@@ -27,7 +27,9 @@ A configuration is ``plain`` or a stage, then options joined by ``+``:
 order, ``zerojax._src.step.offload.crossing_waits``: a chunk comes down
 while the one before goes back), ``whole`` (each layer stack streamed
 as one chunk, not a few layers per chunk: ``zerojax._src.step.offload._by_rows``
-off), ``accum4`` (4 micro-batches per step, the batch
+off), ``grads`` (the reduced gradients in host memory too,
+``offload_grads=True``: refused with ``clip_by_global_norm``, so run it
+under ``--clip leaf``), ``accum4`` (4 micro-batches per step, the batch
 4x as large; ``plain+accum4`` is the plain loop's baseline for it). An
 offloaded record adds init's own device peak and the host bytes it holds;
 ``step_vs_plain`` compares with the plain loop at the same size and
@@ -65,6 +67,7 @@ def parse_config(config: str) -> dict:
     stage=None if head == "plain" else int(head),
     offload=False,
     offload_params=False,
+    offload_grads=False,
     accum=1,
     cross=False,
     whole=False,
@@ -76,6 +79,8 @@ def parse_config(config: str) -> dict:
       out["offload"] = float(opt.split("=", 1)[1])
     elif opt == "params":
       out["offload_params"] = True
+    elif opt == "grads":
+      out["offload_grads"] = True
     elif opt in ("cross", "whole"):
       out[opt] = True
     elif opt.startswith("accum") and opt[5:].isdigit():
@@ -83,10 +88,12 @@ def parse_config(config: str) -> dict:
     else:
       raise SystemExit(
         f"config {config!r}: unknown option {opt!r} (offload, offload=SHARE, "
-        "params, accumN, cross, whole)"
+        "params, grads, accumN, cross, whole)"
       )
   if out["stage"] is None and (out["offload"] or out["offload_params"]):
     raise SystemExit(f"config {config!r}: the plain loop has no offload")
+  if out["offload_grads"] and (out["offload"] is not True or out["accum"] > 1):
+    raise SystemExit(f"config {config!r}: grads needs +offload and no accumN")
   return out
 
 
@@ -144,7 +151,9 @@ def plain_step_fn(loss_fn, opt, accum: int):
   return plain_step
 
 
-def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
+def run_one(
+  size: str, config: str, steps: int, warmup: int = 100, clip: str = "global"
+) -> dict:
   """Runs one configuration in this process; returns its record."""
   import jax
   import numpy as np
@@ -164,7 +173,7 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
       tokens, seed=0, step=0, batch=accum * s["batch"], seq_len=s["seq_len"]
     )
   ] * (steps + 2)
-  opt = _optimizer(warmup)
+  opt = _optimizer(warmup, clip)
   loss_fn = lambda p, b: gpt.loss(p, b, model)
   key = jax.random.key(0)
 
@@ -185,6 +194,7 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
       mesh=mesh,
       offload=opts["offload"],
       offload_params=opts["offload_params"],
+      offload_grads=opts["offload_grads"],
     )
     state = zerojax.init_from(lambda k: gpt.init(model, k), tx, key)
     zstep = zerojax.train_step(loss_fn, tx, gather="model", accum_steps=accum)
@@ -220,6 +230,7 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
       policy=zerojax.Policy(),
       offload=opts["offload"],
       offload_params=opts["offload_params"],
+      offload_grads=opts["offload_grads"],
     )
     if on_host
     else None
@@ -236,6 +247,7 @@ def run_one(size: str, config: str, steps: int, warmup: int = 100) -> dict:
     "batch": accum * s["batch"],
     "accum_steps": accum,
     "warmup_steps": warmup,
+    "clip": clip,
     "seq_len": s["seq_len"],
     "compile_s": compile_s,
     "step_s": step_s,
@@ -302,16 +314,21 @@ def _offload_stream(state) -> dict:
   return offload_stream.describe(state.spec)
 
 
-def _optimizer(warmup: int):
+def _optimizer(warmup: int, clip: str = "global"):
   """Clipped AdamW with a linear warm-up from 0 to 1e-4 at step ``warmup``:
   the same in every configuration, so each timing is also a training run.
+  ``clip``: ``"global"`` (the gradients' global norm at 1.0) or ``"leaf"``
+  (each leaf's RMS at 1.0, ``optax.clip_by_block_rms``: an update that
+  reads each leaf's gradient alone, as ``offload_grads`` asks).
   On the repeated batch the loss falls at 1B and 2.7B with 100 warm-up
   steps (1e-4 from the first step diverged at 2.7B); at 7B the first
   step at that rate overshoots and 1000 warm-up steps fall."""
   import optax
 
   return optax.chain(
-    optax.clip_by_global_norm(1.0),
+    optax.clip_by_global_norm(1.0)
+    if clip == "global"
+    else optax.clip_by_block_rms(1.0),
     optax.adamw(
       optax.linear_schedule(0.0, 1e-4, warmup),
       weight_decay=0.1,
@@ -323,6 +340,7 @@ def _run_child(size: str, config: str, args) -> dict:
   """One configuration in a fresh process (its own device peak)."""
   cmd = [sys.executable, __file__, "--one", size, config]
   cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+  cmd += ["--clip", args.clip]
   return child_record(cmd, size, config, args.timeout)
 
 
@@ -370,6 +388,13 @@ def main():
     default=100,
     help="steps of the linear warm-up to the peak rate 1e-4",
   )
+  p.add_argument(
+    "--clip",
+    choices=("global", "leaf"),
+    default="global",
+    help="every configuration's clip: the global norm, or each leaf's RMS "
+    "(what +grads needs)",
+  )
   p.add_argument("--out", default="runs/gpu_bench")
   p.add_argument(
     "--timeout",
@@ -385,7 +410,8 @@ def main():
     parse_config(config)  # a typo fails here, not after an hour of runs
   if args.one:
     print(
-      "RECORD " + json.dumps(run_one(*args.one, args.steps, args.warmup)),
+      "RECORD "
+      + json.dumps(run_one(*args.one, args.steps, args.warmup, args.clip)),
       flush=True,
     )
     return

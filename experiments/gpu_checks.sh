@@ -8,6 +8,7 @@
 #   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b and 7b offload: default (stacks by rows), whole stacks, crossing; 7b +params; accum4; link; rows' rounding
 #   experiments/gpu_checks.sh offload7b SECONDS OUT # 7b offload +accum4, +params (warm-up 1000)
 #   experiments/gpu_checks.sh offload7b8 SECONDS OUT # 7b offload +accum8, +params (warm-up 1000)
+#   experiments/gpu_checks.sh grads SECONDS OUT  # +grads (offload_grads) beside offload at 2.7b and 7b +params, per-leaf clip
 #
 # Logs and JSON land in OUT, flat (the device tool brings back at most 8
 # files, two folders down).
@@ -94,6 +95,15 @@ case $part in
     # the parameters on the host
     bench 7b 3+offload+accum8 2 120 7b_accum8 --warmup 1000
     bench 7b 3+offload+params 2 200 7b_params --warmup 1000
+    ;;
+  grads)
+    # the gradients in host memory beside the state alone, every run
+    # clipped per leaf (offload_grads refuses the global norm, which
+    # reads every gradient); 7b with the params on the host holds 92 GB
+    # there with its gradients
+    bench 2.7b plain,3+offload,3+offload+grads 3 180 grads --clip leaf
+    bench 7b 3+offload+params,3+offload+params+grads 2 240 7b_grads \
+      --warmup 1000 --clip leaf
     ;;
 esac
 rm -rf "$out/b1" "$out/b2" "$out/lc" "$out/train"
