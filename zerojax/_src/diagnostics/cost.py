@@ -30,6 +30,7 @@ import math
 import jax
 import numpy as np
 
+from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records import zeropp as _zeropp
 
 REPLICA_ALL_REDUCE = "all-reduce over replica"
@@ -120,7 +121,7 @@ def host_grad_bytes(spec) -> float:
   return sum(
     layout_bytes(r.shard, n, sizes, np.dtype(r.reduce_dtype).itemsize)
     for r in spec.leaves
-    if r.trainable and not (r.stacked and len(r.aval.shape) <= 2)
+    if r.trainable and not _host_memory.vector_stack(r)
   )
 
 

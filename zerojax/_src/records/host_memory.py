@@ -79,6 +79,13 @@ def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
   )
 
 
+def vector_stack(r) -> bool:
+  """A layer stack of vectors (biases, norm scales): its per-layer row a
+  TPU's host transfer cannot slice out of a packed (bf16) tile, so its
+  params and gradients stay on the device."""
+  return r.stacked and len(r.aval.shape) <= 2
+
+
 def params_in_host_memory(leaves):
   """The records with each trained, sharded param's stage-3 shard in host
   memory (``zero(..., offload_params=True)``): those reach the loss as
@@ -89,9 +96,7 @@ def params_in_host_memory(leaves):
   row a TPU's host transfer cannot slice out of a packed (bf16) tile."""
   return tuple(
     dataclasses.replace(r, place=dataclasses.replace(r.place, params_host=True))
-    if r.trainable
-    and r.param.sharded
-    and not (r.stacked and len(r.aval.shape) <= 2)
+    if r.trainable and r.param.sharded and not vector_stack(r)
     else r
     for r in leaves
   )

@@ -25,6 +25,7 @@ from zerojax._src.comm import gather as _gather
 from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import layers as _layers
+from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.spec import StateSpec
 from zerojax._src.step.loss_call import LossArgs, LossOutputError, LossProgram
 
@@ -67,7 +68,7 @@ def grad_to_host(spec: StateSpec, r) -> bool:
   return (
     spec.config.offload_grads
     and r.trainable
-    and not (r.stacked and len(r.aval.shape) <= 2)
+    and not _host_memory.vector_stack(r)
   )
 
 
