@@ -28,8 +28,9 @@ order, ``zerojax._src.step.offload.crossing_waits``: a chunk comes down
 while the one before goes back), ``whole`` (each layer stack streamed
 as one chunk, not a few layers per chunk: ``zerojax._src.step.offload._by_rows``
 off), ``grads`` (the reduced gradients in host memory too,
-``offload_grads=True``: refused with ``clip_by_global_norm``, so run it
-under ``--clip leaf``), ``accum4`` (4 micro-batches per step, the batch
+``offload_grads=True``; behind ``clip_by_global_norm`` the norm is
+computed first and each gradient comes down twice, ``--clip leaf``
+measures it without), ``accum4`` (4 micro-batches per step, the batch
 4x as large; ``plain+accum4`` is the plain loop's baseline for it). An
 offloaded record adds init's own device peak and the host bytes it holds;
 ``step_vs_plain`` compares with the plain loop at the same size and

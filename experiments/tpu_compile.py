@@ -67,6 +67,10 @@ CONFIGS = (
   "3offp",
   "3offbg",
   "3offpg",
+  "3offbc",
+  "3offbgc",
+  "3offpc",
+  "3offpgc",
   "1-free",
   "3-free",
   "3off-free",
@@ -91,6 +95,9 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # host memory too, each layer brought down before its gather);
 # "<stage>offbg" / "<stage>offpg": those with offload_grads=True (the
 # reduced gradients in host memory, each chunk's brought down with it);
+# "<offloaded config>c": that configuration behind clip_by_global_norm
+# (with offload_grads the norm is computed first, each gradient brought
+# down whole in turn);
 # "<config>-free": that configuration with the update free to start before
 # the last gradient exists (zerojax's step waits for all of them), to
 # compare the compiler's peaks; "<stage>split": the step as a user's own
@@ -186,6 +193,9 @@ def worker(args) -> dict:
     # fp32 params, no master copy, except "offb" / "offp": bf16 + master
     policy, stacked = zerojax.Policy(), None
     base = args.config.removesuffix("-whole")
+    if base.endswith("c"):  # behind global-norm clipping
+      opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
+      base = base.removesuffix("c")
     grads_host = base.endswith(("offbg", "offpg"))
     base = base.removesuffix("g") if grads_host else base
     if base.endswith(("offb", "offp")):
@@ -325,7 +335,7 @@ def _offload_share(config: str) -> bool | float:
   """``offload=`` of a configuration name (see :data:`CONFIGS`)."""
   if "off" not in config:
     return False
-  digits = config.split("off", 1)[1].split("-")[0].rstrip("bpg")
+  digits = config.split("off", 1)[1].split("-")[0].rstrip("bpgc")
   return int(digits) / 100 if digits else True
 
 

@@ -22,10 +22,14 @@ from tests import toy
 
 BF16 = zerojax.Policy(param_dtype=jnp.bfloat16)
 
-# updates that read each leaf's gradient for that leaf only
+# updates that read each leaf's gradient for that leaf only, and one that
+# reads a global norm of them all
 OPTIMIZERS = {
   "adamw": lambda: optax.adamw(1e-2),
   "clip+adamw": lambda: optax.chain(optax.clip(0.05), optax.adamw(1e-2)),
+  "global_clip+adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(0.05), optax.adamw(1e-2)
+  ),
   "lamb": lambda: optax.lamb(1e-2),
   "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
 }
@@ -53,9 +57,10 @@ def _train(opt, stage, grads, policy=BF16, steps=3, **kw):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("stage", [2, 3])
 def test_offloaded_gradients_train_bitwise_equal(stage, name):
-  """AdamW, per-leaf clipping + AdamW, LAMB, Adafactor at stages 2-3: the
-  same state and loss bits as with the gradients on the device; the grad
-  norm, summed as the chunks load the gradients, to rounding."""
+  """AdamW, per-leaf or global-norm clipping + AdamW, LAMB, Adafactor at
+  stages 2-3: the same state and loss bits as with the gradients on the
+  device; the grad norm, summed as the gradients are loaded, to
+  rounding."""
   want, m_want = _train(OPTIMIZERS[name], stage, False)
   got, m_got = _train(OPTIMIZERS[name], stage, True)
   chex.assert_trees_all_equal(got, want)
@@ -67,9 +72,14 @@ def _same_metrics(got, want):
   np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-6)
 
 
-def test_the_scanned_gpt_trains_bitwise_equal_with_its_stacks_by_rows(mesh):
+@pytest.mark.parametrize("clip", [None, "global"])
+def test_the_scanned_gpt_trains_bitwise_equal_with_its_stacks_by_rows(
+  mesh, clip
+):
   """The reference GPT's layer stacks are updated a few layers per chunk;
-  each chunk loads those rows of the stack's offloaded gradient."""
+  each chunk loads those rows of the stack's offloaded gradient. Clipped
+  by the global norm, the norm is computed first, from each gradient
+  loaded whole in turn."""
   from zerojax.app import data, gpt
 
   model = gpt.GPTConfig(width=32, depth=4, heads=2, seq_len=32)
@@ -77,8 +87,11 @@ def test_the_scanned_gpt_trains_bitwise_equal_with_its_stacks_by_rows(mesh):
   loss_fn = functools.partial(gpt.loss, config=model)
   out = []
   for grads in (False, True):
+    opt = optax.adamw(3e-3)
+    if clip:
+      opt = optax.chain(optax.clip_by_global_norm(0.1), opt)
     tx = zerojax.zero(
-      optax.adamw(3e-3),
+      opt,
       stage=3,
       mesh=mesh,
       policy=BF16,
@@ -119,11 +132,12 @@ def test_value_and_grad_returns_the_gradients_in_host_memory():
 
 
 def test_an_update_that_reads_every_gradient_is_refused_with_the_fix():
-  """``clip_by_global_norm`` reads every leaf's gradient for each leaf's
-  update: streaming it would bring them all to the device. Refused while
-  tracing, naming the leaf and the per-leaf clips; the state is kept."""
+  """``apply_if_finite`` decides each leaf's update in a branch over the
+  whole state, which reads every leaf's gradient: streaming it would
+  bring them all to the device. Refused while tracing, naming the leaf
+  and the per-leaf clips; the state is kept."""
   tx = zerojax.zero(
-    optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),
+    optax.apply_if_finite(optax.adamw(1e-2), 3),
     stage=3,
     offload=True,
     offload_grads=True,
@@ -133,7 +147,9 @@ def test_an_update_that_reads_every_gradient_is_refused_with_the_fix():
   step = zerojax.train_step(toy.loss_fn, tx)
   with pytest.raises(ValueError, match=r"offload_grads=True, but") as e:
     step(state, toy.batches(1)[0])
-  assert "reads other leaves' weights, state or gradients" in str(e.value)
+  assert "(cond, shape ()) is made from the weights or state too" in str(
+    e.value
+  )
   assert "optax.clip_by_block_rms" in str(e.value)
   chex.assert_trees_all_equal(_leaves(state), before)
 
@@ -216,3 +232,61 @@ def test_the_gather_modes_and_jax_set_mesh_give_the_same_bits(gather):
     out.append((_leaves(state), m))
   chex.assert_trees_all_equal(out[1][0], out[0][0])
   _same_metrics(out[1][1], out[0][1])
+
+
+def test_a_global_norm_brings_each_gradient_down_twice_one_at_a_time():
+  """``clip_by_global_norm`` with the gradients in host memory: the norm is
+  computed first, from each gradient loaded whole in turn, then each
+  chunk loads its own again. The planner and the report's theory count
+  the gradients twice host to device, once back, and the norm pass's
+  device bytes (the largest gradient)."""
+  params = toy.init_params(jax.random.key(0))
+  shapes = jax.eval_shape(lambda: params)
+  clip = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
+  kw = dict(offload=True, offload_grads=True, policy=BF16)
+  plain, norm = (
+    zerojax.cost.plan_stage(shapes, 3, 8, optimizer=o, **kw)
+    for o in (optax.adamw(1e-2), clip)
+  )
+  assert not plain.norm_first and norm.norm_first
+  assert norm.host_to_device == plain.host_to_device + norm.grads_host
+  assert norm.device_to_host == plain.device_to_host
+  sizes = [x.size for x in jax.tree.leaves(params) if x.dtype == jnp.float32]
+  largest, trained = max(sizes), sum(sizes)
+  assert 0 < norm.norm_first_peak_fraction <= largest / trained + 1e-9
+  tx = zerojax.zero(clip, stage=3, **kw)
+  state = zerojax.init(params, tx)
+  o = zerojax.report(
+    zerojax.train_step(toy.loss_fn, tx), state, toy.batches(1)[0]
+  ).offload
+  assert o["norm_first"] and o["streamed"]
+  assert o["theory_host_to_device_bytes"] == norm.host_to_device
+  assert o["theory_device_to_host_bytes"] == norm.device_to_host
+
+
+def test_a_large_value_made_from_every_gradient_is_refused():
+  """An update that adds every leaf's gradient into one matrix which each
+  leaf then reads has no small value to compute first: refused, naming
+  its shape, before anything runs; the state is kept."""
+
+  def mean_of_all():
+    def update(g, state, params=None):
+      total = sum(jax.tree.leaves(g))
+      return jax.tree.map(lambda x: x - total / 2, g), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+  params = {"a": jnp.ones((300, 300)), "b": jnp.full((300, 300), 0.5)}
+  loss = lambda p, b: jnp.sum((p["a"] * b[0]) ** 2) + jnp.sum(p["b"] * b[0])
+  tx = zerojax.zero(
+    optax.chain(mean_of_all(), optax.sgd(1e-3)),
+    stage=2,
+    offload=True,
+    offload_grads=True,
+  )
+  state = zerojax.init(params, tx)
+  before = _leaves(state)
+  step = zerojax.train_step(loss, tx)
+  with pytest.raises(ValueError, match=r"has shape \(300, 300\)"):
+    step(state, jnp.ones((8, 300, 300)))
+  chex.assert_trees_all_equal(_leaves(state), before)

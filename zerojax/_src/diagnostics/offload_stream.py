@@ -14,14 +14,18 @@ from zerojax._src.step import offload as _offload
 def describe(spec: StateSpec, extra_avals=None) -> dict:
   """How an offloaded state's update runs, from shapes alone:
   ``{"host_fraction", "streamed", "chunks", "prefetched", "crossing",
-  "in_flight_fraction", "largest_chunk_fraction", "reason"}``: the share
+  "in_flight_fraction", "largest_chunk_fraction", "norm_first",
+  "norm_first_peak_fraction", "reason"}``: the share
   of the master copy and optimizer state's bytes kept in host memory; the
   chunks loaded while the one before them is updated
   (:attr:`~zerojax._src.step.offload.Plan.prefetched`), and those loaded while its results go back
   (:attr:`~zerojax._src.step.offload.Plan.crossing`);
   the most of the offloaded bytes on the device at once
   (:meth:`~zerojax._src.step.offload.Plan.in_flight`); the fraction of them the largest chunk holds;
-  ``reason``: why the whole state is updated at once."""
+  whether a global norm of offloaded gradients is computed before the
+  chunks, and the most of the gradients on the device while it is
+  (:func:`_norm_first`); ``reason``: why the whole state is updated at
+  once."""
   return {"host_fraction": host_fraction(spec), **_stream(spec, extra_avals)}
 
 
@@ -57,6 +61,8 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
       "crossing": 0,
       "in_flight_fraction": 1.0,
       "largest_chunk_fraction": 1.0,
+      "norm_first": False,
+      "norm_first_peak_fraction": 0.0,
       "reason": reason,
     }
   own = _offload.owners(spec)
@@ -100,5 +106,23 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
     "crossing": p.crossing,
     "in_flight_fraction": p.in_flight(sizes) / max(total, 1),
     "largest_chunk_fraction": max(sizes) / max(total, 1),
+    **_norm_first(spec, p, g_avals),
     "reason": None,
+  }
+
+
+def _norm_first(spec: StateSpec, p, g_avals) -> dict:
+  """With offloaded gradients and an update that reads a global norm of
+  them (:attr:`~zerojax._src.step.offload.Plan.cut`): the norm is computed
+  first, each gradient the norm reads loaded whole in turn, so every one
+  comes down twice; ``norm_first_peak_fraction``: the largest of them, a
+  fraction of the offloaded gradients' bytes."""
+  if p.cut is None:
+    return {"norm_first": False, "norm_first_peak_fraction": 0.0}
+  train = [a for a in g_avals if a is not None]
+  read = [_offload.nbytes(a) for a, f in zip(train, p.cut.frontier) if f]
+  total = sum(_offload.nbytes(a) for a in train)
+  return {
+    "norm_first": True,
+    "norm_first_peak_fraction": max(read, default=0) / max(total, 1),
   }

@@ -78,6 +78,11 @@ class StagePlan:
   params_host_stacked: float = 0.0
   # offload_grads: per-device bytes of the reduced gradients in host memory
   grads_host: float = 0.0
+  # offload_grads with an update that reads a global norm of them: the norm
+  # is computed first, each gradient brought down whole in turn; the
+  # largest, a fraction of grads_host (0.0: no such pass)
+  norm_first_peak_fraction: float = 0.0
+  norm_first: bool = False
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
@@ -104,8 +109,9 @@ class StagePlan:
     master + optimizer state old and new, and the next chunk loading)."""
     if not self.offload:
       return 0.0
-    return min(self.in_flight_fraction, 1.0) * (
-      self.host_bytes + self.grads_host
+    return max(
+      min(self.in_flight_fraction, 1.0) * (self.host_bytes + self.grads_host),
+      self.norm_first_peak_fraction * self.grads_host,
     )
 
   @property
@@ -117,7 +123,8 @@ class StagePlan:
     the identical copies outside a loop, as the TPU compiler's program
     shows); with no master copy the update reads the params' shards once
     more; offloaded gradients once (their chunk's update reads them, and
-    the step's grad norm reads them there)."""
+    the step's grad norm reads them there), twice when the update reads a
+    global norm of them (:attr:`norm_first`)."""
     if not self.offload:
       return 0.0
     again = 0.0 if self.master else self.params_host  # the update's weights
@@ -126,7 +133,7 @@ class StagePlan:
       + self.params_host
       + self.params_host_stacked
       + again
-      + self.grads_host
+      + self.grads_host * (2 if self.norm_first else 1)
     )
 
   @property
@@ -279,6 +286,8 @@ def plan_stage(
     grads_host=cost.host_grad_bytes(spec),
     chunk_fraction=streamed.get("largest_chunk_fraction", 1.0),
     in_flight_fraction=streamed.get("in_flight_fraction", 1.0),
+    norm_first_peak_fraction=streamed.get("norm_first_peak_fraction", 0.0),
+    norm_first=streamed.get("norm_first", False),
     activations=float((activations or {}).get("device", 0)),
     activations_host=float((activations or {}).get("host", 0)),
   )

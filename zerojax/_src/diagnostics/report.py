@@ -411,7 +411,7 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   # without a master copy the update reads the params' shards once more
   update_reads = 0 if spec.policy.has_master else params_host
   # offloaded gradients: written once in the backward pass, read once by
-  # the update (the grad norm reads them there)
+  # the update (the grad norm reads them there), or twice
   grads_host = cost.host_grad_bytes(spec)
   compute = (
     sum(
@@ -436,15 +436,18 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
     for kind, row in _schedule.summary(hlo).items()
     if kind in ("host-to-device", "device-to-host")
   }
+  streamed = _offload_stream.describe(spec)
+  # a global norm of the gradients, computed first, reads them once more
+  grads_read = grads_host * (2 if streamed.get("norm_first") else 1)
   return {
-    **_offload_stream.describe(spec),
+    **streamed,
     "params_on_host": bool(params_host),
     "grads_on_host": bool(grads_host),
     "host_to_device_bytes": down,
     "device_to_host_bytes": up,
     "measured_from": "host copies" if moved else "entry buffers",
     "theory_host_to_device_bytes": int(
-      state_host + params_host + stacks_host + update_reads + grads_host
+      state_host + params_host + stacks_host + update_reads + grads_read
     ),
     "theory_device_to_host_bytes": int(state_host + params_host + grads_host),
     "theory_host_compute_bytes": int(2 * compute),

@@ -110,3 +110,21 @@ def _call_body(eqn):
     ):
       return body
   return None
+
+
+def call_body(eqn):
+  """``(jaxpr, consts)`` a plain call equation runs, or None."""
+  if getattr(eqn.primitive, "name", None) not in _CALLS:
+    return None
+  for value in getattr(eqn, "params", {}).values():
+    body = getattr(value, "jaxpr", value)
+    if (
+      hasattr(body, "eqns")
+      and len(body.invars) == len(eqn.invars)
+      and len(body.outvars) == len(eqn.outvars)
+    ):
+      consts = list(getattr(value, "consts", ()))
+      if len(consts) != len(body.constvars):
+        return None
+      return body, consts
+  return None

@@ -232,7 +232,7 @@ def _run(jaxpr, consts, ins, n, span, made, *, marks=None) -> list[_Value]:
 
 
 def _equation(eqn, ins, n, span, made) -> list[_Value]:
-  body = _body(eqn)
+  body = _deps.call_body(eqn)
   if body is not None:
     jaxpr, consts = body
     return _run(jaxpr, consts, ins, n, span, made)
@@ -315,21 +315,3 @@ def _bind_rows(eqn, ins, mode, span):
     params["shape"] = (b - a, *tuple(params["shape"])[1:])
   out = eqn.primitive.bind(*args, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _body(eqn):
-  """``(jaxpr, consts)`` a plain call equation runs, or None."""
-  if getattr(eqn.primitive, "name", None) not in _deps._CALLS:
-    return None
-  for value in getattr(eqn, "params", {}).values():
-    body = getattr(value, "jaxpr", value)
-    if (
-      hasattr(body, "eqns")
-      and len(body.invars) == len(eqn.invars)
-      and len(body.outvars) == len(eqn.outvars)
-    ):
-      consts = list(getattr(value, "consts", ()))
-      if len(consts) != len(body.constvars):
-        return None
-      return body, consts
-  return None

@@ -56,6 +56,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from zerojax._src.jaxpr import cut as _cut
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.spec import StateSpec
@@ -108,8 +109,13 @@ class Plan:
   # chunk updates (None: the whole leaf); a stack larger than a chunk's
   # budget is spread over consecutive chunks (:mod:`zerojax._src.jaxpr.rows`)
   rows: tuple[tuple[tuple[int, int] | None, ...], ...] = ()
-  # the update's jaxpr, which computes a stack's rows
+  # the update's jaxpr, which computes a stack's rows (with ``cut``: the
+  # cut's values its last inputs)
   program: object = dataclasses.field(default=None, compare=False)
+  # offloaded gradients: the values every leaf's update reads made from
+  # all the gradients (a global norm), computed before the chunks
+  # (:mod:`zerojax._src.jaxpr.cut`); None: there are none
+  cut: object = dataclasses.field(default=None, compare=False)
 
   def rows_of(self, k: int) -> tuple:
     return self.rows[k] if k < len(self.rows) else (None,) * len(self.chunks[k])
@@ -215,16 +221,30 @@ def plan(
   )
   if closed is None:
     return None, "the inner update could not be traced to a jaxpr here"
-  deps = _deps.dependencies(closed)
-  if len(deps) != n_g + n_o:
+  if len(closed.jaxpr.outvars) != n_g + n_o:
     return None, "the inner update returned a state of another structure"
   shared = tuple(j for j, p in enumerate(own) if p is None)
+  slot = {i: k for k, i in enumerate(train)}
+  n_in = 2 * n_g + n_o + len(e_leaves)
   always = (
     (frozenset() if grads_host else frozenset(range(n_g)))
     | {n_g + j for j in shared}
-    | frozenset(range(2 * n_g + n_o, 2 * n_g + n_o + len(e_leaves)))
+    | frozenset(range(2 * n_g + n_o, n_in))
   )
-  slot = {i: k for k, i in enumerate(train)}
+  cut = None
+  if grads_host:
+    cut, reason = _grads_cut(closed, n_g, own, slot, always)
+    if reason:
+      return None, reason
+    if cut is not None:
+      # the update with the cut's values as inputs after the others
+      closed = jax.make_jaxpr(
+        lambda *a: cut.flat.evaluate(
+          a[:n_in], cut.flat.outs, dict(zip(cut.values, a[n_in:]))
+        )
+      )(*closed.in_avals, *[cut.flat.avals[v] for v in cut.values])
+      always = always | frozenset(range(n_in, n_in + len(cut.values)))
+  deps = _deps.dependencies(closed)
   allowed = {
     i: always
     | {n_g + n_o + slot[i], slot[i]}
@@ -274,8 +294,35 @@ def plan(
   owned = tuple(tuple(j for j, p in enumerate(own) if p in c) for c in chunks)
   after, computed = _waits(chunk_bytes)
   return Plan(
-    tuple(chunks), owned, shared, after, computed, tuple(rows), closed
+    tuple(chunks), owned, shared, after, computed, tuple(rows), closed, cut
   ), None
+
+
+def _grads_cut(closed, n_g: int, own, slot, allowed):
+  """``(cut, None)``: the values every leaf's update reads that are made
+  from all the gradients (:mod:`zerojax._src.jaxpr.cut`; None: there are
+  none), computed before the chunks from each gradient in turn; or
+  ``(None, reason)`` when they are not small, or are made from weights or
+  state too (which the pass does not bring down)."""
+  flat = _cut.Flat(closed)
+  out_groups = list(range(n_g)) + [None if p is None else slot[p] for p in own]
+  c = _cut.find(flat, [{k} for k in range(n_g)], out_groups)
+  if not c.values:
+    return None, None
+  big = _cut.too_large(c)
+  if big:
+    return None, f"{big}, too large to compute before the update"
+  reads = flat.reads([{i} for i in range(flat.n_in)])
+  ok = allowed | frozenset(range(n_g))
+  for v in (*c.values, *(v for f in c.frontier for v in f)):
+    if not reads[v] <= ok:
+      eqn = flat.eqns[flat.made_by[v]][0] if v in flat.made_by else None
+      return None, (
+        f"a value made from every leaf's gradient ({eqn.primitive.name if eqn else 'an input'}, "
+        f"shape {tuple(flat.avals[v].shape)}) is made from the weights or "
+        "state too"
+      )
+  return c, None
 
 
 def _stack_rows(spec: StateSpec, closed, train, sizes, own) -> dict:

@@ -61,13 +61,26 @@ def rows_of(x, span):
 
 
 def stack_update(
-  spec, p, train, g_flat, *, i, w_rows, o, mine, extra_args, span, g_rows=None
+  spec,
+  p,
+  train,
+  g_flat,
+  *,
+  i,
+  w_rows,
+  o,
+  mine,
+  extra_args,
+  span,
+  g_rows=None,
+  cut_values=(),
 ):
   """Rows ``span`` of param ``i``'s update and of its state leaves
   ``mine`` from those rows of its weights and state (``o``: by rows for
   ``mine``, whole for the shared leaves): ``[update, *new state]``.
   ``g_rows(span)``: rows of its gradient, where the update reads them by
-  rows (the gradient whole where it reads it whole: a global norm)."""
+  rows (the gradient whole where it reads it whole: a global norm).
+  ``cut_values``: the values of ``p.cut``, the program's last inputs."""
   n_g, n_o, k = len(train), len(spec.opt_leaves), train.index(i)
   given = set(mine) | set(p.shared)  # not the other leaves' rows or state
   grads = list(g_flat)
@@ -76,6 +89,7 @@ def stack_update(
   args = [*grads, *[o[j] if j in given else None for j in range(n_o)]]
   args += [w_rows if t == k else None for t in range(n_g)]
   args += [x for x in jax.tree.leaves(extra_args) if hasattr(x, "dtype")]
+  args += list(cut_values)
   program = _rows.Rows(
     p.program,
     {n_g + n_o + k} | {n_g + j for j in mine},

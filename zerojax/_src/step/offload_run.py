@@ -10,6 +10,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from zerojax._src.jaxpr import cut as _cut
 from zerojax._src.records.spec import StateSpec
 from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload_rows as _stacks
@@ -76,6 +77,12 @@ def stream(
   shared = {
     j: _ops.opt_logical(spec.opt_leaves[j], opt_raw[j]) for j in p.shared
   }
+  e_leaves = [x for x in jax.tree.leaves(extra_args) if hasattr(x, "dtype")]
+  cut_values, early = (), set()
+  if p.cut is not None:  # offloaded gradients: a global norm, first
+    cut_values, early = _cut_values(
+      spec, p, train, g_src, shared=shared, e_leaves=e_leaves, seen=seen
+    )
   stored = []  # each chunk's results, as stored
   computed = []  # each chunk's new values on the device, before storing
   for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
@@ -94,6 +101,8 @@ def stream(
       waits.append([out.latest(x) for x in stored[p.after[k]]])
     if p._waits_for_computed(k):
       waits.append(computed[p.computed[k]])
+    if k == 0 and cut_values:
+      waits.append(list(cut_values))
     if waits:
       # this chunk's loads wait for those results
       (raw_w, raw_o, raw_g), _ = jax.lax.optimization_barrier(
@@ -102,7 +111,8 @@ def stream(
     if g_src is not None:  # this chunk's gradients, the others zeros
       mine_g = {i: g_src[i].load(x) for i, x in zip(chunk, raw_g)}
       for i in chunk if seen is not None else ():
-        seen(i, spans[i], mine_g[i])
+        if i not in early:
+          seen(i, spans[i], mine_g[i])
       g_flat = [
         mine_g[i] if i in spans and spans[i] is None else z
         for i, z in zip(train, g_zeros)
@@ -117,7 +127,23 @@ def stream(
     }
     u, new = {}, {}
     whole = [i for i in chunk if spans[i] is None]
-    if whole or (k == 0 and p.shared):
+    if p.cut is not None and (whole or (k == 0 and p.shared)):
+      u_w, new_w = _cut_update(
+        spec,
+        p,
+        train,
+        g_flat,
+        w=w,
+        o={**shared, **o},
+        e_leaves=e_leaves,
+        cut_values=cut_values,
+        whole=whole,
+        states=[j for j in owned if own[j] in whole]
+        + (list(p.shared) if k == 0 else []),
+      )
+      u.update(u_w)
+      new.update(new_w)
+    elif whole or (k == 0 and p.shared):
       o_whole = {j: x for j, x in o.items() if own[j] in whole}
       u_w, new_w = _whole_update(
         spec,
@@ -149,6 +175,7 @@ def stream(
           extra_args=extra_args,
           span=spans[i],
           g_rows=None if g_rows is None else g_rows[i],
+          cut_values=cut_values,
         )
         u[i] = outs[0]
         new.update(zip(mine, outs[1:]))
@@ -168,6 +195,65 @@ def stream(
       outs.append(out.state(j, spans.get(own[j]), value))
     stored.append(outs)
   return out.done()
+
+
+def _cut_values(spec, p: Plan, train, g_src, *, shared, e_leaves, seen):
+  """The values of ``p.cut`` (a global norm) from the offloaded gradients,
+  each brought down whole, alone, after the previous one's share of the
+  cut is computed; ``seen`` is called with each. Returns ``(values, the
+  params whose gradients were seen)``."""
+  c = p.cut
+  n_g, n_o = len(train), len(spec.opt_leaves)
+  base = [None] * c.flat.n_in
+  for j, x in shared.items():
+    base[n_g + j] = x
+  base[2 * n_g + n_o :] = e_leaves
+  given, prev, early = {}, [], set()
+  for k, i in enumerate(train):
+    if not c.frontier[k]:
+      continue
+    raw = g_src[i].raw
+    if prev:
+      raw, _ = jax.lax.optimization_barrier((raw, prev))
+    args = list(base)
+    args[k] = g_src[i].load(raw)
+    if seen is not None:
+      seen(i, None, args[k])
+      early.add(i)
+    prev = c.flat.evaluate(args, c.frontier[k])
+    given.update(zip(c.frontier[k], prev))
+  return tuple(c.flat.evaluate(base, c.values, given)), early
+
+
+def _cut_update(
+  spec, p: Plan, train, g_flat, *, w, o, e_leaves, cut_values, whole, states
+):
+  """The updates of the params ``whole`` and the new state leaves
+  ``states`` from the update's program with the cut's values given
+  (:attr:`Plan.cut`); nothing else is read."""
+  n_g, n_o = len(train), len(spec.opt_leaves)
+  program = _flat_program(p)
+  args = [g_flat[k] if i in w else None for k, i in enumerate(train)] + [
+    o.get(j) for j in range(n_o)
+  ]
+  args += [w.get(i) for i in train] + list(e_leaves) + list(cut_values)
+  slot = {i: k for k, i in enumerate(train)}
+  outs = program.evaluate(
+    args,
+    [program.outs[slot[i]] for i in whole]
+    + [program.outs[n_g + j] for j in states],
+  )
+  return dict(zip(whole, outs[: len(whole)])), dict(
+    zip(states, outs[len(whole) :])
+  )
+
+
+def _flat_program(p: Plan):
+  flat = getattr(p, "_flat", None)
+  if flat is None:
+    flat = _cut.Flat(p.program)
+    object.__setattr__(p, "_flat", flat)
+  return flat
 
 
 def _with_whole(g_flat, train, i, g_src):

@@ -134,14 +134,17 @@ def zero(
       without. zerojax's own gradient half places them
       (:func:`zerojax.train_step`, :func:`zerojax.value_and_grad`); the
       Optax drop-in's ``update`` takes the caller's gradients where they
-      are. The update must read
-      each leaf's gradient only for that leaf (Adam, LAMB, Adafactor,
-      per-leaf clipping); one that combines every gradient
-      (``optax.clip_by_global_norm``) is refused while tracing, and so is
-      ``accum_steps > 1``. The step's ``grad_norm`` is summed from the
-      gradients each chunk loads, so a layer stack updated a few layers
-      per chunk adds its rows' sums: its last bits may differ from the
-      norm without ``offload_grads`` (the state's do not).
+      are. Each leaf's update may read its own gradient
+      (Adam, LAMB, Adafactor, per-leaf clipping) and small values made
+      from all of them (``optax.clip_by_global_norm``'s norm: computed
+      first, each gradient brought down whole in turn, so they come down
+      twice); an update that mixes gradients otherwise, or through a
+      branch over the whole state (``optax.apply_if_finite``), is refused
+      while tracing, and so is ``accum_steps > 1``. Without a global
+      norm the step's ``grad_norm`` is summed from the gradients each
+      chunk loads, so a layer stack updated a few layers per chunk adds
+      its rows' sums: its last bits may differ from the norm without
+      ``offload_grads`` (the state's do not).
 
   Returns:
     A :class:`ZeroTransformation` for :func:`zerojax.init` and

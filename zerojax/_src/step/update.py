@@ -127,10 +127,12 @@ def run_update(
     if p is None and g_src is not None:
       raise ValueError(
         f"zerojax: offload_grads=True, but this optimizer's update cannot "
-        f"be streamed with each chunk's own gradients: {reason} (a global "
-        f"norm, as optax.clip_by_global_norm computes, reads every leaf's "
-        f"gradient, which would bring them all to the device). Clip per "
-        f"leaf (optax.clip, optax.clip_by_block_rms), or use "
+        f"be streamed with each chunk's own gradients: {reason}. An update "
+        f"may read values made from every leaf's gradient where they are "
+        f"small and made from the gradients alone (a global norm: "
+        f"optax.clip_by_global_norm streams), not through a branch or loop "
+        f"over the whole state (optax.apply_if_finite, optax.MultiSteps). "
+        f"Clip per leaf (optax.clip, optax.clip_by_block_rms), or use "
         f"offload_grads=False."
       )
     if p is not None:
