@@ -174,10 +174,11 @@ def test_a_70b_step_on_256_chips_lowers_without_allocating():
   assert "all_gather" in text or "all-gather" in text
 
 
-def _offloaded_step(tpu_mesh, **offload):
-  """The reference GPT's stage-3 step (bf16 params, fp32 master copy)
-  with ``offload`` as ``zerojax.zero`` takes it, compiled for the
-  topology: ``(compiled_report row, planner's StagePlan)``."""
+def _offloaded_step(tpu_mesh, clip=False, **offload):
+  """The reference GPT's stage-3 step (bf16 params, fp32 master copy,
+  AdamW, behind ``clip_by_global_norm`` with ``clip``) with ``offload``
+  as ``zerojax.zero`` takes it, compiled for the topology:
+  ``(compiled_report row, planner's StagePlan)``."""
   import jax
   import optax
 
@@ -186,8 +187,11 @@ def _offloaded_step(tpu_mesh, **offload):
 
   config = CONFIG.resolved("tpu")
   policy = zerojax.Policy(param_dtype=jnp.bfloat16)
+  opt = optax.adamw(3e-4)
+  if clip:
+    opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
   kw = dict(policy=policy, stacked=gpt.is_layer_stack, **offload)
-  tx = zerojax.zero(optax.adamw(3e-4), stage=3, mesh=tpu_mesh, **kw)
+  tx = zerojax.zero(opt, stage=3, mesh=tpu_mesh, **kw)
   init = lambda key: gpt.init(config, key)
   state = jax.eval_shape(
     lambda k: zerojax.init_from(init, tx, k), jax.random.key(0)
@@ -201,7 +205,9 @@ def _offloaded_step(tpu_mesh, **offload):
   row = aot.compiled_report(compiled, tpu_mesh)
   row["hlo"] = compiled.as_text()
   shapes = jax.eval_shape(init, jax.random.key(0))
-  planned = cost.plan_stage(shapes, 3, mesh=dict(tpu_mesh.shape), **kw)
+  planned = cost.plan_stage(
+    shapes, 3, mesh=dict(tpu_mesh.shape), optimizer=opt, **kw
+  )
   return row, planned
 
 
@@ -281,6 +287,33 @@ def test_the_tpu_compiler_writes_each_layers_gradient_to_host_memory(
   # without offload_grads)
   assert count(_loop_bodies(row["hlo"])) >= 4, row["memory"]
   assert count(_loop_bodies(base_row["hlo"])) == 0
+
+
+def test_behind_a_global_norm_the_tpu_compiler_reads_each_gradient_at_most_twice(
+  tpu_mesh,
+):
+  """``clip_by_global_norm`` with the state, params' shards and gradients
+  in host memory: the norm is computed first, each gradient brought down
+  whole in turn, then each chunk brings its own down again. The planner
+  counts the stream as written (the gradients twice down, once up); the
+  compiler may keep a gradient the norm pass brought down for its chunk
+  (it does, for every one, at this size), so the compiled step reads at
+  least the unclipped step's bytes and at most the planner's, writes the
+  same bytes, and its peak exceeds the unclipped step's by at most the
+  norm pass's largest gradient."""
+  kw = dict(offload=True, offload_params=True, offload_grads=True)
+  row, planned = _offloaded_step(tpu_mesh, clip=True, **kw)
+  base_row, base = _offloaded_step(tpu_mesh, **kw)
+  assert planned.norm_first and not base.norm_first
+  assert planned.host_to_device == base.host_to_device + planned.grads_host
+  assert planned.device_to_host == base.device_to_host
+  moved = row["host_transfers"]
+  down = moved["host-to-device"]["bytes"]
+  assert base.host_to_device <= down <= planned.host_to_device
+  assert moved["device-to-host"]["bytes"] == planned.device_to_host
+  pass_peak = planned.norm_first_peak_fraction * planned.grads_host
+  assert 0 < pass_peak < planned.grads_host
+  assert row["memory"]["peak"] <= base_row["memory"]["peak"] + pass_peak
 
 
 def test_the_tpu_compiler_moves_offloaded_block_inputs_as_planned(tpu_mesh):
