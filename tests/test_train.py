@@ -215,6 +215,31 @@ def test_main_job_offload_flag_takes_a_share():
   assert tx.config.offload == 0.25
 
 
+def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
+  tmp_path,
+):
+  """Behind the main job's global-norm clip, ``--offload --offload-grads``
+  logs the same losses and grad norms as ``--offload``, to the bit. With
+  ``--offload-params`` as well the layer stacks are laid out as stacks
+  (their layer axis never sharded), so the sums round apart: the same
+  run to 1e-5."""
+  runs = []
+  for flags in (
+    [],
+    ["--offload-grads"],
+    ["--offload-grads", "--offload-params"],
+  ):
+    out = tmp_path / "-".join(["run", *flags])
+    _main_job(out, "--steps", "10", "--offload", *flags)
+    rows = [
+      json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+    runs.append([(r["loss"], r["grad_norm"]) for r in rows if "grad_norm" in r])
+  device, grads, params = runs
+  assert device and grads == device
+  np.testing.assert_allclose(np.asarray(params), np.asarray(device), rtol=1e-5)
+
+
 @pytest.mark.parametrize(
   "flags,message",
   [
@@ -225,6 +250,11 @@ def test_main_job_offload_flag_takes_a_share():
     (["--seq-shard", "model"], "--seq-shard=model is not a model axis"),
     (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be >= 0"),
     (["--offload", "1.5"], "--offload=1.5 must be a share in [0, 1]"),
+    (["--offload-grads"], "--offload-grads needs --stage 2 or 3 and --offload"),
+    (
+      ["--offload", "0.5", "--offload-params"],
+      "--offload-params needs --stage 3 and --offload (all of it)",
+    ),
   ],
 )
 def test_main_job_rejects_bad_flags_before_work(flags, message):

@@ -133,6 +133,16 @@ class TrainConfig:
     "memory (pinned_host): --offload alone for all of it, --offload 0.5 "
     "for half (whole leaves, largest first)",
   )
+  offload_params: bool = _opt(
+    False,
+    "stage 3 with --offload: the params' shards in host memory too, each "
+    "layer brought down before its gather",
+  )
+  offload_grads: bool = _opt(
+    False,
+    "stages 2-3 with --offload: the reduced gradients in host memory too, "
+    "each brought down with its chunk of the update",
+  )
   weight_bits: int = _opt(
     0,
     "ZeRO++ qwZ: 8 all-gathers stage-3 weights as int8 blocks + scales; 0: off",
@@ -255,6 +265,15 @@ def check(config: TrainConfig) -> list[str]:
       f"--offload={config.offload} must be a share in [0, 1] "
       f"(--offload alone: all of it)"
     )
+  for flag, stages in (("offload_params", (3,)), ("offload_grads", (2, 3))):
+    if getattr(config, flag) and (
+      config.stage not in stages or config.offload != 1.0
+    ):
+      problems.append(
+        f"--{flag.replace('_', '-')} needs --stage "
+        f"{' or '.join(map(str, stages))} and --offload (all of it); got "
+        f"--stage {config.stage} --offload {config.offload}"
+      )
   if config.width and config.heads and config.width % config.heads:
     problems.append(
       f"--heads={config.heads} does not divide --width={config.width}"
@@ -613,8 +632,10 @@ def _optimizer(config: TrainConfig, mesh):
     mesh=mesh,
     policy=policy,
     model_specs=gpt.model_specs() if tp else None,
-    stacked=gpt.is_layer_stack if tp else None,
+    stacked=gpt.is_layer_stack if tp or config.offload_params else None,
     offload=float(config.offload),
+    offload_params=config.offload_params,
+    offload_grads=config.offload_grads,
     bucket_bytes=(int(config.bucket_mb * 2**20) if config.bucket_mb else None),
     zeropp=zeropp,
   )
