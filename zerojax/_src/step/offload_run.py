@@ -57,7 +57,9 @@ def stream(
     seen: with ``g_src``, ``seen(i, span, g)`` is called with each
       gradient a chunk loads (rows ``span`` of a stack, None: whole), in
       the stream's order: what else reads the offloaded gradients (the
-      step's grad norm) reads these, so each comes down once.
+      step's grad norm) reads these, so each comes down once. What it
+      returns (a sum of squares) the next chunk's loads wait for, so no
+      gradient stays on the device for it.
 
   Returns:
     ``(per-param finish results (None for frozen), new state leaves as
@@ -85,17 +87,18 @@ def stream(
     )
   stored = []  # each chunk's results, as stored
   computed = []  # each chunk's new values on the device, before storing
+  squares = []  # what ``seen`` returned for the chunk's gradients
   for k, (chunk, owned) in enumerate(zip(p.chunks, p.owned)):
     spans = dict(zip(chunk, p.rows_of(k)))
     raw_w = [_stacks.rows_of(out.latest(w_src[i].raw), spans[i]) for i in chunk]
     raw_o = [
       _stacks.rows_of(out.latest(opt_raw[j]), spans[own[j]]) for j in owned
     ]
-    raw_g = (
-      []
-      if g_src is None
-      else [_stacks.rows_of(g_src[i].raw, spans[i]) for i in chunk]
-    )
+    # a stack's gradient rows are sliced after the barrier: a slice of a
+    # host buffer is its own transfer, which would otherwise start as
+    # early as the scheduler likes (every chunk's rows on the device at
+    # once); the weights' and state's rows wait on the writes before them
+    raw_g = [] if g_src is None else [g_src[i].raw for i in chunk]
     waits = []
     if p.after[k] is not None:
       waits.append([out.latest(x) for x in stored[p.after[k]]])
@@ -103,16 +106,23 @@ def stream(
       waits.append(computed[p.computed[k]])
     if k == 0 and cut_values:
       waits.append(list(cut_values))
+    if squares:  # the previous chunk's gradients are summed and dead
+      waits.append(squares)
     if waits:
       # this chunk's loads wait for those results
       (raw_w, raw_o, raw_g), _ = jax.lax.optimization_barrier(
         ((raw_w, raw_o, raw_g), waits)
       )
     if g_src is not None:  # this chunk's gradients, the others zeros
-      mine_g = {i: g_src[i].load(x) for i, x in zip(chunk, raw_g)}
-      for i in chunk if seen is not None else ():
-        if i not in early:
-          seen(i, spans[i], mine_g[i])
+      mine_g = {
+        i: g_src[i].load(_stacks.rows_of(x, spans[i]))
+        for i, x in zip(chunk, raw_g)
+      }
+      squares = [
+        seen(i, spans[i], mine_g[i])
+        for i in (chunk if seen is not None else ())
+        if i not in early
+      ]
       g_flat = [
         mine_g[i] if i in spans and spans[i] is None else z
         for i, z in zip(train, g_zeros)
@@ -217,11 +227,11 @@ def _cut_values(spec, p: Plan, train, g_src, *, shared, e_leaves, seen):
       raw, _ = jax.lax.optimization_barrier((raw, prev))
     args = list(base)
     args[k] = g_src[i].load(raw)
-    if seen is not None:
-      seen(i, None, args[k])
-      early.add(i)
     prev = c.flat.evaluate(args, c.frontier[k])
     given.update(zip(c.frontier[k], prev))
+    if seen is not None:
+      prev = [*prev, seen(i, None, args[k])]
+      early.add(i)
   return tuple(c.flat.evaluate(base, c.values, given)), early
 
 

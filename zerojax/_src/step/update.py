@@ -238,9 +238,10 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   spec = state.spec
   g_src, pieces, grad_norm = None, [], None
   if spec.config.offload_grads:
-    # the norm sums each gradient as its chunk loads it: a stack updated
-    # by rows adds its rows' sums (the last bits may differ from the
-    # whole stack's sum; the state's do not)
+    # the norm sums each gradient as it is loaded (a global norm's pass,
+    # or its chunk): a stack updated by rows adds its rows' sums (the
+    # last bits may differ from the whole stack's sum; the state's do
+    # not)
     g_src = _ops.grad_sources(spec, grads, where)
     w_src = _ops.weight_sources(spec, state)
     g_view = g_rows = [None] * len(grads)
@@ -271,16 +272,16 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
     finish=finish,
     g_rows=g_rows,
     g_src=g_src,
-    seen=lambda i, span, g: pieces.append(
-      (g, spec.leaves[i].whole and span is None)
+    seen=lambda i, span, g: _seen(
+      pieces, g, spec.leaves[i].whole and span is None, spec.place.mesh
     ),
     bases=lambda i: (
       old_masters[i],
       old[i] if stage3 and spec.leaves[i].place.params_host else None,
     ),
   )
-  if g_src is not None:  # the pieces the chunks loaded
-    grad_norm = _global_norm(pieces, spec.place.mesh)
+  if g_src is not None:  # the pieces' sums of squares, as they came
+    grad_norm = _norm_of(pieces)
   done = [(None, None) if d is None else d for d in done]
   if stage3:
     params = [o if w is None else w for o, (_, w) in zip(old, done)]
@@ -289,6 +290,14 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   return _ops.after_update(
     spec, state, [m for m, _ in done], params, new_opt
   ), grad_norm
+
+
+def _seen(squares: list, g, whole: bool, mesh):
+  """Appends a loaded gradient's sum of squares and returns it: the
+  stream's next loads wait for it, so the gradient is not kept on the
+  device for the step's norm."""
+  squares.append(_global_norm([(g, whole)], mesh, squares=True))
+  return squares[-1]
 
 
 def _shards_before_update(spec: StateSpec, state: ZeroState, g_view, w_src):
@@ -340,8 +349,10 @@ def _split_over_devices(g, mesh):
   )
 
 
-def _global_norm(grads, mesh):
-  """The gradients' global L2 norm; ``grads``: ``(gradient, whole)`` pairs.
+def _global_norm(grads, mesh, squares: bool = False):
+  """The gradients' global L2 norm; ``grads``: ``(gradient, whole)`` pairs
+  (with ``squares``: one pair, and its sum of squares, for
+  :func:`_norm_of`).
 
   A whole gradient (replicated over every mesh axis: stage 0, small
   leaves) must not be squared into a temporary of its size: ``sum(g **
@@ -389,12 +400,17 @@ def _global_norm(grads, mesh):
       total = total + sq(jax.lax.slice_in_dim(g, n * per, rows), dt)
     return total
 
+  if squares:
+    return blocked(*grads[0])
+  return _norm_of([blocked(g, w) for g, w in grads])
+
+
+def _norm_of(squares):
+  """The global norm from each piece's sum of squares, in their order."""
   dt = functools.reduce(
-    jnp.promote_types, (dtype(g) for g, _ in grads), jnp.dtype(jnp.float32)
+    jnp.promote_types, (s.dtype for s in squares), jnp.dtype(jnp.float32)
   )
-  return jnp.sqrt(
-    sum((blocked(g, w).astype(dt) for g, w in grads), jnp.zeros((), dt))
-  )
+  return jnp.sqrt(sum((s.astype(dt) for s in squares), jnp.zeros((), dt)))
 
 
 def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
