@@ -128,9 +128,9 @@ def zero(
       layer by layer inside a scan, and the streamed update brings each
       chunk's gradients down with its state, so the device never holds
       the whole gradient (layer stacks of vectors keep theirs there). In
-      the TPU compiler's programs the peak falls by about the gradients
-      on one chip, and rises 12% over 4 chips at 109M parameters with
-      the params on the device (``docs/results.md``). Same numbers as
+      the TPU compiler's programs the peak falls to 0.57x on one chip
+      (420M parameters) and 0.78x over 4 chips (109M), with the params
+      on the device (``docs/results.md``). Same numbers as
       without. zerojax's own gradient half places them
       (:func:`zerojax.train_step`, :func:`zerojax.value_and_grad`); the
       Optax drop-in's ``update`` takes the caller's gradients where they
