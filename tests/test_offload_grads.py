@@ -201,16 +201,21 @@ def test_the_planner_counts_the_gradients_on_the_host():
   assert off.device_to_host == base.device_to_host + off.grads_host
   assert off.host_to_device == base.host_to_device + off.grads_host
   assert off.device < base.device
-  tx = zerojax.zero(
-    optax.adamw(1e-2), stage=3, offload=True, offload_grads=True, policy=BF16
-  )
+  o = _report_offload(params, optax.adamw(1e-2), off)
+  assert o["grads_on_host"] and o["streamed"]
+
+
+def _report_offload(params, opt, planned):
+  """``zerojax.report(...).offload`` of the stage-3 step with the state
+  and gradients on the host, its theory checked against ``planned``."""
+  tx = zerojax.zero(opt, stage=3, offload=True, offload_grads=True, policy=BF16)
   state = zerojax.init(params, tx)
   o = zerojax.report(
     zerojax.train_step(toy.loss_fn, tx), state, toy.batches(1)[0]
   ).offload
-  assert o["grads_on_host"] and o["streamed"]
-  assert o["theory_host_to_device_bytes"] == off.host_to_device
-  assert o["theory_device_to_host_bytes"] == off.device_to_host
+  assert o["theory_host_to_device_bytes"] == planned.host_to_device
+  assert o["theory_device_to_host_bytes"] == planned.device_to_host
+  return o
 
 
 @pytest.mark.parametrize("gather", ["all", "model"])
@@ -254,14 +259,8 @@ def test_a_global_norm_brings_each_gradient_down_twice_one_at_a_time():
   sizes = [x.size for x in jax.tree.leaves(params) if x.dtype == jnp.float32]
   largest, trained = max(sizes), sum(sizes)
   assert 0 < norm.norm_first_peak_fraction <= largest / trained + 1e-9
-  tx = zerojax.zero(clip, stage=3, **kw)
-  state = zerojax.init(params, tx)
-  o = zerojax.report(
-    zerojax.train_step(toy.loss_fn, tx), state, toy.batches(1)[0]
-  ).offload
+  o = _report_offload(params, clip, norm)
   assert o["norm_first"] and o["streamed"]
-  assert o["theory_host_to_device_bytes"] == norm.host_to_device
-  assert o["theory_device_to_host_bytes"] == norm.device_to_host
 
 
 def test_a_large_value_made_from_every_gradient_is_refused():
