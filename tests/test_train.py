@@ -221,8 +221,19 @@ def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
   """Behind the main job's global-norm clip, ``--offload --offload-grads``
   logs the same losses and grad norms as ``--offload``, to the bit. With
   ``--offload-params`` as well the layer stacks are laid out as stacks
-  (their layer axis never sharded), so the sums round apart: the same
-  run to 1e-5."""
+  (``stacked=``: their layer axis never sharded), which sums the bf16
+  gradients in another order: the same run to bf16 rounding (its bits
+  with the same layout: tests/test_offload_grads.py). The flags reach
+  ``zero``."""
+  from zerojax.app import train
+
+  config = train.parse_args(
+    ["--offload", "--offload-params", "--offload-grads", "--width", "32"]
+  )
+  tx, _ = train._optimizer(
+    dataclasses.replace(config, devices=8), zerojax.make_mesh("data=8")
+  )
+  assert tx.config.offload_params and tx.config.offload_grads
   runs = []
   for flags in (
     [],
@@ -237,7 +248,7 @@ def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
     runs.append([(r["loss"], r["grad_norm"]) for r in rows if "grad_norm" in r])
   device, grads, params = runs
   assert device and grads == device
-  np.testing.assert_allclose(np.asarray(params), np.asarray(device), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(params), np.asarray(device), rtol=1e-3)
 
 
 @pytest.mark.parametrize(
