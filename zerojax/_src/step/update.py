@@ -296,7 +296,7 @@ def _seen(squares: list, g, whole: bool, mesh):
   """Appends a loaded gradient's sum of squares and returns it: the
   stream's next loads wait for it, so the gradient is not kept on the
   device for the step's norm."""
-  squares.append(_global_norm([(g, whole)], mesh, squares=True))
+  squares.append(_square_sum(g, whole, mesh))
   return squares[-1]
 
 
@@ -349,10 +349,14 @@ def _split_over_devices(g, mesh):
   )
 
 
-def _global_norm(grads, mesh, squares: bool = False):
+def _global_norm(grads, mesh):
   """The gradients' global L2 norm; ``grads``: ``(gradient, whole)`` pairs
-  (with ``squares``: one pair, and its sum of squares, for
-  :func:`_norm_of`).
+  (:func:`_square_sum` each, then :func:`_norm_of`)."""
+  return _norm_of([_square_sum(g, w, mesh) for g, w in grads])
+
+
+def _square_sum(g, whole: bool, mesh):
+  """One gradient's sum of squares, in at least fp32 (real).
 
   A whole gradient (replicated over every mesh axis: stage 0, small
   leaves) must not be squared into a temporary of its size: ``sum(g **
@@ -400,9 +404,7 @@ def _global_norm(grads, mesh, squares: bool = False):
       total = total + sq(jax.lax.slice_in_dim(g, n * per, rows), dt)
     return total
 
-  if squares:
-    return blocked(*grads[0])
-  return _norm_of([blocked(g, w) for g, w in grads])
+  return blocked(g, whole)
 
 
 def _norm_of(squares):
