@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import optax
 import pytest
 
 from zerojax import cost, plan
@@ -316,6 +317,37 @@ def test_with_the_gradients_on_the_host_bf16_params_exceed_the_device():
     text=True,
   )
   assert bad.returncode != 0 and "--offload-grads" in bad.stderr
+
+
+def test_the_gpt_planner_plans_the_main_jobs_clip_so_gradients_come_down_twice():
+  """``zerojax.plan`` plans the main job's optimizer (global-norm clip, then
+  AdamW): with the gradients on the host the norm reads each gradient
+  once before the chunks read it again, so the host-to-device bytes count
+  them twice, where a plain AdamW (``cost.plan_stage``'s default) reads
+  them once. The state and the bytes back are the same."""
+  out = subprocess.run(
+    [sys.executable, "-m", "zerojax.plan", "--width", "256", "--depth", "2"]
+    + ["--vocab", "512", "--devices", "1", "--offload", "--offload-params"]
+    + ["--offload-grads", "--json"],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  data = json.loads(out.stdout)
+  abstract = plan.abstract_gpt(gpt.GPTConfig(**data["config"]))
+  kw = dict(offload=True, offload_params=True, offload_grads=True)
+  main_job = plan.plan_gpt(abstract, 3, 1, **kw)
+  plain = plan.plan_gpt(abstract, 3, 1, optimizer=optax.adamw(1e-4), **kw)
+  library = cost.plan_stage(abstract, 3, 1, stacked=gpt.is_layer_stack, **kw)
+  assert main_job.norm_first and not plain.norm_first
+  assert library.host_to_device == plain.host_to_device
+  assert main_job.grads_host == plain.grads_host > 0
+  assert main_job.host_to_device == pytest.approx(
+    plain.host_to_device + plain.grads_host, abs=8
+  )
+  assert main_job.device_to_host == pytest.approx(plain.device_to_host, abs=8)
+  s3 = data["plans"][3]
+  assert s3["norm_first"] and s3["host_to_device"] == main_job.host_to_device
 
 
 def test_cli_host_memory_bound_names_itself_and_needs_offload():

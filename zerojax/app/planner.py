@@ -62,7 +62,7 @@ import numpy as np
 
 import zerojax
 from zerojax import cost
-from zerojax.app import gpt
+from zerojax.app import gpt, train
 from zerojax.cost import (
   GB,
   HARDWARE,
@@ -81,11 +81,17 @@ def plan_gpt(
   mesh: dict | None = None,
   model_specs=None,
   stacked=None,
+  optimizer=None,
   **kwargs,
 ) -> StagePlan:
-  """:func:`zerojax.cost.plan_stage` with the reference GPT's tensor-parallel
-  rules (:func:`gpt.model_specs`, :func:`gpt.is_layer_stack`) as the
-  defaults on a mesh with a model axis."""
+  """:func:`zerojax.cost.plan_stage` with the main job's defaults: its
+  optimizer (:func:`zerojax.app.train.recipe`, ``clip_by_global_norm`` then
+  AdamW, so with the gradients on the host they are read twice, once for
+  the norm) and the reference GPT's tensor-parallel rules
+  (:func:`gpt.model_specs`, :func:`gpt.is_layer_stack`) on a mesh with a
+  model axis."""
+  if optimizer is None:
+    optimizer, _ = train.recipe()
   if mesh is not None and mesh.get("model", 1) > 1:
     model_specs = gpt.model_specs() if model_specs is None else model_specs
   if stacked is None and (
@@ -101,6 +107,7 @@ def plan_gpt(
     mesh=mesh,
     model_specs=model_specs,
     stacked=stacked,
+    optimizer=optimizer,
     **kwargs,
   )
 
@@ -408,9 +415,9 @@ def offload_needed(
   """:func:`zerojax.cost.offload_fraction_needed` for this GPT: the least
   ``offload`` share with which its model state fits ``memory_bytes`` per
   device (0.0: fits on the device; None: not even all on the host)."""
-  kw = {}
+  kw = dict(optimizer=train.recipe()[0])
   if mesh.get("model", 1) > 1:
-    kw = dict(model_specs=gpt.model_specs(), stacked=gpt.is_layer_stack)
+    kw.update(model_specs=gpt.model_specs(), stacked=gpt.is_layer_stack)
   if offload_params:
     kw.update(offload_params=True, stacked=gpt.is_layer_stack)
   return cost.offload_fraction_needed(
@@ -686,7 +693,8 @@ def _parser() -> argparse.ArgumentParser:
     prog="python -m zerojax.plan",
     description="Per-device model-state memory and per-step collective "
     "bytes of each ZeRO stage, from zerojax's own layouts "
-    "(bf16 params and gradients, fp32 master and AdamW moments).",
+    "(bf16 params and gradients, fp32 master and AdamW moments) and "
+    "the main job's optimizer (clip_by_global_norm, then AdamW).",
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   p.add_argument(

@@ -585,14 +585,12 @@ def _host(x):
   return np.asarray(x.addressable_data(0))
 
 
-def _optimizer(config: TrainConfig, mesh):
-  """The ZeRO-wrapped AdamW (clipped, cosine schedule) and its schedule."""
+def recipe(config: TrainConfig = TrainConfig()):
+  """The main job's Optax optimizer, unwrapped: ``clip_by_global_norm``
+  then AdamW (decay on matrices only) on a warmup-cosine schedule.
+  Returns ``(optimizer, schedule)``; :mod:`zerojax.plan` plans with it."""
   import jax
-  import jax.numpy as jnp
   import optax
-
-  import zerojax
-  from zerojax.app import gpt
 
   schedule = optax.warmup_cosine_decay_schedule(
     0.0,
@@ -609,6 +607,17 @@ def _optimizer(config: TrainConfig, mesh):
       mask=lambda p: jax.tree.map(lambda x: x.ndim > 1 and x.shape[-1] != 1, p),
     ),
   )
+  return optimizer, schedule
+
+
+def _optimizer(config: TrainConfig, mesh):
+  """The ZeRO-wrapped AdamW (clipped, cosine schedule) and its schedule."""
+  import jax.numpy as jnp
+
+  import zerojax
+  from zerojax.app import gpt
+
+  optimizer, schedule = recipe(config)
   policy = (
     zerojax.Policy(param_dtype=jnp.bfloat16)
     if config.precision == "bf16"

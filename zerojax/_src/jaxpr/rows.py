@@ -134,7 +134,9 @@ class Rows:
     self.closed, self.row_inputs, self.n = closed, frozenset(row_inputs), n
 
   def roles(self, outputs) -> list[str]:
-    outs = self._walk([None] * len(self.closed.jaxpr.invars), None)
+    outs = self._walk(
+      [None] * len(self.closed.jaxpr.invars), None, keep=self._needed(outputs)
+    )
     return [outs[i].role for i in outputs]
 
   def evaluate(self, args, span, outputs) -> list:
@@ -178,7 +180,7 @@ class Rows:
         want.update(v for v in eqn.invars if not _deps._is_literal(v))
     return needed
 
-  def _walk(self, args, span, made=None, marks=None):
+  def _walk(self, args, span, made=None, marks=None, keep=None):
     jaxpr = self.closed.jaxpr
     ins = []
     for k, (var, x) in enumerate(zip(jaxpr.invars, args)):
@@ -192,7 +194,14 @@ class Rows:
         ins.append(_Value(aval, FREE, whole=lambda x=x, k=k: _given(x, k)))
     made = [] if made is None else made
     return _run(
-      jaxpr, list(self.closed.consts), ins, self.n, span, made, marks=marks
+      jaxpr,
+      list(self.closed.consts),
+      ins,
+      self.n,
+      span,
+      made,
+      marks=marks,
+      keep=keep,
     )
 
 
@@ -207,10 +216,13 @@ def _given(x, k):
   return x
 
 
-def _run(jaxpr, consts, ins, n, span, made, *, marks=None) -> list[_Value]:
+def _run(
+  jaxpr, consts, ins, n, span, made, *, marks=None, keep=None
+) -> list[_Value]:
   """Values for ``jaxpr``'s outputs; each equation's values (a call's
   included) are appended to ``made``, and with ``marks`` given, each
-  equation's ``(start, end)`` there."""
+  equation's ``(start, end)`` there. With ``keep`` (equation indices) the
+  others are skipped, and the outputs they make are ``OTHER``."""
   env = {}
   for var, c in zip(jaxpr.constvars, consts):
     env[var] = _Value(var.aval, FREE, whole=lambda c=c: c)
@@ -221,14 +233,19 @@ def _run(jaxpr, consts, ins, n, span, made, *, marks=None) -> list[_Value]:
       return _Value(getattr(v, "aval", None), FREE, whole=lambda v=v: v.val)
     return env[v]
 
-  for eqn in jaxpr.eqns:
+  for k, eqn in enumerate(jaxpr.eqns):
+    if keep is not None and k not in keep:
+      continue
     start = len(made)
     outs = _equation(eqn, [read(v) for v in eqn.invars], n, span, made)
     made.extend(outs)
     env.update(zip(eqn.outvars, outs))
     if marks is not None:
       marks.append((start, len(made)))
-  return [read(v) for v in jaxpr.outvars]
+  return [
+    read(v) if _deps._is_literal(v) or v in env else _Value(v.aval, OTHER)
+    for v in jaxpr.outvars
+  ]
 
 
 def _equation(eqn, ins, n, span, made) -> list[_Value]:
