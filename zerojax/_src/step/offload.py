@@ -116,6 +116,9 @@ class Plan:
   # all the gradients (a global norm), computed before the chunks
   # (:mod:`zerojax._src.jaxpr.cut`); None: there are none
   cut: object = dataclasses.field(default=None, compare=False)
+  # with ``cut``: ``program`` inlined (a :class:`~zerojax._src.jaxpr.cut.Flat`),
+  # which the chunks evaluate with the cut's values given
+  flat: object = dataclasses.field(default=None, compare=False)
 
   def rows_of(self, k: int) -> tuple:
     return self.rows[k] if k < len(self.rows) else (None,) * len(self.chunks[k])
@@ -294,7 +297,15 @@ def plan(
   owned = tuple(tuple(j for j, p in enumerate(own) if p in c) for c in chunks)
   after, computed = _waits(chunk_bytes)
   return Plan(
-    tuple(chunks), owned, shared, after, computed, tuple(rows), closed, cut
+    tuple(chunks),
+    owned,
+    shared,
+    after,
+    computed,
+    tuple(rows),
+    closed,
+    cut,
+    None if cut is None else _cut.Flat(closed),
   ), None
 
 

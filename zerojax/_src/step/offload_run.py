@@ -10,7 +10,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from zerojax._src.jaxpr import cut as _cut
 from zerojax._src.records.spec import StateSpec
 from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload_rows as _stacks
@@ -242,7 +241,7 @@ def _cut_update(
   ``states`` from the update's program with the cut's values given
   (:attr:`Plan.cut`); nothing else is read."""
   n_g, n_o = len(train), len(spec.opt_leaves)
-  program = _flat_program(p)
+  program = p.flat
   args = [g_flat[k] if i in w else None for k, i in enumerate(train)] + [
     o.get(j) for j in range(n_o)
   ]
@@ -256,14 +255,6 @@ def _cut_update(
   return dict(zip(whole, outs[: len(whole)])), dict(
     zip(states, outs[len(whole) :])
   )
-
-
-def _flat_program(p: Plan):
-  flat = getattr(p, "_flat", None)
-  if flat is None:
-    flat = _cut.Flat(p.program)
-    object.__setattr__(p, "_flat", flat)
-  return flat
 
 
 def _with_whole(g_flat, train, i, g_src):

@@ -374,37 +374,30 @@ def _square_sum(g, whole: bool, mesh):
   sharded gradient is summed at once: its square is a shard's, and a
   reshape or blocks over a sharded dimension would add collectives."""
 
-  def dtype(g):  # at least fp32, real
-    return jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)
+  dt = jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)  # real
 
-  def sq(x, dt):
+  def sq(x):
     return jnp.sum(jnp.square(x.astype(dt)))
 
-  def blocked(g, whole):
-    dt = dtype(g)
-    if whole and g.dtype == dt:
-      g = jax.lax.optimization_barrier(g)
-      split = _split_over_devices(g, mesh)
-      return sq(g if split is None else split, dt)
-    g = jnp.abs(g) if jnp.iscomplexobj(g) else g
-    rows = g.shape[0] if g.ndim >= 2 else 1
-    if not whole or rows == 1:
-      return sq(g, dt)
-    n = min(rows, NORM_BLOCKS)
-    per = rows // n
-    total = jax.lax.fori_loop(
-      0,
-      n,
-      lambda i, acc: (
-        acc + sq(jax.lax.dynamic_slice_in_dim(g, i * per, per), dt)
-      ),
-      jnp.zeros((), dt),
-    )
-    if n * per < rows:  # rows left after whole blocks
-      total = total + sq(jax.lax.slice_in_dim(g, n * per, rows), dt)
-    return total
-
-  return blocked(g, whole)
+  if whole and g.dtype == dt:
+    g = jax.lax.optimization_barrier(g)
+    split = _split_over_devices(g, mesh)
+    return sq(g if split is None else split)
+  g = jnp.abs(g) if jnp.iscomplexobj(g) else g
+  rows = g.shape[0] if g.ndim >= 2 else 1
+  if not whole or rows == 1:
+    return sq(g)
+  n = min(rows, NORM_BLOCKS)
+  per = rows // n
+  total = jax.lax.fori_loop(
+    0,
+    n,
+    lambda i, acc: acc + sq(jax.lax.dynamic_slice_in_dim(g, i * per, per)),
+    jnp.zeros((), dt),
+  )
+  if n * per < rows:  # rows left after whole blocks
+    total = total + sq(jax.lax.slice_in_dim(g, n * per, rows))
+  return total
 
 
 def _norm_of(squares):
