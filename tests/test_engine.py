@@ -51,6 +51,8 @@ from tests.test_zeropp import _one_sgd_step
 from zerojax import checkpoint
 from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.diagnostics import schedule
+from zerojax._src.jaxpr import cut as _cut
+from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.jaxpr import rows as _rows
 from zerojax._src.records import zeropp as _settings
 from zerojax._src.records.layout import plan_leaf
@@ -1197,6 +1199,45 @@ def test_rows_refuse_an_update_that_reads_a_stack_whole(make):
 @pytest.mark.parametrize(
   "stage, params_host", [(1, False), (3, False), (3, True)]
 )
+def _branch_over_two_leaves(a, b, c, n):
+  """A ``cond`` over every operand, each output reading some of them."""
+  ok = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(b))
+  return jax.lax.cond(
+    ok | (n > 3),
+    lambda x, y, z: (x * 2, y + z, 1.0),
+    lambda x, y, z: (jnp.zeros_like(x), y, 0.0),
+    a,
+    b,
+    c,
+  )
+
+
+def test_a_branch_is_read_per_output_and_cut_to_the_outputs_wanted():
+  """Each output of a ``cond`` reads its index (here made from ``a``,
+  ``b`` and ``n``) and what it reads in either branch; evaluated alone,
+  under ``jit`` too, an output is the whole function's, and an operand it
+  does not read need not be given."""
+  args = (jnp.ones(3), jnp.arange(4.0), jnp.ones(4), jnp.int32(0))
+  closed = jax.make_jaxpr(_branch_over_two_leaves)(*args)
+  assert _deps.dependencies(closed) == [
+    frozenset({0, 1, 3}),
+    frozenset({0, 1, 2, 3}),
+    frozenset({0, 1, 3}),
+  ]
+  flat = _cut.Flat(closed)
+  want = _branch_over_two_leaves(*args)
+  for k in range(3):
+    (got,) = flat.evaluate(list(args), [flat.outs[k]])
+    chex.assert_trees_all_equal(got, want[k])
+  no_c = [args[0], args[1], None, args[3]]
+  (got,) = flat.evaluate(no_c, [flat.outs[0]])
+  np.testing.assert_array_equal(got, want[0])
+  jitted = jax.jit(lambda *x: flat.evaluate(list(x), [flat.outs[1]]))
+  np.testing.assert_array_equal(jitted(*args)[0], want[1])
+  with pytest.raises(ValueError, match="input 2 read, not given"):
+    flat.evaluate(no_c, [flat.outs[1]])
+
+
 def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
   monkeypatch, stage, params_host
 ):

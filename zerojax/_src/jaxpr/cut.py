@@ -17,14 +17,21 @@ jaxpr's own, on the same operands, so the numbers are the whole update's.
 
 Plain calls (``jit``, ``custom_jvp_call``...) are read through, as in
 :mod:`zerojax._src.jaxpr.deps`, so a norm computed inside a jitted helper
-is found; every value gets a number in the order the calls are read.
-Anything else counts as reading all its operands.
+is found; every value gets a number in the order the calls are read. A
+branch (``cond``) stays one equation, each of its outputs made from the
+index and the operands it reads in any branch; the outputs wanted of it
+are computed by a ``lax.switch`` over the branches cut to them, so a chunk
+computes its own leaves' branch outputs only. Anything else counts as
+reading all its operands.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import deps as _deps
@@ -49,9 +56,14 @@ class Flat:
     self.avals: list = []
     self.consts: dict[int, object] = {}
     self.eqns: list = []  # (equation, operand atoms, output numbers)
+    # per output of a branch equation: the operand atoms it reads (the
+    # index first), and its position among the equation's outputs
+    self.branch_reads: dict[int, tuple] = {}
+    self._branches: dict[tuple[int, int], Flat] = {}
     self.n_in = len(jaxpr.invars)
     ins = [self._new(v.aval) for v in jaxpr.invars]
     self.outs = self._inline(jaxpr, list(closed.consts), ins)
+    self.avals_out = [v.aval for v in jaxpr.outvars]
     self.made_by = {
       v: k for k, (_, _, outs) in enumerate(self.eqns) for v in outs
     }
@@ -73,22 +85,38 @@ class Flat:
     for eqn in jaxpr.eqns:
       args = [atom(v) for v in eqn.invars]
       body = _deps.call_body(eqn)
+      branches = _deps.cond_branches(eqn)
       if body is not None:
         outs = self._inline(body[0], body[1], args)
       else:
         outs = [self._new(v.aval) for v in eqn.outvars]
         self.eqns.append((eqn, args, outs))
+      if body is None and branches is not None:
+        read = [frozenset()] * len(outs)
+        for b in branches:
+          read = [r | d for r, d in zip(read, _deps.dependencies(b))]
+        for v, r in zip(outs, read):
+          self.branch_reads[v] = (args[0], *(args[1 + q] for q in sorted(r)))
       env.update(zip(eqn.outvars, outs))
     return [atom(v) for v in jaxpr.outvars]
+
+  def inputs_of(self, v: int) -> tuple:
+    """The atoms value ``v`` (an equation's output) is made from."""
+    read = self.branch_reads.get(v)
+    return self.eqns[self.made_by[v]][1] if read is None else read
 
   def reads(self, in_sets) -> list[frozenset]:
     """Per value, the union of ``in_sets`` (one per input) it is made from."""
     out = [frozenset()] * len(self.avals)
     out[: self.n_in] = [frozenset(s) for s in in_sets]
+
+    def union(atoms):
+      return frozenset().union(*(out[a] for a in atoms if isinstance(a, int)))
+
     for _, args, outs in self.eqns:
-      got = frozenset().union(*(out[a] for a in args if isinstance(a, int)))
+      got = union(args)
       for v in outs:
-        out[v] = got
+        out[v] = union(self.branch_reads[v]) if v in self.branch_reads else got
     return out
 
   def evaluate(self, args, wanted, given=None) -> list:
@@ -99,10 +127,16 @@ class Flat:
     need = {a for a in wanted if isinstance(a, int) and a not in given}
     run = []
     for k in range(len(self.eqns) - 1, -1, -1):
-      _, ins, outs = self.eqns[k]
+      _, _, outs = self.eqns[k]
+      for v in outs:
+        if v in need:
+          need.update(
+            a
+            for a in self.inputs_of(v)
+            if isinstance(a, int) and a not in given
+          )
       if any(v in need for v in outs):
         run.append(k)
-        need.update(a for a in ins if isinstance(a, int) and a not in given)
     env = dict(self.consts)
 
     def get(a):
@@ -118,12 +152,45 @@ class Flat:
 
     for k in reversed(run):
       eqn, ins, outs = self.eqns[k]
+      if outs and outs[0] in self.branch_reads:
+        mine = [v for v in outs if v in need]
+        env.update(zip(mine, self._switch(k, mine, get)))
+        continue
       got = eqn.primitive.bind(*[get(a) for a in ins], **eqn.params)
       env.update(zip(outs, got if eqn.primitive.multiple_results else [got]))
     return [get(a) for a in wanted]
 
+  def _switch(self, k: int, mine, get) -> list:
+    """Branch equation ``k``'s outputs ``mine``: a ``lax.switch`` over its
+    branches, each computing those outputs only, from the operands they
+    read (the others are not given)."""
+    eqn, ins, outs = self.eqns[k]
+    branches = _deps.cond_branches(eqn)
+    at = [outs.index(v) for v in mine]
+    read = {a for v in mine for a in self.branch_reads[v][1:]}
+    ops = [get(a) if a in read else None for a in ins[1:]]
+    fns = []
+    for b, closed in enumerate(branches):
+      flat = self._branches.get((k, b))
+      if flat is None:
+        flat = self._branches[k, b] = Flat(closed)
+      fns.append(functools.partial(_branch, flat, at))
+    return list(jax.lax.switch(get(ins[0]), fns, ops))
+
   def size(self, v: int) -> int:
     return int(np.prod(getattr(self.avals[v], "shape", ())))
+
+
+def _branch(flat: Flat, at, ops) -> list:
+  """One branch's outputs at positions ``at`` (a literal one as an array
+  of its type, as the equation makes it)."""
+  got = flat.evaluate(ops, [flat.outs[j] for j in at])
+  return [
+    jnp.asarray(x, flat.avals_out[j].dtype)
+    if isinstance(flat.outs[j], _Lit)
+    else x
+    for j, x in zip(at, got)
+  ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +227,11 @@ def find(flat: Flat, groups, out_groups) -> Cut:
   for a, g in zip(flat.outs, out_groups):
     if isinstance(a, int):
       readers[a] = readers[a] | (every if g is None else {g})
-  for _, args, outs in reversed(flat.eqns):
-    got = frozenset().union(*(readers[v] for v in outs))
-    for a in args:
-      if isinstance(a, int):
-        readers[a] = readers[a] | got
+  for _, _, outs in reversed(flat.eqns):
+    for v in outs:
+      for a in flat.inputs_of(v):
+        if isinstance(a, int):
+          readers[a] = readers[a] | readers[v]
   cut, seen = set(), set()
   todo = [a for a in flat.outs if isinstance(a, int)]
   while todo:
@@ -175,9 +242,7 @@ def find(flat: Flat, groups, out_groups) -> Cut:
     if len(touch[v]) >= 2 and len(readers[v]) >= 2:
       cut.add(v)
     elif v in flat.made_by:
-      todo.extend(
-        a for a in flat.eqns[flat.made_by[v]][1] if isinstance(a, int)
-      )
+      todo.extend(a for a in flat.inputs_of(v) if isinstance(a, int))
   frontier = [set() for _ in groups]
   seen = set()
   todo = list(cut)
@@ -186,7 +251,7 @@ def find(flat: Flat, groups, out_groups) -> Cut:
     if v in seen:
       continue
     seen.add(v)
-    for a in flat.eqns[flat.made_by[v]][1]:
+    for a in flat.inputs_of(v):
       if not isinstance(a, int):
         continue
       if len(touch[a]) >= 2:

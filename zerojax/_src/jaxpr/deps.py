@@ -11,8 +11,11 @@ input of it, except for plain calls (``pjit``, ``closed_call``,
 the same way with its inputs and outputs matched by position. The body is
 found by shape (a param holding a jaxpr with as many inputs and outputs as
 the equation), not by a param name, so a JAX version that names or nests it
-differently only makes the answer more conservative. Loops and branches
-(``scan``, ``while``, ``cond``) count as reading all their operands. A
+differently only makes the answer more conservative. A branch (``cond``,
+as ``lax.cond``, ``lax.switch`` and ``optax.apply_if_finite`` write it)
+is read per output: each depends on the branch index and on what that
+output reads in any branch (:func:`cond_branches` finds them by shape
+too). Loops (``scan``, ``while``) count as reading all their operands. A
 separable function may thus be called coupled -- the exact whole-state path
 is then taken -- but a coupled one is never called separable.
 """
@@ -87,8 +90,13 @@ def _propagate(jaxpr, in_deps):
   for eqn in jaxpr.eqns:
     ins = [of(v) for v in eqn.invars]
     body = _call_body(eqn)
+    branches = cond_branches(eqn)
     if body is not None:
       outs = _propagate(body, ins)
+    elif branches is not None:
+      outs = [ins[0]] * len(eqn.outvars)
+      for b in branches:
+        outs = [o | d for o, d in zip(outs, _propagate(b.jaxpr, ins[1:]))]
     else:
       outs = [_NONE.union(*ins)] * len(eqn.outvars)
     for o, d in zip(eqn.outvars, outs):
@@ -128,3 +136,23 @@ def call_body(eqn):
         return None
       return body, consts
   return None
+
+
+def cond_branches(eqn):
+  """The branches (closed jaxprs) of a ``cond`` equation -- its first
+  operand the branch index, the others every branch's inputs -- or None."""
+  if getattr(eqn.primitive, "name", None) != "cond":
+    return None
+  branches = getattr(eqn, "params", {}).get("branches")
+  if not isinstance(branches, (tuple, list)) or not branches:
+    return None
+  for b in branches:
+    body = getattr(b, "jaxpr", None)
+    if (
+      not hasattr(body, "eqns")
+      or len(body.invars) != len(eqn.invars) - 1
+      or len(body.outvars) != len(eqn.outvars)
+      or len(getattr(b, "consts", ())) != len(body.constvars)
+    ):
+      return None
+  return tuple(branches)

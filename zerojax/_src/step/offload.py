@@ -116,8 +116,9 @@ class Plan:
   # all the gradients (a global norm), computed before the chunks
   # (:mod:`zerojax._src.jaxpr.cut`); None: there are none
   cut: object = dataclasses.field(default=None, compare=False)
-  # with ``cut``: ``program`` inlined (a :class:`~zerojax._src.jaxpr.cut.Flat`),
-  # which the chunks evaluate with the cut's values given
+  # ``program`` inlined (a :class:`~zerojax._src.jaxpr.cut.Flat`), which
+  # the chunks evaluate (with the cut's values given), or None: they run
+  # the optimizer's update (:func:`_program_flat`)
   flat: object = dataclasses.field(default=None, compare=False)
 
   def rows_of(self, k: int) -> tuple:
@@ -305,8 +306,18 @@ def plan(
     tuple(rows),
     closed,
     cut,
-    None if cut is None else _cut.Flat(closed),
+    _program_flat(closed, cut),
   ), None
+
+
+def _program_flat(closed, cut):
+  """:attr:`Plan.flat`: the program inlined where the chunks evaluate it
+  (with a cut, or a branch whose outputs each chunk cuts to its own);
+  None where they run the optimizer's own update."""
+  if cut is not None:
+    return _cut.Flat(closed)
+  flat = _cut.Flat(closed)
+  return flat if flat.branch_reads else None
 
 
 def _grads_cut(closed, n_g: int, own, slot, allowed):

@@ -136,12 +136,13 @@ def stream(
     }
     u, new = {}, {}
     whole = [i for i in chunk if spans[i] is None]
-    if p.cut is not None and (whole or (k == 0 and p.shared)):
-      u_w, new_w = _cut_update(
+    if p.flat is not None and (whole or (k == 0 and p.shared)):
+      u_w, new_w = _program_update(
         spec,
         p,
         train,
         g_flat,
+        every_grad=g_src is None,
         w=w,
         o={**shared, **o},
         e_leaves=e_leaves,
@@ -234,17 +235,31 @@ def _cut_values(spec, p: Plan, train, g_src, *, shared, e_leaves, seen):
   return tuple(c.flat.evaluate(base, c.values, given)), early
 
 
-def _cut_update(
-  spec, p: Plan, train, g_flat, *, w, o, e_leaves, cut_values, whole, states
+def _program_update(
+  spec,
+  p: Plan,
+  train,
+  g_flat,
+  *,
+  every_grad,
+  w,
+  o,
+  e_leaves,
+  cut_values,
+  whole,
+  states,
 ):
   """The updates of the params ``whole`` and the new state leaves
-  ``states`` from the update's program with the cut's values given
-  (:attr:`Plan.cut`); nothing else is read."""
+  ``states`` from the update's program (:attr:`Plan.flat`), with the
+  cut's values given (:attr:`Plan.cut`); nothing else is read. The
+  gradients given are those of the params in ``w``, or with
+  ``every_grad`` (on the device) all of them, which a branch's predicate
+  (``apply_if_finite``) reads."""
   n_g, n_o = len(train), len(spec.opt_leaves)
   program = p.flat
-  args = [g_flat[k] if i in w else None for k, i in enumerate(train)] + [
-    o.get(j) for j in range(n_o)
-  ]
+  args = [
+    g if every_grad or i in w else None for g, i in zip(g_flat, train)
+  ] + [o.get(j) for j in range(n_o)]
   args += [w.get(i) for i in train] + list(e_leaves) + list(cut_values)
   slot = {i: k for k, i in enumerate(train)}
   outs = program.evaluate(
