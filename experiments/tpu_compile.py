@@ -71,6 +71,9 @@ CONFIGS = (
   "3offbgc",
   "3offpc",
   "3offpgc",
+  "3offb-finite",
+  "3offbg-finite",
+  "3offb-finite-all",
   "1-free",
   "3-free",
   "3off-free",
@@ -190,9 +193,18 @@ def worker(args) -> dict:
       _stream._waits = _stream.crossing_waits
     if args.config.endswith("-whole"):
       _stream._by_rows = False
+    if args.config.endswith("-finite-all"):
+      # a branch read as one equation over all its operands: the update
+      # behind apply_if_finite runs on the whole state at once
+      from zerojax._src.jaxpr import deps as _deps
+
+      _deps.cond_branches = lambda eqn: None
     # fp32 params, no master copy, except "offb" / "offp": bf16 + master
     policy, stacked = zerojax.Policy(), None
-    base = args.config.removesuffix("-whole")
+    base = args.config.removesuffix("-whole").removesuffix("-all")
+    if base.endswith("-finite"):  # behind apply_if_finite
+      opt = optax.apply_if_finite(opt, 3)
+      base = base.removesuffix("-finite")
     if base.endswith("c"):  # behind global-norm clipping
       opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
       base = base.removesuffix("c")
