@@ -314,10 +314,8 @@ def _program_flat(closed, cut):
   """:attr:`Plan.flat`: the program inlined where the chunks evaluate it
   (with a cut, or a branch whose outputs each chunk cuts to its own);
   None where they run the optimizer's own update."""
-  if cut is not None:
-    return _cut.Flat(closed)
   flat = _cut.Flat(closed)
-  return flat if flat.branch_reads else None
+  return flat if cut is not None or flat.branch_reads else None
 
 
 def _grads_cut(closed, n_g: int, own, slot, allowed):
