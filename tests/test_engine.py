@@ -1196,9 +1196,6 @@ def test_rows_refuse_an_update_that_reads_a_stack_whole(make):
     program.evaluate(given, (0, 2), row_out)
 
 
-@pytest.mark.parametrize(
-  "stage, params_host", [(1, False), (3, False), (3, True)]
-)
 def _branch_over_two_leaves(a, b, c, n):
   """A ``cond`` over every operand, each output reading some of them."""
   ok = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(b))
@@ -1238,6 +1235,9 @@ def test_a_branch_is_read_per_output_and_cut_to_the_outputs_wanted():
     flat.evaluate(no_c, [flat.outs[1]])
 
 
+@pytest.mark.parametrize(
+  "stage, params_host", [(1, False), (3, False), (3, True)]
+)
 def test_a_crossing_stream_trains_bitwise_equal_to_the_default(
   monkeypatch, stage, params_host
 ):
