@@ -142,7 +142,9 @@ def _skipped_at_step_2(params, batch):
 @pytest.mark.parametrize(
   "stage, grads", [(1, False), (2, True), (3, False), (3, True)]
 )
-def test_apply_if_finite_streams_and_skips_the_nonfinite_step(stage, grads):
+def test_apply_if_finite_streams_and_skips_the_nonfinite_step(
+  mesh, stage, grads
+):
   """``apply_if_finite`` decides every leaf's update in one branch over
   the whole state on whether all gradients are finite. Offloaded, each
   chunk runs that branch cut to its own leaves (the finiteness, from every
@@ -160,6 +162,7 @@ def test_apply_if_finite_streams_and_skips_the_nonfinite_step(stage, grads):
     tx = zerojax.zero(
       optax.apply_if_finite(optax.adamw(1e-2), 3),
       stage=stage,
+      mesh=mesh,
       policy=BF16,
       offload=off,
       offload_grads=grads and off,

@@ -57,7 +57,7 @@ class Flat:
     self.consts: dict[int, object] = {}
     self.eqns: list = []  # (equation, operand atoms, output numbers)
     # per output of a branch equation: the operand atoms it reads (the
-    # index first), and its position among the equation's outputs
+    # index first)
     self.branch_reads: dict[int, tuple] = {}
     self._branches: dict[tuple[int, int], Flat] = {}
     self.n_in = len(jaxpr.invars)
