@@ -151,7 +151,7 @@ def test_apply_if_finite_streams_and_skips_the_nonfinite_step(
   gradient, is computed first with the gradients on the host): the same
   state as without offload, to a rounding per step, through a step whose
   gradients are NaN (skipped to the bit, counted), and streamed in chunks,
-  not whole. Not bitwise: XLA simplifies a branch kept to one leaf's
+  the layer stack by rows, not whole. Not bitwise: XLA simplifies a branch kept to one leaf's
   outputs apart from the whole one (it divides Adam's moments by the bias
   correction there, or multiplies by its reciprocal)."""
   data = toy.batches(4)
@@ -183,6 +183,7 @@ def test_apply_if_finite_streams_and_skips_the_nonfinite_step(
   assert int(state.opt_state.total_notfinite) == 1
   off = zerojax.report(step, state, data[0]).offload
   assert off["streamed"] and off["chunks"] > 1 and off["reason"] is None
+  assert off["stacks_by_rows"] == 1  # the toy's stack, a few rows a chunk
   assert off["grads_on_host"] == grads
 
 

@@ -26,21 +26,29 @@ Every value of the jaxpr gets a role from its inputs':
 
 Where a row equation needs a free value's rows and that value is itself
 the output of a row equation, they are computed from its operands' rows,
-so no whole-stack temporary is made for a few rows' sake; the other free
-values the outputs read are computed whole, in the jaxpr's order (those
-only other leaves' outputs read are not traced). A free input may come
-both whole and by rows (:class:`Lazy`: a gradient sliced before its cast
-to the master dtype), and row equations then read its rows. Rows so
-computed are the same operations on the same elements as the whole
-stack's; a compiler that contracts multiply-adds to FMA instructions in
-other places in the two programs rounds them apart in the last bits
-(docs/design.md). Plain calls (``jit``, ``custom_jvp_call``...) are read through, as in
+so no whole-stack temporary is made for a few rows' sake. The free values
+the outputs read whole are computed whole, in the jaxpr's order, and no
+others: not those only other leaves' outputs read, nor a gradient whose
+rows alone are read. A free input may come both whole and by rows
+(:class:`Lazy`: a gradient sliced before its cast to the master dtype),
+and row equations then read its rows. A branch (``cond``:
+``apply_if_finite``, ``MultiSteps``) is read into (:func:`_cond`): an
+output is a row where some branch makes it one and none other, and its
+rows come from a ``lax.switch`` over the branches computing those rows.
+Rows so computed are the same operations on the same elements as the
+whole stack's; a compiler that contracts multiply-adds to FMA
+instructions in other places in the two programs rounds them apart in
+the last bits (docs/design.md). Plain calls (``jit``,
+``custom_jvp_call``...) are read through, as in
 :mod:`zerojax._src.jaxpr.deps`.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 
 from zerojax._src.jaxpr import deps as _deps
 
@@ -61,7 +69,7 @@ _ELEMENTWISE = frozenset(
 # other equations re-bound as they are (whole, on free operands only): they
 # read nothing but their operands and the context they are bound in is
 # not theirs to change. Anything else (a change of mesh or sharding, a
-# callback, a loop or branch) is opaque: its outputs are not rows, and a
+# callback, a loop) is opaque: its outputs are not rows, and a
 # stack whose update reads one streams whole.
 _WHOLE = frozenset(
   """argmax argmin broadcast_in_dim concatenate cumsum cumprod cummax
@@ -88,11 +96,12 @@ class NotRows(Exception):
 class _Value:
   """One value of the jaxpr: its role, and thunks for it whole (free
   values) and for rows ``[a, b)`` of it (free values of ``n`` leading
-  rows, and row values)."""
+  rows, and row values). ``needs(kind)``: the ``(value, kind)`` pairs
+  computing it ``kind`` (:data:`WHOLE` or :data:`ROWS`) reads directly."""
 
-  def __init__(self, aval, role, whole=None, rows=None):
+  def __init__(self, aval, role, whole=None, rows=None, needs=None):
     self.aval, self.role = aval, role
-    self._whole, self._rows = whole, rows
+    self._whole, self._rows, self._needs = whole, rows, needs
     self._w = self._r = None
 
   def whole(self):
@@ -107,8 +116,14 @@ class _Value:
       )
     return self._r
 
+  def needs(self, kind) -> list:
+    if kind == ROWS and self._rows is None:
+      return [(self, WHOLE)]  # sliced from the whole value
+    return [] if self._needs is None else self._needs(kind)
+
 
 FREE, ROW, OTHER = "free", "row", "other"
+WHOLE, ROWS = "whole", "rows"  # what of a value is computed
 
 
 def _slice(x, span):
@@ -140,28 +155,14 @@ class Rows:
     return [outs[i].role for i in outputs]
 
   def evaluate(self, args, span, outputs) -> list:
-    made, marks = [], []
-    outs = self._walk(list(args), span, made, marks)
+    made = []
+    outs = self._walk(list(args), span, made)
     for i in outputs:
       if outs[i].role == OTHER:
         raise NotRows(f"output {i} is not computable by rows")
-    # the free values the outputs read, whole, in the jaxpr's order, so
-    # that none is computed by a recursion as deep as its chain (a global
-    # norm sums every leaf); the other leaves' updates are never traced
-    needed = self._needed(outputs)
-    for k, (start, end) in enumerate(marks):
-      if k not in needed:
-        continue
-      for value in made[start:end]:
-        if value.role == FREE:
-          try:
-            value.whole()
-          except NotRows:
-            pass
-    return [
-      outs[i].rows(span) if outs[i].role == ROW else _rows_of(outs[i], span)
-      for i in outputs
-    ]
+    wanted = [outs[i] for i in outputs]
+    _force(made, [(v, _kind(v)) for v in wanted])
+    return [_rows_of(v, span) for v in wanted]
 
   def _needed(self, outputs) -> set[int]:
     """Indices of the jaxpr's equations the ``outputs`` read, directly or
@@ -180,7 +181,7 @@ class Rows:
         want.update(v for v in eqn.invars if not _deps._is_literal(v))
     return needed
 
-  def _walk(self, args, span, made=None, marks=None, keep=None):
+  def _walk(self, args, span, made=None, keep=None):
     jaxpr = self.closed.jaxpr
     ins = []
     for k, (var, x) in enumerate(zip(jaxpr.invars, args)):
@@ -200,14 +201,48 @@ class Rows:
       self.n,
       span,
       made,
-      marks=marks,
       keep=keep,
     )
 
 
+def _kind(value) -> str:
+  return ROWS if _shape(value) else WHOLE
+
+
 def _rows_of(value, span):
-  """Rows of a free output (one that reads no row input)."""
+  """Rows of an output (a scalar free one: whole)."""
   return value.rows(span) if _shape(value) else value.whole()
+
+
+def _demand(pairs, stop=frozenset()) -> tuple[set, list]:
+  """The ``(value, kind)`` pairs computing ``pairs`` reads, themselves
+  included, walking no further back than the values in ``stop`` (ids):
+  their ``(id, kind)`` keys, and the pairs."""
+  seen, todo, out = set(), list(pairs), []
+  while todo:
+    v, kind = todo.pop()
+    if (id(v), kind) in seen:
+      continue
+    seen.add((id(v), kind))
+    out.append((v, kind))
+    if id(v) not in stop:
+      todo.extend(v.needs(kind))
+  return seen, out
+
+
+def _force(made, pairs) -> None:
+  """Computes whole, in ``made``'s order (the jaxpr's), each value that
+  computing ``pairs`` reads whole, so that none is computed by a
+  recursion as deep as its chain (a global norm sums every leaf). Nothing
+  else is traced: not the other leaves' updates, nor a gradient's whole
+  value where only its rows are read."""
+  seen, _ = _demand(pairs)
+  for v in made:
+    if (id(v), WHOLE) in seen:
+      try:
+        v.whole()
+      except NotRows:  # not given: raised where an output reads it
+        pass
 
 
 def _given(x, k):
@@ -216,13 +251,10 @@ def _given(x, k):
   return x
 
 
-def _run(
-  jaxpr, consts, ins, n, span, made, *, marks=None, keep=None
-) -> list[_Value]:
+def _run(jaxpr, consts, ins, n, span, made, *, keep=None) -> list[_Value]:
   """Values for ``jaxpr``'s outputs; each equation's values (a call's
-  included) are appended to ``made``, and with ``marks`` given, each
-  equation's ``(start, end)`` there. With ``keep`` (equation indices) the
-  others are skipped, and the outputs they make are ``OTHER``."""
+  included) are appended to ``made``. With ``keep`` (equation indices)
+  the others are skipped, and the outputs they make are ``OTHER``."""
   env = {}
   for var, c in zip(jaxpr.constvars, consts):
     env[var] = _Value(var.aval, FREE, whole=lambda c=c: c)
@@ -236,12 +268,9 @@ def _run(
   for k, eqn in enumerate(jaxpr.eqns):
     if keep is not None and k not in keep:
       continue
-    start = len(made)
     outs = _equation(eqn, [read(v) for v in eqn.invars], n, span, made)
     made.extend(outs)
     env.update(zip(eqn.outvars, outs))
-    if marks is not None:
-      marks.append((start, len(made)))
   return [
     read(v) if _deps._is_literal(v) or v in env else _Value(v.aval, OTHER)
     for v in jaxpr.outvars
@@ -253,6 +282,9 @@ def _equation(eqn, ins, n, span, made) -> list[_Value]:
   if body is not None:
     jaxpr, consts = body
     return _run(jaxpr, consts, ins, n, span, made)
+  branches = _deps.cond_branches(eqn)
+  if branches is not None:
+    return _cond(eqn, branches, ins, n, span)
   roles = {x.role for x in ins}
   avals = [v.aval for v in eqn.outvars]
   name = getattr(eqn.primitive, "name", None)
@@ -265,6 +297,12 @@ def _equation(eqn, ins, n, span, made) -> list[_Value]:
   rows = None
   if mode is not None:
     rows = _once(lambda: _bind_rows(eqn, ins, mode, span))
+
+  def needs(kind):
+    if kind == WHOLE:
+      return [(x, WHOLE) for x in ins]
+    return [(x, ROWS if m else WHOLE) for x, m in zip(ins, mode)]
+
   role = ROW if ROW in roles else FREE
   return [
     _Value(
@@ -272,9 +310,97 @@ def _equation(eqn, ins, n, span, made) -> list[_Value]:
       role,
       whole=(lambda k=k: whole()[k]) if role == FREE else None,
       rows=None if rows is None else (lambda k=k: rows()[k]),
+      needs=needs,
     )
     for k, a in enumerate(avals)
   ]
+
+
+def _cond(eqn, branches, ins, n, span) -> list[_Value]:
+  """A branch's outputs. Each branch is read with the operands' roles; an
+  output is a row where some branch makes it one and none makes it
+  other. The row outputs' rows are computed together, and each free
+  output whole alone, by a ``lax.switch`` over the branches cut to them
+  (:func:`_branch`). What of each operand the branches read is computed
+  before the switch, outside it, and each branch reads those values only
+  (:func:`_proxy`)."""
+  avals = [v.aval for v in eqn.outvars]
+  index, ops = ins[0], ins[1:]
+  if index.role != FREE or _shape(index):
+    return [_Value(a, OTHER) for a in avals]
+  # each branch's values on the operands themselves: their roles and what
+  # each reads (never computed)
+  graphs = [_run(b.jaxpr, list(b.consts), ops, n, span, []) for b in branches]
+  roles = []
+  for j in range(len(avals)):
+    got = {g[j].role for g in graphs}
+    roles.append(OTHER if OTHER in got else ROW if ROW in got else FREE)
+  stop = frozenset(map(id, ops))
+
+  def switch(at, kind):
+    _, reached = _demand([(g[j], kind) for g in graphs for j in at], stop)
+    for v, k in reached:
+      if id(v) in stop:
+        try:
+          v.whole() if k == WHOLE else v.rows(span)
+        except NotRows:  # not given: raised where a branch reads it
+          pass
+    fns = [
+      functools.partial(_branch, b, ops, at, kind, (n, span)) for b in branches
+    ]
+    return list(jax.lax.switch(index.whole(), fns))
+
+  row = [j for j, r in enumerate(roles) if r == ROW]
+  rows = _once(lambda: switch(row, ROWS))
+  out = []
+  for j, (a, role) in enumerate(zip(avals, roles)):
+    if role == OTHER:
+      out.append(_Value(a, OTHER))
+      continue
+    at, kind = (row, ROWS) if role == ROW else ([j], WHOLE)
+    pairs = [(index, WHOLE)] + [(g[t], kind) for g in graphs for t in at]
+    if role == ROW:
+      t = row.index(j)
+      thunks = {"rows": lambda t=t: rows()[t]}
+    else:
+      thunks = {"whole": lambda j=j: switch([j], WHOLE)[0]}
+    out.append(_Value(a, role, **thunks, needs=lambda kind, p=pairs: p))
+  return out
+
+
+def _branch(closed, ops, at, kind, rows) -> list:
+  """One branch's outputs ``at`` (``rows = (n, span)``: rows ``span`` of
+  them, or whole), from what of the operands was computed before the
+  switch."""
+  (n, span), made = rows, []
+  ins = [_proxy(x) for x in ops]
+  outs = _run(closed.jaxpr, list(closed.consts), ins, n, span, made)
+  wanted = [outs[j] for j in at]
+  _force(made, [(v, kind) for v in wanted])
+  got = []
+  for j, v in zip(at, wanted):
+    x = v.rows(span) if kind == ROWS else v.whole()
+    dtype = closed.out_avals[j].dtype
+    got.append(
+      x if getattr(x, "dtype", None) == dtype else jnp.asarray(x, dtype)
+    )
+  return got
+
+
+def _proxy(x) -> _Value:
+  """Operand ``x`` as a branch reads it: what of it was computed before
+  the switch (computed inside, a value would be the branch's and escape
+  it when another equation reads it)."""
+
+  def memo(name):
+    got = getattr(x, name)
+    if got is None:
+      raise NotRows("a branch reads an operand that was not given")
+    return got
+
+  return _Value(
+    x.aval, x.role, whole=lambda: memo("_w"), rows=lambda: memo("_r")
+  )
 
 
 def _once(fn):
