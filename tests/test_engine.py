@@ -1126,7 +1126,14 @@ def test_rows_of_an_update_are_the_rows_of_the_whole_update(make):
   one way or another depending on the program around it, as it does for
   any two programs holding the update (the training tests compare whole
   steps bit for bit)."""
-  closed, args, row_in, row_out, flat = _row_probe(make())
+  _assert_rows_are_the_whole_updates(*_row_probe(make()), rtol=2e-7)
+
+
+def _assert_rows_are_the_whole_updates(
+  closed, args, row_in, row_out, flat, *, rtol
+):
+  """Rows of the stack's outputs by :class:`Rows`: all of them within
+  ``rtol`` of ``flat``'s, a few of them bit for bit those. Returns all."""
   program = _rows.Rows(closed, row_in, 4)
   assert _rows.OTHER not in program.roles(row_out)
 
@@ -1139,10 +1146,11 @@ def test_rows_of_an_update_are_the_rows_of_the_whole_update(make):
   every = rows((0, 4))
   whole = jax.jit(flat)(*args)
   for a, o in zip(every, row_out):
-    np.testing.assert_allclose(a, whole[o], rtol=2e-7, atol=0)
+    np.testing.assert_allclose(a, whole[o], rtol=rtol, atol=0)
   for span in ((0, 1), (1, 3), (3, 4)):
     for a, b in zip(rows(span), every):
       np.testing.assert_array_equal(a, b[span[0] : span[1]])
+  return every
 
 
 @pytest.mark.parametrize("clip", [True, False], ids=["clip+adamw", "adamw"])
@@ -1229,22 +1237,9 @@ def test_rows_through_a_branch_over_the_state_are_the_whole_updates_rows(
   args = list(args)
   if not finite:  # the other leaf's gradient
     args[1] = args[1].at[0].set(jnp.nan)
-  program = _rows.Rows(closed, row_in, 4)
-  assert _rows.OTHER not in program.roles(row_out)
-
-  def rows(span):
-    given = [
-      x[span[0] : span[1]] if k in row_in else x for k, x in enumerate(args)
-    ]
-    return jax.jit(lambda *xs: program.evaluate(xs, span, row_out))(*given)
-
-  every = rows((0, 4))
-  whole = jax.jit(flat)(*args)
-  for a, o in zip(every, row_out):
-    np.testing.assert_allclose(a, whole[o], rtol=1e-6, atol=0)
-  for span in ((0, 1), (1, 3)):
-    for a, b in zip(rows(span), every):
-      np.testing.assert_array_equal(a, b[span[0] : span[1]])
+  every = _assert_rows_are_the_whole_updates(
+    closed, args, row_in, row_out, flat, rtol=1e-6
+  )
   if not finite:
     np.testing.assert_array_equal(every[0], np.zeros((4, 3, 5)))
     for a, o in zip(every[1:], row_out[1:]):
