@@ -1315,6 +1315,46 @@ def test_a_branch_is_read_per_output_and_cut_to_the_outputs_wanted():
     flat.evaluate(no_c, [flat.outs[1]])
 
 
+def _clipped_in_a_branch(a, b, n):
+  """Two leaves clipped by their joint norm in the taken branch, which
+  is itself in a branch when ``n > 1``."""
+
+  def clip(x, y):
+    s = jnp.sqrt(jnp.sum(x * x) + jnp.sum(y * y))
+    return x / jnp.maximum(s, 1.0), y / jnp.maximum(s, 1.0)
+
+  def inner(x, y):
+    return jax.lax.cond(n > 1, clip, lambda x, y: (x * 2, y * 2), x, y)
+
+  return jax.lax.cond(n > 0, inner, lambda x, y: (x, y), a, b)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_a_norm_in_a_branch_is_hoisted_before_it_and_cut_there(n):
+  """A value a branch (here a branch in a branch) makes from both
+  groups and both groups' outputs read is computed before the branches:
+  the cut of the hoisted function holds it, so each output, given the
+  cut's values, reads its own group only; the outputs are the
+  function's, on every path."""
+  args = (jnp.arange(3.0), jnp.full(4, 2.0), jnp.int32(n))
+  closed = jax.make_jaxpr(_clipped_in_a_branch)(*args)
+  groups, out_groups = [{0}, {1}], [0, 1]
+  plain = _cut.find(_cut.Flat(closed), groups, out_groups)
+  assert [_cut.Flat(closed).avals[v].shape for v in plain.values] == []
+  hoisted = _cut.hoist(closed, groups, out_groups)
+  flat = _cut.Flat(hoisted)
+  c = _cut.find(flat, groups, out_groups)
+  assert [flat.avals[v].shape for v in c.values] == [()]
+  assert all(c.frontier)
+  want = _clipped_in_a_branch(*args)
+  values = flat.evaluate(list(args), c.values)
+  given = dict(zip(c.values, values))
+  for k, x in enumerate(args[:2]):
+    only = [x if j == k else None for j in range(2)] + [args[2]]
+    (got,) = flat.evaluate(only, [flat.outs[k]], given)
+    np.testing.assert_allclose(got, want[k], rtol=1e-6)
+
+
 @pytest.mark.parametrize(
   "stage, params_host", [(1, False), (3, False), (3, True)]
 )

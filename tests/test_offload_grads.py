@@ -140,18 +140,27 @@ def _skipped_at_step_2(params, batch):
 
 
 @pytest.mark.parametrize(
-  "stage, grads", [(1, False), (2, True), (3, False), (3, True)]
+  "stage, grads, inner",
+  [
+    (1, False, "adamw"),
+    (2, True, "adamw"),
+    (3, False, "adamw"),
+    (3, True, "adamw"),
+    (2, True, "global_clip+adamw"),
+    (3, True, "global_clip+adamw"),
+  ],
 )
 def test_apply_if_finite_streams_and_skips_the_nonfinite_step(
-  mesh, stage, grads
+  mesh, stage, grads, inner
 ):
   """``apply_if_finite`` decides every leaf's update in one branch over
   the whole state on whether all gradients are finite. Offloaded, each
   chunk runs that branch cut to its own leaves (the finiteness, from every
-  gradient, is computed first with the gradients on the host): the same
-  state as without offload, to a rounding per step, through a step whose
-  gradients are NaN (skipped to the bit, counted), and streamed in chunks,
-  the layer stack by rows, not whole. Not bitwise: XLA simplifies a branch kept to one leaf's
+  gradient, is computed first with the gradients on the host, and so is
+  a global norm the branch clips by): the same state as without offload,
+  to a rounding per step, through a step whose gradients are NaN (skipped
+  to the bit, counted), and streamed in chunks, the layer stack by rows,
+  not whole. Not bitwise: XLA simplifies a branch kept to one leaf's
   outputs apart from the whole one (it divides Adam's moments by the bias
   correction there, or multiplies by its reciprocal)."""
   data = toy.batches(4)
@@ -160,7 +169,7 @@ def test_apply_if_finite_streams_and_skips_the_nonfinite_step(
   out = []
   for off in (False, True):
     tx = zerojax.zero(
-      optax.apply_if_finite(optax.adamw(1e-2), 3),
+      optax.apply_if_finite(OPTIMIZERS[inner](), 3),
       stage=stage,
       mesh=mesh,
       policy=BF16,
@@ -185,19 +194,22 @@ def test_apply_if_finite_streams_and_skips_the_nonfinite_step(
   assert off["streamed"] and off["chunks"] > 1 and off["reason"] is None
   assert off["stacks_by_rows"] == 1  # the toy's stack, a few rows a chunk
   assert off["grads_on_host"] == grads
+  assert off["norm_first"] == grads
 
 
-def test_a_norm_made_from_the_weights_too_is_refused_with_the_fix():
+@pytest.mark.parametrize("made_from", ["weights", "state"])
+def test_a_norm_made_from_the_weights_too_is_refused_with_the_fix(made_from):
   """Weight decay before the global-norm clip: the norm every leaf reads
   is made from every leaf's weights too, which the pass that computes it
-  from the offloaded gradients does not bring down. Refused while tracing,
-  naming the value and the per-leaf clips; the state is kept."""
+  from the offloaded gradients does not bring down; so is a clip of the
+  gradients ``MultiSteps`` accumulates in its state (in a branch).
+  Refused while tracing, naming the value and the per-leaf clips; the
+  state is kept."""
+  clip = optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1e-2))
   tx = zerojax.zero(
-    optax.chain(
-      optax.add_decayed_weights(1e-2),
-      optax.clip_by_global_norm(0.1),
-      optax.sgd(1e-2),
-    ),
+    optax.chain(optax.add_decayed_weights(1e-2), clip)
+    if made_from == "weights"
+    else optax.MultiSteps(clip, 2),
     stage=3,
     offload=True,
     offload_grads=True,

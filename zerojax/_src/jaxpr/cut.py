@@ -119,11 +119,13 @@ class Flat:
         out[v] = union(self.branch_reads[v]) if v in self.branch_reads else got
     return out
 
-  def evaluate(self, args, wanted, given=None) -> list:
+  def evaluate(self, args, wanted, given=None, hoisted=None) -> list:
     """The values ``wanted`` (numbers or output atoms), computing only the
     equations they need, with the values ``given`` (``{number: value}``)
-    taken as they are; ``args`` per input (None: not read)."""
+    taken as they are; ``args`` per input (None: not read). ``hoisted``:
+    per branch equation, per branch its :class:`Cut` (:func:`hoist`)."""
     given = {} if given is None else given
+    hoisted = {} if hoisted is None else hoisted
     need = {a for a in wanted if isinstance(a, int) and a not in given}
     run = []
     for k in range(len(self.eqns) - 1, -1, -1):
@@ -154,37 +156,47 @@ class Flat:
       eqn, ins, outs = self.eqns[k]
       if outs and outs[0] in self.branch_reads:
         mine = [v for v in outs if v in need]
-        env.update(zip(mine, self._switch(k, mine, get)))
+        env.update(zip(mine, self._switch(k, mine, get, hoisted.get(k))))
         continue
       got = eqn.primitive.bind(*[get(a) for a in ins], **eqn.params)
       env.update(zip(outs, got if eqn.primitive.multiple_results else [got]))
     return [get(a) for a in wanted]
 
-  def _switch(self, k: int, mine, get) -> list:
+  def _switch(self, k: int, mine, get, cuts=None) -> list:
     """Branch equation ``k``'s outputs ``mine``: a ``lax.switch`` over its
     branches, each computing those outputs only, from the operands they
-    read (the others are not given)."""
+    read (the others are not given). With ``cuts`` (per branch), each
+    branch's cut values are computed first, whatever the index, and
+    given to it."""
     eqn, ins, outs = self.eqns[k]
     branches = _deps.cond_branches(eqn)
     at = [outs.index(v) for v in mine]
     read = {a for v in mine for a in self.branch_reads[v][1:]}
     ops = [get(a) if a in read else None for a in ins[1:]]
-    fns = []
+    fns, values = [], []
     for b, closed in enumerate(branches):
-      flat = self._branches.get((k, b))
-      if flat is None:
-        flat = self._branches[k, b] = Flat(closed)
-      fns.append(functools.partial(_branch, flat, at))
-    return list(jax.lax.switch(get(ins[0]), fns, ops))
+      if cuts is None:
+        flat = self._branches.get((k, b))
+        if flat is None:
+          flat = self._branches[k, b] = Flat(closed)
+        values.append(None)
+      else:
+        flat = cuts[b].flat
+        values.append(flat.evaluate(ops, cuts[b].values))
+      fns.append(functools.partial(_branch, flat, at, cuts and cuts[b], b))
+    return list(jax.lax.switch(get(ins[0]), fns, (ops, values)))
 
   def size(self, v: int) -> int:
     return int(np.prod(getattr(self.avals[v], "shape", ())))
 
 
-def _branch(flat: Flat, at, ops) -> list:
-  """One branch's outputs at positions ``at`` (a literal one as an array
-  of its type, as the equation makes it)."""
-  got = flat.evaluate(ops, [flat.outs[j] for j in at])
+def _branch(flat: Flat, at, cut, b: int, operands) -> list:
+  """Branch ``b``'s outputs at positions ``at`` (a literal one as an
+  array of its type, as the equation makes it), with its ``cut``'s values
+  given (None: it has none)."""
+  ops, values = operands
+  given = None if cut is None else dict(zip(cut.values, values[b]))
+  got = flat.evaluate(ops, [flat.outs[j] for j in at], given)
   return [
     jnp.asarray(x, flat.avals_out[j].dtype)
     if isinstance(flat.outs[j], _Lit)
@@ -207,10 +219,69 @@ class Cut:
     return [self.flat.size(v) for v in self.values]
 
 
+def _readers(flat: Flat, n_groups: int, out_groups) -> list[frozenset]:
+  """Per value, the groups whose outputs read it (``out_groups`` as for
+  :func:`find`)."""
+  every = frozenset(range(n_groups))
+  readers = [frozenset()] * len(flat.avals)
+  for a, g in zip(flat.outs, out_groups):
+    if isinstance(a, int):
+      got = every if g is None else g if isinstance(g, frozenset) else {g}
+      readers[a] = readers[a] | got
+  for _, _, outs in reversed(flat.eqns):
+    for v in outs:
+      for a in flat.inputs_of(v):
+        if isinstance(a, int):
+          readers[a] = readers[a] | readers[v]
+  return readers
+
+
+def hoist(closed, groups, out_groups):
+  """``closed`` with each branch's own cut computed before the branch:
+  the values a branch reads that are made from two or more groups and
+  read by outputs of two or more (a global norm under
+  ``apply_if_finite``) are computed whatever the index, from the
+  branch's operands, and given to it, so that :func:`find` on the result
+  reaches them. A branch in a branch is hoisted first. The operations
+  are the branch's own on the same operands, so the taken branch's
+  numbers are unchanged; ``closed`` itself when no branch has a cut.
+  Arguments as for :func:`find`."""
+  flat = Flat(closed)
+  if not flat.branch_reads:
+    return closed
+  member = [
+    frozenset(g for g, s in enumerate(groups) if i in s)
+    for i in range(flat.n_in)
+  ]
+  touch = flat.reads(member)
+  readers = _readers(flat, len(groups), out_groups)
+  inner = {}
+  for k, (eqn, args, outs) in enumerate(flat.eqns):
+    if not outs or outs[0] not in flat.branch_reads:
+      continue
+    ops = args[1:]
+    gs = [
+      {q for q, a in enumerate(ops) if isinstance(a, int) and g in touch[a]}
+      for g in range(len(groups))
+    ]
+    og = [readers[v] for v in outs]
+    cuts = []
+    for b in _deps.cond_branches(eqn):
+      b_flat = Flat(hoist(b, gs, og))
+      cuts.append(find(b_flat, gs, og))
+    if any(c.values for c in cuts):
+      inner[k] = cuts
+  if not inner:
+    return closed
+  return jax.make_jaxpr(
+    lambda *a: flat.evaluate(list(a), flat.outs, hoisted=inner)
+  )(*closed.in_avals)
+
+
 def find(flat: Flat, groups, out_groups) -> Cut:
   """The cut of ``flat``'s outputs over input ``groups`` (one set of input
-  positions each; ``out_groups``: per output the group it belongs to, or
-  None for one every group's computation shares): walking back from the
+  positions each; ``out_groups``: per output the group it belongs to, a
+  frozenset of groups, or None for one every group's computation shares): walking back from the
   outputs, the first values made from two or more groups that outputs of
   two or more groups read (a global norm; a gradient clipped by it is
   read by its own group's outputs only, and computed from its operands).
@@ -222,16 +293,7 @@ def find(flat: Flat, groups, out_groups) -> Cut:
     for i in range(flat.n_in)
   ]
   touch = flat.reads(member)
-  every = frozenset(range(len(groups)))
-  readers = [frozenset()] * len(flat.avals)
-  for a, g in zip(flat.outs, out_groups):
-    if isinstance(a, int):
-      readers[a] = readers[a] | (every if g is None else {g})
-  for _, _, outs in reversed(flat.eqns):
-    for v in outs:
-      for a in flat.inputs_of(v):
-        if isinstance(a, int):
-          readers[a] = readers[a] | readers[v]
+  readers = _readers(flat, len(groups), out_groups)
   cut, seen = set(), set()
   todo = [a for a in flat.outs if isinstance(a, int)]
   while todo:

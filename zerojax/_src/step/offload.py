@@ -324,9 +324,11 @@ def _grads_cut(closed, n_g: int, own, slot, allowed):
   none), computed before the chunks from each gradient in turn; or
   ``(None, reason)`` when they are not small, or are made from weights or
   state too (which the pass does not bring down)."""
-  flat = _cut.Flat(closed)
   out_groups = list(range(n_g)) + [None if p is None else slot[p] for p in own]
-  c = _cut.find(flat, [{k} for k in range(n_g)], out_groups)
+  groups = [{k} for k in range(n_g)]
+  # a norm inside a branch (a clip under apply_if_finite), computed first
+  flat = _cut.Flat(_cut.hoist(closed, groups, out_groups))
+  c = _cut.find(flat, groups, out_groups)
   if not c.values:
     return None, None
   big = _cut.too_large(c)

@@ -129,11 +129,12 @@ def run_update(
         f"zerojax: offload_grads=True, but this optimizer's update cannot "
         f"be streamed with each chunk's own gradients: {reason}. An update "
         f"may read values made from every leaf's gradient where they are "
-        f"small and made from the gradients alone (a global norm: "
-        f"optax.clip_by_global_norm streams), not through a branch or loop "
-        f"over the whole state (optax.apply_if_finite, optax.MultiSteps). "
-        f"Clip per leaf (optax.clip, optax.clip_by_block_rms), or use "
-        f"offload_grads=False."
+        f"small and made from the gradients alone, in a branch or not (a "
+        f"global norm, a finiteness: optax.clip_by_global_norm and "
+        f"optax.apply_if_finite stream), not through a loop over the whole "
+        f"state, nor made from the state too (a clip of the gradients "
+        f"optax.MultiSteps accumulates). Clip per leaf (optax.clip, "
+        f"optax.clip_by_block_rms), or use offload_grads=False."
       )
     if p is not None:
       return _offload_run.stream(
