@@ -74,6 +74,7 @@ CONFIGS = (
   "3offb-finite",
   "3offbg-finite",
   "3offb-finite-all",
+  "3offbgc-finite",
   "1-free",
   "3-free",
   "3off-free",
@@ -101,6 +102,9 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # "<offloaded config>c": that configuration behind clip_by_global_norm
 # (with offload_grads the norm is computed first, each gradient brought
 # down whole in turn);
+# "<config>-finite": that configuration's optimizer, clip included, inside
+# optax.apply_if_finite; "-finite-all": with the branch read as one
+# equation (the whole-state update);
 # "<config>-free": that configuration with the update free to start before
 # the last gradient exists (zerojax's step waits for all of them), to
 # compare the compiler's peaks; "<stage>split": the step as a user's own
@@ -202,12 +206,13 @@ def worker(args) -> dict:
     # fp32 params, no master copy, except "offb" / "offp": bf16 + master
     policy, stacked = zerojax.Policy(), None
     base = args.config.removesuffix("-whole").removesuffix("-all")
-    if base.endswith("-finite"):  # behind apply_if_finite
-      opt = optax.apply_if_finite(opt, 3)
-      base = base.removesuffix("-finite")
+    finite = base.endswith("-finite")
+    base = base.removesuffix("-finite")
     if base.endswith("c"):  # behind global-norm clipping
       opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
       base = base.removesuffix("c")
+    if finite:  # all of it inside apply_if_finite
+      opt = optax.apply_if_finite(opt, 3)
     grads_host = base.endswith(("offbg", "offpg"))
     base = base.removesuffix("g") if grads_host else base
     if base.endswith(("offb", "offp")):

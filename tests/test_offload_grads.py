@@ -359,3 +359,33 @@ def test_a_large_value_made_from_every_gradient_is_refused():
   with pytest.raises(ValueError, match=r"has shape \(300, 300\)"):
     step(state, jnp.ones((8, 300, 300)))
   chex.assert_trees_all_equal(_leaves(state), before)
+
+
+def test_a_finiteness_of_clipped_gradients_is_refused_naming_the_order_that_streams():
+  """``chain(clip_by_global_norm, apply_if_finite(...))`` checks the
+  clipped gradients, each made from its gradient and the norm of all of
+  them: a value the size of a gradient decides the branch, which no pass
+  computes first. Refused before anything runs, naming the order with
+  the clip inside ``apply_if_finite``, which checks the gradients
+  themselves; that order streams and trains as without offload."""
+  params = {"a": jnp.ones((300, 300)), "b": jnp.full((300, 300), 0.5)}
+  loss = lambda p, b: jnp.sum((p["a"] * b[0]) ** 2) + jnp.sum(p["b"] * b[0])
+  batch = jnp.ones((8, 300, 300))
+  clip = lambda: optax.clip_by_global_norm(1.0)
+  outside = optax.chain(clip(), optax.apply_if_finite(optax.sgd(1e-3), 3))
+  tx = zerojax.zero(outside, stage=2, offload=True, offload_grads=True)
+  state = zerojax.init(params, tx)
+  before = _leaves(state)
+  with pytest.raises(ValueError, match="a branch's index reads it") as e:
+    zerojax.train_step(loss, tx)(state, batch)
+  assert "optax.apply_if_finite(optax.chain(" in str(e.value)
+  chex.assert_trees_all_equal(_leaves(state), before)
+  out = []
+  for off in (False, True):
+    inside = optax.apply_if_finite(optax.chain(clip(), optax.sgd(1e-3)), 3)
+    tx = zerojax.zero(inside, stage=2, offload=off, offload_grads=off)
+    state = zerojax.init(params, tx)
+    state, _ = zerojax.train_step(loss, tx)(state, batch)
+    out.append(_leaves(state))
+  toy.assert_same_up_to_summation_order(out[1], out[0], terms=8)
+  assert not np.array_equal(out[1][0], np.asarray(params["a"]))

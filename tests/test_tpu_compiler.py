@@ -356,3 +356,39 @@ def test_the_tpu_compiler_moves_offloaded_block_inputs_as_planned(tpu_mesh):
   assert saved["host"] > 0
   assert moved["device-to-host"]["bytes"] == saved["host"]
   assert moved["host-to-device"]["bytes"] == saved["host"]
+
+
+def test_the_planners_compile_builds_the_step_it_plans(capsys):
+  """``python -m zerojax.plan --compile`` with the state, the params'
+  shards and the gradients in host memory compiles the step the plan
+  prices: offloaded as planned (the bytes written to the host are the
+  plan's to the byte) and behind the main job's global-norm clip, whose
+  pass brings each gradient down a second time, which the planner counts
+  (the compiler may keep a gradient the pass brought down for its chunk,
+  so the bytes brought down lie between the plan's less one trip of the
+  gradients, the unclipped step's, and the plan's)."""
+  import json
+
+  planner.main(
+    [
+      *("--topology", TOPOLOGY, "--batch", str(BATCH), "--stages", "3"),
+      *("--width", str(CONFIG.width), "--depth", str(CONFIG.depth)),
+      *("--vocab", str(CONFIG.vocab), "--seq-len", str(CONFIG.seq_len)),
+      *("--compile", "--offload", "--offload-params", "--offload-grads"),
+      "--json",
+    ]
+  )
+  out = json.loads(capsys.readouterr().out)
+  (row,) = out["compiled"]
+  planned = out["plans"][3]
+  assert (
+    row["offload"] == 1.0 and row["offload_params"] and row["offload_grads"]
+  )
+  assert planned["norm_first"] and planned["grads_host"] > 0
+  moved = row["host_transfers"]
+  assert moved["device-to-host"]["bytes"] == planned["device_to_host"]
+  assert (
+    planned["host_to_device"] - planned["grads_host"]
+    <= moved["host-to-device"]["bytes"]
+    <= planned["host_to_device"]
+  )

@@ -3,8 +3,10 @@
     python -m zerojax.plan --topology v5p:4x4x4 --params 8e9 --batch 1 --compile
 
 For each stage asked for, the main job's step (the reference GPT of
-:mod:`zerojax.app.gpt`, AdamW, bf16 params with an fp32 master copy, as
-the planner prices it) is lowered on abstract state and batch over the
+:mod:`zerojax.app.gpt`, the main job's optimizer
+(:func:`zerojax.app.train.recipe`: ``clip_by_global_norm`` then AdamW),
+bf16 params with an fp32 master copy, offloaded as the plan is: as the
+planner prices it) is lowered on abstract state and batch over the
 topology's chips and compiled by the TPU compiler (libtpu: ``pip install
 'zerojax[tpu]'``). Nothing is allocated: the state and the batch are
 shapes only. Reported per chip from the compiled program
@@ -21,11 +23,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import zerojax
 from zerojax import aot
-from zerojax.app import gpt
+from zerojax.app import gpt, train
 
 
 def compile_stage(
@@ -34,6 +35,9 @@ def compile_stage(
   mesh,
   batch_per_device: int,
   predicted: float | None = None,
+  *,
+  optimizer=None,
+  **offload,
 ) -> dict:
   """Compile the reference GPT's train step at ``stage`` on ``mesh`` (a
   :func:`zerojax.aot.topology_mesh`) for ``batch_per_device`` sequences
@@ -41,10 +45,24 @@ def compile_stage(
   dict plus ``lower_s``, ``compile_s``, ``host_peak_rss`` (this
   process's peak resident bytes: what compiling took here) and, given
   ``predicted`` (the
-  planner's bytes per device), ``predicted`` and ``peak_vs_predicted``."""
+  planner's bytes per device), ``predicted`` and ``peak_vs_predicted``.
+  ``optimizer``: the Optax optimizer (default the main job's,
+  :func:`zerojax.app.train.recipe`); ``offload``: ``offload``,
+  ``offload_params``, ``offload_grads`` for :func:`zerojax.zero`, as
+  the plan priced them (recorded in the result)."""
   config = config.resolved("tpu")
   policy = zerojax.Policy(param_dtype=jnp.bfloat16)
-  tx = zerojax.zero(optax.adamw(3e-4), stage=stage, mesh=mesh, policy=policy)
+  optimizer = train.recipe()[0] if optimizer is None else optimizer
+  # the layer stacks as the planner lays them out with these options
+  # (:func:`zerojax.app.planner.plan_gpt`)
+  stacked = (
+    gpt.is_layer_stack
+    if offload.get("offload_params") or offload.get("offload_grads")
+    else None
+  )
+  tx = zerojax.zero(
+    optimizer, stage=stage, mesh=mesh, policy=policy, stacked=stacked, **offload
+  )
   state = jax.eval_shape(
     lambda k: zerojax.init_from(lambda key: gpt.init(config, key), tx, k),
     jax.random.key(0),
@@ -60,6 +78,7 @@ def compile_stage(
   compiled = lowered.compile()
   out = {
     "stage": stage,
+    **offload,
     "topology": str(mesh.devices.flat[0].device_kind),
     "chips": mesh.size,
     "libtpu": _version("libtpu"),

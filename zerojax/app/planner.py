@@ -678,7 +678,16 @@ def _compile(
       plans[s], config, args.batch, n_devices=args.devices, plan_stage2=plans[2]
     )
     out.append(
-      _compiled.compile_stage(config, s, device_mesh, args.batch, predicted)
+      _compiled.compile_stage(
+        config,
+        s,
+        device_mesh,
+        args.batch,
+        predicted,
+        offload=args.offload,
+        offload_params=args.offload_params and s == 3,
+        offload_grads=args.offload_grads and s >= 2,
+      )
     )
     print(
       f"compiled stage {s} for {args.topology} in {out[-1]['compile_s']:.0f} s",

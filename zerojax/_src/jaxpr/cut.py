@@ -325,6 +325,29 @@ def find(flat: Flat, groups, out_groups) -> Cut:
   )
 
 
+def decides_a_branch(c: Cut) -> bool:
+  """Whether the cut's largest value is read by a branch's index (a
+  finiteness check of gradients a global norm has clipped)."""
+  if not c.values:
+    return False
+  largest = max(c.values, key=c.flat.size)
+  todo = [
+    args[0]
+    for _, args, outs in c.flat.eqns
+    if outs and outs[0] in c.flat.branch_reads and isinstance(args[0], int)
+  ]
+  seen = set()
+  while todo:
+    v = todo.pop()
+    if v == largest:
+      return True
+    if v in seen or v not in c.flat.made_by:
+      continue
+    seen.add(v)
+    todo.extend(a for a in c.flat.inputs_of(v) if isinstance(a, int))
+  return False
+
+
 def too_large(c: Cut) -> str | None:
   """Why the cut is not small enough to keep between groups, or None."""
   if sum(c.sizes()) > LIMIT:

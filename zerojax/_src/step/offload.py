@@ -332,6 +332,15 @@ def _grads_cut(closed, n_g: int, own, slot, allowed):
   if not c.values:
     return None, None
   big = _cut.too_large(c)
+  if big and _cut.decides_a_branch(c):
+    return None, (
+      f"{big}, too large to compute before the update: a branch's index "
+      "reads it (apply_if_finite checking gradients a global norm clipped, "
+      "chain(clip_by_global_norm(...), apply_if_finite(...))); with the "
+      "clip inside, optax.apply_if_finite(optax.chain("
+      "optax.clip_by_global_norm(...), ...)) checks the gradients "
+      "themselves and streams"
+    )
   if big:
     return None, f"{big}, too large to compute before the update"
   reads = flat.reads([{i} for i in range(flat.n_in)])
