@@ -1355,6 +1355,49 @@ def test_a_norm_in_a_branch_is_hoisted_before_it_and_cut_there(n):
     np.testing.assert_allclose(got, want[k], rtol=1e-6)
 
 
+def _finite_after_a_clip(a, b):
+  """Two leaves clipped by their joint norm, then kept where both clipped
+  leaves are finite (``chain(clip_by_global_norm, apply_if_finite)``)."""
+  s = 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b)), 1.0)
+  x, y = a * s, b * s
+  ok = jnp.all(jnp.isfinite(x)) & jnp.all(jnp.isfinite(y))
+  return jax.lax.cond(ok, lambda: (x, y), lambda: (a * 0, b * 0))
+
+
+def test_a_cut_made_from_gradient_sized_values_is_computed_in_two_passes(
+  monkeypatch,
+):
+  """The finiteness of clipped leaves reads each leaf times the norm of
+  both: the cut found first holds values the size of a leaf. In passes,
+  the first computes the norm's scalars from each leaf's sum of squares,
+  the second, given them, each clipped leaf's finiteness (one scalar a
+  leaf); given both, each output reads its own leaf only and is the
+  function's (the index reads no leaf: its values are given)."""
+  args = (jnp.arange(300.0).reshape(3, 100), jnp.full((3, 100), 2.0))
+  flat = _cut.Flat(jax.make_jaxpr(_finite_after_a_clip)(*args))
+  groups, out_groups = [{0}, {1}], [0, 1]
+  monkeypatch.setattr(_cut, "LIMIT", 50)  # a leaf's 300 elements are large
+  assert _cut.too_large(_cut.find(flat, groups, out_groups))
+  first, second = _cut.passes(flat, groups, out_groups)
+  assert all(flat.size(v) == 1 for c in (first, second) for v in c.values)
+  assert all(
+    flat.size(v) == 1 for c in (first, second) for f in c.frontier for v in f
+  )
+  given = {}
+  for c in (first, second):
+    for k in range(2):
+      only = [x if j == k else None for j, x in enumerate(args)]
+      given.update(
+        zip(c.frontier[k], flat.evaluate(only, c.frontier[k], given))
+      )
+    given.update(zip(c.values, flat.evaluate([None, None], c.values, given)))
+  want = _finite_after_a_clip(*args)
+  for k in range(2):
+    only = [x if j == k else None for j, x in enumerate(args)]
+    (got,) = flat.evaluate(only, [flat.outs[k]], given)
+    np.testing.assert_allclose(got, want[k], rtol=1e-6)
+
+
 @pytest.mark.parametrize(
   "stage, params_host", [(1, False), (3, False), (3, True)]
 )

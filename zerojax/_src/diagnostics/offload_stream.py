@@ -15,7 +15,7 @@ def describe(spec: StateSpec, extra_avals=None) -> dict:
   """How an offloaded state's update runs, from shapes alone:
   ``{"host_fraction", "streamed", "chunks", "prefetched", "crossing",
   "in_flight_fraction", "largest_chunk_fraction", "norm_first",
-  "norm_first_peak_fraction", "reason"}``: the share
+  "norm_first_peak_fraction", "norm_passes", "reason"}``: the share
   of the master copy and optimizer state's bytes kept in host memory; the
   chunks loaded while the one before them is updated
   (:attr:`~zerojax._src.step.offload.Plan.prefetched`), and those loaded while its results go back
@@ -23,8 +23,8 @@ def describe(spec: StateSpec, extra_avals=None) -> dict:
   the most of the offloaded bytes on the device at once
   (:meth:`~zerojax._src.step.offload.Plan.in_flight`); the fraction of them the largest chunk holds;
   whether a global norm of offloaded gradients is computed before the
-  chunks, and the most of the gradients on the device while it is
-  (:func:`_norm_first`); ``reason``: why the whole state is updated at
+  chunks, the most of the gradients on the device while it is, and in
+  how many passes (:func:`_norm_first`); ``reason``: why the whole state is updated at
   once."""
   return {"host_fraction": host_fraction(spec), **_stream(spec, extra_avals)}
 
@@ -63,6 +63,7 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
       "largest_chunk_fraction": 1.0,
       "norm_first": False,
       "norm_first_peak_fraction": 0.0,
+      "norm_passes": 0,
       "reason": reason,
     }
   own = _offload.owners(spec)
@@ -116,13 +117,20 @@ def _norm_first(spec: StateSpec, p, g_avals) -> dict:
   them (:attr:`~zerojax._src.step.offload.Plan.cut`): the norm is computed
   first, each gradient the norm reads loaded whole in turn, so every one
   comes down twice; ``norm_first_peak_fraction``: the largest of them, a
-  fraction of the offloaded gradients' bytes."""
+  fraction of the offloaded gradients' bytes; ``norm_passes``: how many
+  such passes (each gradient comes down once more per pass: two where
+  the finiteness of gradients clipped by the norm is checked)."""
   if p.cut is None:
-    return {"norm_first": False, "norm_first_peak_fraction": 0.0}
+    return {
+      "norm_first": False,
+      "norm_first_peak_fraction": 0.0,
+      "norm_passes": 0,
+    }
   train = [a for a in g_avals if a is not None]
   read = [_offload.nbytes(a) for a, f in zip(train, p.cut.frontier) if f]
   total = sum(_offload.nbytes(a) for a in train)
   return {
     "norm_first": True,
     "norm_first_peak_fraction": max(read, default=0) / max(total, 1),
+    "norm_passes": len(p.cut_passes),
   }

@@ -83,6 +83,9 @@ class StagePlan:
   # largest, a fraction of grads_host (0.0: no such pass)
   norm_first_peak_fraction: float = 0.0
   norm_first: bool = False
+  # how many such passes (two where a finiteness of the clipped gradients
+  # is checked: the norm's pass, then the finiteness's)
+  norm_passes: int = 0
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
@@ -123,8 +126,8 @@ class StagePlan:
     the identical copies outside a loop, as the TPU compiler's program
     shows); with no master copy the update reads the params' shards once
     more; offloaded gradients once (their chunk's update reads them, and
-    the step's grad norm reads them there), twice when the update reads a
-    global norm of them (:attr:`norm_first`)."""
+    the step's grad norm reads them there), once more per pass that
+    computes a global norm of them first (:attr:`norm_passes`)."""
     if not self.offload:
       return 0.0
     again = 0.0 if self.master else self.params_host  # the update's weights
@@ -133,8 +136,13 @@ class StagePlan:
       + self.params_host
       + self.params_host_stacked
       + again
-      + self.grads_host * (2 if self.norm_first else 1)
+      + self.grads_host * (1 + self.grad_passes)
     )
+
+  @property
+  def grad_passes(self) -> int:
+    """Passes over the offloaded gradients before the update's chunks."""
+    return max(self.norm_passes, int(self.norm_first))
 
   @property
   def device_to_host(self) -> float:
@@ -288,6 +296,7 @@ def plan_stage(
     in_flight_fraction=streamed.get("in_flight_fraction", 1.0),
     norm_first_peak_fraction=streamed.get("norm_first_peak_fraction", 0.0),
     norm_first=streamed.get("norm_first", False),
+    norm_passes=streamed.get("norm_passes", 0),
     activations=float((activations or {}).get("device", 0)),
     activations_host=float((activations or {}).get("host", 0)),
   )

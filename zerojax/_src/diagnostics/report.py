@@ -438,7 +438,8 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   }
   streamed = _offload_stream.describe(spec)
   # a global norm of the gradients, computed first, reads them once more
-  grads_read = grads_host * (2 if streamed.get("norm_first") else 1)
+  # per pass
+  grads_read = grads_host * (1 + streamed.get("norm_passes", 0))
   return {
     **streamed,
     "params_on_host": bool(params_host),

@@ -105,8 +105,9 @@ class Flat:
     read = self.branch_reads.get(v)
     return self.eqns[self.made_by[v]][1] if read is None else read
 
-  def reads(self, in_sets) -> list[frozenset]:
-    """Per value, the union of ``in_sets`` (one per input) it is made from."""
+  def reads(self, in_sets, given=frozenset()) -> list[frozenset]:
+    """Per value, the union of ``in_sets`` (one per input) it is made from;
+    a value ``given`` counts as made from none."""
     out = [frozenset()] * len(self.avals)
     out[: self.n_in] = [frozenset(s) for s in in_sets]
 
@@ -116,6 +117,8 @@ class Flat:
     for _, args, outs in self.eqns:
       got = union(args)
       for v in outs:
+        if v in given:
+          continue
         out[v] = union(self.branch_reads[v]) if v in self.branch_reads else got
     return out
 
@@ -278,7 +281,16 @@ def hoist(closed, groups, out_groups):
   )(*closed.in_avals)
 
 
-def find(flat: Flat, groups, out_groups) -> Cut:
+def _touch(flat: Flat, groups, given=frozenset()) -> list[frozenset]:
+  """Per value, the groups it is made from (a value ``given``: none)."""
+  member = [
+    frozenset(g for g, s in enumerate(groups) if i in s)
+    for i in range(flat.n_in)
+  ]
+  return flat.reads(member, given)
+
+
+def find(flat: Flat, groups, out_groups, given=frozenset()) -> Cut:
   """The cut of ``flat``'s outputs over input ``groups`` (one set of input
   positions each; ``out_groups``: per output the group it belongs to, a
   frozenset of groups, or None for one every group's computation shares): walking back from the
@@ -287,18 +299,16 @@ def find(flat: Flat, groups, out_groups) -> Cut:
   read by its own group's outputs only, and computed from its operands).
   Its ``values`` are empty when no output reads two groups. Whether the
   outputs, given the cut, read one group each is the caller's to check
-  (a concatenation of every gradient has no such cut)."""
-  member = [
-    frozenset(g for g, s in enumerate(groups) if i in s)
-    for i in range(flat.n_in)
-  ]
-  touch = flat.reads(member)
+  (a concatenation of every gradient has no such cut). The values
+  ``given`` (an earlier pass's, :func:`passes`) count as made from no
+  group."""
+  touch = _touch(flat, groups, given)
   readers = _readers(flat, len(groups), out_groups)
   cut, seen = set(), set()
   todo = [a for a in flat.outs if isinstance(a, int)]
   while todo:
     v = todo.pop()
-    if v in seen:
+    if v in seen or v in given:
       continue
     seen.add(v)
     if len(touch[v]) >= 2 and len(readers[v]) >= 2:
@@ -325,27 +335,78 @@ def find(flat: Flat, groups, out_groups) -> Cut:
   )
 
 
-def decides_a_branch(c: Cut) -> bool:
-  """Whether the cut's largest value is read by a branch's index (a
-  finiteness check of gradients a global norm has clipped)."""
-  if not c.values:
-    return False
-  largest = max(c.values, key=c.flat.size)
-  todo = [
-    args[0]
-    for _, args, outs in c.flat.eqns
-    if outs and outs[0] in c.flat.branch_reads and isinstance(args[0], int)
-  ]
-  seen = set()
+# the most passes over the groups :func:`passes` makes
+MAX_PASSES = 3
+
+
+def passes(flat: Flat, groups, out_groups) -> list[Cut]:
+  """The cut of ``flat`` computed in passes over the groups, each pass's
+  values given to the next: where the cut holds large values made from
+  a small one (a gradient clipped by the global norm, whose finiteness
+  decides a branch), the small values they are made from whose own
+  frontier is small (the norm) are computed in a pass first, and the
+  cut is found again with them given (the finiteness of each clipped
+  gradient is then one group's). Empty when there is no cut; the last
+  pass is the cut found last, which :func:`too_large` may refuse."""
+  out, given = [], frozenset()
+  for _ in range(MAX_PASSES):
+    c = find(flat, groups, out_groups, given)
+    if not c.values:
+      return out
+    if too_large(c) is None or len(out) == MAX_PASSES - 1:
+      return [*out, c]
+    first = _small_first(flat, _touch(flat, groups, given), c)
+    if first is None:
+      return [*out, c]
+    out.append(first)
+    given = given | frozenset(first.values)
+  return out
+
+
+def _small_first(flat: Flat, touch, c: Cut) -> Cut | None:
+  """The part of ``c`` a pass can compute first: of the values made from
+  two or more groups that ``c``'s values are made from, the small ones
+  whose frontier (the one-group values they are made from) is small,
+  where a value that is not one of them reads them; None where there is
+  none."""
+  front: dict[int, frozenset] = {}
+  for _, _, outs in flat.eqns:
+    for v in outs:
+      if len(touch[v]) < 2:
+        continue
+      f = set()
+      for a in flat.inputs_of(v):
+        if isinstance(a, int) and len(touch[a]) == 1:
+          f.add(a)
+        elif isinstance(a, int) and len(touch[a]) >= 2:
+          f |= front.get(a, frozenset())
+      front[v] = frozenset(f)
+  mixed, todo = set(), list(c.values)
   while todo:
     v = todo.pop()
-    if v == largest:
-      return True
-    if v in seen or v not in c.flat.made_by:
+    if v in mixed:
       continue
-    seen.add(v)
-    todo.extend(a for a in c.flat.inputs_of(v) if isinstance(a, int))
-  return False
+    mixed.add(v)
+    todo.extend(
+      a for a in flat.inputs_of(v) if isinstance(a, int) and len(touch[a]) >= 2
+    )
+  small = {
+    v
+    for v in mixed
+    if flat.size(v) <= LIMIT and sum(flat.size(a) for a in front[v]) <= LIMIT
+  }
+  edge = {v for v in small if v in c.values}
+  for v in mixed - small:
+    edge.update(a for a in flat.inputs_of(v) if a in small)
+  if not edge:
+    return None
+  frontier = [set() for _ in c.frontier]
+  for v in edge:
+    for a in front[v]:
+      frontier[next(iter(touch[a]))].add(a)
+  return Cut(
+    flat, tuple(sorted(edge)), tuple(tuple(sorted(f)) for f in frontier)
+  )
 
 
 def too_large(c: Cut) -> str | None:

@@ -120,6 +120,9 @@ class Plan:
   # the chunks evaluate (with the cut's values given), or None: they run
   # the optimizer's update (:func:`_program_flat`)
   flat: object = dataclasses.field(default=None, compare=False)
+  # ``cut``'s values in the passes over the gradients that compute them,
+  # each given the earlier passes' values (most updates: one pass)
+  cut_passes: tuple = dataclasses.field(default=(), compare=False)
 
   def rows_of(self, k: int) -> tuple:
     return self.rows[k] if k < len(self.rows) else (None,) * len(self.chunks[k])
@@ -235,12 +238,20 @@ def plan(
     | {n_g + j for j in shared}
     | frozenset(range(2 * n_g + n_o, n_in))
   )
-  cut = None
+  cut, passes = None, ()
   if grads_host:
-    cut, reason = _grads_cut(closed, n_g, own, slot, always)
+    passes, reason = _grads_cut(closed, n_g, own, slot, always)
     if reason:
       return None, reason
-    if cut is not None:
+    if passes:
+      cut = _cut.Cut(
+        passes[0].flat,
+        tuple(v for c in passes for v in c.values),
+        tuple(
+          tuple(sorted({v for c in passes for v in c.frontier[k]}))
+          for k in range(n_g)
+        ),
+      )
       # the update with the cut's values as inputs after the others
       closed = jax.make_jaxpr(
         lambda *a: cut.flat.evaluate(
@@ -307,6 +318,7 @@ def plan(
     closed,
     cut,
     _program_flat(closed, cut),
+    passes,
   ), None
 
 
@@ -319,33 +331,29 @@ def _program_flat(closed, cut):
 
 
 def _grads_cut(closed, n_g: int, own, slot, allowed):
-  """``(cut, None)``: the values every leaf's update reads that are made
-  from all the gradients (:mod:`zerojax._src.jaxpr.cut`; None: there are
-  none), computed before the chunks from each gradient in turn; or
+  """``(passes, None)``: the values every leaf's update reads that are
+  made from all the gradients (:mod:`zerojax._src.jaxpr.cut`), computed
+  before the chunks from each gradient in turn, in one pass or more
+  (:func:`~zerojax._src.jaxpr.cut.passes`; empty: there are none); or
   ``(None, reason)`` when they are not small, or are made from weights or
   state too (which the pass does not bring down)."""
   out_groups = list(range(n_g)) + [None if p is None else slot[p] for p in own]
   groups = [{k} for k in range(n_g)]
   # a norm inside a branch (a clip under apply_if_finite), computed first
   flat = _cut.Flat(_cut.hoist(closed, groups, out_groups))
-  c = _cut.find(flat, groups, out_groups)
-  if not c.values:
-    return None, None
+  passes = _cut.passes(flat, groups, out_groups)
+  if not passes:
+    return (), None
+  c = passes[-1]
   big = _cut.too_large(c)
-  if big and _cut.decides_a_branch(c):
-    return None, (
-      f"{big}, too large to compute before the update: a branch's index "
-      "reads it (apply_if_finite checking gradients a global norm clipped, "
-      "chain(clip_by_global_norm(...), apply_if_finite(...))); with the "
-      "clip inside, optax.apply_if_finite(optax.chain("
-      "optax.clip_by_global_norm(...), ...)) checks the gradients "
-      "themselves and streams"
-    )
   if big:
     return None, f"{big}, too large to compute before the update"
   reads = flat.reads([{i} for i in range(flat.n_in)])
   ok = allowed | frozenset(range(n_g))
-  for v in (*c.values, *(v for f in c.frontier for v in f)):
+  every = [
+    v for c in passes for v in (*c.values, *(v for f in c.frontier for v in f))
+  ]
+  for v in every:
     if not reads[v] <= ok:
       eqn = flat.eqns[flat.made_by[v]][0] if v in flat.made_by else None
       return None, (
@@ -353,7 +361,7 @@ def _grads_cut(closed, n_g: int, own, slot, allowed):
         f"shape {tuple(flat.avals[v].shape)}) is made from the weights or "
         "state too"
       )
-  return c, None
+  return tuple(passes), None
 
 
 def _stack_rows(spec: StateSpec, closed, train, sizes, own) -> dict:

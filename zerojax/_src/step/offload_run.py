@@ -209,30 +209,34 @@ def stream(
 
 def _cut_values(spec, p: Plan, train, g_src, *, shared, e_leaves, seen):
   """The values of ``p.cut`` (a global norm) from the offloaded gradients,
-  each brought down whole, alone, after the previous one's share of the
-  cut is computed; ``seen`` is called with each. Returns ``(values, the
-  params whose gradients were seen)``."""
-  c = p.cut
+  in each of its passes (:attr:`Plan.cut_passes`) each brought down
+  whole, alone, after the previous one's share of the pass's values is
+  computed, a pass after the one before it; ``seen`` is called with each
+  in the first. Returns ``(values, the params whose gradients were
+  seen)``."""
   n_g, n_o = len(train), len(spec.opt_leaves)
-  base = [None] * c.flat.n_in
+  base = [None] * p.cut.flat.n_in
   for j, x in shared.items():
     base[n_g + j] = x
   base[2 * n_g + n_o :] = e_leaves
   given, prev, early = {}, [], set()
-  for k, i in enumerate(train):
-    if not c.frontier[k]:
-      continue
-    raw = g_src[i].raw
-    if prev:
-      raw, _ = jax.lax.optimization_barrier((raw, prev))
-    args = list(base)
-    args[k] = g_src[i].load(raw)
-    prev = c.flat.evaluate(args, c.frontier[k])
-    given.update(zip(c.frontier[k], prev))
-    if seen is not None:
-      prev = [*prev, seen(i, None, args[k])]
-      early.add(i)
-  return tuple(c.flat.evaluate(base, c.values, given)), early
+  for n, c in enumerate(p.cut_passes):
+    for k, i in enumerate(train):
+      if not c.frontier[k]:
+        continue
+      raw = g_src[i].raw
+      if prev:
+        raw, _ = jax.lax.optimization_barrier((raw, prev))
+      args = list(base)
+      args[k] = g_src[i].load(raw)
+      prev = c.flat.evaluate(args, c.frontier[k], given)
+      given.update(zip(c.frontier[k], prev))
+      if seen is not None and n == 0:
+        prev = [*prev, seen(i, None, args[k])]
+        early.add(i)
+    prev = c.flat.evaluate(base, c.values, given)
+    given.update(zip(c.values, prev))
+  return tuple(given[v] for v in p.cut.values), early
 
 
 def _program_update(
