@@ -75,6 +75,7 @@ CONFIGS = (
   "3offbg-finite",
   "3offb-finite-all",
   "3offbgc-finite",
+  "3offbg-cfinite",
   "1-free",
   "3-free",
   "3off-free",
@@ -104,7 +105,9 @@ ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # down whole in turn);
 # "<config>-finite": that configuration's optimizer, clip included, inside
 # optax.apply_if_finite; "-finite-all": with the branch read as one
-# equation (the whole-state update);
+# equation (the whole-state update); "<config>-cfinite": the optimizer
+# inside apply_if_finite behind clip_by_global_norm (the finiteness of the
+# clipped gradients: with offload_grads, two passes over them first);
 # "<config>-free": that configuration with the update free to start before
 # the last gradient exists (zerojax's step waits for all of them), to
 # compare the compiler's peaks; "<stage>split": the step as a user's own
@@ -206,6 +209,12 @@ def worker(args) -> dict:
     # fp32 params, no master copy, except "offb" / "offp": bf16 + master
     policy, stacked = zerojax.Policy(), None
     base = args.config.removesuffix("-whole").removesuffix("-all")
+    clipped_finite = base.endswith("-cfinite")
+    if clipped_finite:
+      opt = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.apply_if_finite(opt, 3)
+      )
+      base = base.removesuffix("-cfinite")
     finite = base.endswith("-finite")
     base = base.removesuffix("-finite")
     if base.endswith("c"):  # behind global-norm clipping

@@ -14,6 +14,12 @@ a pass that reads one group at a time (each group's *frontier*: the
 values reading that group alone that the cut is made from), and then
 evaluates the update with the cut's values given. The operations are the
 jaxpr's own, on the same operands, so the numbers are the whole update's.
+Where the cut found first holds large values made from a small one (the
+finiteness ``apply_if_finite`` checks of gradients clipped by their
+global norm), it is computed in passes (:func:`passes`): the small
+values first (the norm), then the cut found again with them given. A
+norm inside a branch (a clip under ``apply_if_finite``) is computed
+before the branch (:func:`hoist`) so that the cut reaches it.
 
 Plain calls (``jit``, ``custom_jvp_call``...) are read through, as in
 :mod:`zerojax._src.jaxpr.deps`, so a norm computed inside a jitted helper
@@ -252,11 +258,7 @@ def hoist(closed, groups, out_groups):
   flat = Flat(closed)
   if not flat.branch_reads:
     return closed
-  member = [
-    frozenset(g for g, s in enumerate(groups) if i in s)
-    for i in range(flat.n_in)
-  ]
-  touch = flat.reads(member)
+  touch = _touch(flat, groups)
   readers = _readers(flat, len(groups), out_groups)
   inner = {}
   for k, (eqn, args, outs) in enumerate(flat.eqns):
@@ -293,9 +295,9 @@ def _touch(flat: Flat, groups, given=frozenset()) -> list[frozenset]:
 def find(flat: Flat, groups, out_groups, given=frozenset()) -> Cut:
   """The cut of ``flat``'s outputs over input ``groups`` (one set of input
   positions each; ``out_groups``: per output the group it belongs to, a
-  frozenset of groups, or None for one every group's computation shares): walking back from the
-  outputs, the first values made from two or more groups that outputs of
-  two or more groups read (a global norm; a gradient clipped by it is
+  frozenset of groups, or None for one every group's computation
+  shares): walking back from the outputs, the first values made from two
+  or more groups that outputs of two or more groups read (a global norm; a gradient clipped by it is
   read by its own group's outputs only, and computed from its operands).
   Its ``values`` are empty when no output reads two groups. Whether the
   outputs, given the cut, read one group each is the caller's to check
@@ -393,7 +395,8 @@ def _small_first(flat: Flat, touch, c: Cut) -> Cut | None:
   small = {
     v
     for v in mixed
-    if flat.size(v) <= LIMIT and sum(flat.size(a) for a in front[v]) <= LIMIT
+    if flat.size(v) <= LIMIT
+    and sum(flat.size(a) for a in front.get(v, ())) <= LIMIT
   }
   edge = {v for v in small if v in c.values}
   for v in mixed - small:
@@ -402,7 +405,7 @@ def _small_first(flat: Flat, touch, c: Cut) -> Cut | None:
     return None
   frontier = [set() for _ in c.frontier]
   for v in edge:
-    for a in front[v]:
+    for a in front.get(v, ()):
       frontier[next(iter(touch[a]))].add(a)
   return Cut(
     flat, tuple(sorted(edge)), tuple(tuple(sorted(f)) for f in frontier)

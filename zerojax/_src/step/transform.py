@@ -136,11 +136,14 @@ def zero(
       Optax drop-in's ``update`` takes the caller's gradients where they
       are. Each leaf's update may read its own gradient
       (Adam, LAMB, Adafactor, per-leaf clipping) and small values made
-      from all of them (``optax.clip_by_global_norm``'s norm: computed
-      first, each gradient brought down whole in turn, so they come down
-      twice); an update that mixes gradients otherwise, or through a
-      branch over the whole state (``optax.apply_if_finite``), is refused
-      while tracing, and so is ``accum_steps > 1``. Without a global
+      from all of them (``optax.clip_by_global_norm``'s norm,
+      ``optax.apply_if_finite``'s finiteness, in a branch or not:
+      computed first, each gradient brought down whole in turn, so they
+      come down twice, three times for the finiteness of gradients a
+      global norm clipped); an update that mixes gradients otherwise, or
+      makes such a value from the state too (a clip under
+      ``optax.MultiSteps``), is refused while tracing, and so is
+      ``accum_steps > 1``. Without a global
       norm the step's ``grad_norm`` is summed from the gradients each
       chunk loads, so a layer stack updated a few layers per chunk adds
       its rows' sums: its last bits may differ from the norm without
