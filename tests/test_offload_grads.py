@@ -46,6 +46,18 @@ def _leaves(state):
   ]
 
 
+def _leaves_per_step(tx, params, loss_fn, batches):
+  """The state's leaves after each of ``batches``, the step, and the
+  last state."""
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(loss_fn, tx)
+  seen = []
+  for b in batches:
+    state, _ = step(state, b)
+    seen.append(_leaves(state))
+  return seen, step, state
+
+
 def _train(opt, stage, grads, policy=BF16, steps=3, **kw):
   tx = zerojax.zero(
     opt(), stage=stage, offload=True, offload_grads=grads, policy=policy, **kw
@@ -176,12 +188,9 @@ def test_apply_if_finite_streams_and_skips_the_nonfinite_step(
       offload=off,
       offload_grads=grads and off,
     )
-    state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
-    step = zerojax.train_step(_skipped_at_step_2, tx)
-    seen = []
-    for b in data:
-      state, _ = step(state, b)
-      seen.append(_leaves(state))
+    seen, step, state = _leaves_per_step(
+      tx, toy.init_params(jax.random.key(0)), _skipped_at_step_2, data
+    )
     out.append(seen)
   toy.assert_same_up_to_summation_order(out[1], out[0], terms=len(data))
   # the NaN step changed nothing but the count of non-finite steps
@@ -381,12 +390,7 @@ def test_a_finiteness_of_clipped_gradients_streams_in_two_passes():
     tx = zerojax.zero(
       opt(), stage=2, offload=off, offload_grads=off, stacked=False
     )
-    state = zerojax.init(params, tx)
-    step = zerojax.train_step(loss, tx)
-    seen = []
-    for b in batches:
-      state, _ = step(state, b)
-      seen.append(_leaves(state))
+    seen, step, state = _leaves_per_step(tx, params, loss, batches)
     out.append(seen)
   toy.assert_same_up_to_summation_order(out[1], out[0], terms=8)
   chex.assert_trees_all_equal(
