@@ -136,13 +136,8 @@ class StagePlan:
       + self.params_host
       + self.params_host_stacked
       + again
-      + self.grads_host * (1 + self.grad_passes)
+      + self.grads_host * (1 + max(self.norm_passes, int(self.norm_first)))
     )
-
-  @property
-  def grad_passes(self) -> int:
-    """Passes over the offloaded gradients before the update's chunks."""
-    return max(self.norm_passes, int(self.norm_first))
 
   @property
   def device_to_host(self) -> float:

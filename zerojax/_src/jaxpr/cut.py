@@ -351,18 +351,17 @@ def passes(flat: Flat, groups, out_groups) -> list[Cut]:
   gradient is then one group's). Empty when there is no cut; the last
   pass is the cut found last, which :func:`too_large` may refuse."""
   out, given = [], frozenset()
-  for _ in range(MAX_PASSES):
+  while True:
     c = find(flat, groups, out_groups, given)
     if not c.values:
       return out
-    if too_large(c) is None or len(out) == MAX_PASSES - 1:
-      return [*out, c]
-    first = _small_first(flat, _touch(flat, groups, given), c)
+    first = None
+    if too_large(c) is not None and len(out) < MAX_PASSES - 1:
+      first = _small_first(flat, _touch(flat, groups, given), c)
     if first is None:
       return [*out, c]
     out.append(first)
     given = given | frozenset(first.values)
-  return out
 
 
 def _small_first(flat: Flat, touch, c: Cut) -> Cut | None:
