@@ -151,7 +151,7 @@ def worker(args) -> dict:
       seq_len=args.seq_len,
     )
     loss_fn = functools.partial(plain_gpt.loss, heads=args.heads)
-  rows = args.batch_per_chip * n
+  rows = args.batch_per_chip * n * args.accum_steps
   batch = aot.abstract_batch(
     {
       "x": ((rows, args.seq_len), jnp.int32),
@@ -252,7 +252,9 @@ def worker(args) -> dict:
 
       lowered = split_step.lower(state, batch)
     else:
-      lowered = zerojax.train_step(loss_fn, tx).lower(state, batch)
+      lowered = zerojax.train_step(
+        loss_fn, tx, accum_steps=args.accum_steps
+      ).lower(state, batch)
     one_device = {
       k: jax.ShapeDtypeStruct((args.batch_per_chip, args.seq_len), jnp.int32)
       for k in ("x", "y")
@@ -269,6 +271,7 @@ def worker(args) -> dict:
       offload=offload,
       offload_params=base.endswith("offp"),
       offload_grads=grads_host,
+      accum_steps=args.accum_steps,
     )
     if offload:
       out["offload"] = {
@@ -388,6 +391,12 @@ def main():
   p.add_argument("--vocab", type=int, default=8192)
   p.add_argument("--seq-len", type=int, default=256)
   p.add_argument("--batch-per-chip", type=int, default=2)
+  p.add_argument(
+    "--accum-steps",
+    type=int,
+    default=1,
+    help="micro-batches per step (each of --batch-per-chip rows per chip)",
+  )
   p.add_argument("--out", default=str(HERE.parent / "docs" / "data"))
   p.add_argument(
     "--tag",
@@ -426,6 +435,7 @@ def main():
       f"--vocab={args.vocab}",
       f"--seq-len={args.seq_len}",
       f"--batch-per-chip={args.batch_per_chip}",
+      f"--accum-steps={args.accum_steps}",
     ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with tempfile.TemporaryDirectory() as dump:
@@ -456,6 +466,7 @@ def main():
   model = (
     f"{args.model}_w{args.width}_d{args.depth}_v{args.vocab}_t{args.seq_len}"
     f"_b{args.batch_per_chip}"
+    + (f"_a{args.accum_steps}" if args.accum_steps > 1 else "")
   )
   topology = args.topology + (
     f"x{args.num_slices}slices" if args.num_slices > 1 else ""
@@ -476,7 +487,15 @@ def main():
     ),
     "sizes": {
       k: getattr(args, k)
-      for k in ("width", "depth", "heads", "vocab", "seq_len", "batch_per_chip")
+      for k in (
+        "width",
+        "depth",
+        "heads",
+        "vocab",
+        "seq_len",
+        "batch_per_chip",
+        "accum_steps",
+      )
     },
     "versions": versions,
     "runs": runs,

@@ -6,7 +6,8 @@ its state. The numbers must be the same bits as with the gradients on the
 device; the gradients must really be in host memory (as ``value_and_grad``
 returns them, and in the compiled step's memory spaces); an update that
 reads every gradient other than through small values made from the
-gradients alone, or accumulation, is refused with the fix.
+gradients alone is refused with the fix. Micro-batches are summed in host
+memory, to the same bits.
 """
 
 import functools
@@ -233,14 +234,130 @@ def test_a_norm_made_from_the_weights_too_is_refused_with_the_fix(made_from):
   chex.assert_trees_all_equal(_leaves(state), before)
 
 
-def test_accumulation_is_refused_with_the_fix():
-  tx = zerojax.zero(
-    optax.adamw(1e-2), stage=2, offload=True, offload_grads=True
+# the toy's layer stacks; its other matrices then send their gradients to
+# the host too (a leaf that may be a stack of vectors keeps its there)
+_LAYERS = lambda path, shape: "layers" in path
+
+
+def _with_aux(params, batch):
+  """The toy loss, with a per-example aux leaf and a mean."""
+  loss = toy.loss_fn(params, batch)
+  rows = batch["x"].astype(jnp.float32) * loss
+  return loss, {"rows": rows, "mean": loss}
+
+
+@pytest.mark.parametrize(
+  "stage, accum, policy",
+  [(2, 2, None), (3, 2, None), (3, 3, None), (2, 4, None), (3, 3, "bf16")],
+)
+def test_micro_batches_summed_in_host_memory_give_the_same_bits(
+  stage, accum, policy
+):
+  """With accumulation each micro-batch adds its reduced gradient to the
+  sum in host memory as the backward pass makes it, the last scales it:
+  the summed gradients are in host memory with the bits of the sums on
+  the device, and so are the state, loss and per-example aux. In bf16 the
+  gradients the device keeps (the scalar's, the biases') come from
+  micro-batches traced apart, which XLA may round otherwise: the same to
+  a bf16 rounding."""
+  out = []
+  for grads in (False, True):
+    tx = zerojax.zero(
+      optax.adamw(1e-2),
+      stage=stage,
+      offload=True,
+      offload_grads=grads,
+      policy=BF16 if policy else None,
+      stacked=_LAYERS,
+    )
+    state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
+    step = zerojax.train_step(_with_aux, tx, accum_steps=accum)
+    for b in toy.batches(2, size=16 * accum):
+      state, m = step(state, b)
+    _, g = zerojax.value_and_grad(
+      _with_aux, tx, has_aux=True, accum_steps=accum
+    )(state, b)
+    g = [x for x in jax.tree.leaves(g) if isinstance(x, jax.Array)]
+    out.append((_leaves(state), m, g))
+  (want, m_want, g_want), (got, m_got, g_got) = out
+  on_host = [x.sharding.memory_kind == "pinned_host" for x in g_got]
+  assert sum(on_host) >= 3, on_host
+  host = lambda g: [np.asarray(x) for x, h in zip(g, on_host) if h]
+  chex.assert_trees_all_equal(host(g_got), host(g_want))
+  if policy:
+    as32 = lambda t: [np.asarray(x, np.float32) for x in t]
+    chex.assert_trees_all_close(as32(g_got), as32(g_want), rtol=1e-2, atol=1e-3)
+    chex.assert_trees_all_close(as32(got), as32(want), rtol=1e-2, atol=1e-3)
+    return
+  chex.assert_trees_all_equal(
+    [np.asarray(x) for x in g_got], [np.asarray(x) for x in g_want]
   )
+  chex.assert_trees_all_equal(got, want)
+  chex.assert_trees_all_equal(m_got["aux"], m_want["aux"])
+  _same_metrics(m_got, m_want)
+
+
+def _tied(params, batch):
+  """The toy loss with its head tied to the embedding: gathered twice."""
+  g = zerojax.gather
+  emb = g(params["embed"])
+  h = emb[batch["x"]]
+  logits = h @ g(params["embed"])[: toy.CLASSES].T
+  return (
+    optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    + 0.0 * jnp.sum(g(params["head"]))
+    + 0.0 * g(params["scale"])
+  )
+
+
+def _shared_in_the_scan(params, batch):
+  """A head gathered inside the layer loop from outside it: one traced
+  gather, one call per layer."""
+  g = zerojax.gather
+  x = g(params["embed"])[batch["x"]]
+
+  def body(h, layer):
+    layer = g(layer)
+    h = jnp.tanh(h @ layer["w"] + layer["b"][None, :])
+    return h, jnp.sum(h @ g(params["head"]))
+
+  h, extra = jax.lax.scan(body, x, params["layers"])
+  logits = h @ g(params["head"]) * g(params["scale"])
+  return (
+    optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    + 1e-3 * extra.sum()
+  )
+
+
+@pytest.mark.parametrize(
+  "loss_fn, leaf, how",
+  [
+    (_tied, "['embed']", "2 times"),
+    (_shared_in_the_scan, "['head']", "in a scan's constants"),
+  ],
+)
+def test_summing_in_host_memory_refuses_a_weight_gathered_more_than_once(
+  loss_fn, leaf, how
+):
+  """The sum so far would be added once per call: refused before the step
+  runs, naming the leaf and how it is gathered, and the state is kept.
+  With the gradients on the device the same losses train."""
+  kw = dict(stage=3, offload=True, policy=BF16, stacked=_LAYERS)
+  tx = zerojax.zero(optax.adamw(1e-2), offload_grads=True, **kw)
   state = zerojax.init(toy.init_params(jax.random.key(0)), tx)
-  step = zerojax.train_step(toy.loss_fn, tx, accum_steps=2)
-  with pytest.raises(ValueError, match="accum_steps=2.*accum_steps=1"):
+  before = _leaves(state)
+  step = zerojax.train_step(loss_fn, tx, accum_steps=2, gather="model")
+  with pytest.raises(ValueError) as e:
     step(state, toy.batches(1)[0])
+  msg = str(e.value)
+  assert f"params{leaf} is gathered {how}" in msg, msg
+  assert "accum_steps=1" in msg and "offload_grads=False" in msg
+  chex.assert_trees_all_equal(_leaves(state), before)
+  ok = zerojax.zero(optax.adamw(1e-2), **kw)
+  state = zerojax.init(toy.init_params(jax.random.key(0)), ok)
+  zerojax.train_step(loss_fn, ok, accum_steps=2, gather="model")(
+    state, toy.batches(1)[0]
+  )
 
 
 @pytest.mark.parametrize(
@@ -282,6 +399,28 @@ def test_the_planner_counts_the_gradients_on_the_host():
   assert off.device < base.device
   o = _report_offload(params, optax.adamw(1e-2), off)
   assert o["grads_on_host"] and o["streamed"]
+
+
+def test_the_planner_counts_the_sums_read_and_written_per_micro_batch():
+  """Summed over 3 micro-batches in host memory, the gradients are
+  written 3 times and read twice more than with one; the report's theory
+  for that step is the planner's."""
+  params = toy.init_params(jax.random.key(0))
+  shapes = jax.eval_shape(lambda: params)
+  kw = dict(offload=True, offload_grads=True, policy=BF16, stacked=_LAYERS)
+  one, three = (
+    zerojax.cost.plan_stage(shapes, 3, 8, accum_steps=k, **kw) for k in (1, 3)
+  )
+  assert one.grads_host > 0
+  assert three.device_to_host == one.device_to_host + 2 * one.grads_host
+  assert three.host_to_device == one.host_to_device + 2 * one.grads_host
+  assert three.device == one.device
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, **kw)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(toy.loss_fn, tx, accum_steps=3)
+  o = zerojax.report(step, state, toy.batches(1, size=48)[0]).offload
+  assert o["theory_host_to_device_bytes"] == three.host_to_device
+  assert o["theory_device_to_host_bytes"] == three.device_to_host
 
 
 def _report_offload(params, opt, planned):

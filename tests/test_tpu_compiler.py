@@ -174,10 +174,11 @@ def test_a_70b_step_on_256_chips_lowers_without_allocating():
   assert "all_gather" in text or "all-gather" in text
 
 
-def _offloaded_step(tpu_mesh, clip=False, **offload):
+def _offloaded_step(tpu_mesh, clip=False, accum=1, **offload):
   """The reference GPT's stage-3 step (bf16 params, fp32 master copy,
-  AdamW, behind ``clip_by_global_norm`` with ``clip``) with ``offload``
-  as ``zerojax.zero`` takes it, compiled for the topology:
+  AdamW, behind ``clip_by_global_norm`` with ``clip``, over ``accum``
+  micro-batches) with ``offload`` as ``zerojax.zero`` takes it, compiled
+  for the topology:
   ``(compiled_report row, planner's StagePlan)``."""
   import jax
   import optax
@@ -196,17 +197,19 @@ def _offloaded_step(tpu_mesh, clip=False, **offload):
   state = jax.eval_shape(
     lambda k: zerojax.init_from(init, tx, k), jax.random.key(0)
   )
-  rows = BATCH * tpu_mesh.size
+  rows = BATCH * tpu_mesh.size * accum
   batch = aot.abstract_batch(
     {k: ((rows, config.seq_len), jnp.int32) for k in ("x", "y")}
   )
-  step = zerojax.train_step(lambda p, b: gpt.loss(p, b, config), tx)
+  step = zerojax.train_step(
+    lambda p, b: gpt.loss(p, b, config), tx, accum_steps=accum
+  )
   compiled = step.lower(state, batch).compile()
   row = aot.compiled_report(compiled, tpu_mesh)
   row["hlo"] = compiled.as_text()
   shapes = jax.eval_shape(init, jax.random.key(0))
   planned = cost.plan_stage(
-    shapes, 3, mesh=dict(tpu_mesh.shape), optimizer=opt, **kw
+    shapes, 3, mesh=dict(tpu_mesh.shape), optimizer=opt, accum_steps=accum, **kw
   )
   return row, planned
 
@@ -287,6 +290,24 @@ def test_the_tpu_compiler_writes_each_layers_gradient_to_host_memory(
   # without offload_grads)
   assert count(_loop_bodies(row["hlo"])) >= 4, row["memory"]
   assert count(_loop_bodies(base_row["hlo"])) == 0
+
+
+def test_the_tpu_compiler_sums_the_micro_batches_gradients_in_host_memory(
+  tpu_mesh,
+):
+  """Three micro-batches with the state and gradients in host memory:
+  each backward loop after the first micro-batch's reads a layer's sum
+  so far from host memory and writes the new one there, so the host
+  bytes each way are the planner's to the byte: the gradients 3 times
+  up and 3 times down, 2 more each way than with one micro-batch."""
+  kw = dict(offload=True, offload_grads=True)
+  row, planned = _offloaded_step(tpu_mesh, accum=3, **kw)
+  moved = row["host_transfers"]
+  assert moved["host-to-device"]["bytes"] == planned.host_to_device
+  assert moved["device-to-host"]["bytes"] == planned.device_to_host
+  one = _offloaded_step(tpu_mesh, **kw)[1]
+  assert planned.device_to_host == one.device_to_host + 2 * one.grads_host
+  assert planned.host_to_device == one.host_to_device + 2 * one.grads_host
 
 
 def test_behind_a_global_norm_the_tpu_compiler_reads_each_gradient_at_most_twice(

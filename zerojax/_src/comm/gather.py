@@ -82,6 +82,9 @@ class GatherSpec:
   # (the step's mean over devices and micro-batches) and written to host
   # memory where the backward pass reduces it (None: left on the device)
   grad_to_host: float | None = None
+  # with grad_to_host, over micro-batches: the sink holds the gradient
+  # summed so far (in host memory), and the reduced gradient is added to it
+  accumulate: bool = False
 
 
 def _entries(model, ndim):
@@ -379,25 +382,32 @@ GATHER_NAME = zerojax_gather.__name__  # read by zerojax._src.jaxpr.audit
 
 def zerojax_gather_fwd(specs, sinks, srcs):
   """Each leaf gathered on its own: an all-gather's output is then the
-  leaf itself, where a shared buffer would need a copy out of it."""
-  del sinks
-  return tuple(_full_value(g, s) for g, s in zip(specs, srcs)), None
+  leaf itself, where a shared buffer would need a copy out of it. An
+  accumulating leaf's sink (the sum so far) is kept for the backward."""
+  kept = tuple(s if g.accumulate else None for g, s in zip(specs, sinks))
+  return tuple(_full_value(g, s) for g, s in zip(specs, srcs)), kept
 
 
-def zerojax_gather_bwd(specs, _, cts):
+def zerojax_gather_bwd(specs, kept, cts):
   if len(specs) > 1:
     out = _reduce_flat(specs, cts)
   else:
     out = (_reduce_one(specs[0], cts[0]),)
-  return tuple(_to_host(g, s) for g, s in zip(out, specs)), None
+  return tuple(_to_host(g, s, a) for g, s, a in zip(out, specs, kept)), None
 
 
-def _to_host(g, spec: GatherSpec):
-  """A reduced gradient, scaled and in host memory where the leaf's
-  gradient is offloaded (its sink lives there: :func:`sink_like`)."""
+def _to_host(g, spec: GatherSpec, summed=None):
+  """A reduced gradient, in host memory where the leaf's gradient is
+  offloaded (its sink lives there: :func:`sink_like`): added to the sum
+  so far (``summed``, an accumulating leaf's sink, brought down), then
+  scaled."""
   if spec.grad_to_host is None:
     return g
-  return jax.device_put(g * spec.grad_to_host, jax.memory.Space.Host)
+  if summed is not None:
+    g = jax.device_put(summed, jax.memory.Space.Device) + g
+  if spec.grad_to_host != 1.0:
+    g = g * spec.grad_to_host
+  return jax.device_put(g, jax.memory.Space.Host)
 
 
 def _reduce_one(spec, ct):

@@ -86,6 +86,9 @@ class StagePlan:
   # how many such passes (two where a finiteness of the clipped gradients
   # is checked: the norm's pass, then the finiteness's)
   norm_passes: int = 0
+  # micro-batches per step: with offload_grads each adds its gradient to
+  # the sum in host memory (read and written once more per micro-batch)
+  accum_steps: int = 1
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
   chunk_fraction: float = 1.0
@@ -127,7 +130,9 @@ class StagePlan:
     shows); with no master copy the update reads the params' shards once
     more; offloaded gradients once (their chunk's update reads them, and
     the step's grad norm reads them there), once more per pass that
-    computes a global norm of them first (:attr:`norm_passes`)."""
+    computes a global norm of them first (:attr:`norm_passes`) and once
+    more per micro-batch after the first (the sum so far, read as each
+    layer's gradient is added to it)."""
     if not self.offload:
       return 0.0
     again = 0.0 if self.master else self.params_host  # the update's weights
@@ -136,17 +141,20 @@ class StagePlan:
       + self.params_host
       + self.params_host_stacked
       + again
-      + self.grads_host * (1 + max(self.norm_passes, int(self.norm_first)))
+      + self.grads_host
+      * (self.accum_steps + max(self.norm_passes, int(self.norm_first)))
     )
 
   @property
   def device_to_host(self) -> float:
     """Offload: bytes written back to host memory per step per device:
-    the offloaded state and params' shards, and the reduced gradients,
-    once each."""
+    the offloaded state and params' shards once, the reduced gradients
+    once per micro-batch (each writes the sum so far)."""
     if not self.offload:
       return 0.0
-    return self.host_bytes + self.params_host + self.grads_host
+    return (
+      self.host_bytes + self.params_host + self.grads_host * self.accum_steps
+    )
 
   @property
   def host_traffic(self) -> float:
@@ -228,6 +236,7 @@ def plan_stage(
   offload_params: bool = False,
   offload_grads: bool = False,
   activations: dict | None = None,
+  accum_steps: int = 1,
 ) -> StagePlan:
   """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
 
@@ -247,7 +256,8 @@ def plan_stage(
   hybrid sharding). ``model_specs`` / ``stacked``: as
   :func:`zerojax.zero` takes them, needed when ``mesh`` has a model axis.
   ``activations``: :func:`saved_activations`'s figure, added to
-  :attr:`StagePlan.working_set`."""
+  :attr:`StagePlan.working_set`. ``accum_steps``: micro-batches per step,
+  which the offloaded gradients' host traffic counts."""
   mesh = {"data": n_devices} if mesh is None else dict(mesh)
   spec = plan_spec(
     abstract_params,
@@ -292,6 +302,7 @@ def plan_stage(
     norm_first_peak_fraction=streamed.get("norm_first_peak_fraction", 0.0),
     norm_first=streamed.get("norm_first", False),
     norm_passes=streamed.get("norm_passes", 0),
+    accum_steps=accum_steps,
     activations=float((activations or {}).get("device", 0)),
     activations_host=float((activations or {}).get("host", 0)),
   )

@@ -336,7 +336,7 @@ def report(step, state: ZeroState, batch, *, link_gb_s: float = 50.0) -> Report:
     zero_collective_bytes=dict(zero_b),
     zero_collective_elements=dict(zero_e),
     offload=(
-      _offload_traffic(state, hlo, link_gb_s)
+      _offload_traffic(state, hlo, link_gb_s, step.accum_steps)
       if spec.place.offload or spec.config.offload_params
       else {}
     ),
@@ -382,7 +382,9 @@ def _saved_activations(step, state: ZeroState, batch) -> dict:
   )
 
 
-def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
+def _offload_traffic(
+  state: ZeroState, hlo: str, link_gb_s: float, accum_steps: int = 1
+) -> dict:
   """How the offloaded update runs and the bytes it moves per step per
   device, next to theory and to ZeRO-Offload's host-side update
   (compute-dtype gradients down and params up); the time each direction
@@ -438,8 +440,9 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
   }
   streamed = _offload_stream.describe(spec)
   # a global norm of the gradients, computed first, reads them once more
-  # per pass
-  grads_read = grads_host * (1 + streamed.get("norm_passes", 0))
+  # per pass; each micro-batch after the first reads the sum so far and
+  # every one writes it
+  grads_read = grads_host * (accum_steps + streamed.get("norm_passes", 0))
   return {
     **streamed,
     "params_on_host": bool(params_host),
@@ -450,7 +453,9 @@ def _offload_traffic(state: ZeroState, hlo: str, link_gb_s: float) -> dict:
     "theory_host_to_device_bytes": int(
       state_host + params_host + stacks_host + update_reads + grads_read
     ),
-    "theory_device_to_host_bytes": int(state_host + params_host + grads_host),
+    "theory_device_to_host_bytes": int(
+      state_host + params_host + grads_host * accum_steps
+    ),
     "theory_host_compute_bytes": int(2 * compute),
     "link_gb_s": float(link_gb_s),
     "host_to_device_s": down / (link_gb_s * 1e9),

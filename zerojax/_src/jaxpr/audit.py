@@ -327,3 +327,92 @@ def ungathered_uses(fn, args, tagged) -> dict[int, str]:
     "the loss's output (returned without gathering)",
   )
   return walker.misuse
+
+
+class _OnceWalker(_Walker):
+  """Counts the :func:`zerojax.gather` calls each tagged input reaches.
+
+  A tag is a leaf index, or ``(index, where)`` once the value has entered
+  a place where one traced call stands for more than one call, or for
+  none: a loop's constants or carry, a branch. A gather reached by such a
+  tag, or reached twice, is flagged with ``where``, and so is any use
+  other than a gather's. A scan's body is walked to its carry's fixed
+  point uncounted, then once counted."""
+
+  def __init__(self):
+    super().__init__()
+    self.count: dict[int, int] = {}
+    self.counting = True
+
+  def flag(self, tags, what):
+    for t in tags:
+      self.misuse.setdefault(t[0] if isinstance(t, tuple) else t, what)
+
+  @staticmethod
+  def _within(tags, where):
+    return frozenset(t if isinstance(t, tuple) else (t, where) for t in tags)
+
+  def _eqn(self, eqn, name, tags):
+    if name == "custom_vjp_call" and is_gather(eqn.params):
+      for t in frozenset().union(*tags):
+        if isinstance(t, tuple):
+          self.misuse.setdefault(*t)
+        elif self.counting:
+          self.count[t] = self.count.get(t, 0) + 1
+      return [frozenset()] * len(eqn.outvars)
+    if name not in _PASS_THROUGH and not _subprograms(eqn.params):
+      self.flag(frozenset().union(*tags), f"through {name}")
+      return [frozenset()] * len(eqn.outvars)
+    return super()._eqn(eqn, name, tags)
+
+  def _cond(self, eqn, branches, tags):
+    where = "under a branch (cond)"
+    return super()._cond(eqn, branches, [self._within(t, where) for t in tags])
+
+  def _scan(self, eqn, body, tags):
+    nc, ncarry = scan_counts(eqn, body)
+    where = "in a scan's constants or carry (once per iteration)"
+    tags = [
+      self._within(t, where) if k < nc + ncarry else t
+      for k, t in enumerate(tags)
+    ]
+    counting, self.counting = self.counting, False
+    try:  # the carry's tags to their fixed point, uncounted
+      while True:
+        out = self.run(body, tags)
+        carry = [
+          a | self._within(b, where)
+          for a, b in zip(tags[nc : nc + ncarry], out[:ncarry])
+        ]
+        if carry == tags[nc : nc + ncarry]:
+          break
+        tags[nc : nc + ncarry] = carry
+    finally:
+      self.counting = counting
+    return self.run(body, tags)
+
+  def _while(self, eqn, subs, tags):
+    where = "in a while loop"
+    return super()._while(eqn, subs, [self._within(t, where) for t in tags])
+
+
+def gathered_other_than_once(fn, args, tagged) -> dict[int, str]:
+  """Traces ``fn(*args)``; for each tagged input (``tagged`` as in
+  :func:`ungathered_uses`) that does not reach exactly one
+  :func:`zerojax.gather` call, run once, ``{index: how}``. An input
+  gathered nowhere is not reported (its cotangent is zero)."""
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  if len(jaxpr.invars) != len(tagged):
+    raise AuditUnreadable(
+      "(the loss itself)",
+      f"{len(jaxpr.invars)} traced inputs for {len(tagged)} argument leaves",
+    )
+  walker = _OnceWalker()
+  walker.run(
+    jaxpr, [frozenset() if t is None else frozenset({t}) for t in tagged]
+  )
+  found = dict(walker.misuse)
+  for i, n in walker.count.items():
+    if n > 1:
+      found.setdefault(i, f"{n} times")
+  return found

@@ -32,13 +32,14 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import transposes as _transposes
 from zerojax._src.records.mesh_errors import explain_per_device_errors
 from zerojax._src.records.spec import ZeroState, make_spec, model_axes_of
+from zerojax._src.step import accumulate as _accumulate
 from zerojax._src.step import aux as _aux
 from zerojax._src.step.batch import place_batch
 from zerojax._src.step.custom_vjp import (
@@ -102,14 +103,8 @@ def local_grads(
     )
     how = GatherMode(mode)
     hooked = [h and not d for h, d in zip(gathered, direct)]
-  if spec.config.offload_grads and k > 1:
-    raise ValueError(
-      f"zerojax: offload_grads=True with accum_steps={k}: the micro-batches' "
-      f"gradients would be summed in host memory, which no device computes "
-      f"on. Use accum_steps=1 (a larger batch per step), or offload_grads="
-      f"False."
-    )
   # offloaded gradients are scaled to the mean where they are reduced
+  # (with several micro-batches, where the last one's is added to the sum)
   scale = 1.0 / (tx.batch_shards * k)
   gspecs = [
     (
@@ -143,10 +138,10 @@ def local_grads(
   # of the gradient made after it.
   seed = scale if tx.stage == 0 and k == 1 else 1.0
 
-  def objective(mb, key, ms):  # what one micro-batch differentiates
+  def objective(mb, key, ms, gs=gspecs):  # what one micro-batch differentiates
     def f(diff):
       loss, new_ms, aux = run_loss(
-        prog, leaves, diff, gspecs, how, LossArgs(mb, key, ms)
+        prog, leaves, diff, gs, how, LossArgs(mb, key, ms)
       )
       return loss * seed, (loss, new_ms, aux)
 
@@ -163,8 +158,22 @@ def local_grads(
     )
     diff_in = diff_inputs(spec, leaves, hooked, direct)
 
-  def one(mb, key, ms):  # one micro-batch's loss and gradients
-    f = objective(mb, key, ms)
+  host_sums = None
+  if spec.config.offload_grads and k > 1:
+    host_sums = _host_sums(spec, gspecs, scale)
+    _check_gathered_once(
+      spec, objective, (first, micro_key(0), model_state), host_sums, diff_in
+    )
+
+  def one(
+    mb, key, ms, gs=gspecs, sums=None
+  ):  # one micro-batch's loss and grads
+    f = objective(mb, key, ms, gs)
+    diff = (
+      diff_in
+      if sums is None
+      else [d if a is None else a for d, a in zip(diff_in, sums)]
+    )
     # stage 0 (one micro-batch: the sums are in the backward) sums each
     # weight gradient before autodiff's transpose, as GSPMD does; on XLA
     # CPU stages 1-3 keep the transpose out of the dot, which then stays a
@@ -176,7 +185,7 @@ def local_grads(
       barriers=tx.stage >= 1 and _on_cpu(tx.mesh),
     )
     try:
-      (_, (loss, new_ms, aux)), g = grad_fn(diff_in)
+      (_, (loss, new_ms, aux)), g = grad_fn(diff)
     except ValueError as err:
       restate_custom_vjp_types(err, axes)
       raise
@@ -194,8 +203,18 @@ def local_grads(
   if k == 1:
     grads, loss, aux, new_ms = one(micro, micro_key(0), model_state)
     dims = dims_of(aux)
+  elif host_sums is not None:
+    grads, loss, aux, new_ms, dims = _accumulate.summed_on_host(
+      one,
+      micro,
+      micro_key,
+      model_state,
+      host_sums,
+      axes=axes,
+      dims_of=dims_of,
+    )
   else:
-    grads, loss, aux, new_ms, dims = _accumulate(
+    grads, loss, aux, new_ms, dims = _accumulate.summed(
       one, micro, micro_key, model_state, axes=axes, dims_of=dims_of
     )
   if found is not None:
@@ -210,41 +229,56 @@ def _split_micro(x, k):
   return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
 
-def _accumulate(one, micro, micro_key, model_state, *, axes, dims_of):
-  """``one`` over ``k`` micro-batches in a ``lax.scan``: gradients, loss
-  and aux summed, model state carried, per-example aux leaves (found by
-  ``dims_of`` from the aux's shapes) joined in the device's row order.
-  Returns ``(grads, loss, aux, new_model_state, row dims)``."""
-  k = jax.tree.leaves(micro)[0].shape[0]
-  first = jax.tree.map(lambda x: x[0], micro)
-  g_shape, l_shape, a_shape, _ = jax.eval_shape(
-    lambda mb: one(mb, micro_key(0), model_state), first
-  )
-  dims = dims_of(a_shape)
-  s_shape = jax.eval_shape(lambda a: _aux.split(a, dims)[0], a_shape)
-  zeros = jax.tree.map(
-    lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying"),
-    (g_shape, l_shape, s_shape),
+def _host_sums(spec, gspecs, scale) -> _accumulate.HostSums:
+  """The gather specs of offloaded gradients summed over micro-batches in
+  host memory (:func:`zerojax._src.step.accumulate.summed_on_host`)."""
+  on_host = [g is not None and g.grad_to_host is not None for g in gspecs]
+
+  def specs(accumulate, by):
+    return [
+      dataclasses.replace(g, grad_to_host=by, accumulate=accumulate) if h else g
+      for g, h in zip(gspecs, on_host)
+    ]
+
+  return _accumulate.HostSums(
+    first=specs(False, 1.0),
+    middle=specs(True, 1.0),
+    last=specs(True, scale),
+    on_host=on_host,
   )
 
-  def body(carry, xs):
-    acc, ms = carry
-    mb, i = xs
-    g, loss, aux, ms = one(mb, micro_key(i), ms)
-    summed, rows = _aux.split(aux, dims)
-    return (jax.tree.map(jnp.add, acc, (g, loss, summed)), ms), rows
 
-  ms0 = (
-    None
-    if model_state is None
-    else jax.tree.map(
-      lambda x: jax.lax.pcast(x, axes, to="varying"), model_state
+def _check_gathered_once(spec, objective, args, sums, diff_in):
+  """Summing in the sinks needs each offloaded gradient to arrive once per
+  micro-batch: a leaf gathered twice, in a loop's carry or constants, or
+  under a branch would add the sum so far more than once or not at all.
+  Raises before anything runs, naming the leaf."""
+  leaves = [d for d in diff_in if d is not None]
+  tags = [
+    i if h else None
+    for i, (d, h) in enumerate(zip(diff_in, sums.on_host))
+    if d is not None
+  ]
+  found = _audit.gathered_other_than_once(
+    lambda diff: objective(*args, sums.middle)(_with_leaves(diff_in, diff))[0],
+    (leaves,),
+    tags,
+  )
+  if found:
+    i, how = next(iter(found.items()))
+    raise ValueError(
+      f"zerojax: offload_grads=True with accum_steps > 1 sums each "
+      f"gradient in host memory as the backward pass reduces it, which "
+      f"needs each parameter gathered once per micro-batch; "
+      f"params{spec.leaves[i].path} is gathered {how}. Gather "
+      f"it once (a shared weight: gather it once and reuse the value), "
+      f"use accum_steps=1, or offload_grads=False."
     )
-  )
-  ((grads, loss, summed), new_ms), rows = jax.lax.scan(
-    body, (zeros, ms0), (micro, jnp.arange(k))
-  )
-  return grads, loss, _aux.merge(summed, rows, dims), new_ms, dims
+
+
+def _with_leaves(diff_in, leaves):
+  it = iter(leaves)
+  return [None if d is None else next(it) for d in diff_in]
 
 
 def _on_cpu(mesh) -> bool:

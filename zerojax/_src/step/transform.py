@@ -142,8 +142,14 @@ def zero(
       come down twice, three times for the finiteness of gradients a
       global norm clipped); an update that mixes gradients otherwise, or
       makes such a value from the state too (a clip under
-      ``optax.MultiSteps``), is refused while tracing, and so is
-      ``accum_steps > 1``. Without a global
+      ``optax.MultiSteps``), is refused while tracing. With
+      ``accum_steps > 1`` the sum over micro-batches is kept in host memory
+      too: each micro-batch's backward pass brings a layer's sum down as it
+      reduces that layer's gradient, adds it and writes it back (the
+      gradients cross the link once more each way per micro-batch), which
+      needs each param gathered once per micro-batch (a weight gathered
+      twice, or inside a loop from outside it, is refused naming it).
+      Without a global
       norm the step's ``grad_norm`` is summed from the gradients each
       chunk loads, so a layer stack updated a few layers per chunk adds
       its rows' sums: its last bits may differ from the norm without
