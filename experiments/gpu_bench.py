@@ -30,7 +30,8 @@ as one chunk, not a few layers per chunk: ``zerojax._src.step.offload._by_rows``
 off), ``grads`` (the reduced gradients in host memory too,
 ``offload_grads=True``; behind ``clip_by_global_norm`` the norm is
 computed first and each gradient comes down twice, ``--clip leaf``
-measures it without), ``accum4`` (4 micro-batches per step, the batch
+measures it without; with ``accumN`` the micro-batches' sums are kept
+there too), ``accum4`` (4 micro-batches per step, the batch
 4x as large; ``plain+accum4`` is the plain loop's baseline for it). An
 offloaded record adds init's own device peak and the host bytes it holds;
 ``step_vs_plain`` compares with the plain loop at the same size and
@@ -93,8 +94,8 @@ def parse_config(config: str) -> dict:
       )
   if out["stage"] is None and (out["offload"] or out["offload_params"]):
     raise SystemExit(f"config {config!r}: the plain loop has no offload")
-  if out["offload_grads"] and (out["offload"] is not True or out["accum"] > 1):
-    raise SystemExit(f"config {config!r}: grads needs +offload and no accumN")
+  if out["offload_grads"] and out["offload"] is not True:
+    raise SystemExit(f"config {config!r}: grads needs +offload")
   return out
 
 

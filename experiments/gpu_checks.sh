@@ -8,7 +8,7 @@
 #   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b and 7b offload: default (stacks by rows), whole stacks, crossing; 7b +params; accum4; link; rows' rounding
 #   experiments/gpu_checks.sh offload7b SECONDS OUT # 7b offload +accum4, +params (warm-up 1000)
 #   experiments/gpu_checks.sh offload7b8 SECONDS OUT # 7b offload +accum8, +params (warm-up 1000)
-#   experiments/gpu_checks.sh grads SECONDS OUT  # +grads (offload_grads) beside offload at 2.7b and 7b +params, per-leaf clip
+#   experiments/gpu_checks.sh grads SECONDS OUT  # +grads (offload_grads) beside offload at 2.7b (and accum4) and 7b +params, per-leaf clip
 #
 # Logs and JSON land in OUT, flat (the device tool brings back at most 8
 # files, two folders down).
@@ -103,6 +103,8 @@ case $part in
     # there with its gradients
     bench 2.7b plain,3+offload,3+offload+grads 3 180 grads
     bench 2.7b 3+offload+grads 3 180 grads_leaf --clip leaf
+    # 4 micro-batches summed in host memory beside the sums on the device
+    bench 2.7b 3+offload+accum4,3+offload+grads+accum4 3 180 grads_accum4
     bench 7b 3+offload+params,3+offload+params+grads 2 240 7b_grads \
       --warmup 1000
     ;;
