@@ -310,6 +310,28 @@ def test_the_tpu_compiler_sums_the_micro_batches_gradients_in_host_memory(
   assert planned.host_to_device == one.host_to_device + 2 * one.grads_host
 
 
+def test_each_micro_batch_reads_the_host_params_again(tpu_mesh):
+  """Three micro-batches with the params' shards in host memory: each
+  micro-batch's layer loops bring the stacks down again and its gathers
+  the other params, so the bytes down are the planner's to the byte,
+  2 x (params + stacks) more than with one. With the gradients on the
+  host too, the first and last micro-batch (traced apart) may share a
+  read: at most the planner's, at least the state's and gradients'."""
+  kw = dict(offload=True, offload_params=True)
+  row, planned = _offloaded_step(tpu_mesh, accum=3, **kw)
+  one = _offloaded_step(tpu_mesh, **kw)[1]
+  moved = row["host_transfers"]
+  assert moved["host-to-device"]["bytes"] == planned.host_to_device
+  assert moved["device-to-host"]["bytes"] == planned.device_to_host
+  per_micro_batch = one.params_host + one.params_host_stacked
+  assert planned.host_to_device == one.host_to_device + 2 * per_micro_batch
+  row, planned = _offloaded_step(tpu_mesh, accum=3, offload_grads=True, **kw)
+  moved = row["host_transfers"]
+  least = one.host_to_device + 2 * planned.grads_host + planned.grads_host
+  assert least <= moved["host-to-device"]["bytes"] <= planned.host_to_device
+  assert moved["device-to-host"]["bytes"] == planned.device_to_host
+
+
 def test_behind_a_global_norm_the_tpu_compiler_reads_each_gradient_at_most_twice(
   tpu_mesh,
 ):

@@ -86,8 +86,9 @@ class StagePlan:
   # how many such passes (two where a finiteness of the clipped gradients
   # is checked: the norm's pass, then the finiteness's)
   norm_passes: int = 0
-  # micro-batches per step: with offload_grads each adds its gradient to
-  # the sum in host memory (read and written once more per micro-batch)
+  # micro-batches per step: each reads the offloaded params' shards; with
+  # offload_grads each adds its gradient to the sum in host memory (read
+  # and written once more per micro-batch)
   accum_steps: int = 1
   # offload: the largest streamed chunk's share of master + optimizer
   # (zerojax._src.step.offload; 1.0 when the update runs on the whole state)
@@ -123,23 +124,25 @@ class StagePlan:
   @property
   def host_to_device(self) -> float:
     """Offload: bytes read from host memory per step per device: the
-    offloaded state once; an offloaded layer stack's shard once per layer
-    loop (the forward's gathers and the backward's), any other offloaded
-    param's shard once (one read serves both passes' gathers: XLA merges
-    the identical copies outside a loop, as the TPU compiler's program
-    shows); with no master copy the update reads the params' shards once
-    more; offloaded gradients once (their chunk's update reads them, and
-    the step's grad norm reads them there), once more per pass that
-    computes a global norm of them first (:attr:`norm_passes`) and once
-    more per micro-batch after the first (the sum so far, read as each
-    layer's gradient is added to it)."""
+    offloaded state once; per micro-batch, an offloaded layer stack's
+    shard once per layer loop (the forward's gathers and the backward's)
+    and any other offloaded param's shard once (one read serves both
+    passes' gathers: XLA merges the identical copies outside a loop, as
+    the TPU compiler's program shows); with no master copy the update
+    reads the params' shards once more; offloaded gradients once (their
+    chunk's update reads them, and the step's grad norm reads them
+    there), once more per pass that computes a global norm of them first
+    (:attr:`norm_passes`) and once more per micro-batch after the first
+    (the sum so far, read as each layer's gradient is added to it). With
+    both params and gradients on the host over several micro-batches the
+    compiler may merge the first and last micro-batch's identical reads,
+    so this is an upper bound there."""
     if not self.offload:
       return 0.0
     again = 0.0 if self.master else self.params_host  # the update's weights
     return (
       self.host_bytes
-      + self.params_host
-      + self.params_host_stacked
+      + (self.params_host + self.params_host_stacked) * self.accum_steps
       + again
       + self.grads_host
       * (self.accum_steps + max(self.norm_passes, int(self.norm_first)))
@@ -257,7 +260,7 @@ def plan_stage(
   :func:`zerojax.zero` takes them, needed when ``mesh`` has a model axis.
   ``activations``: :func:`saved_activations`'s figure, added to
   :attr:`StagePlan.working_set`. ``accum_steps``: micro-batches per step,
-  which the offloaded gradients' host traffic counts."""
+  which the offloaded params' and gradients' host traffic counts."""
   mesh = {"data": n_devices} if mesh is None else dict(mesh)
   spec = plan_spec(
     abstract_params,

@@ -451,7 +451,10 @@ def _offload_traffic(
     "device_to_host_bytes": up,
     "measured_from": "host copies" if moved else "entry buffers",
     "theory_host_to_device_bytes": int(
-      state_host + params_host + stacks_host + update_reads + grads_read
+      state_host
+      + (params_host + stacks_host) * accum_steps
+      + update_reads
+      + grads_read
     ),
     "theory_device_to_host_bytes": int(
       state_host + params_host + grads_host * accum_steps
