@@ -165,9 +165,9 @@ def local_grads(
       spec, objective, (first, micro_key(0), model_state), host_sums, diff_in
     )
 
-  def one(
-    mb, key, ms, gs=gspecs, sums=None
-  ):  # one micro-batch's loss and grads
+  def one(mb, key, ms, gs=gspecs, sums=None):
+    # one micro-batch's loss and gradients (with ``sums``: the host sums
+    # so far in the offloaded leaves' sinks)
     f = objective(mb, key, ms, gs)
     diff = (
       diff_in
