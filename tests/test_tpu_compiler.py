@@ -315,8 +315,9 @@ def test_each_micro_batch_reads_the_host_params_again(tpu_mesh):
   micro-batch's layer loops bring the stacks down again and its gathers
   the other params, so the bytes down are the planner's to the byte,
   2 x (params + stacks) more than with one. With the gradients on the
-  host too, the first and last micro-batch (traced apart) may share a
-  read: at most the planner's, at least the state's and gradients'."""
+  host too, the first micro-batch (traced apart) and the scan over the
+  rest may share a read: at most the planner's, at least the state's and
+  gradients'."""
   kw = dict(offload=True, offload_params=True)
   row, planned = _offloaded_step(tpu_mesh, accum=3, **kw)
   one = _offloaded_step(tpu_mesh, **kw)[1]

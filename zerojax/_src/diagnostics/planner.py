@@ -135,8 +135,8 @@ class StagePlan:
     (:attr:`norm_passes`) and once more per micro-batch after the first
     (the sum so far, read as each layer's gradient is added to it). With
     both params and gradients on the host over several micro-batches the
-    compiler may merge the first and last micro-batch's identical reads,
-    so this is an upper bound there."""
+    compiler may merge identical reads of the first micro-batch (traced
+    apart) and the scan over the rest, so this is an upper bound there."""
     if not self.offload:
       return 0.0
     again = 0.0 if self.master else self.params_host  # the update's weights

@@ -1,14 +1,15 @@
 """Gradient accumulation inside one step: micro-batches summed in a scan.
 
 :func:`summed` runs every micro-batch in one ``lax.scan`` whose carry holds
-the sums. With the reduced gradients in host memory (``offload_grads``)
-:func:`summed_on_host` carries them there instead: each micro-batch's
-backward pass brings a layer's sum so far down as it reduces that layer's
-gradient, adds, and writes the sum back (``comm/gather``'s accumulating
-sinks), so the device never holds the whole gradient. The first
-micro-batch writes its gradient as it is and the last scales the sum to
-the mean, the same operations in the same order as the device's sums and
-their scaling after the loop, so the numbers are the same bits.
+the sums. With the reduced gradients in host memory
+(``offload_grads``, :class:`HostSums`) the offloaded leaves' sums are
+carried there instead: each micro-batch's backward pass brings a layer's
+sum so far down as it reduces that layer's gradient, adds, and writes the
+sum back (``comm/gather``'s accumulating sinks), so the device never holds
+the whole gradient; the first micro-batch, traced apart, writes its
+gradients as they are. Those sums leave the scan unscaled; the update scales
+them as it loads them (``leaf_ops.grad_source``), the same multiply the
+device's sums get after the loop, so the numbers are the same bits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,29 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._src.step import aux as _aux
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSums:
+  """Gradients summed in host memory over the micro-batches: the gather
+  specs of the ``first`` micro-batch (an offloaded leaf's reduced gradient
+  written as it is) and of the ``rest`` (added to the sum so far);
+  ``on_host[i]``, whether gradient ``i`` is summed there; ``scale``, the
+  factor those sums still need (the mean over devices and micro-batches)."""
+
+  first: list
+  rest: list
+  on_host: list
+  scale: float
+
+
+@dataclasses.dataclass
+class Unscaled:
+  """Filled while tracing: per gradient, the factor its sum still needs
+  where the update loads it (``None``: scaled already). ``factors`` is
+  ``None`` when every gradient is scaled."""
+
+  factors: list | None = None
 
 
 def _zeros_like(shapes, axes):
@@ -36,11 +60,20 @@ def _varying(model_state, axes):
   )
 
 
-def summed(one, micro, micro_key, model_state, *, axes, dims_of):
+def summed(
+  one, micro, micro_key, model_state, *, axes, dims_of, host: HostSums = None
+):
   """``one`` over ``k`` micro-batches in a ``lax.scan``: gradients, loss
   and aux summed, model state carried, per-example aux leaves (found by
   ``dims_of`` from the aux's shapes) joined in the device's row order.
-  Returns ``(grads, loss, aux, new_model_state, row dims)``."""
+
+  With ``host``, ``one(mb, key, ms, specs, sums)`` is one micro-batch's
+  ``(grads, loss, aux, new_ms)`` whose offloaded gradients are ``sums``
+  (their sinks: the sums so far in host memory; ``None`` for the first
+  micro-batch and the device's leaves) plus its own, unscaled. The first
+  micro-batch is traced apart (its gradients written as they are), the
+  rest scanned. Returns ``(grads, loss, aux, new_model_state, row
+  dims)``."""
   k = jax.tree.leaves(micro)[0].shape[0]
   first = jax.tree.map(lambda x: x[0], micro)
   g_shape, l_shape, a_shape, _ = jax.eval_shape(
@@ -48,91 +81,53 @@ def summed(one, micro, micro_key, model_state, *, axes, dims_of):
   )
   dims = dims_of(a_shape)
   s_shape = jax.eval_shape(lambda a: _aux.split(a, dims)[0], a_shape)
-  zeros = _zeros_like((g_shape, l_shape, s_shape), axes)
+  on_host = host.on_host if host is not None else [False] * len(g_shape)
+
+  def add(sums, out):  # one micro-batch's outputs added to the sums
+    grads, loss, aux = sums
+    g, l, a, ms = out
+    s, rows = _aux.split(a, dims)
+    grads = [
+      x if h or x is None else acc + x for acc, x, h in zip(grads, g, on_host)
+    ]
+    return ((grads, loss + l, jax.tree.map(jnp.add, aux, s)), ms), rows
 
   def body(carry, xs):
-    acc, ms = carry
-    mb, i = xs
-    g, loss, aux, ms = one(mb, micro_key(i), ms)
-    summed, rows = _aux.split(aux, dims)
-    return (jax.tree.map(jnp.add, acc, (g, loss, summed)), ms), rows
+    (mb, i), (sums, ms) = xs, carry
+    if host is None:
+      return add(sums, one(mb, micro_key(i), ms))
+    so_far = [x if h else None for x, h in zip(sums[0], on_host)]
+    return add(sums, one(mb, micro_key(i), ms, host.rest, so_far))
 
-  ((grads, loss, sums), new_ms), rows = jax.lax.scan(
-    body, (zeros, _varying(model_state, axes)), (micro, jnp.arange(k))
-  )
+  zeros = _zeros_like((g_shape, l_shape, s_shape), axes)
+  carry = (zeros, _varying(model_state, axes))
+  xs, before = (micro, jnp.arange(k)), []
+  if host is not None:
+    carry, rows = add(
+      carry[0], one(first, micro_key(0), carry[1], host.first, None)
+    )
+    before = [jax.tree.map(lambda x: x[None], rows)]
+    # the next micro-batches' batch waits on these sums, so the second's
+    # forward pass does not run beside the first's backward
+    xs, carry = jax.lax.optimization_barrier(
+      ((jax.tree.map(lambda x: x[1:], micro), jnp.arange(1, k)), carry)
+    )
+  ((grads, loss, sums), new_ms), rows = jax.lax.scan(body, carry, xs)
+  if before:
+    rows = jax.tree.map(lambda *r: jnp.concatenate(r), *before, rows)
   return grads, loss, _aux.merge(sums, rows, dims), new_ms, dims
 
 
-@dataclasses.dataclass(frozen=True)
-class HostSums:
-  """The gather specs of :func:`summed_on_host`'s three kinds of
-  micro-batch: the first (its reduced gradient written as it is), the
-  middle ones (added to the sum in host memory), the last (added, then
-  scaled to the mean). ``on_host[i]``: whether gradient ``i`` is summed
-  there."""
-
-  first: list
-  middle: list
-  last: list
-  on_host: list
-
-
-def summed_on_host(
-  one, micro, micro_key, model_state, sums: HostSums, *, axes, dims_of
-):
-  """:func:`summed`, with the offloaded gradients summed in host memory.
-
-  ``one(mb, key, ms, gspecs, host_sums)`` is one micro-batch's
-  ``(grads, loss, aux, new_ms)``; ``host_sums[i]``, where not ``None``,
-  is gradient ``i``'s sum so far, its sink. The first and last
-  micro-batches are traced apart from the scan over the middle ones,
-  since their specs differ. Same returns as :func:`summed`."""
-  k = jax.tree.leaves(micro)[0].shape[0]
-  at = lambda i: jax.tree.map(lambda x: x[i], micro)
-  on_host = sums.on_host
-
-  def split(g):  # the device's sums and the host's
-    dev = [None if h else x for x, h in zip(g, on_host)]
-    return dev, [x if h else None for x, h in zip(g, on_host)]
-
-  def add(a, b):
-    return [None if x is None else x + y for x, y in zip(a, b)]
-
-  ms = _varying(model_state, axes)
-  g, loss, aux, ms = one(at(0), micro_key(0), ms, sums.first, None)
-  dims = dims_of(jax.eval_shape(lambda: aux))
-  aux_sum, rows0 = _aux.split(aux, dims)
-  dev, host = split(g)
-
-  def step(carry, mb, i, specs):
-    (dev, loss, aux_sum), host, ms = carry
-    g, l, a, ms = one(mb, micro_key(i), ms, specs, host)
-    s, rows = _aux.split(a, dims)
-    g_dev, host = split(g)
-    return (
-      (add(dev, g_dev), loss + l, jax.tree.map(jnp.add, aux_sum, s)),
-      host,
-      ms,
-    ), rows
-
-  # each micro-batch's batch is tied to the sums before it, so none of
-  # their forward passes runs beside another's (a scan's iterations are
-  # ordered already; the first and last micro-batch are not in it)
-  after = jax.lax.optimization_barrier
-  carry = ((dev, loss, aux_sum), host, ms)
-  rows = [jax.tree.map(lambda x: x[None], rows0)]
-  if k > 2:
-    middle, carry = after((jax.tree.map(lambda x: x[1 : k - 1], micro), carry))
-    carry, mid = jax.lax.scan(
-      lambda c, xs: step(c, xs[0], xs[1], sums.middle),
-      carry,
-      (middle, jnp.arange(1, k - 1)),
-    )
-    rows.append(mid)
-  last_mb, carry = after((at(k - 1), carry))
-  carry, last = step(carry, last_mb, k - 1, sums.last)
-  rows.append(jax.tree.map(lambda x: x[None], last))
-  (dev, loss, aux_sum), host, ms = carry
-  grads = [h if d is None else d for d, h in zip(dev, host)]
-  rows = jax.tree.map(lambda *r: jnp.concatenate(r), *rows)
-  return grads, loss, _aux.merge(aux_sum, rows, dims), ms, dims
+def scaled(grads, host: HostSums, unscaled: Unscaled | None):
+  """``grads`` with :func:`summed`'s host sums scaled to the mean where
+  they are (each brought down, scaled and written back), or, given
+  ``unscaled``, left for the update to scale as it loads them (``unscaled``
+  learns each one's factor)."""
+  if unscaled is not None:
+    unscaled.factors = [host.scale if h else None for h in host.on_host]
+    return grads
+  down, up = jax.memory.Space.Device, jax.memory.Space.Host
+  return [
+    jax.device_put(jax.device_put(g, down) * host.scale, up) if h else g
+    for g, h in zip(grads, host.on_host)
+  ]

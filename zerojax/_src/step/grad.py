@@ -79,6 +79,7 @@ def local_grads(
   key,
   model_state,
   found: _aux.RowDims | None = None,
+  unscaled: _accumulate.Unscaled | None = None,
 ):
   """Per-device body: ``(grads, loss, aux_reduced, aux_rows,
   new_model_state)``, reduced.
@@ -87,7 +88,10 @@ def local_grads(
   the all-reduced full gradient otherwise, ``None`` for frozen leaves. The
   aux comes as :func:`zerojax._src.step.aux.split`'s two trees (batch means
   and counts reduced; this device's per-example rows, stacked), and
-  ``found`` learns which leaves are per-example.
+  ``found`` learns which leaves are per-example. Gradients summed over
+  micro-batches in host memory are scaled here, or with ``unscaled`` left
+  for the update to scale as it loads them (``unscaled`` learns the
+  factors).
   """
   spec, tx = prog.spec, prog.spec.tx
   axes = tx.batch_axes  # every axis the batch splits over
@@ -104,7 +108,7 @@ def local_grads(
     how = GatherMode(mode)
     hooked = [h and not d for h, d in zip(gathered, direct)]
   # offloaded gradients are scaled to the mean where they are reduced
-  # (with several micro-batches, where the last one's is added to the sum)
+  # (with several micro-batches: summed in host memory, scaled after)
   scale = 1.0 / (tx.batch_shards * k)
   gspecs = [
     (
@@ -203,20 +207,18 @@ def local_grads(
   if k == 1:
     grads, loss, aux, new_ms = one(micro, micro_key(0), model_state)
     dims = dims_of(aux)
-  elif host_sums is not None:
-    grads, loss, aux, new_ms, dims = _accumulate.summed_on_host(
+  else:
+    grads, loss, aux, new_ms, dims = _accumulate.summed(
       one,
       micro,
       micro_key,
       model_state,
-      host_sums,
       axes=axes,
       dims_of=dims_of,
+      host=host_sums,
     )
-  else:
-    grads, loss, aux, new_ms, dims = _accumulate.summed(
-      one, micro, micro_key, model_state, axes=axes, dims_of=dims_of
-    )
+    if host_sums is not None:
+      grads = _accumulate.scaled(grads, host_sums, unscaled)
   if found is not None:
     found.set(dims)
   return (
@@ -230,22 +232,19 @@ def _split_micro(x, k):
 
 
 def _host_sums(spec, gspecs, scale) -> _accumulate.HostSums:
-  """The gather specs of offloaded gradients summed over micro-batches in
-  host memory (:func:`zerojax._src.step.accumulate.summed_on_host`)."""
+  """How offloaded gradients are summed over micro-batches in host memory
+  (:func:`zerojax._src.step.accumulate.summed`)."""
   on_host = [g is not None and g.grad_to_host is not None for g in gspecs]
 
-  def specs(accumulate, by):
+  def specs(accumulate):
     return [
-      dataclasses.replace(g, grad_to_host=by, accumulate=accumulate) if h else g
+      dataclasses.replace(g, grad_to_host=1.0, accumulate=accumulate)
+      if h
+      else g
       for g, h in zip(gspecs, on_host)
     ]
 
-  return _accumulate.HostSums(
-    first=specs(False, 1.0),
-    middle=specs(True, 1.0),
-    last=specs(True, scale),
-    on_host=on_host,
-  )
+  return _accumulate.HostSums(specs(False), specs(True), on_host, scale)
 
 
 def _check_gathered_once(spec, objective, args, sums, diff_in):
@@ -260,7 +259,7 @@ def _check_gathered_once(spec, objective, args, sums, diff_in):
     if d is not None
   ]
   found = _audit.gathered_other_than_once(
-    lambda diff: objective(*args, sums.middle)(_with_leaves(diff_in, diff))[0],
+    lambda diff: objective(*args, sums.rest)(_with_leaves(diff_in, diff))[0],
     (leaves,),
     tags,
   )
@@ -322,13 +321,15 @@ def sharded_grads(
   key,
   model_state,
   found: _aux.RowDims | None = None,
+  unscaled: _accumulate.Unscaled | None = None,
 ):
   """Runs :func:`local_grads` per device; grads as global arrays.
 
   Returns ``(grads, loss, (aux_reduced, aux_rows), new_model_state)``: the
   aux in :mod:`zerojax._src.step.aux`'s two trees, for
   :func:`zerojax._src.step.aux.merge` with ``found`` (filled while
-  tracing) once out of the Auto region."""
+  tracing) once out of the Auto region; ``unscaled`` as in
+  :func:`local_grads`."""
   tx = prog.spec.tx
   grad_specs = [
     None
@@ -338,7 +339,7 @@ def sharded_grads(
   ]
   grads, loss, reduced, rows, new_ms = over_batch_axes(
     prog,
-    functools.partial(local_grads, found=found),
+    functools.partial(local_grads, found=found, unscaled=unscaled),
     (grad_specs, P(), P(), _aux.rows_spec(tx.batch_axes), P()),
     params,
     LossArgs(batch, key, model_state),

@@ -165,11 +165,27 @@ def grad_rows(r: LeafSpec, logical) -> Callable:
   )
 
 
-def grad_source(r: LeafSpec, g, stage: int, where: str) -> WeightSource:
+def _scaled(x, factor: float):
+  """``x * factor`` rounded as the device's scaled sums are, behind a
+  barrier (``update.after_every_gradient``). Next to the optimizer XLA
+  would fold a constant factor into the optimizer's own constant multiply
+  (Adam's ``(1 - b1) * g``), and keep a narrower dtype's product in
+  excess precision for the cast after it; either rounds otherwise. In
+  fp32 the factor alone goes behind the barrier (the product may fuse
+  with what reads it), in narrower dtypes the product."""
+  if jnp.finfo(x.dtype).bits >= 32:
+    return x * jax.lax.optimization_barrier(jnp.asarray(factor, x.dtype))
+  return jax.lax.optimization_barrier(x * factor)
+
+
+def grad_source(
+  r: LeafSpec, g, stage: int, where: str, factor: float | None = None
+) -> WeightSource:
   """An offloaded gradient (``offload_grads``: in host memory, storage or
   logical shape) and the function bringing it, or a layer stack's rows of
   it, to :func:`grad_view`'s value (conjugated, as :func:`update_inputs`
-  gives it) in device memory: moved, unpadded, cast, in that order."""
+  gives it) in device memory: moved, unpadded, multiplied by ``factor``
+  (a sum over micro-batches to its mean), cast, in that order."""
   shape = tuple(np.shape(g))
   storage = shape != tuple(r.aval.shape)
   if storage:
@@ -181,6 +197,8 @@ def grad_source(r: LeafSpec, g, stage: int, where: str) -> WeightSource:
       x = r.shard.to_logical(_move(r.place, x, r.shard, device))
     else:
       x = jax.device_put(x, device)
+    if factor is not None:
+      x = _scaled(x, factor)
     return _conj(_cast_grad(r, x))
 
   return WeightSource(g, load)
@@ -270,12 +288,13 @@ def weight_sources(spec: StateSpec, state: ZeroState) -> list:
   ]
 
 
-def grad_sources(spec: StateSpec, grads, where: str) -> list:
+def grad_sources(spec: StateSpec, grads, where: str, factors=None) -> list:
   """Per param, :func:`grad_source` of its offloaded gradient (None for
-  frozen leaves)."""
+  frozen leaves), with its ``factors`` entry (``None``: none)."""
+  factors = factors or [None] * len(grads)
   return [
-    grad_source(r, g, spec.stage, where) if r.trainable else None
-    for g, r in zip(grads, spec.leaves)
+    grad_source(r, g, spec.stage, where, f) if r.trainable else None
+    for g, r, f in zip(grads, spec.leaves, factors)
   ]
 
 

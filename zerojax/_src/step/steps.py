@@ -38,6 +38,7 @@ from zerojax._src.records.spec import (
   leaf_dtype,
   tree_difference,
 )
+from zerojax._src.step import accumulate as _accumulate
 from zerojax._src.step import aux as _aux
 from zerojax._src.step import grad as _grad
 from zerojax._src.step import update as _update
@@ -174,14 +175,21 @@ def _step(
   which aux leaves are per-example (:mod:`zerojax._src.step.aux`)."""
   spec = state.spec
   prog = LossProgram(spec, loss_fn, loss_call(state), accum_steps, gather_mode)
+  unscaled = _accumulate.Unscaled()  # host sums scaled as they are loaded
   grads, loss, aux, new_ms = _grad.sharded_grads(
-    prog, state.params, batch, step_key(state), state.model_state, found
+    prog,
+    state.params,
+    batch,
+    step_key(state),
+    state.model_state,
+    found,
+    unscaled,
   )
   grads = _update.after_every_gradient(spec, grads)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
     extra_args = {"value": loss, **extra_args}
   new_state, grad_norm = _update.update_state(
-    state, grads, extra_args, "zerojax train step"
+    state, grads, extra_args, "zerojax train step", unscaled.factors
   )
   if new_ms is not None:
     new_state = new_state.replace(model_state=new_ms)

@@ -225,9 +225,12 @@ def join_extra_args(arrays: dict, static: tuple) -> dict:
   return {**arrays, **{k: v.value for k, v in static}}
 
 
-def update_state(state: ZeroState, grads, extra_args, where: str):
+def update_state(state: ZeroState, grads, extra_args, where: str, factors=None):
   """``state`` after one optimizer update with ``grads`` (per-param list,
   storage or logical; ``None`` for frozen). Returns ``(state, grad_norm)``.
+  ``factors``: per param, what its gradient in host memory is still to be
+  multiplied by as it is loaded (``None``: nothing; host sums over
+  micro-batches, :mod:`zerojax._src.step.accumulate`).
 
   Four calls: the records give the optimizer's inputs
   (:func:`~zerojax._src.step.leaf_ops.update_inputs`; a complex leaf's gradient conjugated,
@@ -238,12 +241,16 @@ def update_state(state: ZeroState, grads, extra_args, where: str):
   1-2) and go into the state (:func:`~zerojax._src.step.leaf_ops.after_update`)."""
   spec = state.spec
   g_src, pieces, grad_norm = None, [], None
+  if factors is not None and not spec.config.offload_grads:
+    raise AssertionError(
+      "zerojax internal error: gradient factors without offload_grads"
+    )
   if spec.config.offload_grads:
     # the norm sums each gradient as it is loaded (a global norm's pass,
     # or its chunk): a stack updated by rows adds its rows' sums (the
     # last bits may differ from the whole stack's sum; the state's do
     # not)
-    g_src = _ops.grad_sources(spec, grads, where)
+    g_src = _ops.grad_sources(spec, grads, where, factors)
     w_src = _ops.weight_sources(spec, state)
     g_view = g_rows = [None] * len(grads)
   else:
