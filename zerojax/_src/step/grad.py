@@ -78,6 +78,7 @@ def local_grads(
   batch,
   key,
   model_state,
+  *,
   found: _aux.RowDims | None = None,
   unscaled: _accumulate.Unscaled | None = None,
 ):
@@ -320,6 +321,7 @@ def sharded_grads(
   batch,
   key,
   model_state,
+  *,
   found: _aux.RowDims | None = None,
   unscaled: _accumulate.Unscaled | None = None,
 ):
@@ -429,7 +431,7 @@ def value_and_grad(
         batch,
         key,
         ms,
-        found,
+        found=found,
       )
       return [g for g in grads if g is not None], loss, reduced, rows
 

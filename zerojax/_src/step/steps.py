@@ -182,8 +182,8 @@ def _step(
     batch,
     step_key(state),
     state.model_state,
-    found,
-    unscaled,
+    found=found,
+    unscaled=unscaled,
   )
   grads = _update.after_every_gradient(spec, grads)
   if isinstance(spec.tx.inner, optax.GradientTransformationExtraArgs):
