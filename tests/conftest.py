@@ -18,24 +18,22 @@ if "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
 # jaxlib 0.10's XLA CPU emits fused kernels through its MLIR fusion
 # emitters by default; its older emitters compile in about half the time
-# (the default suite: 960 s -> 520 s, docs/data/suite_time_*). With them, at
-# LLVM level 0, multiply-adds are contracted to FMA instructions in some
-# programs and not in others, so two programs of the same math (stage 3 and
-# hpZ, offloaded and not) differed in the last bit; capping the instruction
-# set at AVX (256-bit vectors, no FMA) makes them agree again, as the
-# default emitters do. Unlike the level above, the emitter choice reaches
-# XLA's fusion pass: on the toy model at stages 0-3 (8 layers) the same
-# collectives, fewer and larger fusions, temp bytes within 0.6%; the tests
-# compare programs compiled alike, never a figure across these flags.
-# jaxlib 0.12 has no such emitter flag (an unknown XLA flag aborts the
-# process), so it is set for 0.10 alone; the AVX cap goes with the older
-# emitters however they were chosen; flags the caller set win.
+# (the default suite: 960 s -> 520 s, docs/data/suite_time_*), so 0.10 uses
+# them. jaxlib 0.12 has no such emitter flag (an unknown XLA flag aborts the
+# process). Unlike the level above, the emitter choice reaches XLA's fusion
+# pass: on the toy model at stages 0-3 (8 layers) the same collectives,
+# fewer and larger fusions, temp bytes within 0.6%; the tests compare
+# programs compiled alike, never a figure across these flags.
+# With either emitters, at LLVM level 0, multiply-adds are still contracted
+# to FMA instructions in some programs and not in others, so two programs
+# of the same math differ in the last bit (0.10's older emitters: stage 3
+# against hpZ, offloaded against not; 0.12's: clip + AdamW at stage 2 with
+# the gradients summed in host memory against on the device). Capping the
+# instruction set at AVX (256-bit vectors, no FMA) turns contraction off on
+# every processor; flags the caller set win.
 if _JAXLIB < (0, 11) and "xla_cpu_use_fusion_emitters" not in _flags:
   _flags += " --xla_cpu_use_fusion_emitters=false"
-if (
-  "xla_cpu_use_fusion_emitters=false" in _flags
-  and "xla_cpu_max_isa" not in _flags
-):
+if "xla_cpu_max_isa" not in _flags:
   _flags += " --xla_cpu_max_isa=AVX"
 # XLA CPU kills the process when a collective's device threads have not all
 # arrived after 40 s; on a loaded 2-core machine (CI beside another job) 8
