@@ -385,23 +385,79 @@ def test_the_gpu_compilers_slice_fusions_count_as_host_transfers():
 
 
 def test_host_copies_in_flight_across_a_layer_loop_are_counted_with_bytes():
+  """The first leaf comes down across the loop; the second and the write
+  back move while no loop runs."""
   assert schedule.host_copies_across_loops(_TPU_LOOP) == {
     "host-to-device": {
       "copies": 2,
       "bytes": 64 * 256 * 4 + 8 * 128 * 2,
       "across_loops": 1,
       "bytes_across_loops": 64 * 256 * 4,
+      "outside_loops": 1,
+      "bytes_outside_loops": 8 * 128 * 2,
     },
     "device-to-host": {
       "copies": 1,
       "bytes": 64 * 256 * 4,
       "across_loops": 0,
       "bytes_across_loops": 0,
+      "outside_loops": 1,
+      "bytes_outside_loops": 64 * 256 * 4,
     },
     "loops_crossed": 1,
   }
   assert schedule.host_copies_across_loops(_TPU_STREAM)["loops_crossed"] == 0
   assert schedule.host_copies_across_loops(_GPU) == {}  # no host copies
+
+
+# a layer's params read from host memory inside the loop's body (called
+# from the body through a conditional's branch), the loop's result written
+# back after it
+_TPU_BODY_READ = """
+HloModule m
+
+%branch (q: f32[8,128]) -> f32[8,128] {
+  %q = f32[8,128]{1,0:T(8,128)S(5)} parameter(0)
+  %copy-start = (f32[8,128]{1,0:T(8,128)}, f32[8,128]{1,0:T(8,128)S(5)}, u32[]{:S(2)}) copy-start(%q)
+  %copy-done = f32[8,128]{1,0:T(8,128)} copy-done(%copy-start)
+  ROOT %n = f32[8,128]{1,0:T(8,128)} negate(%copy-done)
+}
+
+%other (q: f32[8,128]) -> f32[8,128] {
+  %q = f32[8,128]{1,0:T(8,128)S(5)} parameter(0)
+  ROOT %z = f32[8,128]{1,0:T(8,128)} constant(0)
+}
+
+%body (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %p = (s32[], f32[8,128]{1,0:T(8,128)S(5)}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = f32[8,128]{1,0:T(8,128)S(5)} get-tuple-element(%p), index=1
+  %y = f32[8,128]{1,0:T(8,128)} conditional(%i, %w, %w), branch_computations={%branch, %other}
+  ROOT %t = (s32[], f32[8,128]{1,0:T(8,128)S(5)}) tuple(%i, %w)
+}
+
+%cond (p: (s32[], f32[8,128])) -> pred[] {
+  %p = (s32[], f32[8,128]{1,0:T(8,128)S(5)}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: (s32[], f32[8,128]), d: f32[64,256]) -> f32[64,256] {
+  %x = (s32[], f32[8,128]{1,0:T(8,128)S(5)}) parameter(0)
+  %d = f32[64,256]{1,0:T(8,128)} parameter(1)
+  %while = (s32[], f32[8,128]{1,0:T(8,128)S(5)}) while(%x), condition=%cond, body=%body
+  %copy-start = (f32[64,256]{1,0:T(8,128)S(5)}, f32[64,256]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%d)
+  %copy-done = f32[64,256]{1,0:T(8,128)S(5)} copy-done(%copy-start)
+  ROOT %r = f32[64,256]{1,0:T(8,128)} add(%d, %d)
+}
+"""
+
+
+def test_host_copies_inside_a_loop_body_are_not_counted_outside_the_loops():
+  moved = schedule.host_copies_across_loops(_TPU_BODY_READ)
+  assert moved["host-to-device"]["copies"] == 1, moved
+  assert moved["host-to-device"]["outside_loops"] == 0, moved
+  assert moved["host-to-device"]["across_loops"] == 0, moved
+  assert moved["device-to-host"]["bytes_outside_loops"] == 64 * 256 * 4, moved
 
 
 def _own_step(tx):

@@ -8,6 +8,7 @@ memory between steps; checkpoints must move between offloaded and
 non-offloaded layouts, bit for bit.
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -444,9 +445,34 @@ def test_report_states_the_link_time_at_the_bandwidth_given():
   off, half = rep.offload, slow.offload
   assert half["host_to_device_s"] == 4 * off["host_to_device_s"] > 0
   assert half["device_to_host_s"] == 4 * off["device_to_host_s"] > 0
-  # XLA CPU has one memory: its schedule holds no host copies to overlap
+  # XLA CPU has one memory: its schedule holds no host copies to overlap,
+  # and none moves while no loop runs
   assert off["host_copies"] == {} and "host copies in the schedule: 0" in str(
     rep
+  )
+  assert off["outside_loops_s"] is None and "no layer loop" not in str(rep)
+  # a GPU's or TPU's schedule: what moves while no loop runs, and its time
+  row = dict.fromkeys(
+    ("copies", "bytes", "across_loops", "bytes_across_loops"), 0
+  )
+  loops = {
+    "host-to-device": {
+      **row,
+      "outside_loops": 3,
+      "bytes_outside_loops": 300_000_000,
+    },
+    "device-to-host": {
+      **row,
+      "outside_loops": 2,
+      "bytes_outside_loops": 200_000_000,
+    },
+  }
+  tpu = dataclasses.replace(
+    rep, offload={**off, "across_loops": loops, "outside_loops_s": 0.01}
+  )
+  assert (
+    "while no layer loop runs: 300,000,000 down, 200,000,000 back: "
+    "10.00 ms at 50 GB/s one way at a time" in str(tpu)
   )
   with pytest.raises(ValueError, match="link_gb_s=0"):
     zerojax.report(step, state, toy.batches(1)[0], link_gb_s=0)

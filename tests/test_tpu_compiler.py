@@ -238,7 +238,9 @@ def test_the_tpu_compiler_brings_offloaded_state_down_while_layers_run(
   bytes the compiled step reads and writes are the planner's, every host
   copy is asynchronous, and some of the state comes down while the
   forward or backward layer loop runs (the copy started before the loop,
-  done after it): the transfer behind the passes' compute."""
+  done after it): the transfer behind the passes' compute. The rest of it,
+  and every write back (the new state exists once every gradient does),
+  moves while no loop runs."""
   row, planned = _offloaded_step(tpu_mesh, offload=True)
   moved = row["host_transfers"]
   assert moved["host-to-device"]["bytes"] == moved["device-to-host"]["bytes"]
@@ -249,6 +251,11 @@ def test_the_tpu_compiler_brings_offloaded_state_down_while_layers_run(
   loops = row["host_copies_across_loops"]
   assert loops["loops_crossed"] >= 1, loops
   assert 0 < loops["host-to-device"]["bytes_across_loops"], loops
+  down, up = loops["host-to-device"], loops["device-to-host"]
+  assert down["bytes_across_loops"] + down["bytes_outside_loops"] == (
+    planned.host_to_device
+  ), loops
+  assert up["bytes_outside_loops"] == planned.device_to_host, loops
 
 
 def test_the_tpu_compiler_reads_host_layer_stacks_once_per_pass(tpu_mesh):

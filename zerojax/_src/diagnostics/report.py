@@ -217,6 +217,16 @@ class Report:
             f"of {row['bytes']:,} bytes "
             f"({row['bytes_across_loops'] / row['bytes']:.0%})"
           )
+      if o.get("outside_loops_s") is not None:
+        down, up = (
+          loops[k]["bytes_outside_loops"]
+          for k in ("host-to-device", "device-to-host")
+        )
+        lines.append(
+          f"  while no layer loop runs: {down:,} down, {up:,} back: "
+          f"{1e3 * o['outside_loops_s']:.2f} ms at {o['link_gb_s']:g} GB/s "
+          f"one way at a time (no pass's compute hides it)"
+        )
     a = self.activations
     if a.get("error"):
       lines += ["", f"saved activations: {a['error']}"]
@@ -404,8 +414,14 @@ def _offload_traffic(
   "async", "overlapped"}``, ``overlapped`` counting the asynchronous
   copies with a matmul scheduled while they move (a copy in a loop body
   counted once); ``across_loops``, the copies and bytes in flight while a
-  layer loop (the forward or backward pass) runs
-  (:func:`zerojax._src.diagnostics.schedule.host_copies_across_loops`)."""
+  layer loop (the forward or backward pass) runs and those moved while
+  none does
+  (:func:`zerojax._src.diagnostics.schedule.host_copies_across_loops`);
+  ``outside_loops_s``, the link's time at ``link_gb_s`` for the latter,
+  one direction after the other as the default stream orders them (None
+  where the program issues no host copies): no pass's compute hides it
+  when the layers run in loops; on one H200 it was the time offload
+  added to the step (docs/results.md, "Offload on the GPU")."""
   spec = state.spec
   state_host = cost.host_state_bytes(spec)
   params_host = cost.host_param_bytes(spec)
@@ -439,6 +455,7 @@ def _offload_traffic(
     if kind in ("host-to-device", "device-to-host")
   }
   streamed = _offload_stream.describe(spec)
+  loops = _schedule.host_copies_across_loops(hlo)
   # a global norm of the gradients, computed first, reads them once more
   # per pass; each micro-batch after the first reads the sum so far and
   # every one writes it
@@ -464,5 +481,11 @@ def _offload_traffic(
     "host_to_device_s": down / (link_gb_s * 1e9),
     "device_to_host_s": up / (link_gb_s * 1e9),
     "host_copies": copies,
-    "across_loops": _schedule.host_copies_across_loops(hlo),
+    "across_loops": loops,
+    "outside_loops_s": (
+      sum(loops[k]["bytes_outside_loops"] for k in _schedule.HOST_KINDS)
+      / (link_gb_s * 1e9)
+      if loops
+      else None
+    ),
   }

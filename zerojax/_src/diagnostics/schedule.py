@@ -43,6 +43,11 @@ _MATMUL = re.compile(r"\s(?:convolution|dot)\(")
 _CHAIN = re.compile(r'chain_id="(\d+)"')
 _CYCLES = re.compile(r'estimated_cycles":"(\d+)"')
 _SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_LOOP_PARTS = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+_CALLEES = re.compile(
+  r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)"
+  r"|branch_computations=\{([^}]*)\}"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,22 +287,59 @@ def host_copy_cycles(hlo_text: str) -> dict:
   return out if found else {}
 
 
+def _in_loops(comps: dict) -> set[str]:
+  """The computations that run inside a ``while``: its bodies and
+  conditions and every computation they call, transitively."""
+  todo = [
+    name
+    for lines in comps.values()
+    for line in lines
+    if " while(" in line
+    for name in _LOOP_PARTS.findall(line)
+  ]
+  seen: set[str] = set()
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name]:
+      for callee, branches in _CALLEES.findall(line):
+        todo += [callee] if callee else _OPERANDS.findall(branches)
+  return seen
+
+
 def host_copies_across_loops(hlo_text: str) -> dict:
-  """Host copies in flight while a loop runs. The layer loops of the
-  forward and backward passes are ``while`` instructions; a copy started
-  before one and done after it moves while the loop's body computes -- the
-  loops' time, which :func:`host_copy_cycles` cannot count. Per direction:
+  """Host copies in flight while a loop runs, and those that move while
+  none does. The layer loops of the forward and backward passes are
+  ``while`` instructions; a copy started before one and done after it
+  moves while the loop's body computes -- the loops' time, which
+  :func:`host_copy_cycles` cannot count -- and so does a copy inside a
+  loop's body (a layer's params read from host memory). Per direction:
   the asynchronous copies and their bytes per device (``copies``,
-  ``bytes``) and those that cross at least one loop (``across_loops``,
-  ``bytes_across_loops``); and ``loops_crossed``, the loops any copy
-  crosses. ``{}`` for a program without asynchronous host copies."""
+  ``bytes``; a copy in a loop body counted once), those that cross at
+  least one loop (``across_loops``, ``bytes_across_loops``), and those
+  outside every loop body that cross none (``outside_loops``,
+  ``bytes_outside_loops``: with the layers in loops, as in a scanned
+  model, no pass's compute runs beside them); and ``loops_crossed``, the
+  loops any copy crosses. ``{}`` for a program without asynchronous host
+  copies."""
   comps, _ = split_computations(hlo_text)
   copies = [c for c in issued(hlo_text) if c.kind in HOST_KINDS and c.span]
   if not copies:
     return {}
+  inside = _in_loops(comps)
   out: dict = {
     kind: dict.fromkeys(
-      ("copies", "bytes", "across_loops", "bytes_across_loops"), 0
+      (
+        "copies",
+        "bytes",
+        "across_loops",
+        "bytes_across_loops",
+        "outside_loops",
+        "bytes_outside_loops",
+      ),
+      0,
     )
     for kind in HOST_KINDS
   }
@@ -325,5 +367,8 @@ def host_copies_across_loops(hlo_text: str) -> dict:
       row["across_loops"] += 1
       row["bytes_across_loops"] += nbytes
       crossed.update((c.computation, n) for n in loops)
+    elif c.computation not in inside:
+      row["outside_loops"] += 1
+      row["bytes_outside_loops"] += nbytes
   out["loops_crossed"] = len(crossed)
   return out
