@@ -27,7 +27,8 @@ A configuration is ``plain`` or a stage, then options joined by ``+``:
 order, ``zerojax._src.step.offload.crossing_waits``: a chunk comes down
 while the one before goes back), ``whole`` (each layer stack streamed
 as one chunk, not a few layers per chunk: ``zerojax._src.step.offload._by_rows``
-off), ``grads`` (the reduced gradients in host memory too,
+off), ``unordered`` (no chunk's loads wait for another's stores: the
+compiler places every host copy), ``grads`` (the reduced gradients in host memory too,
 ``offload_grads=True``; behind ``clip_by_global_norm`` the norm is
 computed first and each gradient comes down twice, ``--clip leaf``
 measures it without; with ``accumN`` the micro-batches' sums are kept
@@ -73,6 +74,7 @@ def parse_config(config: str) -> dict:
     accum=1,
     cross=False,
     whole=False,
+    unordered=False,
   )
   for opt in opts:
     if opt == "offload":
@@ -83,14 +85,14 @@ def parse_config(config: str) -> dict:
       out["offload_params"] = True
     elif opt == "grads":
       out["offload_grads"] = True
-    elif opt in ("cross", "whole"):
+    elif opt in ("cross", "whole", "unordered"):
       out[opt] = True
     elif opt.startswith("accum") and opt[5:].isdigit():
       out["accum"] = int(opt[5:])
     else:
       raise SystemExit(
         f"config {config!r}: unknown option {opt!r} (offload, offload=SHARE, "
-        "params, grads, accumN, cross, whole)"
+        "params, grads, accumN, cross, whole, unordered)"
       )
   if out["stage"] is None and (out["offload"] or out["offload_params"]):
     raise SystemExit(f"config {config!r}: the plain loop has no offload")
@@ -112,6 +114,8 @@ def configure(size: str, config: str, platform: str | None = None):
     _stream._waits = _stream.crossing_waits
   if opts["whole"]:
     _stream._by_rows = False
+  if opts["unordered"]:
+    _stream._waits = _unordered_waits
   model = gpt.GPTConfig(
     vocab=256,
     seq_len=s["seq_len"],
@@ -121,6 +125,13 @@ def configure(size: str, config: str, platform: str | None = None):
     compute_dtype="bfloat16",
   ).resolved(platform)
   return s, opts, model
+
+
+def _unordered_waits(sizes):
+  """A stream whose chunks' loads wait for nothing: the compiler places
+  every host copy where it likes (whether it starts any of them before
+  the passes end)."""
+  return (None,) * len(sizes), (None,) * len(sizes)
 
 
 def plain_step_fn(loss_fn, opt, accum: int):

@@ -20,7 +20,7 @@ predicts that machine.
     python experiments/gpu_compile.py --sizes 2.7b,7b \\
         --configs plain,3+offload,3+offload+whole
 
-writes ``<out>/gpu_compile_<gpu>_jax<version>.json``.
+writes ``<out>/gpu_compile_<gpu>[_<tag>]_jax<version>.json``.
 """
 
 from __future__ import annotations
@@ -123,7 +123,24 @@ def compile_one(size: str, config: str, gpu: str) -> dict:
   if on_host:
     keys = ("host_transfers", "issued", "host_copies_across_loops")
     out["host_schedule"] = {k: report[k] for k in keys}
+    out["outside_loops_s"] = outside_loops_s(report["host_copies_across_loops"])
   return out
+
+
+def outside_loops_s(loops: dict) -> dict:
+  """The link's seconds for the bytes the schedule moves while no layer
+  loop runs, one direction after the other, at the H200's measured link
+  (``docs/data/host_update_h200_*.json``): what offload added to the step
+  there (docs/results.md, "Offload on the GPU")."""
+  path = sorted(DATA.glob("host_update_h200_*.json"))[-1]
+  link = json.loads(path.read_text())["link"]
+  down = loops["host-to-device"]["bytes_outside_loops"]
+  up = loops["device-to-host"]["bytes_outside_loops"]
+  return {
+    "link_file": path.name,
+    "seconds": down / (link["host_to_device_gb_s"] * 1e9)
+    + up / (link["device_to_host_gb_s"] * 1e9),
+  }
 
 
 def _key(size: str, config: str, stream_recorded: bool = True) -> tuple:
@@ -166,6 +183,7 @@ def main():
   p.add_argument("--configs", default="plain,3+offload,3+offload+whole")
   p.add_argument("--gpu", default="h200", choices=sorted(gpu_aot.GPUS))
   p.add_argument("--out", default="runs/gpu_compile")
+  p.add_argument("--tag", default="", help="appended to the file name")
   p.add_argument(
     "--timeout", type=int, default=600, help="seconds per configuration"
   )
@@ -183,7 +201,8 @@ def main():
   measured = measured_on_h200() if args.gpu == "h200" else {}
   records = []
   path = (
-    out / f"gpu_compile_{args.gpu}_jax{importlib.metadata.version('jax')}.json"
+    out / f"gpu_compile_{args.gpu}{'_' + args.tag if args.tag else ''}"
+    f"_jax{importlib.metadata.version('jax')}.json"
   )
   for size in args.sizes.split(","):
     for config in args.configs.split(","):
