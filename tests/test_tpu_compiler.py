@@ -443,3 +443,46 @@ def test_the_planners_compile_builds_the_step_it_plans(capsys):
     <= moved["host-to-device"]["bytes"]
     <= planned["host_to_device"]
   )
+
+
+def test_a_state_deferred_to_the_next_step_costs_the_device_its_residency():
+  """Why zerojax does not defer the last writes to the next step's forward
+  pass (docs/design.md): ``experiments/deferred_writes.py``'s step, compiled
+  for one v5e chip. A tail of the moments handed from one step to the
+  next in device memory is an argument of the next step's program, so the
+  device holds it for the whole step: the deferred variants plan at least
+  the peak of keeping the tail resident, and move the tail's bytes each
+  way, which the resident tail does not. Written one layer per forward
+  iteration, the writes run inside the loop, asynchronously beside the
+  layer's matmul; issued by the step itself, no write crosses a loop."""
+  import importlib.util
+  import pathlib
+
+  path = (
+    pathlib.Path(__file__).parents[1] / "experiments" / "deferred_writes.py"
+  )
+  spec = importlib.util.spec_from_file_location("deferred_writes", path)
+  dw = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(dw)
+  import jax
+
+  mesh = aot.topology_mesh("v5e:1x1", axis_types=(jax.sharding.AxisType.Auto,))
+  size = dict(layers=8, width=1024, batch=512, groups=4, tail=1)
+  rows = {v: dw.measure(v, mesh, **size) for v in dw.VARIANTS}
+  tail = 2 * 4 * size["layers"] * size["width"] ** 2 // size["groups"]
+  peak = {v: r["peak_bytes"] for v, r in rows.items()}
+  moved = {
+    v: {k: t["bytes"] for k, t in r["host_transfers"].items()}
+    for v, r in rows.items()
+  }
+  for v in ("deferred", "deferred_in_loop"):
+    assert peak[v] >= peak["resident"] >= peak["offloaded"]
+    assert moved[v] == moved["offloaded"]
+    for way in ("host-to-device", "device-to-host"):
+      assert moved[v][way] == moved["resident"][way] + tail
+    assert rows[v]["schedule"]["device-to-host"]["bytes_across_loops"] == 0
+  started = rows["deferred"]["whole_copies_started"]["device-to-host"]
+  assert started == {"after_loops": 2}
+  in_loop = rows["deferred_in_loop"]["loop_body_copies"]
+  assert [c["kind"] for c in in_loop] == ["device-to-host"] * 2
+  assert all(c["mode"] == "async" and c["matmuls_beside"] >= 1 for c in in_loop)
