@@ -272,7 +272,12 @@ def test_partial_and_full_offload_equal_no_offload_bitwise(stage, name):
 
 
 @pytest.mark.parametrize("fraction", [0.2, 0.5, 0.9])
-def test_partial_offload_keeps_whole_leaves_largest_first(fraction):
+def test_partial_offload_reaches_the_share_with_the_largest_leaves_then_the_least_bytes(
+  fraction,
+):
+  """Whole leaves go to host memory largest first while they stay below
+  the share, then the smallest leaf left that reaches it: never more
+  bytes than largest first all the way."""
   tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=fraction, policy=BF16)
   params = toy.init_params(jax.random.key(0))
   state = zerojax.init(params, tx)
@@ -289,24 +294,64 @@ def test_partial_offload_keeps_whole_leaves_largest_first(fraction):
     for k, x in jax.tree_util.tree_flatten_with_path(params)[0]
   }
   sizes = [size_of[r["path"].removeprefix("master")] for r in rows]
-  # the leaves offloaded are the largest ones: no leaf left on the device
-  # is larger than one offloaded, and dropping the smallest offloaded
-  # leaf would fall short of the fraction
-  host_sizes = [n for n, h in zip(sizes, on_host) if h]
+  total = sum(sizes)
+  host_sizes = sorted((n for n, h in zip(sizes, on_host) if h), reverse=True)
   device_sizes = [n for n, h in zip(sizes, on_host) if not h]
   assert host_sizes and device_sizes
-  assert min(host_sizes) >= max(device_sizes)
+  *below, last = host_sizes
+  # the leaves before the last are the largest ones, and fall short
+  assert not below or min(below) >= max(device_sizes)
+  assert sum(below) < fraction * total <= sum(host_sizes)
+  # the last is the smallest leaf that reaches the share from them
+  assert not [
+    n for n in device_sizes if n < last and sum(below) + n >= fraction * total
+  ]
+  held = 0  # largest first until the share is reached
+  for n in sorted(sizes, reverse=True):
+    if held >= fraction * total:
+      break
+    held += n
+  assert sum(host_sizes) <= held
   share = zerojax.report(
     zerojax.train_step(toy.loss_fn, tx), state, toy.batches(1)[0]
   ).offload["host_fraction"]
-  assert share == pytest.approx(sum(host_sizes) / sum(sizes))
-  assert share >= fraction > share - min(host_sizes) / sum(sizes)
+  assert share == pytest.approx(sum(host_sizes) / total)
   # each optimizer moment lives where its param's master copy lives
   for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
     key = jax.tree_util.keystr(path)
     owner = [r for r in rows if key.endswith(r["path"].removeprefix("master"))]
     if owner and x.ndim:
       assert x.sharding.memory_kind == owner[0]["memory"], key
+
+
+def test_a_small_share_is_met_by_a_smaller_leaf_than_the_largest():
+  """A share below the largest leaf's goes to the smallest leaf that
+  reaches it (the toy's head, its third largest), not to the largest, and
+  the planner prices the same placement."""
+  params = toy.init_params(jax.random.key(0))
+  trained = {
+    jax.tree_util.keystr(k): x.size
+    for k, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    if jnp.issubdtype(x.dtype, jnp.floating)
+  }
+  assert sorted(trained.values(), reverse=True).index(trained["['head']"]) == 2
+  fraction = trained["['head']"] / sum(trained.values())
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=fraction, policy=BF16)
+  state = zerojax.init(params, tx)
+  on_host = [
+    r["path"].removeprefix("master")
+    for r in zerojax.diagnostics.layout_rows(state)
+    if r["section"] == "master" and r["memory"] == "pinned_host"
+  ]
+  assert on_host == ["['head']"]
+  plan = zerojax.cost.plan_stage(
+    jax.eval_shape(lambda: params),
+    3,
+    tx.num_shards,
+    policy=BF16,
+    offload=fraction,
+  )
+  assert plan.host == zerojax.diagnostics.memory_bytes(state)["pinned_host"]
 
 
 def test_host_bytes_per_step_in_the_compiled_program_equal_the_planners():

@@ -318,13 +318,17 @@ def offload_fraction_needed(
   which a stage's device working set (:attr:`StagePlan.working_set`: model
   state, the streamed update's chunks and ``activations`` if given) fits
   ``memory_bytes`` per device: 0.0 when it fits without offload, None when
-  it does not fit even with all of it offloaded. Candidates are the shares
-  whole leaves reach, largest first, as ``zero`` picks them. ``kwargs``:
-  as :func:`plan_stage` takes them."""
+  it does not fit even with all of it offloaded. Candidates are every
+  share ``zero`` reaches (:func:`_host_memory.chosen_for_share`: the
+  largest leaves while below it, then one smaller leaf), tried from the
+  least: the device's need is not monotone in the share, since the
+  streamed update holds whole leaves' chunks. ``kwargs``: as
+  :func:`plan_stage` takes them."""
   plan = lambda f: plan_stage(
     abstract_params, stage, n_devices, offload=f, **kwargs
   )
-  if plan(False).working_set <= memory_bytes:
+  fits = lambda f: plan(f).working_set <= memory_bytes
+  if fits(False):
     return 0.0
   spec = plan_spec(
     abstract_params,
@@ -332,19 +336,22 @@ def offload_fraction_needed(
     n_devices,
     **{k: v for k, v in kwargs.items() if k != "activations"},
   )
-  sizes = sorted(
-    _host_memory.offload_bytes(
-      spec.leaves, spec.opt_leaves, spec.policy.has_master
-    ),
-    reverse=True,
+  sizes = _host_memory.offload_bytes(
+    spec.leaves, spec.opt_leaves, spec.policy.has_master
   )
-  total, held = max(sum(sizes), 1), 0
-  for size in sizes:
-    held += size
-    fraction = min(held / total, 1.0)
-    if size and plan(fraction).working_set <= memory_bytes:
-      return fraction
-  return None
+  trained = sorted(
+    (n for n, r in zip(sizes, spec.leaves) if r.trainable and n), reverse=True
+  )
+  total = max(sum(sizes), 1)
+  prefixes = np.cumsum([0, *trained])
+  shares = sorted(
+    {
+      min(float(prefixes[k] + n) / total, 1.0)
+      for k in range(len(trained))
+      for n in trained[k:]
+    }
+  )
+  return next((f for f in shares if fits(f)), None)
 
 
 def saved_activations(

@@ -42,28 +42,46 @@ def offload_bytes(leaves, opt_leaves, has_master: bool) -> list[int]:
   return sizes
 
 
+def chosen_for_share(sizes, trainable, fraction: float) -> set[int]:
+  """The leaves whose master copy and state ``offload=fraction`` puts in
+  host memory: whole trained leaves, largest first (ties in tree order)
+  while they stay below ``fraction`` of ``sizes``' total, then the
+  smallest one left that reaches it. So the share reached is never above
+  what taking leaves largest first until the share is reached gives (its
+  last leaf is one of the completions weighed) and often well below: with
+  a scanned model's few large leaves, a small share is met by a small
+  stack, not by the largest."""
+  total = sum(sizes)
+  if fraction >= 1.0:
+    return {i for i, t in enumerate(trainable) if t}
+  if fraction <= 0.0 or total == 0:
+    return set()
+  # (a share reached exactly, up to rounding, counts as reached)
+  target = fraction * total * (1 - 1e-12)
+  order = sorted(
+    (i for i, t in enumerate(trainable) if t), key=lambda i: (-sizes[i], i)
+  )
+  held, k = 0, 0
+  while k < len(order) and held + sizes[order[k]] < target:
+    held += sizes[order[k]]
+    k += 1
+  rest = [i for i in order[k:] if held + sizes[i] >= target]
+  if not rest:  # every trained leaf together stays below the share
+    return set(order)
+  return {*order[:k], min(rest, key=lambda i: (sizes[i], i))}
+
+
 def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
   """The records with each leaf's :class:`Placement`: a trained leaf's
   master copy and optimizer state in host memory when the leaf is among
-  those offloaded, whole leaves taken largest first (ties in tree order)
-  until they hold ``fraction`` of :func:`offload_bytes`' total; shared
-  optimizer leaves in host memory when any leaf is. Whole leaves keep
-  each leaf's update one computation in one memory; a model scanned over
-  its layers has few, large leaves, so the share reached can exceed the
-  one asked (the report states it)."""
+  those :func:`chosen_for_share` picks for ``fraction`` of
+  :func:`offload_bytes`' total; shared optimizer leaves in host memory
+  when any leaf is. Whole leaves keep each leaf's update one computation
+  in one memory; a model scanned over its layers has few, large leaves,
+  so the share reached can exceed the one asked (the report states
+  it)."""
   sizes = offload_bytes(leaves, opt_leaves, has_master)
-  total = sum(sizes)
-  host: set[int] = set()
-  if fraction >= 1.0:
-    host = {i for i, r in enumerate(leaves) if r.trainable}
-  elif fraction > 0.0:
-    held = 0
-    for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], i)):
-      # (a share reached exactly, up to rounding, counts as reached)
-      if held >= fraction * total * (1 - 1e-12) or not leaves[i].trainable:
-        break
-      host.add(i)
-      held += sizes[i]
+  host = chosen_for_share(sizes, [r.trainable for r in leaves], fraction)
   if not host:
     return tuple(leaves), tuple(opt_leaves)
   on_host = lambda p: dataclasses.replace(p, offload=True)

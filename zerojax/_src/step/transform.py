@@ -93,8 +93,8 @@ def zero(
       params, gradients and the update's working set; the host holds
       ``(4 + K) Ψ / N`` bytes (fp32 master plus K bytes of optimizer
       state per parameter). A float in ``[0, 1]`` offloads that fraction
-      of those bytes: whole leaves, largest first, until the fraction is
-      reached; the rest stays on the device
+      of those bytes: whole leaves, the largest while they stay below
+      it, then the smallest that reaches it; the rest stays on the device
       (``zerojax.report(...).offload["host_fraction"]`` gives the share
       reached; ``zerojax.plan_stage`` the one a device needs).
     zeropp: ZeRO++, a :class:`zerojax.ZeroPP`: int8 weight all-gathers at
