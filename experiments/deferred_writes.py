@@ -42,7 +42,18 @@ import pathlib
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+
+
+def _gpu_aot():
+  """``experiments/lib/gpu_aot.py``, imported on demand (this module is
+  also loaded by a test, which should not see ``experiments/`` on its
+  path)."""
+  if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+  from lib import gpu_aot
+
+  return gpu_aot
+
 
 VARIANTS = ("offloaded", "resident", "deferred", "deferred_in_loop")
 
@@ -247,8 +258,7 @@ def measure(variant, mesh, *, layers, width, batch, groups, tail, gpu=None):
   )
   jitted = jax.jit(fn, out_shardings=outs, donate_argnums=(0, 1, 2, 3, 4))
   if gpu:
-    from lib import gpu_aot
-
+    gpu_aot = _gpu_aot()
     compiled = gpu_aot.compile_for_gpu(jitted.trace(*shapes), gpu)
   else:
     compiled = jitted.lower(*shapes).compile()
@@ -267,8 +277,7 @@ def main():
   p.add_argument("--out", default=str(HERE.parent / "docs" / "data"))
   args = p.parse_args()
   if args.gpu:
-    from lib import gpu_aot
-
+    gpu_aot = _gpu_aot()
     gpu_aot.one_cpu_device()
   import jax
 

@@ -319,11 +319,10 @@ def offload_fraction_needed(
   state, the streamed update's chunks and ``activations`` if given) fits
   ``memory_bytes`` per device: 0.0 when it fits without offload, None when
   it does not fit even with all of it offloaded. Candidates are every
-  share ``zero`` reaches (:func:`_host_memory.chosen_for_share`: the
-  largest leaves while below it, then one smaller leaf), tried from the
-  least: the device's need is not monotone in the share, since the
-  streamed update holds whole leaves' chunks. ``kwargs``: as
-  :func:`plan_stage` takes them."""
+  share ``zero`` reaches (whole leaves: the largest while below it, then
+  one smaller leaf), tried from the least: the device's need is not
+  monotone in the share, since the streamed update holds whole leaves'
+  chunks. ``kwargs``: as :func:`plan_stage` takes them."""
   plan = lambda f: plan_stage(
     abstract_params, stage, n_devices, offload=f, **kwargs
   )
