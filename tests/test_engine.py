@@ -50,10 +50,11 @@ from tests.test_safetensors import _template as safetensors_template
 from tests.test_zeropp import _one_sgd_step
 from zerojax import checkpoint
 from zerojax._src.comm import quantized as _zeropp
-from zerojax._src.diagnostics import schedule
+from zerojax._src.diagnostics import offload_share, schedule
 from zerojax._src.jaxpr import cut as _cut
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.jaxpr import rows as _rows
+from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records import zeropp as _settings
 from zerojax._src.records.layout import plan_leaf
 from zerojax._src.step import offload as _offload
@@ -1836,3 +1837,105 @@ def test_the_dropin_streams_stacks_by_rows_as_whole_leaves(monkeypatch):
     assert plans and all(p is not None for p in plans)
     assert any(x for p in plans for r in p.rows for x in r) == rows
   chex.assert_trees_all_equal(outs[1], outs[0])
+
+
+# --- the least host share a device needs (diagnostics/offload_share.py) --
+def _share_by_loop(sizes, trainable, fraction):
+  """``offload=fraction``'s rule written as a loop: the largest trained
+  leaves while below the share, then the smallest that reaches it."""
+  target = fraction * sum(sizes) * (1 - 1e-12)
+  order = sorted(
+    (i for i, t in enumerate(trainable) if t), key=lambda i: (-sizes[i], i)
+  )
+  held, k = 0, 0
+  while k < len(order) and held + sizes[order[k]] < target:
+    held += sizes[order[k]]
+    k += 1
+  rest = [i for i in order[k:] if held + sizes[i] >= target]
+  if not rest:
+    return set(order)
+  return {*order[:k], min(rest, key=lambda i: (sizes[i], i))}
+
+
+def test_the_share_rule_for_many_shares_at_once_is_the_rule_for_one():
+  """The planner weighs many shares at once with zero's rule; on leaves of
+  tied, zero and frozen sizes, at random shares and at each share a
+  prefix of the leaves reaches exactly, it picks the leaves the rule does."""
+  rng = np.random.default_rng(0)
+  checked = 0
+  for _ in range(400):
+    n = int(rng.integers(1, 12))
+    sizes = [int(x) for x in rng.choice([0, 1, 2, 3, 5, 8, 100, 10**6], n)]
+    trainable = [bool(x) for x in rng.random(n) < 0.8]
+    total = sum(sizes)
+    if not total:
+      continue
+    fractions = [*rng.random(4), *(sum(sizes[:j]) / total for j in range(n))]
+    for f in (f for f in fractions if 0 < f < 1):
+      got = _host_memory.chosen_for_share(sizes, trainable, f)
+      assert got == _share_by_loop(sizes, trainable, f), (sizes, trainable, f)
+      checked += 1
+  assert checked > 1000
+
+
+def _unscanned(layers, width=64):
+  """An unscanned transformer's abstract params: per layer four matrices
+  and two vectors, and an embedding."""
+  a = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  w = width
+  return {
+    f"layer{i}": {
+      "qkv": a(w, 3 * w),
+      "proj": a(w, w),
+      "fc1": a(w, 4 * w),
+      "fc2": a(4 * w, w),
+      "ln": a(w),
+      "bias": a(4 * w),
+    }
+    for i in range(layers)
+  } | {"embed": a(1000, w)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_planners_bound_of_each_share_is_below_its_working_set(stage):
+  """Each share zero reaches gets a lower bound of its device working set
+  before it is planned: at most the plan's, and at least what stays on the
+  device (the plan's less the streamed update's transient)."""
+  abstract = _unscanned(3)
+  shares, least = offload_share.share_candidates(
+    abstract, stage, 8, policy=offload_BF16
+  )
+  assert len(shares) > 10 and shares[-1] == 1.0
+  for f, bound in zip(shares, least):
+    p = zerojax.cost.plan_stage(
+      abstract, stage, 8, offload=float(f), policy=offload_BF16
+    )
+    slack = 1e-9 * p.total
+    assert p.working_set - p.update_transient - slack <= bound, f
+    assert bound <= p.working_set + slack, f
+
+
+def test_the_least_share_of_a_model_of_many_leaves_takes_a_few_plans(
+  monkeypatch,
+):
+  """An unscanned model has many leaves and so many shares; the planner
+  plans only those whose bound fits, and names the least share that fits
+  (the one planning every share from the least names)."""
+  abstract = _unscanned(4)
+  plan = lambda f: zerojax.cost.plan_stage(abstract, 3, 8, offload=f)
+  none, full = plan(False), plan(True)
+  memory = (none.working_set + full.working_set) / 2
+  shares, _ = offload_share.share_candidates(abstract, 3, 8)
+  every = next(float(f) for f in shares if plan(float(f)).working_set <= memory)
+  planned = []
+  real = offload_share.plan_stage
+
+  def counted(*args, **kw):
+    planned.append(kw.get("offload"))
+    return real(*args, **kw)
+
+  monkeypatch.setattr(offload_share, "plan_stage", counted)
+  assert zerojax.cost.offload_fraction_needed(abstract, 3, memory, 8) == every
+  assert len(shares) > 40
+  # no offload, everything offloaded (the bound's prices), then the shares
+  assert len(planned) <= 5, planned

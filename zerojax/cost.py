@@ -8,13 +8,13 @@ state and collective bytes from zerojax's own layouts, for any params.
                                           mesh={"data": 8, "model": 2})
 """
 
+from zerojax._src.diagnostics.offload_share import (
+  offload_fraction_needed as offload_fraction_needed,
+)
 from zerojax._src.diagnostics.planner import GB as GB
 from zerojax._src.diagnostics.planner import HARDWARE as HARDWARE
 from zerojax._src.diagnostics.planner import StagePlan as StagePlan
 from zerojax._src.diagnostics.planner import comm_time as comm_time
-from zerojax._src.diagnostics.planner import (
-  offload_fraction_needed as offload_fraction_needed,
-)
 from zerojax._src.diagnostics.planner import plan_stage as plan_stage
 from zerojax._src.diagnostics.planner import (
   saved_activations as saved_activations,

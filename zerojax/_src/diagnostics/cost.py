@@ -99,6 +99,31 @@ def host_state_bytes(spec) -> float:
   return out
 
 
+def host_state_bytes_by_leaf(spec) -> tuple[list[float], float]:
+  """Per-device bytes of the master copy and optimizer state that offload
+  puts in host memory, wherever each leaf now is: per param leaf (its
+  master copy and the optimizer leaves it owns), and the shared optimizer
+  leaves' (a step count), which go with any leaf."""
+  n, sizes = spec.tx.num_shards, spec.tx.model_axes
+  per_leaf = [
+    layout_bytes(r.shard, n, sizes, np.dtype(r.master_dtype).itemsize)
+    if r.trainable and spec.policy.has_master
+    else 0.0
+    for r in spec.leaves
+  ]
+  shared = 0.0
+  owners = _host_memory.owner_indices(spec.leaves, spec.opt_leaves)
+  for o, i in zip(spec.opt_leaves, owners):
+    if _extended(o.aval.dtype):
+      continue
+    b = layout_bytes(o.layout, n, sizes, np.dtype(o.aval.dtype).itemsize)
+    if i is None:
+      shared += b
+    else:
+      per_leaf[i] += b
+  return per_leaf, shared
+
+
 def host_param_bytes(spec, *, stacked_only: bool = False) -> float:
   """Per-device bytes of the params' shards kept in host memory
   (``zero(..., offload_params=True)``), as laid out; ``stacked_only``:

@@ -28,7 +28,6 @@ from jax.sharding import AbstractMesh, AxisType
 from zerojax._src.diagnostics import cost
 from zerojax._src.diagnostics import offload_stream as _offload_stream
 from zerojax._src.jaxpr import activations as _activations
-from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
 from zerojax._src.step.loss_call import LossCall
@@ -309,48 +308,6 @@ def plan_stage(
     activations=float((activations or {}).get("device", 0)),
     activations_host=float((activations or {}).get("host", 0)),
   )
-
-
-def offload_fraction_needed(
-  abstract_params, stage: int, memory_bytes: float, n_devices=None, **kwargs
-) -> float | None:
-  """The least ``offload`` fraction (as :func:`zerojax.zero` takes it) with
-  which a stage's device working set (:attr:`StagePlan.working_set`: model
-  state, the streamed update's chunks and ``activations`` if given) fits
-  ``memory_bytes`` per device: 0.0 when it fits without offload, None when
-  it does not fit even with all of it offloaded. Candidates are every
-  share ``zero`` reaches (whole leaves: the largest while below it, then
-  one smaller leaf), tried from the least: the device's need is not
-  monotone in the share, since the streamed update holds whole leaves'
-  chunks. ``kwargs``: as :func:`plan_stage` takes them."""
-  plan = lambda f: plan_stage(
-    abstract_params, stage, n_devices, offload=f, **kwargs
-  )
-  fits = lambda f: plan(f).working_set <= memory_bytes
-  if fits(False):
-    return 0.0
-  spec = plan_spec(
-    abstract_params,
-    stage,
-    n_devices,
-    **{k: v for k, v in kwargs.items() if k != "activations"},
-  )
-  sizes = _host_memory.offload_bytes(
-    spec.leaves, spec.opt_leaves, spec.policy.has_master
-  )
-  trained = sorted(
-    (n for n, r in zip(sizes, spec.leaves) if r.trainable and n), reverse=True
-  )
-  total = max(sum(sizes), 1)
-  prefixes = np.cumsum([0, *trained])
-  shares = sorted(
-    {
-      min(float(prefixes[k] + n) / total, 1.0)
-      for k in range(len(trained))
-      for n in trained[k:]
-    }
-  )
-  return next((f for f in shares if fits(f)), None)
 
 
 def saved_activations(

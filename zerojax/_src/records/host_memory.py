@@ -51,24 +51,55 @@ def chosen_for_share(sizes, trainable, fraction: float) -> set[int]:
   last leaf is one of the completions weighed) and often well below: with
   a scanned model's few large leaves, a small share is met by a small
   stack, not by the largest."""
-  total = sum(sizes)
   if fraction >= 1.0:
     return {i for i, t in enumerate(trainable) if t}
-  if fraction <= 0.0 or total == 0:
+  if fraction <= 0.0 or sum(sizes) == 0:
     return set()
-  # (a share reached exactly, up to rounding, counts as reached)
-  target = fraction * total * (1 - 1e-12)
-  order = sorted(
-    (i for i, t in enumerate(trainable) if t), key=lambda i: (-sizes[i], i)
-  )
-  held, k = 0, 0
-  while k < len(order) and held + sizes[order[k]] < target:
-    held += sizes[order[k]]
-    k += 1
-  rest = [i for i in order[k:] if held + sizes[i] >= target]
-  if not rest:  # every trained leaf together stays below the share
-    return set(order)
-  return {*order[:k], min(rest, key=lambda i: (sizes[i], i))}
+  c = ShareChoice.of(sizes, trainable)
+  [k], [q] = c.choose(np.array([fraction]))
+  return {*c.order[:k].tolist(), *([] if q < 0 else [int(c.order[q])])}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareChoice:
+  """:func:`chosen_for_share`'s rule for many shares at once (the planner
+  weighs every share ``zero`` reaches). ``order``: the trained leaves,
+  largest first, ties in tree order; a share's choice is ``order[:k]``
+  plus ``order[q]`` (``q == -1``: ``order[:k]`` alone, every trained leaf
+  together staying below the share)."""
+
+  order: np.ndarray
+  sizes: np.ndarray  # sizes[order]
+  total: int
+
+  @classmethod
+  def of(cls, sizes, trainable) -> ShareChoice:
+    order = sorted(
+      (i for i, t in enumerate(trainable) if t), key=lambda i: (-sizes[i], i)
+    )
+    return cls(
+      np.array(order, dtype=np.int64),
+      np.array([sizes[i] for i in order], dtype=np.int64),
+      int(sum(sizes)),
+    )
+
+  def choose(self, fractions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(k, q)`` per fraction in (0, 1)."""
+    s, n = self.sizes, len(self.sizes)
+    prefix = np.concatenate([[0], np.cumsum(s)])
+    # (a share reached exactly, up to rounding, counts as reached)
+    target = np.asarray(fractions, np.float64) * self.total * (1 - 1e-12)
+    # the largest leaves while they stay below the share
+    k = np.searchsorted(prefix[1:], target, side="left")
+    # those after them that reach it from there: order[k:m] (sizes fall)
+    need = target - prefix[k]
+    m = np.searchsorted(-s, -need, side="right")
+    reached = (k < n) & (m > k)
+    # the smallest of those, the first in tree order among equal sizes
+    last = np.clip(m - 1, 0, max(n - 1, 0))
+    first_of_size = np.searchsorted(-s, -s[last], side="left") if n else last
+    q = np.where(reached, np.maximum(k, first_of_size), -1)
+    return np.where(reached, k, n), q
 
 
 def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):

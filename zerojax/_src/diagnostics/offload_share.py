@@ -1,0 +1,136 @@
+"""The least share of the optimizer state in host memory a device needs
+(:func:`offload_fraction_needed`): every share ``zero(..., offload=f)``
+reaches, weighed from the least, each first against a lower bound of its
+working set priced from one plan (:func:`share_candidates`), so only the
+shares that may fit are planned in full."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zerojax._src.diagnostics import cost
+from zerojax._src.diagnostics.planner import plan_spec, plan_stage
+from zerojax._src.records import host_memory as _host_memory
+
+
+def offload_fraction_needed(
+  abstract_params, stage: int, memory_bytes: float, n_devices=None, **kwargs
+) -> float | None:
+  """The least ``offload`` fraction (as :func:`zerojax.zero` takes it) with
+  which a stage's device working set (:attr:`StagePlan.working_set`: model
+  state, the streamed update's chunks and ``activations`` if given) fits
+  ``memory_bytes`` per device: 0.0 when it fits without offload, None when
+  it does not fit even with all of it offloaded. Candidates are every
+  share ``zero`` reaches (whole leaves: the largest while below it, then
+  one smaller leaf), tried from the least: the device's need is not
+  monotone in the share, since the streamed update holds whole leaves'
+  chunks. A share is planned only where a lower bound of its working set
+  fits (:func:`share_candidates`), so a model of many leaves plans a few
+  shares, not every one. ``kwargs``: as
+  :func:`plan_stage` takes them."""
+  plan = lambda f: plan_stage(
+    abstract_params, stage, n_devices, offload=f, **kwargs
+  )
+  if plan(False).working_set <= memory_bytes:
+    return 0.0
+  shares, least = share_candidates(abstract_params, stage, n_devices, **kwargs)
+  for f in shares[least <= memory_bytes]:
+    if plan(float(f)).working_set <= memory_bytes:
+      return float(f)
+  return None
+
+
+def share_candidates(
+  abstract_params, stage: int, n_devices=None, **kwargs
+) -> tuple[np.ndarray, np.ndarray]:
+  """Every share ``zero(..., offload=f)`` reaches, ascending, and a lower
+  bound of its plan's :attr:`StagePlan.working_set`, priced from one plan
+  with everything offloaded and the leaves ``zero``'s rule
+  (:class:`~zerojax._src.records.host_memory.ShareChoice`) picks: what
+  stays on the device exactly, plus the least the streamed update can
+  hold (a chunk's old and new state, a chunk at least the largest leaf
+  streamed whole or one row of a stack of matrices, which may stream by
+  rows: :mod:`zerojax._src.step.offload`)."""
+  full = plan_stage(abstract_params, stage, n_devices, offload=True, **kwargs)
+  spec = plan_spec(
+    abstract_params,
+    stage,
+    n_devices,
+    offload=True,
+    **{k: v for k, v in kwargs.items() if k != "activations"},
+  )
+  sizes = _host_memory.offload_bytes(
+    spec.leaves, spec.opt_leaves, spec.policy.has_master
+  )
+  choice = _host_memory.ShareChoice.of(
+    sizes, [r.trainable for r in spec.leaves]
+  )
+  # the shares reached: a prefix of the largest leaves and one more leaf
+  # (one of each size suffices: equal sizes reach equal shares)
+  trained = choice.sizes[choice.sizes > 0]
+  prefixes = np.concatenate([[0], np.cumsum(trained)])
+  distinct = np.unique(trained)
+  # a size is among trained[k:] while k is at most its last position
+  last = np.array(
+    [len(trained) - 1 - int(np.argmax(trained[::-1] == d)) for d in distinct],
+    dtype=np.int64,
+  )
+  k = np.arange(len(trained))[:, None]
+  reached = (prefixes[:-1, None] + distinct[None, :])[k <= last[None, :]]
+  shares = np.unique(np.minimum(reached / max(choice.total, 1), 1.0))
+  below = shares < 1.0
+  kk = np.full(len(shares), len(choice.order))
+  q = np.full(len(shares), -1)
+  kk[below], q[below] = choice.choose(shares[below])
+
+  def over_chosen(x, reduce):
+    """``reduce`` (sum or max) of per-leaf ``x`` over each share's leaves."""
+    x = np.array([x[i] for i in choice.order], dtype=np.float64)
+    run = np.concatenate(
+      [[0.0], np.cumsum(x) if reduce is np.add else np.maximum.accumulate(x)]
+    )
+    extra = np.where(q >= 0, x[np.maximum(q, 0)], 0.0) if len(x) else 0.0
+    return reduce(run[kk], extra)
+
+  per_leaf, shared = cost.host_state_bytes_by_leaf(spec)
+  host = over_chosen(per_leaf, np.add) + shared
+  resident = (
+    full.total + full.activations - (host + full.params_host + full.grads_host)
+  )
+  item, least_item = _stream_items(spec)
+  fraction = np.minimum(
+    2
+    * over_chosen(least_item, np.maximum)
+    / np.maximum(over_chosen(item, np.add), 1),
+    1.0,
+  )
+  return shares, resident + fraction * (host + full.grads_host)
+
+
+def _stream_items(spec) -> tuple[list[int], list[float]]:
+  """Per param leaf, the logical bytes the streamed update moves for it
+  (its weights as the update writes them and the optimizer state it owns;
+  0 for a frozen leaf), and the least of them one chunk can carry: a row
+  where it is a stack of matrices, else all of it."""
+  owners = _host_memory.owner_indices(spec.leaves, spec.opt_leaves)
+  dtype = lambda r: (
+    r.master_dtype if spec.policy.has_master else r.compute_dtype
+  )
+  item = [
+    math.prod(r.aval.shape) * np.dtype(dtype(r)).itemsize if r.trainable else 0
+    for r in spec.leaves
+  ]
+  for o, i in zip(spec.opt_leaves, owners):
+    if i is not None and not jnp.issubdtype(o.aval.dtype, jax.dtypes.extended):
+      item[i] += math.prod(o.aval.shape) * np.dtype(o.aval.dtype).itemsize
+  least = [
+    b / r.aval.shape[0]
+    if len(r.aval.shape) >= 3 and r.aval.shape[0] >= 2
+    else b
+    for b, r in zip(item, spec.leaves)
+  ]
+  return item, least
