@@ -154,3 +154,22 @@ def pytest_report_header(config):
     "zerojax: persistent compilation cache " + _CACHE,
     "zerojax: XLA_FLAGS " + os.environ["XLA_FLAGS"].strip(),
   ]
+
+
+# The tests that each run for minutes in a subprocess (Optax's suites
+# through the drop-in, the notebooks, the main job's runs) go first, so
+# that the two xdist workers are not left with one of them each at the
+# end while the other worker idles: the longest first, the short ones
+# filling in after. Order within a file is kept.
+_LONG_FIRST = (
+  "test_optax_conformance.py",
+  "test_notebook.py",
+  "test_train.py",
+  "test_plan.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  rank = {name: k for k, name in enumerate(_LONG_FIRST)}
+  items.sort(key=lambda it: rank.get(it.path.name, len(rank)))
