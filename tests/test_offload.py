@@ -391,6 +391,13 @@ def test_planner_names_the_least_fraction_a_device_needs():
   assert need(full.device - 1) is None
   f = need((none.device + full.device) / 2)
   assert 0.0 < f < 1.0
+  # micro-batches change the host traffic, not the device's bytes
+  assert (
+    zerojax.cost.offload_fraction_needed(
+      abstract, 1, (none.device + full.device) / 2, 8, accum_steps=4, **kw
+    )
+    == f
+  )
   assert plan(f).device <= (none.device + full.device) / 2
   # every fraction that offloads fewer bytes does not fit
   smaller = [

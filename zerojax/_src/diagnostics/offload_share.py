@@ -16,6 +16,9 @@ from zerojax._src.diagnostics import cost
 from zerojax._src.diagnostics.planner import plan_spec, plan_stage
 from zerojax._src.records import host_memory as _host_memory
 
+# plan_stage's arguments that price a plan, not the layouts plan_spec builds
+_PLAN_ONLY = ("activations", "accum_steps")
+
 
 def offload_fraction_needed(
   abstract_params, stage: int, memory_bytes: float, n_devices=None, **kwargs
@@ -61,7 +64,7 @@ def share_candidates(
     stage,
     n_devices,
     offload=True,
-    **{k: v for k, v in kwargs.items() if k != "activations"},
+    **{k: v for k, v in kwargs.items() if k not in _PLAN_ONLY},
   )
   sizes = _host_memory.offload_bytes(
     spec.leaves, spec.opt_leaves, spec.policy.has_master
@@ -75,10 +78,7 @@ def share_candidates(
   prefixes = np.concatenate([[0], np.cumsum(trained)])
   distinct = np.unique(trained)
   # a size is among trained[k:] while k is at most its last position
-  last = np.array(
-    [len(trained) - 1 - int(np.argmax(trained[::-1] == d)) for d in distinct],
-    dtype=np.int64,
-  )
+  last = np.searchsorted(-trained, -distinct, side="right") - 1
   k = np.arange(len(trained))[:, None]
   reached = (prefixes[:-1, None] + distinct[None, :])[k <= last[None, :]]
   shares = np.unique(np.minimum(reached / max(choice.total, 1), 1.0))
