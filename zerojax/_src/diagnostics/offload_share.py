@@ -15,6 +15,7 @@ import numpy as np
 from zerojax._src.diagnostics import cost
 from zerojax._src.diagnostics.planner import plan_spec, plan_stage
 from zerojax._src.records import host_memory as _host_memory
+from zerojax._src.step import offload_rows as _rows
 
 # plan_stage's arguments that price a plan, not the layouts plan_spec builds
 _PLAN_ONLY = ("activations", "accum_steps")
@@ -115,7 +116,9 @@ def _stream_items(spec) -> tuple[list[int], list[float]]:
   """Per param leaf, the logical bytes the streamed update moves for it
   (its weights as the update writes them and the optimizer state it owns;
   0 for a frozen leaf), and the least of them one chunk can carry: a row
-  where it is a stack of matrices, else all of it."""
+  where the stream may split it by rows (the rule
+  :func:`~zerojax._src.step.offload_rows.stack_rows` starts from), else
+  all of it."""
   owners = _host_memory.owner_indices(spec.leaves, spec.opt_leaves)
   dtype = lambda r: (
     r.master_dtype if spec.policy.has_master else r.compute_dtype
@@ -128,9 +131,7 @@ def _stream_items(spec) -> tuple[list[int], list[float]]:
     if i is not None and not jnp.issubdtype(o.aval.dtype, jax.dtypes.extended):
       item[i] += math.prod(o.aval.shape) * np.dtype(o.aval.dtype).itemsize
   least = [
-    b / r.aval.shape[0]
-    if len(r.aval.shape) >= 3 and r.aval.shape[0] >= 2
-    else b
+    b / r.aval.shape[0] if _rows.may_stream_by_rows(r.aval.shape) else b
     for b, r in zip(item, spec.leaves)
   ]
   return item, least

@@ -26,6 +26,15 @@ from zerojax._src.jaxpr import rows as _rows
 from zerojax._src.records.spec import StateSpec
 
 
+def may_stream_by_rows(shape) -> bool:
+  """Whether a leaf of ``shape`` is a stack of matrices or more (rank 3 or
+  more, two rows at least): its rows are whole tiles of every backend's
+  layout (the TPU's tiles the two minor dimensions, so rows of a matrix's
+  major dimension may not be: the compiler refuses a host slice of 1031
+  rows of a tiled f32 matrix)."""
+  return len(shape) >= 3 and shape[0] >= 2
+
+
 def stack_rows(spec: StateSpec, closed, i: int, k: int, n_g: int, own) -> int:
   """Rows param ``i`` (the ``k``-th trained) may be updated by, or 0: a
   layer stack of matrices (rank 3 or more) whose weights and owned state are stored by rows (its
@@ -33,11 +42,7 @@ def stack_rows(spec: StateSpec, closed, i: int, k: int, n_g: int, own) -> int:
   each row from the same row (:class:`zerojax._src.jaxpr.rows.Rows`)."""
   r = spec.leaves[i]
   shape = tuple(r.aval.shape)
-  # a stack of matrices or more: its rows are whole tiles of every
-  # backend's layout (the TPU's tiles the two minor dimensions, so rows of
-  # a matrix's major dimension may not be: the compiler refuses a host
-  # slice of 1031 rows of a tiled f32 matrix)
-  if len(shape) < 3 or shape[0] < 2 or not r.place.offload:
+  if not may_stream_by_rows(shape) or not r.place.offload:
     return 0
   mine = [j for j, p in enumerate(own) if p == i]
   layouts = [r.shard, r.param] + [spec.opt_leaves[j].layout for j in mine]
