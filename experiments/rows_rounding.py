@@ -14,7 +14,9 @@ leaf's change over the run, and the losses' largest relative difference.
 
     python experiments/rows_rounding.py --out docs/data
 
-writes ``rows_rounding_<platform><devices>_jax<v>.json``.
+writes ``rows_rounding_<platform><devices>_jax<v>.json`` (with
+``_isa<X>`` before ``_jax`` when ``XLA_FLAGS`` caps the CPU's instruction
+set: ``--xla_cpu_max_isa=AVX`` has no FMA, as the suite compiles).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -40,6 +43,9 @@ OPTIMIZERS = {  # most wanted first
   "nadamw": lambda: optax.nadamw(1e-3),
   "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
   "lion": lambda: optax.lion(1e-4),
+  # a traced scalar divides each update inside a cond (bias correction)
+  "adamw_if_finite": lambda: optax.apply_if_finite(optax.adamw(3e-3), 3),
+  "muon": lambda: optax.contrib.muon(3e-3),
 }
 
 
@@ -125,8 +131,10 @@ def main():
     "stage 3, fp32 params, no master copy",
     "optimizers": {},
   }
+  isa = re.search(r"--xla_cpu_max_isa=(\w+)", result["xla_flags"])
   path = pathlib.Path(args.out) / (
-    f"rows_rounding_{device.platform}{jax.device_count()}_jax{jax.__version__}.json"
+    f"rows_rounding_{device.platform}{jax.device_count()}"
+    f"{'_isa' + isa[1] if isa else ''}_jax{jax.__version__}.json"
   )
   path.parent.mkdir(parents=True, exist_ok=True)
   for name in args.optimizers.split(","):
