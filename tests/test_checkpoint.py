@@ -282,3 +282,46 @@ def test_lean_save_options_read_back_bitwise_either_way(tmp_path, write, read):
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
     assert a.shape == b.shape and a.sharding == b.sharding
     assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# target options that only some stages or meshes accept: the checkpoint's
+# own stage and mesh may not (offload_params needs stage 3, offload_grads
+# stage 2-3 with offload=True, qgZ a stage above 0, hpZ a mesh larger
+# than its partition)
+STAGE_BOUND_TARGETS = {
+  "offload_params": dict(stage=3, offload_params=True),
+  "offload_grads": dict(stage=3, offload=True, offload_grads=True),
+  "qgZ": dict(stage=2, zeropp=zerojax.ZeroPP(grad_bits=8)),
+  "hpZ": dict(stage=3, zeropp=zerojax.ZeroPP(hpz_size=4)),
+}
+
+
+@pytest.mark.parametrize("target", STAGE_BOUND_TARGETS)
+@pytest.mark.parametrize("saved", [(0, 8), (1, 4)])
+def test_restore_into_options_the_saved_stage_does_not_take(
+  tmp_path, saved, target
+):
+  """A stage-0 checkpoint of 8 devices, or a stage-1 one of 4, restores
+  into a target whose options the saved stage or mesh would refuse: the
+  saved layout is read as saved, the target's options apply to the
+  target alone."""
+  stage, n = saved
+  params = toy.init_params(jax.random.key(0))
+  opt = optax.adamw(1e-2)
+  tx1 = zerojax.zero(opt, stage=stage, mesh=_devices(n), policy=BF16)
+  state = zerojax.init(params, tx1)
+  state, _ = zerojax.train_step(toy.loss_fn, tx1)(state, toy.batches(1)[0])
+  tx2 = zerojax.zero(opt, policy=BF16, **STAGE_BOUND_TARGETS[target])
+  with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(state)
+    restored, _ = ckpt.restore(params, tx2)
+  assert restored.spec.tx == tx2
+  chex.assert_trees_all_equal(
+    zerojax.gather_params(restored, master=True),
+    zerojax.gather_params(state, master=True),
+  )
+  chex.assert_trees_all_equal(
+    zerojax.gather_opt_state(restored), zerojax.gather_opt_state(state)
+  )
+  _, m = zerojax.train_step(toy.loss_fn, tx2)(restored, toy.batches(1)[0])
+  assert np.isfinite(float(m["loss"]))

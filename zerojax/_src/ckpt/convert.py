@@ -25,6 +25,7 @@ from zerojax._src.records.spec import (
   is_key_dtype,
   make_spec,
 )
+from zerojax._src.records.zeropp import ZeroPP
 
 
 def policy_from(meta) -> Policy:
@@ -34,6 +35,22 @@ def policy_from(meta) -> Policy:
     param_dtype=get("param_dtype"),
     master_dtype=get("master_dtype"),
     reduce_dtype=get("reduce_dtype"),
+  )
+
+
+def _saved_tx(tx, **saved):
+  """``tx`` with the checkpoint's own stage, mesh and policy (``saved``),
+  and none of the target's placement or ZeRO++ options: those describe
+  the target alone (where its state lives, how its step communicates),
+  not the saved arrays, and some are refused at other stages or meshes
+  (``offload_params`` below stage 3, qgZ at stage 0, hpZ on a mesh no
+  larger than its partition)."""
+  return tx.replace(
+    offload=False,
+    offload_params=False,
+    offload_grads=False,
+    zeropp=ZeroPP(),
+    **saved,
   )
 
 
@@ -76,7 +93,8 @@ def source_spec(meta, params_template, tx, where) -> StateSpec:
     mesh = AbstractMesh(
       (meta["n_devices"],), (tx.axis_name,), axis_types=(AxisType.Auto,)
     )
-    source_tx = tx.replace(
+    source_tx = _saved_tx(
+      tx,
       stage=meta["stage"],
       mesh=mesh,
       policy=policy_from(meta),
@@ -89,7 +107,8 @@ def source_spec(meta, params_template, tx, where) -> StateSpec:
     names,
     axis_types=(AxisType.Auto,) * len(names),
   )
-  source_tx = tx.replace(
+  source_tx = _saved_tx(
+    tx,
     stage=meta["stage"],
     mesh=mesh,
     policy=policy_from(meta),
