@@ -762,6 +762,25 @@ def test_stage0_init_draws_each_leaf_split_over_the_data_axis(mesh):
 
 
 # --- from test_offload.py ---------------------------------------------
+@pytest.mark.parametrize(
+  "sizes", [[91, 35, 147, 21, 3, 1], [5, 5, 9, 1, 1, 30]]
+)
+def test_every_share_the_rule_lists_is_reached_by_exactly_that_fraction(sizes):
+  """``ShareChoice.reached`` (what the planner weighs, what the share
+  warning names) lists shares ``chosen_for_share`` reaches exactly, and
+  every share it reaches for a fine grid of fractions is listed."""
+  trainable = [True] * len(sizes)
+  shares = _host_memory.ShareChoice.of(sizes, trainable).reached()
+  held = lambda f: (
+    sum(sizes[i] for i in _host_memory.chosen_for_share(sizes, trainable, f))
+    / sum(sizes)
+  )
+  for share in shares:
+    assert held(float(share)) == pytest.approx(share)
+  for f in np.linspace(0.001, 0.999, 500):
+    assert np.isclose(shares, held(float(f))).any(), f
+
+
 def test_init_builds_the_offloaded_state_a_group_at_a_time_in_host_memory():
   from zerojax._src.step import state as _state  # the init module, under test
 

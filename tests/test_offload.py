@@ -10,6 +10,8 @@ non-offloaded layouts, bit for bit.
 
 import dataclasses
 import functools
+import re
+import warnings
 
 import chex
 import jax
@@ -352,6 +354,40 @@ def test_a_small_share_is_met_by_a_smaller_leaf_than_the_largest():
     offload=fraction,
   )
   assert plan.host == zerojax.diagnostics.memory_bytes(state)["pinned_host"]
+
+
+def test_a_share_reached_far_above_the_one_asked_warns_with_the_share_below():
+  """The toy's leaves reach no share between 11.7% and 30.5%: asking 0.2
+  keeps 30.5% on the host and warns, naming offload=0.1174; a share met
+  within 10 points (0.3 -> 30.5%) does not warn, nor does the share
+  named, which is reached exactly."""
+  params = toy.init_params(jax.random.key(0))
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, offload=0.2, policy=BF16)
+  with pytest.warns(UserWarning, match=r"offload=0.2 keeps 30.5%") as got:
+    state = zerojax.init(params, tx)
+  [msg] = [str(w.message) for w in got if "keeps" in str(w.message)]
+  named = re.search(r"offload=([0-9.]+) keeps 11.7%", msg)
+  assert named, msg
+  step = zerojax.train_step(toy.loss_fn, tx)
+  text = str(zerojax.report(step, state, toy.batches(1)[0]))
+  want = "30.5% of master + optimizer state on the host (offload=0.2 asked"
+  assert want in text
+  for share, reached in ((float(named[1]), 0.117), (0.3, 0.305)):
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      other = zerojax.zero(
+        optax.adamw(1e-2), stage=3, offload=share, policy=BF16
+      )
+      other_state = zerojax.init(params, other)
+    assert not [w for w in seen if "keeps" in str(w.message)]
+    assert _host_share(other_state) == pytest.approx(reached, abs=5e-4)
+
+
+def _host_share(state):
+  """The share of the state's master copy + optimizer bytes on the host."""
+  return zerojax.report(
+    zerojax.train_step(toy.loss_fn, state.spec.tx), state, toy.batches(1)[0]
+  ).offload["host_fraction"]
 
 
 def test_host_bytes_per_step_in_the_compiled_program_equal_the_planners():

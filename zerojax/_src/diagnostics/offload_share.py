@@ -73,16 +73,7 @@ def share_candidates(
   choice = _host_memory.ShareChoice.of(
     sizes, [r.trainable for r in spec.leaves]
   )
-  # the shares reached: a prefix of the largest leaves and one more leaf
-  # (one of each size suffices: equal sizes reach equal shares)
-  trained = choice.sizes[choice.sizes > 0]
-  prefixes = np.concatenate([[0], np.cumsum(trained)])
-  distinct = np.unique(trained)
-  # a size is among trained[k:] while k is at most its last position
-  last = np.searchsorted(-trained, -distinct, side="right") - 1
-  k = np.arange(len(trained))[:, None]
-  reached = (prefixes[:-1, None] + distinct[None, :])[k <= last[None, :]]
-  shares = np.unique(np.minimum(reached / max(choice.total, 1), 1.0))
+  shares = choice.reached()
   below = shares < 1.0
   kk = np.full(len(shares), len(choice.order))
   q = np.full(len(shares), -1)

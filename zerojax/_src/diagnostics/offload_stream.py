@@ -13,10 +13,11 @@ from zerojax._src.step import offload as _offload
 
 def describe(spec: StateSpec, extra_avals=None) -> dict:
   """How an offloaded state's update runs, from shapes alone:
-  ``{"host_fraction", "streamed", "chunks", "prefetched", "crossing",
-  "in_flight_fraction", "largest_chunk_fraction", "norm_first",
+  ``{"host_fraction", "asked_fraction", "streamed", "chunks", "prefetched",
+  "crossing", "in_flight_fraction", "largest_chunk_fraction", "norm_first",
   "norm_first_peak_fraction", "norm_passes", "reason"}``: the share
-  of the master copy and optimizer state's bytes kept in host memory; the
+  of the master copy and optimizer state's bytes kept in host memory and
+  the share ``offload=`` asked (whole leaves meet it from above); the
   chunks loaded while the one before them is updated
   (:attr:`~zerojax._src.step.offload.Plan.prefetched`), and those loaded while its results go back
   (:attr:`~zerojax._src.step.offload.Plan.crossing`);
@@ -26,7 +27,11 @@ def describe(spec: StateSpec, extra_avals=None) -> dict:
   chunks, the most of the gradients on the device while it is, and in
   how many passes (:func:`_norm_first`); ``reason``: why the whole state is updated at
   once."""
-  return {"host_fraction": host_fraction(spec), **_stream(spec, extra_avals)}
+  return {
+    "host_fraction": host_fraction(spec),
+    "asked_fraction": spec.config.offload_fraction,
+    **_stream(spec, extra_avals),
+  }
 
 
 def host_fraction(spec: StateSpec) -> float:

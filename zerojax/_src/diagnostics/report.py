@@ -168,6 +168,11 @@ class Report:
         )
         + "); "
         f"{o['host_fraction']:.1%} of master + optimizer state on the host"
+        + (
+          f" (offload={o['asked_fraction']:g} asked; whole leaves)"
+          if 0 < o["asked_fraction"] < 1
+          else ""
+        )
         if o["streamed"]
         else f"whole state at once ({o['reason']})"
       )

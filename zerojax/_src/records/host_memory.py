@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,19 @@ class ShareChoice:
       int(sum(sizes)),
     )
 
+  def reached(self) -> np.ndarray:
+    """Every share the rule reaches, ascending, each reached by exactly
+    that fraction: a prefix of the largest leaves and one more leaf (one
+    of each size suffices: equal sizes reach equal shares)."""
+    trained = self.sizes[self.sizes > 0]
+    prefixes = np.concatenate([[0], np.cumsum(trained)])
+    distinct = np.unique(trained)
+    # a size is among trained[k:] while k is at most its last position
+    last = np.searchsorted(-trained, -distinct, side="right") - 1
+    k = np.arange(len(trained))[:, None]
+    reached = (prefixes[:-1, None] + distinct[None, :])[k <= last[None, :]]
+    return np.unique(np.minimum(reached / max(self.total, 1), 1.0))
+
   def choose(self, fractions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(k, q)`` per fraction in (0, 1)."""
     s, n = self.sizes, len(self.sizes)
@@ -112,7 +126,9 @@ def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
   so the share reached can exceed the one asked (the report states
   it)."""
   sizes = offload_bytes(leaves, opt_leaves, has_master)
-  host = chosen_for_share(sizes, [r.trainable for r in leaves], fraction)
+  trainable = [r.trainable for r in leaves]
+  host = chosen_for_share(sizes, trainable, fraction)
+  _warn_if_share_far_above(sizes, trainable, fraction, host)
   if not host:
     return tuple(leaves), tuple(opt_leaves)
   on_host = lambda p: dataclasses.replace(p, offload=True)
@@ -125,6 +141,38 @@ def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
     if owners[j] is None or owners[j] in host
     else o
     for j, o in enumerate(opt_leaves)
+  )
+
+
+# how far above the asked share the reached one may lie unmentioned
+_SHARE_SLACK = 0.1
+
+
+def _warn_if_share_far_above(sizes, trainable, fraction, host):
+  """A warning when whole leaves put more than ``_SHARE_SLACK`` of the
+  state above the share asked in host memory, naming the nearest share
+  below that the leaves reach (what to pass instead)."""
+  if not 0.0 < fraction < 1.0:
+    return
+  total = max(sum(sizes), 1)
+  got = sum(sizes[i] for i in host) / total
+  if got - fraction <= _SHARE_SLACK:
+    return
+  shares = ShareChoice.of(sizes, trainable).reached()
+  below = shares[shares < fraction * (1 - 1e-12)]
+  instead = (
+    f"offload={float(below[-1]):.4g} keeps {float(below[-1]):.1%}"
+    if len(below)
+    else "no smaller share is reached"
+  )
+  warnings.warn(
+    f"zerojax: offload={fraction:g} keeps {got:.1%} of the master "
+    f"copy and optimizer state in host memory: the share is met with "
+    f"whole leaves, and the model's leaves reach none between "
+    f"{fraction:.1%} and {got:.1%} ({instead}). Pass the share to keep, "
+    f"or zerojax.cost.offload_fraction_needed(...) for the least one "
+    f"with which the device's working set fits.",
+    stacklevel=2,
   )
 
 
