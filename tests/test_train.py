@@ -213,6 +213,14 @@ def test_main_job_offload_flag_takes_a_share():
     dataclasses.replace(config, devices=8), zerojax.make_mesh("data=8")
   )
   assert tx.config.offload == 0.25
+  # the params' shards go to the host with any share of the state, or none
+  for share in ([], ["--offload", "0.5"]):
+    config = train.parse_args([*share, "--offload-params", "--width", "32"])
+    tx, _ = train._optimizer(
+      dataclasses.replace(config, devices=8), zerojax.make_mesh("data=8")
+    )
+    assert tx.config.offload_params
+    assert tx.config.offload == (0.5 if share else 0.0)
 
 
 def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
@@ -263,8 +271,12 @@ def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
     (["--offload", "1.5"], "--offload=1.5 must be a share in [0, 1]"),
     (["--offload-grads"], "--offload-grads needs --stage 2 or 3 and --offload"),
     (
-      ["--offload", "0.5", "--offload-params"],
-      "--offload-params needs --stage 3 and --offload (all of it)",
+      ["--stage", "2", "--offload", "0.5", "--offload-params"],
+      "--offload-params needs --stage 3 (got --stage 2)",
+    ),
+    (
+      ["--offload", "0.5", "--offload-grads"],
+      "--offload-grads needs --stage 2 or 3 and --offload (all of it)",
     ),
   ],
 )

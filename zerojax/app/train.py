@@ -136,8 +136,8 @@ class TrainConfig:
   )
   offload_params: bool = _opt(
     False,
-    "stage 3 with --offload: the params' shards in host memory too, each "
-    "layer brought down before its gather",
+    "stage 3: the params' shards in host memory, each layer brought down "
+    "before its gather (with or without --offload, any share)",
   )
   offload_grads: bool = _opt(
     False,
@@ -266,15 +266,16 @@ def check(config: TrainConfig) -> list[str]:
       f"--offload={config.offload} must be a share in [0, 1] "
       f"(--offload alone: all of it)"
     )
-  for flag, stages in (("offload_params", (3,)), ("offload_grads", (2, 3))):
-    if getattr(config, flag) and (
-      config.stage not in stages or config.offload != 1.0
-    ):
-      problems.append(
-        f"--{flag.replace('_', '-')} needs --stage "
-        f"{' or '.join(map(str, stages))} and --offload (all of it); got "
-        f"--stage {config.stage} --offload {config.offload}"
-      )
+  if config.offload_params and config.stage != 3:
+    problems.append(
+      f"--offload-params needs --stage 3 (got --stage {config.stage}): "
+      f"only stage 3 gathers each layer from its shard"
+    )
+  if config.offload_grads and (config.stage < 2 or config.offload != 1.0):
+    problems.append(
+      f"--offload-grads needs --stage 2 or 3 and --offload (all of it); got "
+      f"--stage {config.stage} --offload {config.offload}"
+    )
   if config.width and config.heads and config.width % config.heads:
     problems.append(
       f"--heads={config.heads} does not divide --width={config.width}"
