@@ -170,8 +170,12 @@ def test_plain_linen_model_warns_and_falls_back_at_stage3(mesh):
   tx = zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
   state = zerojax.init(params, tx)
   step = zerojax.train_step(loss, tx)
-  with pytest.warns(UserWarning, match="gathers the whole parameter tree"):
+  with pytest.warns(
+    UserWarning, match="gathers the whole parameter tree"
+  ) as got:
     state, _ = step(state, BATCH)
+  # traced inside the jitted step, it names the line that called the step
+  assert {w.filename for w in got if "whole" in str(w.message)} == {__file__}
   state, _ = step(state, BATCH)
   for a, b in zip(
     jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)

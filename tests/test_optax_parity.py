@@ -154,8 +154,10 @@ def test_leaves_not_trained_are_said_in_a_warning(mesh):
     UserWarning, match=r"params\['ids'\] \(int32\).*not trained"
   ):
     zerojax.init({"w": jnp.ones((8,)), "ids": jnp.arange(3)}, tx)
-  with pytest.warns(UserWarning, match=r"params\['ids'\] \(int32\)"):
+  with pytest.warns(UserWarning, match=r"params\['ids'\] \(int32\)") as got:
     tx.init({"w": jnp.ones((8,)), "ids": jnp.arange(3)})
+  # the warning names the caller's line, not one inside zerojax
+  assert {w.filename for w in got} == {__file__}, [w.filename for w in got]
 
 
 @pytest.mark.parametrize("shape", [(2,), (5, 12), (7, 300), (3, 1, 9)])

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from zerojax._src.records import warn as _warn
 
 
 def owner_indices(leaves, opt_leaves) -> tuple[int | None, ...]:
@@ -165,14 +166,13 @@ def _warn_if_share_far_above(sizes, trainable, fraction, host):
     if len(below)
     else "no smaller share is reached"
   )
-  warnings.warn(
+  _warn.warn(
     f"zerojax: offload={fraction:g} keeps {got:.1%} of the master "
     f"copy and optimizer state in host memory: the share is met with "
     f"whole leaves, and the model's leaves reach none between "
     f"{fraction:.1%} and {got:.1%} ({instead}). Pass the share to keep, "
     f"or zerojax.cost.offload_fraction_needed(...) for the least one "
     f"with which the device's working set fits.",
-    stacklevel=2,
   )
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +41,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.records import warn as _warn
 from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.mesh import explicit_names, named
 from zerojax._src.records.spec import StateSpec, gathered, make_spec
@@ -155,14 +155,13 @@ def _warn_off_mesh(spec: StateSpec, leaves):
       else ("the params")
     )
     verb = "is" if len(off) == 1 and off[0] else "are"
-    warnings.warn(
+    _warn.warn(
       f"ZeroTransformation.init: {what} "
       f"{verb} not placed on the mesh's {len(mesh_devices)} devices, so the "
       f"first update returns them there and a jitted step compiles a "
       f"second time. Create the params under jax.set_mesh(tx.mesh), or "
       f"place them first: params = jax.device_put(params, "
       f"jax.sharding.NamedSharding(tx.mesh, jax.sharding.PartitionSpec())).",
-      stacklevel=4,
     )
 
 

@@ -4,11 +4,10 @@ trained and mesh axes nothing uses."""
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import numpy as np
 
+from zerojax._src.records import warn as _warn
 from zerojax._src.records.spec import (
   StateSpec,
   ZeroState,
@@ -71,13 +70,12 @@ def _warn_idle_model_axes(spec: StateSpec, where: str):
     a: n for a, n in spec.tx.model_axes.items() if n > 1 and a not in used
   }
   if idle:
-    warnings.warn(
+    _warn.warn(
       f"{where}: mesh axes {idle} split no parameter (no model spec uses "
       f"them), so every device along them holds and computes the same "
       f"thing. Pass the model's shardings: zerojax.zero(..., model_specs="
       f"zerojax.linen.model_specs(variables, rules)) (or nnx.model_specs, "
       f"or a tree of PartitionSpec), or drop the axis from the mesh.",
-      stacklevel=3,
     )
 
 
@@ -90,12 +88,11 @@ def warn_untrained(spec: StateSpec, where: str):
     return
   names = ", ".join(f"params{p} ({d})" for p, d in frozen[:4])
   more = f" and {len(frozen) - 4} more" if len(frozen) > 4 else ""
-  warnings.warn(
+  _warn.warn(
     f"{where}: {names}{more} are neither floating nor complex, so they are "
     f"carried unchanged and not trained (jax.grad cannot differentiate "
     f"them, so Optax would not train them either). Pass such buffers as "
     f"model_state (or drop them from the params) to silence this.",
-    stacklevel=3,
   )
 
 

@@ -15,7 +15,6 @@ the loss as a :class:`~zerojax.ShardedParam`, ``None`` otherwise.
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import jax
@@ -26,6 +25,7 @@ from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import layers as _layers
 from zerojax._src.records import host_memory as _host_memory
+from zerojax._src.records import warn as _warn
 from zerojax._src.records.spec import StateSpec
 from zerojax._src.step.loss_call import LossArgs, LossOutputError, LossProgram
 
@@ -186,20 +186,19 @@ def _whole_tree_cost(spec: StateSpec) -> str:
 
 
 def warn_unreadable(spec: StateSpec, reason: str, what: str):
-  warnings.warn(
+  _warn.warn(
     f"zerojax stage {spec.stage} {what}: {reason}, so it cannot prove that "
     f"the loss uses its sharded parameters only through zerojax.gather. "
     f"To stay exact it gathers the whole parameter tree at the start of "
     f"the loss (not lean): {_whole_tree_cost(spec)}. This is a limitation "
     f"of zerojax with this JAX release, not a fault in your loss; please "
     f"report it. gather='all' silences this warning.",
-    stacklevel=3,
   )
 
 
 def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
   cost = _whole_tree_cost(spec)
-  warnings.warn(
+  _warn.warn(
     f"zerojax stage {spec.stage} {what}: loss_fn does not only gather its "
     f"parameters ({reason}), so zerojax gathers the whole parameter tree "
     f"at the start of the loss (exact, not lean): {cost}. To gather per "
@@ -207,7 +206,6 @@ def warn_whole_tree_gather(spec: StateSpec, reason: str, what: str):
     f"(zerojax then gathers one layer per iteration), or call "
     f"zerojax.gather(layer_params) in the (jax.checkpoint-ed) body; pass "
     f"gather='all' to silence this, gather='model' to make it an error.",
-    stacklevel=3,
   )
 
 
@@ -223,7 +221,7 @@ def warn_placement(spec: StateSpec, placed, reason: str, what: str):
   if both:
     names = ", ".join(f"params{spec.leaves[i].path}" for i in both[:5])
     more = f" (and {len(both) - 5} more)" if len(both) > 5 else ""
-    warnings.warn(
+    _warn.warn(
       f"zerojax stage {spec.stage} {what}: {names}{more} are gathered per "
       f"layer inside the loss's lax.scan and also whole, because the loss "
       f"uses them outside the scan too (e.g. a penalty over the whole "
@@ -231,7 +229,6 @@ def warn_placement(spec: StateSpec, placed, reason: str, what: str):
       f"{'values are' if spec.stage == 3 else 'gradients are'} live per "
       f"device at once (exact, not lean). Use them only inside the scan to "
       f"keep them per layer; gather='all' silences this.",
-      stacklevel=3,
     )
 
 
