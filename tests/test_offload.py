@@ -236,9 +236,22 @@ def test_offloaded_update_takes_static_extra_arguments():
 
 
 def test_offload_flag_is_validated():
-  for bad in ("cpu", 1, 1.5, -0.1):
-    with pytest.raises(TypeError, match=f"offload={bad!r}.*fraction"):
+  for bad, error in (
+    ("cpu", TypeError),
+    (1, TypeError),
+    (1.5, ValueError),
+    (-0.1, ValueError),
+    (float("nan"), ValueError),
+  ):
+    with pytest.raises(error, match=f"offload={bad!r}.*fraction"):
       zerojax.zero(optax.adam(1e-3), stage=1, offload=bad)
+  # NumPy's bools and floats are the same settings as Python's
+  for given, plain in ((np.True_, True), (np.float32(0.25), 0.25)):
+    tx = zerojax.zero(optax.adam(1e-3), stage=1, offload=given)
+    assert type(tx.offload) is type(plain) and tx.offload == plain
+    assert f"offload={plain!r}" in repr(tx)
+  tx = zerojax.zero(optax.adam(1e-3), stage=3, offload_params=np.True_)
+  assert tx.config.offload_params is True
   assert "offload=True" in repr(
     zerojax.zero(optax.adam(1e-3), stage=1, offload=True)
   )

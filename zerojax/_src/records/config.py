@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AbstractMesh, Mesh
 
@@ -111,6 +112,8 @@ class ZeroConfig:
       self, "model_specs", _model_axes.as_lookup(self.model_specs)
     )
     _check_policy(self.policy)
+    for name in ("offload", "offload_params", "offload_grads"):
+      object.__setattr__(self, name, _plain_flag(getattr(self, name)))
     _check_offload(self.offload)
     self._check_offload_params()
     self._check_offload_grads()
@@ -327,20 +330,31 @@ def _check_zeropp(zeropp, stage: int, mesh: Mesh, axis_name: str):
     )
 
 
+def _plain_flag(value):
+  """A NumPy bool or float (a flag read from an array or a config file)
+  as the Python one, so the config compares, hashes and prints as the
+  same setting given plainly."""
+  if isinstance(value, np.bool_):
+    return bool(value)
+  if isinstance(value, np.floating):
+    return float(value)
+  return value
+
+
 def _check_offload(offload):
   """``offload``: a bool, or the fraction of the state in host memory."""
   if isinstance(offload, bool):
     return
-  if (
-    not isinstance(offload, numbers.Real)
-    or isinstance(offload, numbers.Integral)
-    or not 0.0 <= float(offload) <= 1.0
-  ):
-    raise TypeError(
+  real = isinstance(offload, numbers.Real) and not isinstance(
+    offload, numbers.Integral
+  )
+  if not real or not 0.0 <= float(offload) <= 1.0:
+    raise (TypeError if not real else ValueError)(
       f"zerojax.zero: offload={offload!r}; pass True (master copy and "
       f"optimizer state in host memory), False, or the fraction of their "
       f"bytes to keep in host memory as a float in [0, 1], e.g. "
-      f"offload=0.5 (zerojax.plan_stage's host figures size it)."
+      f"offload=0.5 (zerojax.cost.offload_fraction_needed names the "
+      f"least share with which a device's working set fits)."
     )
 
 
