@@ -99,29 +99,28 @@ def host_state_bytes(spec) -> float:
   return out
 
 
-def host_state_bytes_by_leaf(spec) -> tuple[list[float], float]:
+def host_state_bytes_by_unit(spec, units) -> tuple[list[float], float]:
   """Per-device bytes of the master copy and optimizer state that offload
-  puts in host memory, wherever each leaf now is: per param leaf (its
-  master copy and the optimizer leaves it owns), and the shared optimizer
-  leaves' (a step count), which go with any leaf."""
+  puts in host memory, wherever each array now is: per unit of ``units``
+  (:func:`~zerojax._src.records.host_memory.share_units`: a leaf's master
+  copy, an optimizer leaf it owns), and the shared optimizer leaves' (a
+  step count), which go with any unit."""
   n, sizes = spec.tx.num_shards, spec.tx.model_axes
-  per_leaf = [
-    layout_bytes(r.shard, n, sizes, np.dtype(r.master_dtype).itemsize)
-    if r.trainable and spec.policy.has_master
-    else 0.0
-    for r in spec.leaves
-  ]
-  shared = 0.0
+
+  def laid_out(u):
+    if u.opt is None:
+      r = spec.leaves[u.leaf]
+      return layout_bytes(r.shard, n, sizes, np.dtype(r.master_dtype).itemsize)
+    o = spec.opt_leaves[u.opt]
+    return layout_bytes(o.layout, n, sizes, np.dtype(o.aval.dtype).itemsize)
+
   owners = _host_memory.owner_indices(spec.leaves, spec.opt_leaves)
-  for o, i in zip(spec.opt_leaves, owners):
-    if _extended(o.aval.dtype):
-      continue
-    b = layout_bytes(o.layout, n, sizes, np.dtype(o.aval.dtype).itemsize)
-    if i is None:
-      shared += b
-    else:
-      per_leaf[i] += b
-  return per_leaf, shared
+  shared = sum(
+    layout_bytes(o.layout, n, sizes, np.dtype(o.aval.dtype).itemsize)
+    for o, i in zip(spec.opt_leaves, owners)
+    if i is None and not _extended(o.aval.dtype)
+  )
+  return [laid_out(u) for u in units], float(shared)
 
 
 def host_param_bytes(spec, *, stacked_only: bool = False) -> float:

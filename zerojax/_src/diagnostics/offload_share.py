@@ -6,10 +6,6 @@ shares that may fit are planned in full."""
 
 from __future__ import annotations
 
-import math
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.diagnostics import cost
@@ -29,9 +25,9 @@ def offload_fraction_needed(
   state, the streamed update's chunks and ``activations`` if given) fits
   ``memory_bytes`` per device: 0.0 when it fits without offload, None when
   it does not fit even with all of it offloaded. Candidates are every
-  share ``zero`` reaches (whole leaves: the largest while below it, then
-  one smaller leaf), tried from the least: the device's need is not
-  monotone in the share, since the streamed update holds whole leaves'
+  share ``zero`` reaches (whole arrays: the largest while below it, then
+  one smaller array), tried from the least: the device's need is not
+  monotone in the share, since the streamed update holds whole arrays'
   chunks. A share is planned only where a lower bound of its working set
   fits (:func:`share_candidates`), so a model of many leaves plans a few
   shares, not every one. ``kwargs``: as
@@ -53,10 +49,10 @@ def share_candidates(
 ) -> tuple[np.ndarray, np.ndarray]:
   """Every share ``zero(..., offload=f)`` reaches, ascending, and a lower
   bound of its plan's :attr:`StagePlan.working_set`, priced from one plan
-  with everything offloaded and the leaves ``zero``'s rule
+  with everything offloaded and the arrays ``zero``'s rule
   (:class:`~zerojax._src.records.host_memory.ShareChoice`) picks: what
   stays on the device exactly, plus the least the streamed update can
-  hold (a chunk's old and new state, a chunk at least the largest leaf
+  hold (a chunk's old and new state, a chunk at least the largest array
   streamed whole or one row of a stack of matrices, which may stream by
   rows: :mod:`zerojax._src.step.offload`)."""
   full = plan_stage(abstract_params, stage, n_devices, offload=True, **kwargs)
@@ -67,11 +63,11 @@ def share_candidates(
     offload=True,
     **{k: v for k, v in kwargs.items() if k not in _PLAN_ONLY},
   )
-  sizes = _host_memory.offload_bytes(
+  units = _host_memory.share_units(
     spec.leaves, spec.opt_leaves, spec.policy.has_master
   )
   choice = _host_memory.ShareChoice.of(
-    sizes, [r.trainable for r in spec.leaves]
+    [u.size for u in units], [True] * len(units)
   )
   shares = choice.reached()
   below = shares < 1.0
@@ -80,7 +76,7 @@ def share_candidates(
   kk[below], q[below] = choice.choose(shares[below])
 
   def over_chosen(x, reduce):
-    """``reduce`` (sum or max) of per-leaf ``x`` over each share's leaves."""
+    """``reduce`` (sum or max) of per-unit ``x`` over each share's units."""
     x = np.array([x[i] for i in choice.order], dtype=np.float64)
     run = np.concatenate(
       [[0.0], np.cumsum(x) if reduce is np.add else np.maximum.accumulate(x)]
@@ -88,41 +84,44 @@ def share_candidates(
     extra = np.where(q >= 0, x[np.maximum(q, 0)], 0.0) if len(x) else 0.0
     return reduce(run[kk], extra)
 
-  per_leaf, shared = cost.host_state_bytes_by_leaf(spec)
-  host = over_chosen(per_leaf, np.add) + shared
+  per_unit, shared = cost.host_state_bytes_by_unit(spec, units)
+  host = over_chosen(per_unit, np.add) + shared
   resident = (
     full.total + full.activations - (host + full.params_host + full.grads_host)
   )
-  item, least_item = _stream_items(spec)
+  # a chunk carries a param's arrays in host memory together, at least
+  # one row of them where the stream may split its leaf by rows (the rule
+  # :func:`~zerojax._src.step.offload_rows.stack_rows` starts from)
+  item = [float(u.size) for u in units]
+  least = [
+    u.size / r.aval.shape[0]
+    if _rows.may_stream_by_rows(r.aval.shape)
+    else u.size
+    for u, r in ((u, spec.leaves[u.leaf]) for u in units)
+  ]
   fraction = np.minimum(
     2
-    * over_chosen(least_item, np.maximum)
+    * _largest_param(units, choice, least, kk, q)
     / np.maximum(over_chosen(item, np.add), 1),
     1.0,
   )
   return shares, resident + fraction * (host + full.grads_host)
 
 
-def _stream_items(spec) -> tuple[list[int], list[float]]:
-  """Per param leaf, the logical bytes the streamed update moves for it
-  (its weights as the update writes them and the optimizer state it owns;
-  0 for a frozen leaf), and the least of them one chunk can carry: a row
-  where the stream may split it by rows (the rule
-  :func:`~zerojax._src.step.offload_rows.stack_rows` starts from), else
-  all of it."""
-  owners = _host_memory.owner_indices(spec.leaves, spec.opt_leaves)
-  dtype = lambda r: (
-    r.master_dtype if spec.policy.has_master else r.compute_dtype
-  )
-  item = [
-    math.prod(r.aval.shape) * np.dtype(dtype(r)).itemsize if r.trainable else 0
-    for r in spec.leaves
-  ]
-  for o, i in zip(spec.opt_leaves, owners):
-    if i is not None and not jnp.issubdtype(o.aval.dtype, jax.dtypes.extended):
-      item[i] += math.prod(o.aval.shape) * np.dtype(o.aval.dtype).itemsize
-  least = [
-    b / r.aval.shape[0] if _rows.may_stream_by_rows(r.aval.shape) else b
-    for b, r in zip(item, spec.leaves)
-  ]
-  return item, least
+def _largest_param(units, choice, least, kk, q) -> np.ndarray:
+  """Per share (``order[:kk]`` and ``order[q]``), the most of ``least``
+  one param's chosen units hold together."""
+  n = len(choice.order)
+  if not n:
+    return np.zeros(len(kk))
+  param = np.array([units[u].leaf for u in choice.order])
+  _, param = np.unique(param, return_inverse=True)
+  x = np.array([least[u] for u in choice.order], dtype=np.float64)
+  # per prefix length, each param's sum and the largest of them
+  held = np.zeros((n + 1, param.max() + 1))
+  held[1:][np.arange(n), param] = x
+  held = np.cumsum(held, axis=0)
+  largest = held.max(axis=1)
+  qq = np.maximum(q, 0)
+  with_q = held[kk, param[qq]] + x[qq]
+  return np.where(q >= 0, np.maximum(largest[kk], with_q), largest[kk])

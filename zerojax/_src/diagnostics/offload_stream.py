@@ -17,7 +17,7 @@ def describe(spec: StateSpec, extra_avals=None) -> dict:
   "crossing", "in_flight_fraction", "largest_chunk_fraction", "norm_first",
   "norm_first_peak_fraction", "norm_passes", "reason"}``: the share
   of the master copy and optimizer state's bytes kept in host memory and
-  the share ``offload=`` asked (whole leaves meet it from above); the
+  the share ``offload=`` asked (whole arrays meet it from above); the
   chunks loaded while the one before them is updated
   (:attr:`~zerojax._src.step.offload.Plan.prefetched`), and those loaded while its results go back
   (:attr:`~zerojax._src.step.offload.Plan.crossing`);
@@ -37,11 +37,9 @@ def describe(spec: StateSpec, extra_avals=None) -> dict:
 def host_fraction(spec: StateSpec) -> float:
   """The share of the master copy and optimizer state's bytes (those of
   trained leaves) kept in host memory."""
-  sizes = _host_memory.offload_bytes(
+  return _host_memory.held_fraction(
     spec.leaves, spec.opt_leaves, spec.policy.has_master
   )
-  held = sum(n for n, r in zip(sizes, spec.leaves) if r.place.offload)
-  return held / max(sum(sizes), 1)
 
 
 def _stream(spec: StateSpec, extra_avals) -> dict:
@@ -72,7 +70,12 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
       "reason": reason,
     }
   own = _offload.owners(spec)
-  host = lambda i: spec.leaves[i].place.offload
+  host = _host_memory.streamed(spec.leaves, spec.opt_leaves)
+  # the bytes the stream moves for param i: its weights with its master
+  # copy in host memory (without one: with any of its state) and the
+  # state it owns there
+  w_host = lambda i: spec.leaves[i].place.offload
+  o_host = lambda j: spec.opt_leaves[j].place.offload
 
   def share(i, span):  # the fraction of param i's rows a chunk holds
     if span is None:
@@ -83,24 +86,26 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
     sum(
       share(i, s)
       * (
-        _offload.nbytes(w_avals[i])
+        _offload.nbytes(w_avals[i]) * w_host(i)
         + sum(
-          _offload.nbytes(spec.opt_leaves[j].aval) for j in o if own[j] == i
+          _offload.nbytes(spec.opt_leaves[j].aval)
+          for j in o
+          if own[j] == i and o_host(j)
         )
       )
       for i, s in zip(c, p.rows_of(k))
-      if host(i)
+      if host[i]
     )
     for k, (c, o) in enumerate(zip(p.chunks, p.owned))
   ]
   total = sum(
     _offload.nbytes(a)
     for i, a in enumerate(w_avals)
-    if a is not None and host(i)
+    if a is not None and w_host(i)
   ) + sum(
     _offload.nbytes(spec.opt_leaves[j].aval)
     for j, q in enumerate(own)
-    if q is not None and host(q)
+    if q is not None and o_host(j)
   )
   return {
     "streamed": True,

@@ -169,7 +169,7 @@ class Report:
         + "); "
         f"{o['host_fraction']:.1%} of master + optimizer state on the host"
         + (
-          f" (offload={o['asked_fraction']:g} asked; whole leaves)"
+          f" (offload={o['asked_fraction']:g} asked; whole arrays)"
           if 0 < o["asked_fraction"] < 1
           else ""
         )

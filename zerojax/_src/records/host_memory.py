@@ -1,6 +1,7 @@
-"""Which leaves of the master copy and optimizer state live in host memory
-(``zero(..., offload=...)``): all, none, or whole leaves up to a fraction
-of their bytes. Read from the records alone, before anything is built."""
+"""Which arrays of the master copy and optimizer state live in host memory
+(``zero(..., offload=...)``): all, none, or whole arrays (a leaf's master
+copy, each optimizer-state leaf it owns) up to a fraction of their bytes.
+Read from the records alone, before anything is built."""
 
 from __future__ import annotations
 
@@ -28,27 +29,66 @@ def owner_indices(leaves, opt_leaves) -> tuple[int | None, ...]:
   return tuple(out)
 
 
-def offload_bytes(leaves, opt_leaves, has_master: bool) -> list[int]:
-  """Per param leaf, the logical bytes offload moves to host memory for it:
-  its master copy (when the policy keeps one) and the optimizer state it
-  owns (0 for a frozen leaf)."""
-  sizes = [
-    r.size * np.dtype(r.master_dtype).itemsize
-    if r.trainable and has_master
-    else 0
-    for r in leaves
-  ]
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """One array a share is met with: param leaf ``leaf``'s master copy
+  (``opt is None``) or optimizer-state leaf ``opt``, which it owns."""
+
+  leaf: int
+  opt: int | None
+  size: int  # logical bytes
+
+
+def share_units(leaves, opt_leaves, has_master: bool) -> list[Unit]:
+  """The arrays ``offload=`` a fraction places, param by param in tree
+  order (each trained leaf's master copy, when the policy keeps one, then
+  the optimizer leaves it owns in the state's order): the shared leaves
+  (a step count) and the owned ones of an extended dtype (a PRNG key) are
+  none, and go with any array (those of their owner)."""
+  owners = owner_indices(leaves, opt_leaves)
+  out = []
+  for i, r in enumerate(leaves):
+    if not r.trainable:
+      continue
+    if has_master:
+      out.append(Unit(i, None, r.size * np.dtype(r.master_dtype).itemsize))
+    for j, (o, p) in enumerate(zip(opt_leaves, owners)):
+      if p == i and not jnp.issubdtype(o.aval.dtype, jax.dtypes.extended):
+        size = math.prod(o.aval.shape) * np.dtype(o.aval.dtype).itemsize
+        out.append(Unit(i, j, size))
+  return out
+
+
+def on_host(u: Unit, leaves, opt_leaves) -> bool:
+  """Whether unit ``u`` is in host memory as the records place it."""
+  if u.opt is None:
+    return leaves[u.leaf].place.offload
+  return opt_leaves[u.opt].place.offload
+
+
+def held_fraction(leaves, opt_leaves, has_master: bool) -> float:
+  """The share of the units' bytes the records place in host memory."""
+  units = share_units(leaves, opt_leaves, has_master)
+  held = sum(u.size for u in units if on_host(u, leaves, opt_leaves))
+  return held / max(sum(u.size for u in units), 1)
+
+
+def streamed(leaves, opt_leaves) -> tuple[bool, ...]:
+  """Per param leaf: whether its update reads anything from host memory
+  (its master copy or an optimizer leaf it owns): the streamed update
+  brings it down in a chunk."""
+  out = [r.place.offload for r in leaves]
   for o, i in zip(opt_leaves, owner_indices(leaves, opt_leaves)):
-    if i is not None and not jnp.issubdtype(o.aval.dtype, jax.dtypes.extended):
-      sizes[i] += math.prod(o.aval.shape) * np.dtype(o.aval.dtype).itemsize
-  return sizes
+    if i is not None and o.place.offload:
+      out[i] = True
+  return tuple(out)
 
 
 def chosen_for_share(sizes, trainable, fraction: float) -> set[int]:
-  """The leaves whose master copy and state ``offload=fraction`` puts in
-  host memory: whole trained leaves, largest first (ties in tree order)
-  while they stay below ``fraction`` of ``sizes``' total, then the
-  smallest one left that reaches it. So the share reached is never above
+  """The items (:func:`share_units`) ``offload=fraction`` puts in host
+  memory: whole trained items, largest first (ties in order) while they
+  stay below ``fraction`` of ``sizes``' total, then the smallest one left
+  that reaches it. So the share reached is never above
   what taking leaves largest first until the share is reached gives (its
   last leaf is one of the completions weighed) and often well below: with
   a scanned model's few large leaves, a small share is met by a small
@@ -118,28 +158,40 @@ class ShareChoice:
 
 
 def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
-  """The records with each leaf's :class:`Placement`: a trained leaf's
-  master copy and optimizer state in host memory when the leaf is among
-  those :func:`chosen_for_share` picks for ``fraction`` of
-  :func:`offload_bytes`' total; shared optimizer leaves in host memory
-  when any leaf is. Whole leaves keep each leaf's update one computation
-  in one memory; a model scanned over its layers has few, large leaves,
-  so the share reached can exceed the one asked (the report states
-  it)."""
-  sizes = offload_bytes(leaves, opt_leaves, has_master)
-  trainable = [r.trainable for r in leaves]
-  host = chosen_for_share(sizes, trainable, fraction)
-  _warn_if_share_far_above(sizes, trainable, fraction, host)
-  if not host:
+  """The records with each array's :class:`Placement`: a unit
+  (:func:`share_units`) in host memory when it is among those
+  :func:`chosen_for_share` picks for ``fraction`` of their bytes; shared
+  optimizer leaves in host memory when any unit is, an owned key with its
+  owner. A param leaf's ``place.offload`` says its master copy is in host
+  memory (without one: any state it owns is). Whole arrays keep each
+  array one buffer in one memory; a model scanned over its layers has few,
+  large arrays, so the share reached can exceed the one asked (the report
+  states it)."""
+  units = share_units(leaves, opt_leaves, has_master)
+  sizes = [u.size for u in units]
+  if fraction >= 1.0:  # every trained leaf, sized or not
+    chosen = list(units)
+    streams = {i for i, r in enumerate(leaves) if r.trainable}
+  else:
+    picked = chosen_for_share(sizes, [True] * len(units), fraction)
+    _warn_if_share_far_above(sizes, fraction, picked)
+    chosen = [units[k] for k in sorted(picked)]
+    streams = {u.leaf for u in chosen}
+  if not streams:
     return tuple(leaves), tuple(opt_leaves)
-  on_host = lambda p: dataclasses.replace(p, offload=True)
+  masters = {u.leaf for u in chosen if u.opt is None} if has_master else streams
+  states = {u.opt for u in chosen if u.opt is not None}
+  sized = {u.opt for u in units if u.opt is not None}
+  host = lambda p: dataclasses.replace(p, offload=True)
   owners = owner_indices(leaves, opt_leaves)
   return tuple(
-    dataclasses.replace(r, place=on_host(r.place)) if i in host else r
+    dataclasses.replace(r, place=host(r.place)) if i in masters else r
     for i, r in enumerate(leaves)
   ), tuple(
-    dataclasses.replace(o, place=on_host(o.place))
-    if owners[j] is None or owners[j] in host
+    dataclasses.replace(o, place=host(o.place))
+    if owners[j] is None
+    or j in states
+    or (j not in sized and owners[j] in streams)
     else o
     for j, o in enumerate(opt_leaves)
   )
@@ -149,31 +201,44 @@ def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
 _SHARE_SLACK = 0.1
 
 
-def _warn_if_share_far_above(sizes, trainable, fraction, host):
-  """A warning when whole leaves put more than ``_SHARE_SLACK`` of the
+def _warn_if_share_far_above(sizes, fraction, host):
+  """A warning when whole arrays put more than ``_SHARE_SLACK`` of the
   state above the share asked in host memory, naming the nearest share
-  below that the leaves reach (what to pass instead)."""
+  below that the arrays reach (what to pass instead)."""
   if not 0.0 < fraction < 1.0:
     return
   total = max(sum(sizes), 1)
   got = sum(sizes[i] for i in host) / total
   if got - fraction <= _SHARE_SLACK:
     return
-  shares = ShareChoice.of(sizes, trainable).reached()
+  shares = ShareChoice.of(sizes, [True] * len(sizes)).reached()
   below = shares[shares < fraction * (1 - 1e-12)]
-  instead = (
-    f"offload={float(below[-1]):.4g} keeps {float(below[-1]):.1%}"
-    if len(below)
-    else "no smaller share is reached"
-  )
+  instead = "no smaller share is reached"
+  if len(below):
+    named = _shortest_reaching(sizes, float(below[-1]))
+    instead = f"offload={named:.12g} keeps {float(below[-1]):.1%}"
   _warn.warn(
     f"zerojax: offload={fraction:g} keeps {got:.1%} of the master "
     f"copy and optimizer state in host memory: the share is met with "
-    f"whole leaves, and the model's leaves reach none between "
+    f"whole arrays (a leaf's master copy, each of its optimizer-state "
+    f"leaves), and the model's arrays reach none between "
     f"{fraction:.1%} and {got:.1%} ({instead}). Pass the share to keep, "
     f"or zerojax.cost.offload_fraction_needed(...) for the least one "
     f"with which the device's working set fits.",
   )
+
+
+def _shortest_reaching(sizes, share: float) -> float:
+  """The decimal of fewest digits, not above ``share``, with which the
+  rule reaches ``share`` (a rounded-up share would pass it and reach the
+  next one)."""
+  every, total = [True] * len(sizes), max(sum(sizes), 1)
+  for digits in range(2, 16):
+    x = math.floor(share * 10**digits) / 10**digits
+    held = sum(sizes[i] for i in chosen_for_share(sizes, every, x)) / total
+    if x > 0 and abs(held - share) <= 1e-12:
+      return x
+  return share
 
 
 def vector_stack(r) -> bool:

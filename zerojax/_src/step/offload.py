@@ -1,8 +1,9 @@
 """Offload: the optimizer update streamed through device memory in chunks.
 
-Which leaves are offloaded (all, or whole leaves up to a share of the
-bytes) is in each leaf's record (:mod:`zerojax._src.records.host_memory`);
-a leaf kept on the device is updated in place within its chunk.
+Which arrays are offloaded (all, or whole arrays up to a share of the
+bytes: a leaf's master copy, each optimizer leaf) is in each leaf's record
+(:mod:`zerojax._src.records.host_memory`); an array kept on the device is
+updated in place within its chunk.
 
 With ``zero(..., offload=True)`` the master copy and the optimizer state
 live in ``pinned_host`` memory. XLA computes on device-memory operands, so
@@ -279,12 +280,19 @@ def plan(
         + (f"other leaves' {what}" if p is not None else f"the leaves' {what}")
       )
   # a leaf kept on the device costs no chunk room: it joins its neighbours
+  # (what the chunk moves: the weights with a master copy in host memory,
+  # without one with any state there, and the state in host memory)
+  streams = _host_memory.streamed(spec.leaves, spec.opt_leaves)
   sizes = [
     (
-      nbytes(w_avals[i])
-      + sum(nbytes(opt_avals[j]) for j, p in enumerate(own) if p == i)
+      nbytes(w_avals[i]) * spec.leaves[i].place.offload
+      + sum(
+        nbytes(opt_avals[j])
+        for j, p in enumerate(own)
+        if p == i and spec.opt_leaves[j].place.offload
+      )
     )
-    * spec.leaves[i].place.offload
+    * streams[i]
     for i in train
   ]
   items = []  # (param, row or None, bytes)

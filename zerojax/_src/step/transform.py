@@ -93,8 +93,9 @@ def zero(
       params, gradients and the update's working set; the host holds
       ``(4 + K) Ψ / N`` bytes (fp32 master plus K bytes of optimizer
       state per parameter). A float in ``[0, 1]`` offloads that fraction
-      of those bytes: whole leaves, the largest while they stay below
-      it, then the smallest that reaches it; the rest stays on the device
+      of those bytes: whole arrays (a leaf's master copy, each of its
+      optimizer-state leaves), the largest while they stay below it,
+      then the smallest that reaches it; the rest stays on the device
       (``zerojax.report(...).offload["host_fraction"]`` gives the share
       reached, and a warning names the nearest share below the one asked
       when the one reached lies over 10 points above it;
