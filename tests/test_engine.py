@@ -763,18 +763,22 @@ def test_stage0_init_draws_each_leaf_split_over_the_data_axis(mesh):
 
 # --- from test_offload.py ---------------------------------------------
 @pytest.mark.parametrize(
-  "sizes", [[91, 35, 147, 21, 3, 1], [5, 5, 9, 1, 1, 30]]
+  "sizes,leaf_of",
+  [
+    ([91, 35, 147, 21, 3, 1], [0, 1, 2, 3, 4, 5]),
+    ([5, 5, 9, 1, 1, 30], [0, 0, 1, 2, 2, 3]),
+    ([64, 64, 48, 48, 16, 16, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3]),
+  ],
 )
-def test_every_share_the_rule_lists_is_reached_by_exactly_that_fraction(sizes):
-  """``ShareChoice.reached`` (what the planner weighs, what the share
-  warning names) lists shares ``chosen_for_share`` reaches exactly, and
+def test_every_share_the_rule_lists_is_reached_by_exactly_that_fraction(
+  sizes, leaf_of
+):
+  """``ShareRule.reached`` (what the planner weighs, what the share
+  warning names) lists shares ``ShareRule.chosen`` reaches exactly, and
   every share it reaches for a fine grid of fractions is listed."""
-  trainable = [True] * len(sizes)
-  shares = _host_memory.ShareChoice.of(sizes, trainable).reached()
-  held = lambda f: (
-    sum(sizes[i] for i in _host_memory.chosen_for_share(sizes, trainable, f))
-    / sum(sizes)
-  )
+  rule = _host_memory.ShareRule.of(sizes, leaf_of)
+  shares = rule.reached()
+  held = lambda f: sum(sizes[i] for i in rule.chosen(f)) / sum(sizes)
   for share in shares:
     assert held(float(share)) == pytest.approx(share)
   for f in np.linspace(0.001, 0.999, 500):
@@ -1895,6 +1899,48 @@ def test_the_share_rule_for_many_shares_at_once_is_the_rule_for_one():
       assert got == _share_by_loop(sizes, trainable, f), (sizes, trainable, f)
       checked += 1
   assert checked > 1000
+
+
+def test_a_share_is_met_with_the_fewer_bytes_of_arrays_and_whole_leaves():
+  """zero's rule over arrays grouped in leaves picks whichever of the rule
+  over the arrays and over whole leaves keeps fewer bytes on the host
+  (whole leaves on a tie): never more than either alone. Two equal
+  moments per leaf: a 0.05 share of fp32 AdamW's moments on the GPU
+  bench's GPT (per layer 1, 3, 4 and 4 width-squared matrices, so 24
+  arrays of 1 to 4) is the smallest leaf's two moments (2/24), not the
+  next leaf's first moment (3/24)."""
+  rng = np.random.default_rng(1)
+  checked = 0
+  for _ in range(300):
+    n = int(rng.integers(1, 8))
+    per = [int(rng.integers(1, 4)) for _ in range(n)]
+    leaf_of = [i for i, k in enumerate(per) for _ in range(k)]
+    sizes = [int(x) for x in rng.choice([0, 1, 2, 3, 5, 8, 100], len(leaf_of))]
+    total = sum(sizes)
+    if not total:
+      continue
+    whole = [sum(s for s, g in zip(sizes, leaf_of) if g == i) for i in range(n)]
+    rule = _host_memory.ShareRule.of(sizes, leaf_of)
+    for f in (f for f in rng.random(6) if 0 < f < 1):
+      by_array = _share_by_loop(sizes, [True] * len(sizes), f)
+      by_leaf = _share_by_loop(whole, [True] * n, f)
+      by_leaf = {i for i, g in enumerate(leaf_of) if g in by_leaf}
+      bytes_of = lambda chosen: sum(sizes[i] for i in chosen)
+      want = by_leaf if bytes_of(by_leaf) <= bytes_of(by_array) else by_array
+      assert rule.chosen(f) == want, (sizes, leaf_of, f)
+      checked += 1
+  assert checked > 1000
+  bench = _host_memory.ShareRule.of(
+    [1, 1, 3, 3, 4, 4, 4, 4], [0, 0, 1, 1, 2, 2, 3, 3]
+  )
+  assert _rule_share(bench, 0.05) == pytest.approx(2 / 24)
+  assert _rule_share(
+    _host_memory.ShareRule.of(bench.sizes, range(8)), 0.05
+  ) == (pytest.approx(3 / 24))
+
+
+def _rule_share(rule, f):
+  return sum(rule.sizes[i] for i in rule.chosen(f)) / sum(rule.sizes)
 
 
 def _unscanned(layers, width=64):

@@ -132,8 +132,8 @@ class TrainConfig:
     "share of the fp32 master copy and optimizer state kept in host "
     "memory (pinned_host): --offload alone for all of it, --offload 0.5 "
     "for about half (whole arrays, a leaf's master copy or one of its "
-    "moments: the largest below the share, then the smallest that "
-    "reaches it)",
+    "moments, or whole leaves where they keep fewer bytes: the largest "
+    "below the share, then the smallest that reaches it)",
   )
   offload_params: bool = _opt(
     False,

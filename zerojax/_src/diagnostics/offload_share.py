@@ -6,6 +6,8 @@ shares that may fit are planned in full."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from zerojax._src.diagnostics import cost
@@ -25,8 +27,10 @@ def offload_fraction_needed(
   state, the streamed update's chunks and ``activations`` if given) fits
   ``memory_bytes`` per device: 0.0 when it fits without offload, None when
   it does not fit even with all of it offloaded. Candidates are every
-  share ``zero`` reaches (whole arrays: the largest while below it, then
-  one smaller array), tried from the least: the device's need is not
+  share ``zero`` reaches (whole arrays or whole leaves, the largest while
+  below it, then one smaller:
+  :class:`~zerojax._src.records.host_memory.ShareRule`), tried from the
+  least: the device's need is not
   monotone in the share, since the streamed update holds whole arrays'
   chunks. A share is planned only where a lower bound of its working set
   fits (:func:`share_candidates`), so a model of many leaves plans a few
@@ -50,7 +54,7 @@ def share_candidates(
   """Every share ``zero(..., offload=f)`` reaches, ascending, and a lower
   bound of its plan's :attr:`StagePlan.working_set`, priced from one plan
   with everything offloaded and the arrays ``zero``'s rule
-  (:class:`~zerojax._src.records.host_memory.ShareChoice`) picks: what
+  (:class:`~zerojax._src.records.host_memory.ShareRule`) picks: what
   stays on the device exactly, plus the least the streamed update can
   hold (a chunk's old and new state, a chunk at least the largest array
   streamed whole or one row of a stack of matrices, which may stream by
@@ -66,55 +70,81 @@ def share_candidates(
   units = _host_memory.share_units(
     spec.leaves, spec.opt_leaves, spec.policy.has_master
   )
-  choice = _host_memory.ShareChoice.of(
-    [u.size for u in units], [True] * len(units)
+  rule = _host_memory.ShareRule.of(
+    [u.size for u in units], [u.leaf for u in units]
   )
-  shares = choice.reached()
-  below = shares < 1.0
-  kk = np.full(len(shares), len(choice.order))
-  q = np.full(len(shares), -1)
-  kk[below], q[below] = choice.choose(shares[below])
-
-  def over_chosen(x, reduce):
-    """``reduce`` (sum or max) of per-unit ``x`` over each share's units."""
-    x = np.array([x[i] for i in choice.order], dtype=np.float64)
-    run = np.concatenate(
-      [[0.0], np.cumsum(x) if reduce is np.add else np.maximum.accumulate(x)]
-    )
-    extra = np.where(q >= 0, x[np.maximum(q, 0)], 0.0) if len(x) else 0.0
-    return reduce(run[kk], extra)
-
+  shares = rule.reached()
   per_unit, shared = cost.host_state_bytes_by_unit(spec, units)
-  host = over_chosen(per_unit, np.add) + shared
-  resident = (
-    full.total + full.activations - (host + full.params_host + full.grads_host)
-  )
+  size = [float(u.size) for u in units]
   # a chunk carries a param's arrays in host memory together, at least
   # one row of them where the stream may split its leaf by rows (the rule
   # :func:`~zerojax._src.step.offload_rows.stack_rows` starts from)
-  item = [float(u.size) for u in units]
   least = [
     u.size / r.aval.shape[0]
     if _rows.may_stream_by_rows(r.aval.shape)
     else u.size
     for u, r in ((u, spec.leaves[u.leaf]) for u in units)
   ]
-  fraction = np.minimum(
-    2
-    * _largest_param(units, choice, least, kk, q)
-    / np.maximum(over_chosen(item, np.add), 1),
-    1.0,
+  by_arrays = _bound(
+    rule.arrays, shares, [u.leaf for u in units], per_unit, size, least
   )
-  return shares, resident + fraction * (host + full.grads_host)
+  whole = lambda x: [sum(x[i] for i in g) for g in rule.groups]
+  by_leaves = _bound(
+    rule.leaves,
+    shares,
+    [units[g[0]].leaf for g in rule.groups],
+    whole(per_unit),
+    whole(size),
+    whole(least),
+  )
+  below = shares < 1.0
+  leaves = np.zeros(len(shares), dtype=bool)
+  leaves[below] = rule.by_leaves(shares[below])
+  streamed = np.where(leaves, by_leaves.streamed, by_arrays.streamed)
+  host = np.where(leaves, by_leaves.host, by_arrays.host) + shared
+  resident = (
+    full.total + full.activations - (host + full.params_host + full.grads_host)
+  )
+  return shares, resident + streamed * (host + full.grads_host)
 
 
-def _largest_param(units, choice, least, kk, q) -> np.ndarray:
+class _Priced(NamedTuple):
+  host: np.ndarray  # per share, the chosen items' host bytes
+  streamed: np.ndarray  # per share, the least share of them a chunk holds
+
+
+def _bound(choice, shares, param, host, size, least) -> _Priced:
+  """Per share, what ``choice`` (over items of bytes ``size``, in host
+  memory ``host``, a chunk holding at least ``least`` of each, owned by
+  params ``param``) picks: the chosen items' host bytes, and twice the
+  most of ``least`` one param's chosen items hold together over their
+  bytes (a chunk's old and new state)."""
+  below = shares < 1.0
+  kk = np.full(len(shares), len(choice.order))
+  q = np.full(len(shares), -1)
+  kk[below], q[below] = choice.choose(shares[below])
+
+  def over_chosen(x):
+    """The sum of per-item ``x`` over each share's items."""
+    x = np.array([x[i] for i in choice.order], dtype=np.float64)
+    run = np.concatenate([[0.0], np.cumsum(x)])
+    extra = np.where(q >= 0, x[np.maximum(q, 0)], 0.0) if len(x) else 0.0
+    return run[kk] + extra
+
+  held = _largest_param(param, choice, least, kk, q)
+  return _Priced(
+    over_chosen(host),
+    np.minimum(2 * held / np.maximum(over_chosen(size), 1), 1.0),
+  )
+
+
+def _largest_param(param_of, choice, least, kk, q) -> np.ndarray:
   """Per share (``order[:kk]`` and ``order[q]``), the most of ``least``
-  one param's chosen units hold together."""
+  one param's (``param_of`` each item's) chosen items hold together."""
   n = len(choice.order)
   if not n:
     return np.zeros(len(kk))
-  param = np.array([units[u].leaf for u in choice.order])
+  param = np.array([param_of[u] for u in choice.order])
   _, param = np.unique(param, return_inverse=True)
   x = np.array([least[u] for u in choice.order], dtype=np.float64)
   # per prefix length, each param's sum and the largest of them

@@ -85,21 +85,15 @@ def streamed(leaves, opt_leaves) -> tuple[bool, ...]:
 
 
 def chosen_for_share(sizes, trainable, fraction: float) -> set[int]:
-  """The items (:func:`share_units`) ``offload=fraction`` puts in host
-  memory: whole trained items, largest first (ties in order) while they
-  stay below ``fraction`` of ``sizes``' total, then the smallest one left
-  that reaches it. So the share reached is never above
-  what taking leaves largest first until the share is reached gives (its
-  last leaf is one of the completions weighed) and often well below: with
-  a scanned model's few large leaves, a small share is met by a small
-  stack, not by the largest."""
-  if fraction >= 1.0:
-    return {i for i, t in enumerate(trainable) if t}
-  if fraction <= 0.0 or sum(sizes) == 0:
-    return set()
-  c = ShareChoice.of(sizes, trainable)
-  [k], [q] = c.choose(np.array([fraction]))
-  return {*c.order[:k].tolist(), *([] if q < 0 else [int(c.order[q])])}
+  """The items ``fraction`` of ``sizes``' total picks: whole trained
+  items, largest first (ties in order) while they stay below the share,
+  then the smallest one left that reaches it. So the share reached is
+  never above what taking items largest first until the share is reached
+  gives (its last item is one of the completions weighed) and often well
+  below: with a scanned model's few large leaves, a small share is met by
+  a small stack, not by the largest. ``offload=`` applies it to arrays and
+  to whole leaves (:class:`ShareRule`)."""
+  return ShareChoice.of(sizes, trainable).pick(fraction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +150,85 @@ class ShareChoice:
     q = np.where(reached, np.maximum(k, first_of_size), -1)
     return np.where(reached, k, n), q
 
+  def pick(self, fraction: float) -> set[int]:
+    """The leaves (indices of ``sizes``) the rule picks for one share."""
+    if fraction >= 1.0:
+      return set(self.order.tolist())
+    if fraction <= 0.0 or self.total == 0:
+      return set()
+    [k], [q] = self.choose(np.array([fraction]))
+    return {*self.order[:k].tolist(), *([] if q < 0 else [int(self.order[q])])}
+
+  def held(self, k: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The bytes ``choose``'s ``(k, q)`` put in host memory."""
+    prefix = np.concatenate([[0], np.cumsum(self.sizes)])
+    last = (
+      np.where(q >= 0, self.sizes[np.maximum(q, 0)], 0)
+      if len(self.sizes)
+      else 0
+    )
+    return prefix[k] + last
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareRule:
+  """``offload=fraction``'s rule: :func:`chosen_for_share` over the arrays
+  and over whole leaves (each leaf's arrays together), whichever puts
+  fewer bytes in host memory, whole leaves on a tie (a leaf's update then
+  reads one memory). Arrays make the shares finer, but the rule over
+  them alone can meet a small share with one large array where a small
+  leaf's arrays together meet it with less: fp32 AdamW's moments on the
+  GPU bench's 2.7B GPT, asked 0.05, reach 0.125 (the qkv stack's first
+  moment) by arrays and 0.083 (the attention output's two moments) by
+  leaves. Either rule reaches each share it lists exactly, so this one
+  reaches their union (:meth:`reached`). ``groups``: the arrays' indices
+  per whole leaf."""
+
+  arrays: ShareChoice
+  leaves: ShareChoice
+  groups: tuple[tuple[int, ...], ...]
+  sizes: tuple[int, ...]  # per array
+
+  @classmethod
+  def of(cls, sizes, group_of) -> ShareRule:
+    """``sizes`` per array, ``group_of`` its leaf (any hashable)."""
+    keys = list(dict.fromkeys(group_of))
+    where = {k: n for n, k in enumerate(keys)}
+    groups = [[] for _ in keys]
+    for i, g in enumerate(group_of):
+      groups[where[g]].append(i)
+    group_sizes = [sum(sizes[i] for i in g) for g in groups]
+    return cls(
+      ShareChoice.of(list(sizes), [True] * len(sizes)),
+      ShareChoice.of(group_sizes, [True] * len(group_sizes)),
+      tuple(tuple(g) for g in groups),
+      tuple(int(x) for x in sizes),
+    )
+
+  def chosen(self, fraction: float) -> set[int]:
+    """The arrays ``offload=fraction`` puts in host memory."""
+    by_array = self.arrays.pick(fraction)
+    by_leaf = {i for g in self.leaves.pick(fraction) for i in self.groups[g]}
+    held = lambda chosen: sum(self.sizes[i] for i in chosen)
+    return by_leaf if held(by_leaf) <= held(by_array) else by_array
+
+  def reached(self) -> np.ndarray:
+    """Every share the rule reaches, ascending, each reached by exactly
+    that fraction."""
+    return np.unique(
+      np.concatenate([self.arrays.reached(), self.leaves.reached()])
+    )
+
+  def by_leaves(self, fractions: np.ndarray) -> np.ndarray:
+    """Per fraction in (0, 1): whether whole leaves meet it (else arrays)."""
+    leaves = self.leaves.held(*self.leaves.choose(fractions))
+    return leaves <= self.arrays.held(*self.arrays.choose(fractions))
+
 
 def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
   """The records with each array's :class:`Placement`: a unit
   (:func:`share_units`) in host memory when it is among those
-  :func:`chosen_for_share` picks for ``fraction`` of their bytes; shared
+  :class:`ShareRule` picks for ``fraction`` of their bytes; shared
   optimizer leaves in host memory when any unit is, an owned key with its
   owner. A param leaf's ``place.offload`` says its master copy is in host
   memory (without one: any state it owns is). Whole arrays keep each
@@ -168,13 +236,13 @@ def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
   large arrays, so the share reached can exceed the one asked (the report
   states it)."""
   units = share_units(leaves, opt_leaves, has_master)
-  sizes = [u.size for u in units]
   if fraction >= 1.0:  # every trained leaf, sized or not
     chosen = list(units)
     streams = {i for i, r in enumerate(leaves) if r.trainable}
   else:
-    picked = chosen_for_share(sizes, [True] * len(units), fraction)
-    _warn_if_share_far_above(sizes, fraction, picked)
+    rule = ShareRule.of([u.size for u in units], [u.leaf for u in units])
+    picked = rule.chosen(fraction)
+    _warn_if_share_far_above(rule, fraction, picked)
     chosen = [units[k] for k in sorted(picked)]
     streams = {u.leaf for u in chosen}
   if not streams:
@@ -201,21 +269,21 @@ def place_in_host_memory(leaves, opt_leaves, fraction: float, has_master):
 _SHARE_SLACK = 0.1
 
 
-def _warn_if_share_far_above(sizes, fraction, host):
+def _warn_if_share_far_above(rule: ShareRule, fraction, host):
   """A warning when whole arrays put more than ``_SHARE_SLACK`` of the
   state above the share asked in host memory, naming the nearest share
   below that the arrays reach (what to pass instead)."""
   if not 0.0 < fraction < 1.0:
     return
-  total = max(sum(sizes), 1)
-  got = sum(sizes[i] for i in host) / total
+  total = max(sum(rule.sizes), 1)
+  got = sum(rule.sizes[i] for i in host) / total
   if got - fraction <= _SHARE_SLACK:
     return
-  shares = ShareChoice.of(sizes, [True] * len(sizes)).reached()
+  shares = rule.reached()
   below = shares[shares < fraction * (1 - 1e-12)]
   instead = "no smaller share is reached"
   if len(below):
-    named = _shortest_reaching(sizes, float(below[-1]))
+    named = _shortest_reaching(rule, float(below[-1]))
     instead = f"offload={named:.12g} keeps {float(below[-1]):.1%}"
   _warn.warn(
     f"zerojax: offload={fraction:g} keeps {got:.1%} of the master "
@@ -228,14 +296,14 @@ def _warn_if_share_far_above(sizes, fraction, host):
   )
 
 
-def _shortest_reaching(sizes, share: float) -> float:
+def _shortest_reaching(rule: ShareRule, share: float) -> float:
   """The decimal of fewest digits, not above ``share``, with which the
   rule reaches ``share`` (a rounded-up share would pass it and reach the
   next one)."""
-  every, total = [True] * len(sizes), max(sum(sizes), 1)
+  total = max(sum(rule.sizes), 1)
   for digits in range(2, 16):
     x = math.floor(share * 10**digits) / 10**digits
-    held = sum(sizes[i] for i in chosen_for_share(sizes, every, x)) / total
+    held = sum(rule.sizes[i] for i in rule.chosen(x)) / total
     if x > 0 and abs(held - share) <= 1e-12:
       return x
   return share

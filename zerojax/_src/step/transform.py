@@ -95,7 +95,8 @@ def zero(
       state per parameter). A float in ``[0, 1]`` offloads that fraction
       of those bytes: whole arrays (a leaf's master copy, each of its
       optimizer-state leaves), the largest while they stay below it,
-      then the smallest that reaches it; the rest stays on the device
+      then the smallest that reaches it, or whole leaves chosen so when
+      they keep fewer bytes on the host; the rest stays on the device
       (``zerojax.report(...).offload["host_fraction"]`` gives the share
       reached, and a warning names the nearest share below the one asked
       when the one reached lies over 10 points above it;
