@@ -8,7 +8,7 @@
 #   experiments/gpu_checks.sh offload SECONDS OUT # 2.7b and 7b offload: default (stacks by rows), whole stacks, crossing; 7b +params; accum4; link; rows' rounding
 #   experiments/gpu_checks.sh offload7b SECONDS OUT # 7b offload +accum4, +params (warm-up 1000)
 #   experiments/gpu_checks.sh offload7b8 SECONDS OUT # 7b offload +accum8, +params (warm-up 1000)
-#   experiments/gpu_checks.sh share SECONDS OUT  # 2.7b with a share of the state on the host (offload=0.05, 0.2), batch 4 and accum4: the outside-loops link time timed
+#   experiments/gpu_checks.sh share SECONDS OUT  # 2.7b with a share of the state on the host (offload=0.05, 0.1), batch 4 and accum4: the outside-loops link time timed
 #   experiments/gpu_checks.sh grads SECONDS OUT  # +grads (offload_grads) beside offload at 2.7b (and accum4) and 7b +params, per-leaf clip
 #
 # Logs and JSON land in OUT, flat (the device tool brings back at most 8
@@ -100,8 +100,8 @@ case $part in
   share)
     # the GPU compiler's prediction (docs/results.md, "A share of the state
     # on the host"): each share adds its outside-loops link time
-    bench 2.7b plain,3+offload=0.05,3+offload=0.2 3 180 share
-    bench 2.7b plain+accum4,3+offload=0.05+accum4 3 150 share_accum4
+    bench 2.7b plain,3+offload=0.05,3+offload=0.1 3 180 share
+    bench 2.7b plain+accum4,3+offload=0.1+accum4 3 150 share_accum4
     ;;
   grads)
     # the gradients in host memory beside the state alone, clipped by

@@ -86,7 +86,7 @@ CONFIGS = (
 )
 ZEROPP = "3pp"  # stage 3 + hierarchical qgZ int8 + hpZ (one slice)
 # "<stage>off": the stage with offload=True (master and moments on the
-# host); "<stage>off50": offload=0.5 (half their bytes, whole leaves);
+# host); "<stage>off50": offload=0.5 (half their bytes, in whole arrays or leaves);
 # "<stage>off-serial": offload=True with the streamed update's chunks run
 # one after another (each chunk's loads wait for the previous chunk's
 # stores: no chunk prefetched), to compare with the prefetching stream;
