@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._src.jaxpr import rows as _rows
-from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.spec import StateSpec
 
 
@@ -43,10 +42,13 @@ def stack_rows(spec: StateSpec, closed, i: int, k: int, n_g: int, own) -> int:
   each row from the same row (:class:`zerojax._src.jaxpr.rows.Rows`)."""
   r = spec.leaves[i]
   shape = tuple(r.aval.shape)
-  streams = _host_memory.streamed(spec.leaves, spec.opt_leaves)[i]
+  mine = [j for j, p in enumerate(own) if p == i]
+  # streamed: its master copy or any state it owns is in host memory
+  streams = r.place.offload or any(
+    spec.opt_leaves[j].place.offload for j in mine
+  )
   if not may_stream_by_rows(shape) or not streams:
     return 0
-  mine = [j for j, p in enumerate(own) if p == i]
   layouts = [r.shard, r.param] + [spec.opt_leaves[j].layout for j in mine]
   if any(x.dim == 0 or x.model_axes(0) for x in layouts):
     return 0
