@@ -151,7 +151,7 @@ class ShareChoice:
     return np.where(reached, k, n), q
 
   def pick(self, fraction: float) -> set[int]:
-    """The leaves (indices of ``sizes``) the rule picks for one share."""
+    """The items (indices of ``sizes``) the rule picks for one share."""
     if fraction >= 1.0:
       return set(self.order.tolist())
     if fraction <= 0.0 or self.total == 0:
@@ -178,7 +178,7 @@ class ShareRule:
   reads one memory). Arrays make the shares finer, but the rule over
   them alone can meet a small share with one large array where a small
   leaf's arrays together meet it with less: fp32 AdamW's moments on the
-  GPU bench's 2.7B GPT, asked 0.05, reach 0.125 (the qkv stack's first
+  GPU bench's 2.7B GPT, asked 0.05, reach 0.124 (the qkv stack's first
   moment) by arrays and 0.083 (the attention output's two moments) by
   leaves. Either rule reaches each share it lists exactly, so this one
   reaches their union (:meth:`reached`). ``groups``: the arrays' indices
