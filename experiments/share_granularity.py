@@ -49,17 +49,14 @@ POLICIES = {
 def _asked(reached, held) -> list[dict]:
   """Per asked share, the one ``held`` (share -> share kept) reaches and
   the nearest in ``reached`` below it."""
-  rows = []
-  for f in ASKED:
-    below = reached[reached < f * (1 - 1e-12)]
-    rows.append(
-      {
-        "asked": f,
-        "reached": held(f),
-        "nearest_below": float(below[-1]) if len(below) else None,
-      }
-    )
-  return rows
+  return [
+    {
+      "asked": f,
+      "reached": held(f),
+      "nearest_below": host_memory.nearest_below(reached, f),
+    }
+    for f in ASKED
+  ]
 
 
 def _one_rule(sizes) -> dict:

@@ -279,12 +279,11 @@ def _warn_if_share_far_above(rule: ShareRule, fraction, host):
   got = sum(rule.sizes[i] for i in host) / total
   if got - fraction <= _SHARE_SLACK:
     return
-  shares = rule.reached()
-  below = shares[shares < fraction * (1 - 1e-12)]
+  below = nearest_below(rule.reached(), fraction)
   instead = "no smaller share is reached"
-  if len(below):
-    named = _shortest_reaching(rule, float(below[-1]))
-    instead = f"offload={named:.12g} keeps {float(below[-1]):.1%}"
+  if below is not None:
+    named = _shortest_reaching(rule, below)
+    instead = f"offload={named:.12g} keeps {below:.1%}"
   _warn.warn(
     f"zerojax: offload={fraction:g} keeps {got:.1%} of the master "
     f"copy and optimizer state in host memory: the share is met with "
@@ -294,6 +293,13 @@ def _warn_if_share_far_above(rule: ShareRule, fraction, host):
     f"or zerojax.cost.offload_fraction_needed(...) for the least one "
     f"with which the device's working set fits.",
   )
+
+
+def nearest_below(shares: np.ndarray, fraction: float) -> float | None:
+  """The largest of ``shares`` (ascending) below ``fraction``, or None (a
+  share reached exactly, up to rounding, is not below)."""
+  below = shares[shares < fraction * (1 - 1e-12)]
+  return float(below[-1]) if len(below) else None
 
 
 def _shortest_reaching(rule: ShareRule, share: float) -> float:
