@@ -1896,7 +1896,7 @@ def test_the_share_rule_for_many_shares_at_once_is_the_rule_for_one():
       continue
     fractions = [*rng.random(4), *(sum(sizes[:j]) / total for j in range(n))]
     for f in (f for f in fractions if 0 < f < 1):
-      got = _host_memory.chosen_for_share(sizes, trainable, f)
+      got = _host_memory.ShareChoice.of(sizes, trainable).pick(f)
       assert got == _share_by_loop(sizes, trainable, f), (sizes, trainable, f)
       checked += 1
   assert checked > 1000

@@ -70,7 +70,6 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
       "reason": reason,
     }
   own = _offload.owners(spec)
-  host = _host_memory.streamed(spec.leaves, spec.opt_leaves)
   # the bytes the stream moves for param i: its weights with its master
   # copy in host memory (without one: with any of its state) and the
   # state it owns there
@@ -94,7 +93,6 @@ def _stream(spec: StateSpec, extra_avals) -> dict:
         )
       )
       for i, s in zip(c, p.rows_of(k))
-      if host[i]
     )
     for k, (c, o) in enumerate(zip(p.chunks, p.owned))
   ]

@@ -73,36 +73,21 @@ def held_fraction(leaves, opt_leaves, has_master: bool) -> float:
   return held / max(sum(u.size for u in units), 1)
 
 
-def streamed(leaves, opt_leaves) -> tuple[bool, ...]:
-  """Per param leaf: whether its update reads anything from host memory
-  (its master copy or an optimizer leaf it owns): the streamed update
-  brings it down in a chunk."""
-  out = [r.place.offload for r in leaves]
-  for o, i in zip(opt_leaves, owner_indices(leaves, opt_leaves)):
-    if i is not None and o.place.offload:
-      out[i] = True
-  return tuple(out)
-
-
-def chosen_for_share(sizes, trainable, fraction: float) -> set[int]:
-  """The items ``fraction`` of ``sizes``' total picks: whole trained
-  items, largest first (ties in order) while they stay below the share,
-  then the smallest one left that reaches it. So the share reached is
-  never above what taking items largest first until the share is reached
-  gives (its last item is one of the completions weighed) and often well
-  below: with a scanned model's few large leaves, a small share is met by
-  a small stack, not by the largest. ``offload=`` applies it to arrays and
-  to whole leaves (:class:`ShareRule`)."""
-  return ShareChoice.of(sizes, trainable).pick(fraction)
-
-
 @dataclasses.dataclass(frozen=True)
 class ShareChoice:
-  """:func:`chosen_for_share`'s rule for many shares at once (the planner
-  weighs every share ``zero`` reaches). ``order``: the trained leaves,
-  largest first, ties in tree order; a share's choice is ``order[:k]``
-  plus ``order[q]`` (``q == -1``: ``order[:k]`` alone, every trained leaf
-  together staying below the share)."""
+  """The rule a share is met with over items of ``sizes``: whole trained
+  items, largest first (ties in order) while they stay below the share,
+  then the smallest one left that reaches it (:meth:`pick`). So the share
+  reached is never above what taking items largest first until the share
+  is reached gives (its last item is one of the completions weighed) and
+  often well below: with a scanned model's few large leaves, a small
+  share is met by a small stack, not by the largest. ``offload=`` applies
+  it to arrays and to whole leaves (:class:`ShareRule`); :meth:`choose`
+  applies it to many shares at once (the planner weighs every share
+  ``zero`` reaches). ``order``: the trained items, largest first, ties in
+  order; a share's choice is ``order[:k]`` plus ``order[q]`` (``q == -1``:
+  ``order[:k]`` alone, every trained item together staying below the
+  share)."""
 
   order: np.ndarray
   sizes: np.ndarray  # sizes[order]
@@ -172,7 +157,7 @@ class ShareChoice:
 
 @dataclasses.dataclass(frozen=True)
 class ShareRule:
-  """``offload=fraction``'s rule: :func:`chosen_for_share` over the arrays
+  """``offload=fraction``'s rule: :class:`ShareChoice` over the arrays
   and over whole leaves (each leaf's arrays together), whichever puts
   fewer bytes in host memory, whole leaves on a tie (a leaf's update then
   reads one memory). Arrays make the shares finer, but the rule over

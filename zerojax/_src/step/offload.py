@@ -282,7 +282,6 @@ def plan(
   # a leaf kept on the device costs no chunk room: it joins its neighbours
   # (what the chunk moves: the weights with a master copy in host memory,
   # without one with any state there, and the state in host memory)
-  streams = _host_memory.streamed(spec.leaves, spec.opt_leaves)
   sizes = [
     (
       nbytes(w_avals[i]) * spec.leaves[i].place.offload
@@ -292,7 +291,6 @@ def plan(
         if p == i and spec.opt_leaves[j].place.offload
       )
     )
-    * streams[i]
     for i in train
   ]
   items = []  # (param, row or None, bytes)
