@@ -3,8 +3,9 @@
 The import contract itself is ``lint-imports`` (run by CI); here: no circle
 in the module graph (type-only imports included), the library loads
 without the application, every public name has one meaning, configurations are
-checked however they are built, and the cost model's readings agree with
-each other and with the arrays ``init`` allocates.
+checked however they are built, the cost model's readings agree with
+each other and with the arrays ``init`` allocates, and the documents cite
+data files that exist at a reader's length.
 """
 
 import math
@@ -524,3 +525,68 @@ def test_flax_and_orbax_namespaces_load_on_first_use():
   )
   out = _fresh_python(code)
   assert out.stdout.split("\n")[-2] == "[] ['flax', 'orbax']", out.stdout
+
+
+def _repo_docs():
+  """The documents a reader opens: the README, docs/, the experiments'
+  table and the notebooks."""
+  import pathlib
+
+  root = pathlib.Path(__file__).parent.parent
+  return root, [
+    root / "README.md",
+    *sorted((root / "docs").glob("*.md")),
+    root / "experiments" / "README.md",
+    *sorted((root / "notebooks").glob("*.ipynb")),
+  ]
+
+
+def _expand_braces(pattern: str) -> list[str]:
+  """``a_{x,y}_b`` -> ``["a_x_b", "a_y_b"]``, nested left to right."""
+  import re
+
+  m = re.search(r"\{([^{}]*)\}", pattern)
+  if m is None:
+    return [pattern]
+  head, tail = pattern[: m.start()], pattern[m.end() :]
+  return [
+    q
+    for alt in m.group(1).split(",")
+    for q in _expand_braces(head + alt + tail)
+  ]
+
+
+def test_every_data_file_cited_exists_and_every_data_file_is_cited():
+  """Each ``docs/data/...`` a document names (a file, or a pattern with
+  ``*`` and ``{a,b}``) matches a file there, and each file there is
+  named by some document: a figure's source can be opened, and no data
+  file outlives the text that used it."""
+  import fnmatch
+  import re
+
+  root, docs = _repo_docs()
+  files = sorted(p.name for p in (root / "docs" / "data").iterdir())
+  cited, dangling = set(), []
+  for doc in docs:
+    for ref in re.findall(r"docs/data/[\w.*{},+-]+", doc.read_text()):
+      ref = ref.rstrip(".,")[len("docs/data/") :]
+      hits = {
+        f
+        for alt in _expand_braces(ref)
+        for f in files
+        if fnmatch.fnmatchcase(f, alt)
+      }
+      if not hits:
+        dangling.append(f"{doc.name}: {ref}")
+      cited |= hits
+  assert dangling == []
+  assert [f for f in files if f not in cited] == []
+
+
+def test_the_readme_fits_a_screen_and_results_hold_current_figures():
+  """The README at most 250 lines; docs/results.md at most 400 (current
+  figures; the history of each is in git)."""
+  root, _ = _repo_docs()
+  lines = lambda name: len((root / name).read_text().splitlines())
+  assert lines("README.md") <= 250
+  assert lines("docs/results.md") <= 400

@@ -125,17 +125,15 @@ def zero(
       without. Layer stacks of vectors stay on the device, and every leaf
       is a stack unless ``stacked`` says otherwise. The TPU compiler
       streams the layers; the peak falls where a device's share of the
-      params is large (8.3B over 8 chips: 36% lower) and can rise where
-      it is small (over 64 chips: 6.6% higher) (``docs/results.md``).
+      params is large and can rise where it is small
+      (``docs/results.md``).
     offload_grads: stages 2-3 with ``offload=True``: keep the reduced
       gradients in host memory too (ZeRO-Offload's gradient placement).
       Each leaf's shard goes to the host as the backward pass reduces it,
       layer by layer inside a scan, and the streamed update brings each
       chunk's gradients down with its state, so the device never holds
-      the whole gradient (layer stacks of vectors keep theirs there). In
-      the TPU compiler's programs the peak falls to 0.57x on one chip
-      (420M parameters) and 0.78x over 4 chips (109M), with the params
-      on the device (``docs/results.md``). Same numbers as
+      the whole gradient (layer stacks of vectors keep theirs there; the
+      TPU compiler's peaks: ``docs/results.md``). Same numbers as
       without. zerojax's own gradient half places them
       (:func:`zerojax.train_step`, :func:`zerojax.value_and_grad`); the
       Optax drop-in's ``update`` takes the caller's gradients where they
