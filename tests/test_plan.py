@@ -515,3 +515,26 @@ def test_cli_compile_needs_a_topology_and_names_the_tpu_extra():
   else:
     bad = run("--topology", "v5e:2x2", "--devices", "4")
     assert bad.returncode == 2 and "drop --devices" in bad.stderr
+
+
+def test_cli_stages_reports_only_the_stages_asked(capsys):
+  """``--stages 1,3`` prints those stages' rows, largest GPTs and least
+  shares only; a stage outside 0-3 is refused by name."""
+  plan.main(
+    ["--params", "7e9", "--devices", "8", "--memory-gb", "40", "--offload"]
+    + ["--stages", "1,3"]
+  )
+  out = capsys.readouterr().out
+  rows = [ln.split("|")[1].strip() for ln in out.splitlines() if ln[:2] == "| "]
+  assert rows == ["stage", "1", "3"]
+  assert [
+    ln.split(":")[0].strip() for ln in out.splitlines() if "  stage " in ln
+  ] == [
+    "stage 1",
+    "stage 3",
+    "stage 1",
+    "stage 3",
+  ]
+  with pytest.raises(SystemExit):
+    plan.main(["--params", "7e9", "--devices", "8", "--stages", "4"])
+  assert "--stages 4: stages are 0-3" in capsys.readouterr().err

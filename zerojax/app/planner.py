@@ -519,6 +519,7 @@ def main(argv=None):
     )
   mesh, slices = _mesh(p, args)
   config = _config(p, args, mesh)
+  stages = _stages(p, args)
   plans = [
     plan_gpt(
       abstract_gpt(config),
@@ -546,7 +547,7 @@ def main(argv=None):
         mesh,
         offload_params=args.offload_params and s == 3,
       )
-      for s in range(4)
+      for s in stages
     }
     needed_host = {
       s: None
@@ -561,7 +562,7 @@ def main(argv=None):
       for s, f in needed.items()
     }
   if args.memory_gb:
-    for s in range(4):
+    for s in stages:
       c = largest_fitting(
         args.memory_gb * GB,
         s,
@@ -587,7 +588,9 @@ def main(argv=None):
   acts = _activations(p, args, config, mesh)
   if args.zeropp and (len(mesh) > 1 or slices < 2):
     p.error("--zeropp: give --devices N and --slices S >= 2 (nodes)")
-  compiled = _compile(p, args, config, mesh, plans) if args.compile else []
+  compiled = (
+    _compile(p, args, config, mesh, plans, stages) if args.compile else []
+  )
   if args.json:
     print(
       json.dumps(
@@ -617,7 +620,8 @@ def main(argv=None):
       )
     )
     return
-  _print_report(args, config, mesh, slices, plans, acts, fitting, bound)
+  shown = [plans[s] for s in stages]
+  _print_report(args, config, mesh, slices, shown, acts, fitting, bound)
   if needed:
     print(
       f"\nleast offload share (zero(..., offload=SHARE)) with which this "
@@ -651,16 +655,24 @@ def main(argv=None):
     print(_compiled.table(compiled))
 
 
-def _compile(
-  p: argparse.ArgumentParser, args, config, mesh: dict, plans
-) -> list[dict]:
-  """Compile the GPT's step at each of ``--stages`` for ``--topology``."""
+def _stages(p: argparse.ArgumentParser, args) -> list[int]:
+  """The stages ``--stages`` names: every stage unless given (only stage
+  3 with ``--compile``, whose compiles take a minute each)."""
+  if args.stages is None:
+    return [3] if args.compile else [0, 1, 2, 3]
   try:
     stages = sorted({int(s) for s in args.stages.split(",")})
   except ValueError:
     p.error(f"--stages {args.stages}: give stage numbers, e.g. 1,2,3")
-  if not set(stages) <= {0, 1, 2, 3}:
+  if not stages or not set(stages) <= {0, 1, 2, 3}:
     p.error(f"--stages {args.stages}: stages are 0-3")
+  return stages
+
+
+def _compile(
+  p: argparse.ArgumentParser, args, config, mesh: dict, plans, stages
+) -> list[dict]:
+  """Compile the GPT's step at each of ``stages`` for ``--topology``."""
   if mesh.get("model", 1) > 1:
     p.error(
       "--compile: a data (and replica) mesh only; the model axis's "
@@ -831,8 +843,9 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--stages",
-    default="3",
-    help="with --compile: the stages to compile, e.g. 1,2,3",
+    default=None,
+    help="the stages to report (and with --compile to compile), e.g. 1,2,3 "
+    "(default: every stage; with --compile, stage 3)",
   )
   p.add_argument("--json", action="store_true", help="print JSON instead")
   return p
@@ -979,7 +992,7 @@ def _print_report(args, config, mesh, slices, plans, acts, fitting, bound):
     )
     print(_comm_table(plans, hw))
   if args.zeropp:
-    _print_zeropp(args, slices, plans[3].n_params, hw, fast, slow)
+    _print_zeropp(args, slices, plans[0].n_params, hw, fast, slow)
   if fitting:
     host = _host_bytes(args)
     on_host = (
