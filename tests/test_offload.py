@@ -841,6 +841,45 @@ def test_params_in_host_memory_checkpoint_round_trip(tmp_path):
       )
 
 
+@pytest.mark.filterwarnings("ignore:zerojax.init. params.*neither floating")
+def test_the_planner_plans_a_users_tx_and_its_share_is_the_one_zero_keeps(mesh):
+  """``plan_stage(abstract, tx=tx)`` prices the transformation as built
+  (its stage, mesh, optimizer, policy); the share
+  ``offload_fraction_needed(..., tx=tx)`` names is the one
+  ``tx.replace(offload=share)`` keeps on the host, and it fits."""
+  abstract = jax.eval_shape(lambda: toy.init_params(jax.random.key(0)))
+  opt = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  for stage, policy in ((1, zerojax.Policy()), (3, BF16)):
+    tx = zerojax.zero(opt(), stage=stage, mesh=mesh, policy=policy)
+    mine = zerojax.cost.plan_stage(abstract, tx=tx)
+    spelled = zerojax.cost.plan_stage(
+      abstract, stage, 8, optimizer=opt(), policy=policy
+    )
+    assert dataclasses.asdict(mine) == dataclasses.asdict(spelled)
+    full = zerojax.cost.plan_stage(abstract, tx=tx, offload=True)
+    memory = (mine.working_set + full.working_set) / 2
+    share = zerojax.cost.offload_fraction_needed(
+      abstract, memory_bytes=memory, tx=tx
+    )
+    assert 0.0 < share < 1.0
+    kept = tx.replace(offload=share)
+    assert zerojax.cost.plan_stage(abstract, tx=kept).working_set <= memory
+    state = zerojax.init(toy.init_params(jax.random.key(0)), kept)
+    step = zerojax.train_step(toy.loss_fn, kept)
+    rep = zerojax.report(step, state, next(iter(toy.batches(1))))
+    assert rep.offload["host_fraction"] == pytest.approx(share, abs=1e-12)
+  with pytest.raises(ValueError, match="stage=2 but tx is stage 3"):
+    zerojax.cost.plan_stage(abstract, 2, tx=tx)
+  with pytest.raises(TypeError, match="already sets optimizer, policy"):
+    zerojax.cost.plan_stage(
+      abstract, tx=tx, optimizer=opt(), policy=zerojax.Policy()
+    )
+  with pytest.raises(TypeError, match="give the stage to plan"):
+    zerojax.cost.plan_stage(abstract, n_devices=8)
+  with pytest.raises(TypeError, match="give memory_bytes"):
+    zerojax.cost.offload_fraction_needed(abstract, tx=tx)
+
+
 def test_offload_params_is_validated():
   with pytest.raises(ValueError, match="offload_params=True needs stage=3"):
     zerojax.zero(optax.adam(1e-3), stage=2, offload_params=True)

@@ -4,6 +4,9 @@ state and collective bytes from zerojax's own layouts, for any params.
     plan = zerojax.cost.plan_stage(jax.eval_shape(init_fn, key), stage=3,
                                    n_devices=64)
     plan.total, plan.collectives, zerojax.cost.comm_time(plan, slices=4)
+    mine = zerojax.cost.plan_stage(abstract, tx=tx)  # a transformation as built
+    share = zerojax.cost.offload_fraction_needed(abstract, memory_bytes=80e9,
+                                                 tx=tx)
     acts = zerojax.cost.saved_activations(loss_fn, params, one_device_batch,
                                           mesh={"data": 8, "model": 2})
 """

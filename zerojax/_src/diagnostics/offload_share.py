@@ -20,7 +20,11 @@ _PLAN_ONLY = ("activations", "accum_steps")
 
 
 def offload_fraction_needed(
-  abstract_params, stage: int, memory_bytes: float, n_devices=None, **kwargs
+  abstract_params,
+  stage: int | None = None,
+  memory_bytes: float | None = None,
+  n_devices=None,
+  **kwargs,
 ) -> float | None:
   """The least ``offload`` fraction (as :func:`zerojax.zero` takes it) with
   which a stage's device working set (:attr:`StagePlan.working_set`: model
@@ -34,8 +38,15 @@ def offload_fraction_needed(
   monotone in the share, since the streamed update holds whole arrays'
   chunks. A share is planned only where a lower bound of its working set
   fits (:func:`share_candidates`), so a model of many leaves plans a few
-  shares, not every one. ``kwargs``: as
-  :func:`plan_stage` takes them."""
+  shares, not every one. ``kwargs``: as :func:`plan_stage` takes them;
+  with ``tx=`` the plan is that transformation's, e.g.
+  ``offload_fraction_needed(abstract, memory_bytes=80e9, tx=tx)``, and
+  ``tx.replace(offload=share)`` then trains with the share named."""
+  if memory_bytes is None:
+    raise TypeError(
+      "offload_fraction_needed: give memory_bytes, the device memory the "
+      "working set must fit (e.g. memory_bytes=80e9)."
+    )
   plan = lambda f: plan_stage(
     abstract_params, stage, n_devices, offload=f, **kwargs
   )

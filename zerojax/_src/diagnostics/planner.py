@@ -181,21 +181,45 @@ class StagePlan:
 
 def plan_spec(
   abstract_params,
-  stage: int,
+  stage: int | None = None,
   n_devices: int | None = None,
   *,
+  tx=None,
   mesh: dict | None = None,
   optimizer=None,
   policy: Policy | None = None,
   model_specs=None,
   stacked=None,
-  offload: bool | float = False,
-  offload_params: bool = False,
-  offload_grads: bool = False,
+  offload: bool | float | None = None,
+  offload_params: bool | None = None,
+  offload_grads: bool | None = None,
 ):
-  """The records :func:`plan_stage` prices: ``zerojax.zero``'s layouts on
-  an abstract mesh of ``mesh``'s axis sizes (AdamW and bf16 params with an
+  """The records :func:`plan_stage` prices: ``tx``'s layouts (with the
+  placement arguments given changing its own), or ``zerojax.zero``'s on an
+  abstract mesh of ``mesh``'s axis sizes (AdamW and bf16 params with an
   fp32 master copy by default)."""
+  placement = dict(
+    offload=offload, offload_params=offload_params, offload_grads=offload_grads
+  )
+  if tx is not None:
+    layout = dict(
+      n_devices=n_devices,
+      mesh=mesh,
+      optimizer=optimizer,
+      policy=policy,
+      model_specs=model_specs,
+      stacked=stacked,
+    )
+    return make_spec(abstract_params, _tx_to_plan(tx, stage, layout, placement))
+  if stage is None:
+    raise TypeError(
+      "plan_stage: give the stage to plan (0-3), or tx= (a "
+      "zerojax.zero(...) transformation, whose stage, mesh, optimizer "
+      "and policy the plan takes)."
+    )
+  offload = False if offload is None else offload
+  offload_params = False if offload_params is None else offload_params
+  offload_grads = False if offload_grads is None else offload_grads
   mesh = {"data": n_devices} if mesh is None else dict(mesh)
   amesh = AbstractMesh(
     tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh)
@@ -224,23 +248,58 @@ def plan_spec(
   return make_spec(abstract_params, tx)
 
 
+def _tx_to_plan(tx, stage, layout: dict, placement: dict):
+  """``tx`` with the placement arguments given (``offload``, ...) in place
+  of its own; a layout argument it already fixes, or another stage, is
+  refused by name."""
+  config = getattr(tx, "config", None)
+  if config is None or not hasattr(tx, "replace"):
+    raise TypeError(
+      f"plan_stage(tx=...): expected a zerojax.zero(...) transformation, "
+      f"got {type(tx).__name__}."
+    )
+  given = [k for k, v in layout.items() if v is not None]
+  if given:
+    raise TypeError(
+      f"plan_stage(tx=...): the transformation already sets "
+      f"{', '.join(given)}; drop {'it' if len(given) == 1 else 'them'}, or "
+      f"plan without tx= to try another layout."
+    )
+  if stage is not None and stage != config.stage:
+    raise ValueError(
+      f"plan_stage: stage={stage} but tx is stage {config.stage}; drop "
+      f"stage= (the plan takes tx's), or pass tx.replace(stage={stage})."
+    )
+  changes = {k: v for k, v in placement.items() if v is not None}
+  return tx.replace(**changes) if changes else tx
+
+
 def plan_stage(
   abstract_params,
-  stage: int,
+  stage: int | None = None,
   n_devices: int | None = None,
   *,
+  tx=None,
   mesh: dict | None = None,
   optimizer=None,
   policy: Policy | None = None,
   model_specs=None,
   stacked=None,
-  offload: bool | float = False,
-  offload_params: bool = False,
-  offload_grads: bool = False,
+  offload: bool | float | None = None,
+  offload_params: bool | None = None,
+  offload_grads: bool | None = None,
   activations: dict | None = None,
   accum_steps: int = 1,
 ) -> StagePlan:
   """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
+
+  ``tx``: a :func:`zerojax.zero` transformation to plan as it is built
+  (its stage, mesh, optimizer, policy, offload and the rest), e.g.
+  ``plan_stage(jax.eval_shape(init_fn, key), tx=tx)``; the placement
+  arguments (``offload``, ``offload_params``, ``offload_grads``) given
+  beside it replace its own. Without it, ``stage`` and ``n_devices`` or
+  ``mesh`` describe the layout, with AdamW and bf16 params with an fp32
+  master copy unless ``optimizer`` and ``policy`` say otherwise.
 
   ``offload``: the master copy and optimizer state in host memory
   (``zero(..., offload=True)``), or that fraction of their bytes (a float,
@@ -260,10 +319,14 @@ def plan_stage(
   ``activations``: :func:`saved_activations`'s figure, added to
   :attr:`StagePlan.working_set`. ``accum_steps``: micro-batches per step,
   which the offloaded params' and gradients' host traffic counts."""
-  mesh = {"data": n_devices} if mesh is None else dict(mesh)
+  if tx is None:
+    mesh = {"data": n_devices} if mesh is None else dict(mesh)
+    n_devices = None
   spec = plan_spec(
     abstract_params,
     stage,
+    n_devices,
+    tx=tx,
     mesh=mesh,
     optimizer=optimizer,
     policy=policy,
@@ -274,6 +337,7 @@ def plan_stage(
     offload_grads=offload_grads,
   )
   tx = spec.tx
+  mesh = dict(tx.config.mesh.shape)
   state = cost.stage_state_bytes(spec, ideal=False)
   optimizer_bytes = sum(
     v for k, v in state.items() if k.startswith("opt_state.")
@@ -282,10 +346,10 @@ def plan_stage(
   colls = {
     k: v[1] for k, v in cost.stage_collectives(spec, ideal=False).items()
   }
-  offloaded = spec.place.offload or offload_params
+  offloaded = spec.place.offload or tx.config.offload_params
   streamed = _offload_stream.describe(spec) if spec.place.offload else {}
   return StagePlan(
-    stage,
+    tx.config.stage,
     n_params,
     tx.num_shards,
     state["params"],

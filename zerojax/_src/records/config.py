@@ -353,8 +353,9 @@ def _check_offload(offload):
       f"zerojax.zero: offload={offload!r}; pass True (master copy and "
       f"optimizer state in host memory), False, or the fraction of their "
       f"bytes to keep in host memory as a float in [0, 1], e.g. "
-      f"offload=0.5 (zerojax.cost.offload_fraction_needed names the "
-      f"least share with which a device's working set fits)."
+      f"offload=0.5 (zerojax.cost.offload_fraction_needed(abstract_"
+      f"params, memory_bytes=..., tx=tx) names the least share with "
+      f"which a device's working set fits)."
     )
 
 

@@ -275,7 +275,8 @@ def _warn_if_share_far_above(rule: ShareRule, fraction, host):
     f"whole arrays (a leaf's master copy, each of its optimizer-state "
     f"leaves), and the model's arrays reach none between "
     f"{fraction:.1%} and {got:.1%} ({instead}). Pass the share to keep, "
-    f"or zerojax.cost.offload_fraction_needed(...) for the least one "
+    f"or zerojax.cost.offload_fraction_needed(abstract_params, "
+    f"memory_bytes=..., tx=tx) for the least one "
     f"with which the device's working set fits.",
   )
 

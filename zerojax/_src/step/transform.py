@@ -100,8 +100,9 @@ def zero(
       (``zerojax.report(...).offload["host_fraction"]`` gives the share
       reached, and a warning names the nearest share below the one asked
       when the one reached lies over 10 points above it;
-      ``zerojax.cost.offload_fraction_needed`` gives the least share with
-      which a device's working set fits).
+      ``zerojax.cost.offload_fraction_needed(abstract_params,
+      memory_bytes=..., tx=tx)`` gives the least share with which a
+      device's working set fits).
     zeropp: ZeRO++, a :class:`zerojax.ZeroPP`: int8 weight all-gathers at
       stage 3 (qwZ), int8 or int4 gradient reduce-scatters at stages 1-3
       (qgZ), a secondary partition inside nodes at stage 3 (hpZ). The
