@@ -76,12 +76,12 @@ case $part in
     bench 2.7b plain+accum4,3+offload+accum4 3 150 accum4
     if [ "$(left)" -gt 30 ]; then
       timeout "$(( $(left) < 60 ? $(left) : 60 ))" python3 \
-        experiments/host_update.py --out "$out" 2>&1 | tee -a "$out/gpu_checks.log"
+        experiments/studies/host_update.py --out "$out" 2>&1 | tee -a "$out/gpu_checks.log"
     fi
     # whether the GPU compiler rounds the streamed update (by rows, and
     # whole stacks) apart from no offload's
     if [ "$(left)" -gt 60 ]; then
-      timeout "$(left)" python3 experiments/rows_rounding.py --out "$out" \
+      timeout "$(left)" python3 experiments/studies/rows_rounding.py --out "$out" \
         2>&1 | tee -a "$out/gpu_checks.log"
     fi
     ;;

@@ -583,10 +583,29 @@ def test_every_data_file_cited_exists_and_every_data_file_is_cited():
   assert [f for f in files if f not in cited] == []
 
 
+def test_every_script_a_document_names_exists():
+  """Each ``experiments/...`` or ``tests/...`` file a document names is
+  there to run."""
+  import re
+
+  root, docs = _repo_docs()
+  missing = [
+    f"{doc.name}: {ref}"
+    for doc in docs
+    for ref in re.findall(
+      r"(?:experiments|tests)/[\w/]+\.(?:py|sh)", doc.read_text()
+    )
+    if not (root / ref).is_file()
+  ]
+  assert missing == []
+
+
 def test_the_readme_fits_a_screen_and_results_hold_current_figures():
   """The README at most 250 lines; docs/results.md at most 400 (current
-  figures; the history of each is in git)."""
+  figures; the history of each is in git); at most 10 maintained
+  benchmarks in experiments/ (one-off studies in experiments/studies/)."""
   root, _ = _repo_docs()
   lines = lambda name: len((root / name).read_text().splitlines())
   assert lines("README.md") <= 250
   assert lines("docs/results.md") <= 400
+  assert len(list((root / "experiments").glob("*.py"))) <= 10

@@ -447,7 +447,7 @@ def test_the_planners_compile_builds_the_step_it_plans(capsys):
 
 def test_a_state_deferred_to_the_next_step_costs_the_device_its_residency():
   """Why zerojax does not defer the last writes to the next step's forward
-  pass (docs/design.md): ``experiments/deferred_writes.py``'s step, compiled
+  pass (docs/design.md): ``experiments/studies/deferred_writes.py``'s step, compiled
   for one v5e chip. A tail of the moments handed from one step to the
   next in device memory is an argument of the next step's program, so the
   device holds it for the whole step: the deferred variants plan at least
@@ -459,7 +459,10 @@ def test_a_state_deferred_to_the_next_step_costs_the_device_its_residency():
   import pathlib
 
   path = (
-    pathlib.Path(__file__).parents[1] / "experiments" / "deferred_writes.py"
+    pathlib.Path(__file__).parents[1]
+    / "experiments"
+    / "studies"
+    / "deferred_writes.py"
   )
   spec = importlib.util.spec_from_file_location("deferred_writes", path)
   dw = importlib.util.module_from_spec(spec)

@@ -12,7 +12,7 @@ with its default flags (``XLA_FLAGS`` as given), and records per optimizer wheth
 is bit for bit no offload's, the largest difference as a share of each
 leaf's change over the run, and the losses' largest relative difference.
 
-    python experiments/rows_rounding.py --out docs/data
+    python experiments/studies/rows_rounding.py --out docs/data
 
 writes ``rows_rounding_<platform><devices>_jax<v>.json`` (with
 ``_isa<X>`` before ``_jax`` when ``XLA_FLAGS`` caps the CPU's instruction

@@ -26,8 +26,8 @@ at ``--at`` parameters (default: the GPU bench's 2.7B model):
     host, pipelined   max(2Ψ/down, Ψ/throughput, 2Ψ/up)   (chunks in flight)
     streamed          B·Ψ / both-ways bandwidth (B = 12 or 8 bytes)
 
-    python experiments/host_update.py                    # writes runs/host_update/
-    python experiments/host_update.py --params 268435456 # a larger state
+    python experiments/studies/host_update.py                    # writes runs/host_update/
+    python experiments/studies/host_update.py --params 268435456 # a larger state
 
 Output: a table on stdout and ``<out>/host_update.json`` with the device,
 the host's cores and CPU model, JAX's version and every timing.

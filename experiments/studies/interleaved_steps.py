@@ -1,8 +1,8 @@
 """Step time of a zerojax stage and its GSPMD peer in one process, interleaved.
 
-    python experiments/interleaved_steps.py                 # the plain GPT
-    python experiments/interleaved_steps.py --pairs 0:dp --rounds 8
-    python experiments/interleaved_steps.py --pairs 0:dp,0/nonorm:dp
+    python experiments/studies/interleaved_steps.py                 # the plain GPT
+    python experiments/studies/interleaved_steps.py --pairs 0:dp --rounds 8
+    python experiments/studies/interleaved_steps.py --pairs 0:dp,0/nonorm:dp
 
 A pair is ``STAGE[/nonorm]:PEER``: ``/nonorm`` builds the zerojax step with
 ``grad_norm=False`` (no gradient-norm metric, as the peers compute none).
@@ -45,7 +45,7 @@ def worker(args) -> dict:
 
   import zerojax
 
-  sys.path.insert(0, str(pathlib.Path(__file__).parent / "lib"))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lib"))
   import peers
   import plain_gpt
 
@@ -121,7 +121,7 @@ def _cost(compiled) -> dict:
 
 
 def main():
-  sys.path.insert(0, str(pathlib.Path(__file__).parent / "lib"))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lib"))
   import plain_gpt
 
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -21,7 +21,7 @@ way between host and device memory (``host_transfers``: loop trip counts
 applied, a ``dynamic-update-slice-start`` into host memory counted by the
 update's bytes).
 
-    python experiments/tpu_host_writes.py   # docs/data/tpu_host_writes_*.json
+    python experiments/studies/tpu_host_writes.py   # docs/data/tpu_host_writes_*.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import importlib.metadata as md
 import json
 import pathlib
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1]  # experiments/
 
 
 def _variants(layers: int, group: int):

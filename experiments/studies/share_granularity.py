@@ -15,7 +15,7 @@ reachable one below it; beside it, the share each half of the rule
 alone reaches (``by_arrays``, ``whole_leaves``). From shapes alone:
 nothing is allocated.
 
-    python experiments/share_granularity.py --out docs/data
+    python experiments/studies/share_granularity.py --out docs/data
 
 writes ``share_granularity_jax<v>.json``.
 """
@@ -36,7 +36,7 @@ from zerojax._src.diagnostics.planner import plan_spec
 from zerojax._src.records import host_memory
 from zerojax.app import planner, train
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from gpu_bench import SIZES, configure  # noqa: E402
 
 ASKED = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -129,6 +129,7 @@ def main():
       name: {s: granularity(s, name) for s in sizes} for name in POLICIES
     },
   }
+  args.out.mkdir(parents=True, exist_ok=True)
   out = args.out / f"share_granularity_jax{jax.__version__}.json"
   out.write_text(json.dumps(record, indent=1) + "\n")
   for name, by_size in record["policies"].items():

@@ -29,8 +29,8 @@ outputs + temp - aliases), the bytes each way between host and device
 memory, and the bytes of asynchronous host copies that cross a layer loop
 or move outside every loop (``zerojax._src.diagnostics.schedule``).
 
-    python experiments/deferred_writes.py            # the TPU compiler
-    python experiments/deferred_writes.py --gpu h200 # XLA's GPU compiler
+    python experiments/studies/deferred_writes.py            # the TPU compiler
+    python experiments/studies/deferred_writes.py --gpu h200 # XLA's GPU compiler
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import json
 import pathlib
 import sys
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1]  # experiments/
 
 
 def _gpu_aot():
