@@ -878,6 +878,13 @@ def test_the_planner_plans_a_users_tx_and_its_share_is_the_one_zero_keeps(mesh):
     zerojax.cost.plan_stage(abstract, n_devices=8)
   with pytest.raises(TypeError, match="give memory_bytes"):
     zerojax.cost.offload_fraction_needed(abstract, tx=tx)
+  # with the gradients on the host only the whole state streams
+  grads = tx.replace(offload=True, offload_grads=True)
+  fits = zerojax.cost.plan_stage(abstract, tx=grads).working_set
+  need = lambda m: zerojax.cost.offload_fraction_needed(
+    abstract, memory_bytes=m, tx=grads
+  )
+  assert (need(fits), need(fits - 1)) == (1.0, None)
 
 
 def test_offload_params_is_validated():

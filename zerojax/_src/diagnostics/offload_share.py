@@ -41,7 +41,9 @@ def offload_fraction_needed(
   shares, not every one. ``kwargs``: as :func:`plan_stage` takes them;
   with ``tx=`` the plan is that transformation's, e.g.
   ``offload_fraction_needed(abstract, memory_bytes=80e9, tx=tx)``, and
-  ``tx.replace(offload=share)`` then trains with the share named."""
+  ``tx.replace(offload=share)`` then trains with the share named. With
+  the gradients in host memory (``offload_grads``) the whole state is
+  streamed, so the answer is 1.0 or None."""
   if memory_bytes is None:
     raise TypeError(
       "offload_fraction_needed: give memory_bytes, the device memory the "
@@ -50,6 +52,12 @@ def offload_fraction_needed(
   plan = lambda f: plan_stage(
     abstract_params, stage, n_devices, offload=f, **kwargs
   )
+  grads = kwargs.get("offload_grads")
+  if grads is None:
+    config = getattr(kwargs.get("tx"), "config", None)
+    grads = getattr(config, "offload_grads", False)
+  if grads:
+    return 1.0 if plan(True).working_set <= memory_bytes else None
   if plan(False).working_set <= memory_bytes:
     return 0.0
   shares, least = share_candidates(abstract_params, stage, n_devices, **kwargs)
