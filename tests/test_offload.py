@@ -874,6 +874,8 @@ def test_the_planner_plans_a_users_tx_and_its_share_is_the_one_zero_keeps(mesh):
     zerojax.cost.plan_stage(
       abstract, tx=tx, optimizer=opt(), policy=zerojax.Policy()
     )
+  with pytest.raises(TypeError, match="got GradientTransformationExtraArgs"):
+    zerojax.cost.plan_stage(abstract, tx=opt())
   with pytest.raises(TypeError, match="give the stage to plan"):
     zerojax.cost.plan_stage(abstract, n_devices=8)
   with pytest.raises(TypeError, match="give memory_bytes"):
@@ -885,6 +887,10 @@ def test_the_planner_plans_a_users_tx_and_its_share_is_the_one_zero_keeps(mesh):
     abstract, memory_bytes=m, tx=grads
   )
   assert (need(fits), need(fits - 1)) == (1.0, None)
+  with pytest.raises(
+    ValueError, match=r"plan_stage\(tx=\.\.\., offload=0\.5\)"
+  ):
+    zerojax.cost.plan_stage(abstract, tx=grads, offload=0.5)
 
 
 def test_offload_params_is_validated():

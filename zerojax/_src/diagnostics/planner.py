@@ -28,6 +28,7 @@ from jax.sharding import AbstractMesh, AxisType
 from zerojax._src.diagnostics import cost
 from zerojax._src.diagnostics import offload_stream as _offload_stream
 from zerojax._src.jaxpr import activations as _activations
+from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
 from zerojax._src.step.loss_call import LossCall
@@ -253,10 +254,10 @@ def _tx_to_plan(tx, stage, layout: dict, placement: dict):
   of its own; a layout argument it already fixes, or another stage, is
   refused by name."""
   config = getattr(tx, "config", None)
-  if config is None or not hasattr(tx, "replace"):
+  if not isinstance(config, ZeroConfig):
     raise TypeError(
-      f"plan_stage(tx=...): expected a zerojax.zero(...) transformation, "
-      f"got {type(tx).__name__}."
+      f"plan_stage(tx=...): got {type(tx).__name__}; pass "
+      f"the transformation zerojax.zero(...) returns."
     )
   given = [k for k, v in layout.items() if v is not None]
   if given:
@@ -271,7 +272,11 @@ def _tx_to_plan(tx, stage, layout: dict, placement: dict):
       f"stage= (the plan takes tx's), or pass tx.replace(stage={stage})."
     )
   changes = {k: v for k, v in placement.items() if v is not None}
-  return tx.replace(**changes) if changes else tx
+  try:
+    return tx.replace(**changes) if changes else tx
+  except (TypeError, ValueError) as e:
+    given = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+    raise type(e)(f"plan_stage(tx=..., {given}): {e}") from e
 
 
 def plan_stage(
@@ -293,13 +298,11 @@ def plan_stage(
 ) -> StagePlan:
   """Per-device bytes and collective bytes for one stage, from zerojax's layouts.
 
-  ``tx``: a :func:`zerojax.zero` transformation to plan as it is built
-  (its stage, mesh, optimizer, policy, offload and the rest), e.g.
-  ``plan_stage(jax.eval_shape(init_fn, key), tx=tx)``; the placement
-  arguments (``offload``, ``offload_params``, ``offload_grads``) given
-  beside it replace its own. Without it, ``stage`` and ``n_devices`` or
-  ``mesh`` describe the layout, with AdamW and bf16 params with an fp32
-  master copy unless ``optimizer`` and ``policy`` say otherwise.
+  ``tx``: a :func:`zerojax.zero` transformation, planned as built (e.g.
+  ``plan_stage(jax.eval_shape(init_fn, key), tx=tx)``); ``offload*``
+  given beside it replace its own. Without it, ``stage`` and
+  ``n_devices`` or ``mesh`` describe the layout (AdamW, bf16 params with
+  an fp32 master copy, unless ``optimizer`` and ``policy`` say otherwise).
 
   ``offload``: the master copy and optimizer state in host memory
   (``zero(..., offload=True)``), or that fraction of their bytes (a float,
