@@ -538,3 +538,32 @@ def test_cli_stages_reports_only_the_stages_asked(capsys):
   with pytest.raises(SystemExit):
     plan.main(["--params", "7e9", "--devices", "8", "--stages", "4"])
   assert "--stages 4: stages are 0-3" in capsys.readouterr().err
+
+
+def test_cli_compile_without_stages_still_reports_every_stage(
+  monkeypatch, capsys
+):
+  """``--compile`` alone compiles stage 3 and still prints every stage's
+  plan; ``--stages`` names both."""
+  from zerojax.app import planner as app_planner
+
+  compiled = []
+  monkeypatch.setattr(
+    app_planner,
+    "_compile",
+    lambda p, args, config, mesh, plans, stages: compiled.append(stages) or [],
+  )
+  base = ["--params", "1e9", "--devices", "4", "--batch", "1", "--compile"]
+  monkeypatch.setattr(
+    app_planner, "_mesh", lambda p, args: ({"data": 4}, 1), raising=True
+  )
+  plan.main(base)
+  out = capsys.readouterr().out
+  rows = [ln.split("|")[1].strip() for ln in out.splitlines() if ln[:2] == "| "]
+  rows = [r for r in rows if r == "stage" or r.isdigit()]
+  assert (rows, compiled) == (["stage", "0", "1", "2", "3"], [[3]])
+  plan.main(base + ["--stages", "2,3"])
+  out = capsys.readouterr().out
+  rows = [ln.split("|")[1].strip() for ln in out.splitlines() if ln[:2] == "| "]
+  rows = [r for r in rows if r == "stage" or r.isdigit()]
+  assert (rows, compiled[-1]) == (["stage", "2", "3"], [2, 3])

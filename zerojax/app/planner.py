@@ -519,7 +519,10 @@ def main(argv=None):
     )
   mesh, slices = _mesh(p, args)
   config = _config(p, args, mesh)
-  stages = _stages(p, args)
+  asked = _stages(p, args)
+  # reported: those asked, else every stage; compiled (a minute each):
+  # those asked, else stage 3
+  stages = asked or [0, 1, 2, 3]
   plans = [
     plan_gpt(
       abstract_gpt(config),
@@ -589,7 +592,7 @@ def main(argv=None):
   if args.zeropp and (len(mesh) > 1 or slices < 2):
     p.error("--zeropp: give --devices N and --slices S >= 2 (nodes)")
   compiled = (
-    _compile(p, args, config, mesh, plans, stages) if args.compile else []
+    _compile(p, args, config, mesh, plans, asked or [3]) if args.compile else []
   )
   if args.json:
     print(
@@ -655,11 +658,10 @@ def main(argv=None):
     print(_compiled.table(compiled))
 
 
-def _stages(p: argparse.ArgumentParser, args) -> list[int]:
-  """The stages ``--stages`` names: every stage unless given (only stage
-  3 with ``--compile``, whose compiles take a minute each)."""
+def _stages(p: argparse.ArgumentParser, args) -> list[int] | None:
+  """The stages ``--stages`` names, or None when it is not given."""
   if args.stages is None:
-    return [3] if args.compile else [0, 1, 2, 3]
+    return None
   try:
     stages = sorted({int(s) for s in args.stages.split(",")})
   except ValueError:
