@@ -51,7 +51,7 @@ from tests.test_zeropp import _one_sgd_step
 from zerojax import checkpoint
 from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.diagnostics import offload_share, schedule
-from zerojax._src.diagnostics.planner import plan_spec
+from zerojax._src.diagnostics.plan_layout import plan_spec
 from zerojax._src.jaxpr import cut as _cut
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.jaxpr import rows as _rows

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import zerojax
-from zerojax._src.diagnostics.planner import plan_spec
+from zerojax._src.diagnostics.plan_layout import plan_spec
 from zerojax._src.records import host_memory
 from zerojax.app import planner, train
 

@@ -11,7 +11,8 @@ from typing import NamedTuple
 import numpy as np
 
 from zerojax._src.diagnostics import cost
-from zerojax._src.diagnostics.planner import plan_spec, plan_stage
+from zerojax._src.diagnostics.plan_layout import plan_spec
+from zerojax._src.diagnostics.planner import plan_stage
 from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.step import offload_rows as _rows
 
