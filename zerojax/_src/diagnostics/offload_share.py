@@ -15,6 +15,7 @@ from zerojax._src.diagnostics.plan_layout import plan_spec
 from zerojax._src.diagnostics.planner import plan_stage
 from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.step import offload_rows as _rows
+from zerojax._src.step import offload_trace as _offload_trace
 
 # plan_stage's arguments that price a plan, not the layouts plan_spec builds
 _PLAN_ONLY = ("activations", "accum_steps")
@@ -50,6 +51,13 @@ def offload_fraction_needed(
       "offload_fraction_needed: give memory_bytes, the device memory the "
       "working set must fit (e.g. memory_bytes=80e9)."
     )
+  # every share of one model streams the same update: traced once
+  with _offload_trace.traces_kept():
+    return _least_share(abstract_params, stage, memory_bytes, n_devices, kwargs)
+
+
+def _least_share(abstract_params, stage, memory_bytes, n_devices, kwargs):
+  """:func:`offload_fraction_needed`'s search."""
   plan = lambda f: plan_stage(
     abstract_params, stage, n_devices, offload=f, **kwargs
   )

@@ -15,6 +15,11 @@ from zerojax._src.records.policy import Policy
 from zerojax._src.records.spec import make_spec
 from zerojax._src.step.transform import zero
 
+# the optimizer a plan prices unless given one: one object, so the plans
+# of one model's shares stream one update, traced once
+# (:mod:`zerojax._src.step.offload_trace`)
+_DEFAULT_OPTIMIZER = optax.adamw(1e-4)
+
 
 def plan_spec(
   abstract_params,
@@ -61,7 +66,7 @@ def plan_spec(
   amesh = AbstractMesh(
     tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh)
   )
-  optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
+  optimizer = _DEFAULT_OPTIMIZER if optimizer is None else optimizer
   policy = Policy(param_dtype=jnp.bfloat16) if policy is None else policy
   tp = mesh.get("model", 1) > 1
   if tp and model_specs is None:

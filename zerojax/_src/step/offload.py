@@ -63,6 +63,7 @@ from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records.spec import StateSpec
 from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload_rows as _stacks
+from zerojax._src.step import offload_trace as _trace
 
 # the state is streamed in chunks of at most 1/CHUNKS of its bytes
 CHUNKS = 16
@@ -220,15 +221,20 @@ def plan(
     )
     return jax.tree.leaves(updates), jax.tree.leaves(new)
 
-  closed = _deps.trace(
-    flat_update,
+  args = (
     *[g_avals[i] for i in train],
     *opt_avals,
     *[w_avals[i] for i in train],
     *e_leaves,
   )
-  if closed is None:
+  kept = _trace.traced(
+    spec,
+    (args, opt_def, e_def, tuple(e_all), tuple(train)),
+    lambda: _deps.trace(flat_update, *args),
+  )
+  if kept is None:
     return None, "the inner update could not be traced to a jaxpr here"
+  closed = kept.closed
   if len(closed.jaxpr.outvars) != n_g + n_o:
     return None, "the inner update returned a state of another structure"
   shared = tuple(j for j, p in enumerate(own) if p is None)
@@ -260,7 +266,12 @@ def plan(
         )
       )(*closed.in_avals, *[cut.flat.avals[v] for v in cut.values])
       always = always | frozenset(range(n_in, n_in + len(cut.values)))
-  deps = _deps.dependencies(closed)
+  if cut is None:
+    if kept.deps is None:
+      kept.deps = _deps.dependencies(closed)
+    deps = kept.deps
+  else:
+    deps = _deps.dependencies(closed)
   allowed = {
     i: always
     | {n_g + n_o + slot[i], slot[i]}
@@ -294,7 +305,7 @@ def plan(
     for i in train
   ]
   items = []  # (param, row or None, bytes)
-  rows = _stack_rows(spec, closed, train, sizes, own) if _by_rows else {}
+  rows = _stack_rows(spec, kept, train, sizes, own) if _by_rows else {}
   for k, i in enumerate(train):
     n = rows.get(k, 0)
     if n:
@@ -323,17 +334,23 @@ def plan(
     tuple(rows),
     closed,
     cut,
-    _program_flat(closed, cut),
+    _program_flat(closed, cut, kept),
     passes,
   ), None
 
 
-def _program_flat(closed, cut):
+def _program_flat(closed, cut, kept):
   """:attr:`Plan.flat`: the program inlined where the chunks evaluate it
   (with a cut, or a branch whose outputs each chunk cuts to its own);
-  None where they run the optimizer's own update."""
+  None where they run the optimizer's own update. Without a cut, kept
+  beside the update's trace (``kept``)."""
+  if cut is None and kept.flat_known:
+    return kept.flat
   flat = _cut.Flat(closed)
-  return flat if cut is not None or flat.branch_reads else None
+  flat = flat if cut is not None or flat.branch_reads else None
+  if cut is None:
+    kept.flat, kept.flat_known = flat, True
+  return flat
 
 
 def _grads_cut(closed, n_g: int, own, slot, allowed):
@@ -370,7 +387,7 @@ def _grads_cut(closed, n_g: int, own, slot, allowed):
   return tuple(passes), None
 
 
-def _stack_rows(spec: StateSpec, closed, train, sizes, own) -> dict:
+def _stack_rows(spec: StateSpec, kept, train, sizes, own) -> dict:
   """``{k: rows}`` for the trained leaves (``k``-th) streamed by rows: the
   layer stacks that can be (:func:`~zerojax._src.step.offload_rows.stack_rows`)
   larger than both a chunk's budget and every leaf streamed whole, the
@@ -380,7 +397,13 @@ def _stack_rows(spec: StateSpec, closed, train, sizes, own) -> dict:
   rows = {}
   for k, i in enumerate(train):
     if sizes[k] > budget:
-      n = _stacks.stack_rows(spec, closed, i, k, len(train), own)
+      # a leaf with bytes to stream is in host memory, and then its rows
+      # depend on the program alone: kept beside it
+      if k not in kept.rows:
+        kept.rows[k] = _stacks.stack_rows(
+          spec, kept.closed, i, k, len(train), own
+        )
+      n = kept.rows[k]
       if n:
         rows[k] = n
   whole = max((b for k, b in enumerate(sizes) if k not in rows), default=0)
