@@ -89,7 +89,7 @@ def _program_of(spec: StateSpec) -> tuple:
     if f.name not in _PLACEMENT_FIELDS
   )
   unplaced = lambda r: dataclasses.replace(
-    r, place=type(r.place)(r.place.mesh, r.place.axis_name)
+    r, place=dataclasses.replace(r.place, offload=False, params_host=False)
   )
   return (
     fields,
