@@ -540,6 +540,29 @@ def test_cli_stages_reports_only_the_stages_asked(capsys):
   assert "--stages 4: stages are 0-3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+  "args, said",
+  [
+    (["--params", "-1"], "argument --params: -1: give a finite number above 0"),
+    (["--params", "5000"], "--params 5000: config_for_params: 5000 params"),
+    (["--memory-gb", "0"], "argument --memory-gb: 0: give a finite number"),
+    (["--memory-gb", "inf"], "argument --memory-gb: inf: give a finite"),
+    (["--seq-len", "0"], "argument --seq-len: 0: give a finite number"),
+    (["--batch", "two"], "argument --batch: 'two' is not an integer"),
+  ],
+)
+def test_cli_refuses_a_size_that_is_not_a_positive_number(args, said, capsys):
+  """A size, count or bandwidth at or below zero or not finite, or a GPT
+  too small to shape, is refused by name before anything is planned."""
+  from zerojax import plan
+
+  argv = ["--params", "7e9", "--devices", "8"] + args
+  with pytest.raises(SystemExit) as e:
+    plan.main(argv)
+  assert e.value.code == 2
+  assert said in capsys.readouterr().err
+
+
 def test_cli_compile_without_stages_still_reports_every_stage(
   monkeypatch, capsys
 ):

@@ -268,6 +268,11 @@ def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--seq-shard", "model"], "--seq-shard=model is not a model axis"),
     (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be >= 0"),
+    (["--lr=-1e-3"], "--lr=-0.001 must be a finite number above 0"),
+    (
+      ["--warmup", "-3", "--weight-decay", "nan"],
+      "--weight-decay=nan must be a finite number >= 0; --warmup=-3 must be",
+    ),
     (["--offload", "1.5"], "--offload=1.5 must be a share in [0, 1]"),
     (["--offload-grads"], "--offload-grads needs --stage 2 or 3 and --offload"),
     (

@@ -711,6 +711,24 @@ def _compile(
   return out
 
 
+def _positive(kind):
+  """An argparse type: a ``kind`` number above zero."""
+
+  def parse(text: str):
+    try:
+      x = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+        f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+      ) from None
+    if not (x > 0 and math.isfinite(x)):
+      raise argparse.ArgumentTypeError(f"{text}: give a finite number above 0")
+    return x
+
+  parse.__name__ = kind.__name__
+  return parse
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     prog="python -m zerojax.plan",
@@ -722,15 +740,19 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--params",
-    type=float,
+    type=_positive(float),
     help="parameter count of a GPT-shaped model, e.g. 7.5e9",
   )
-  p.add_argument("--width", type=int, help="explicit GPT width (with --depth)")
-  p.add_argument("--depth", type=int, help="explicit GPT depth")
   p.add_argument(
-    "--vocab", type=int, default=50257, help="with --width/--depth"
+    "--width", type=_positive(int), help="explicit GPT width (with --depth)"
   )
-  p.add_argument("--seq-len", type=int, default=2048, help="context length")
+  p.add_argument("--depth", type=_positive(int), help="explicit GPT depth")
+  p.add_argument(
+    "--vocab", type=_positive(int), default=50257, help="with --width/--depth"
+  )
+  p.add_argument(
+    "--seq-len", type=_positive(int), default=2048, help="context length"
+  )
   p.add_argument(
     "--devices",
     type=int,
@@ -758,13 +780,13 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--fast-bw",
-    type=float,
+    type=_positive(float),
     default=None,
     help="in-slice bytes/s per chip (overrides --hardware)",
   )
   p.add_argument(
     "--slow-bw",
-    type=float,
+    type=_positive(float),
     default=None,
     help="cross-slice bytes/s per chip (overrides --hardware)",
   )
@@ -776,14 +798,14 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--memory-gb",
-    type=float,
+    type=_positive(float),
     default=None,
     help="also find the largest GPT whose model state fits this "
     "many GB (1e9 bytes) per device, at each stage",
   )
   p.add_argument(
     "--host-memory-gb",
-    type=float,
+    type=_positive(float),
     default=None,
     help="with --memory-gb and --offload: the largest GPT must also "
     "fit this many GB (1e9 bytes) of pinned host memory per device "
@@ -823,7 +845,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--batch",
-    type=int,
+    type=_positive(int),
     default=None,
     help="also the saved activations per device (ZeRO-R) for "
     "this many sequences per data-parallel device, by "
@@ -908,7 +930,10 @@ def _config(p, args, mesh: dict) -> gpt.GPTConfig:
   multiple of it (as the main job pads it); the block's own dimensions are
   the model's shape and an axis that does not divide them is refused."""
   if args.params is not None:
-    config = gpt.config_for_params(args.params, seq_len=args.seq_len)
+    try:
+      config = gpt.config_for_params(args.params, seq_len=args.seq_len)
+    except ValueError as e:
+      p.error(f"--params {args.params:g}: {e}")
   else:
     config = gpt.GPTConfig(
       vocab=args.vocab,

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import sys
@@ -262,6 +263,15 @@ def check(config: TrainConfig) -> list[str]:
     for n in auto
     if getattr(config, n) < 0
   ]
+  for n, zero_ok in (("lr", False), ("clip", False), ("weight_decay", True)):
+    x = getattr(config, n)
+    if not (math.isfinite(x) and (x >= 0 if zero_ok else x > 0)):
+      problems.append(
+        f"--{n.replace('_', '-')}={x} must be a finite number "
+        f"{'>= 0' if zero_ok else 'above 0'}"
+      )
+  if config.warmup < 0:
+    problems.append(f"--warmup={config.warmup} must be >= 0")
   if not 0.0 <= config.offload <= 1.0:
     problems.append(
       f"--offload={config.offload} must be a share in [0, 1] "
@@ -291,7 +301,7 @@ def check(config: TrainConfig) -> list[str]:
     problems.append(
       f"--remat={config.remat}: use one of {', '.join(gpt.REMAT)}"
     )
-  if config.bucket_mb < 0:
+  if not config.bucket_mb >= 0 or math.isinf(config.bucket_mb):
     problems.append(
       f"--bucket-mb={config.bucket_mb} must be >= 0 (0: whole leaves)"
     )
