@@ -59,6 +59,7 @@ from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records import zeropp as _settings
 from zerojax._src.records.layout import plan_leaf
 from zerojax._src.step import offload as _offload
+from zerojax._src.step import offload_trace as _offload_trace
 
 
 # --- from test_api_edges.py -------------------------------------------
@@ -2031,3 +2032,61 @@ def test_the_least_share_of_a_model_of_many_leaves_takes_a_few_plans(
   assert len(shares) > 40
   # no offload, everything offloaded (the bound's prices), then the shares
   assert len(planned) <= 5, planned
+
+
+# --- from test_offload.py: the planner keeps the update's trace --------
+def test_the_planner_traces_a_models_update_once_for_every_share(
+  mesh, monkeypatch
+):
+  """Weighing shares of one model (``offload_fraction_needed``) traces its
+  update once: within ``traces_kept`` each share's plan equals the plan
+  traced afresh, and a spec that differs in more than placements (another
+  optimizer object with the same state, another stage or model) is
+  traced anew, not handed a trace of another program."""
+  traced = []
+  real = _deps.trace
+  monkeypatch.setattr(_deps, "trace", lambda *a: traced.append(1) or real(*a))
+  abstract = jax.eval_shape(
+    lambda: toy.init_params(jax.random.key(0), width=32, layers=6)
+  )
+  adam = optax.adam(1e-2)
+
+  def coupled_update(g, s, p=None):
+    # each leaf's update reads every leaf's state: not streamed by chunks
+    u, s = adam.update(g, s, p)
+    total = sum(jnp.sum(x) for x in jax.tree.leaves(s[0].mu))
+    return jax.tree.map(lambda x: x + 0 * total, u), s
+
+  coupled = optax.GradientTransformation(adam.init, coupled_update)
+  shares = (0.06, 0.3, 0.5, 0.8, True)
+  txs = [
+    zerojax.zero(opt, stage=stage, mesh=mesh, policy=offload_BF16)
+    for opt in (adam, coupled)
+    for stage in (1, 3)
+  ]
+  plan = lambda tx, s: zerojax.cost.plan_stage(abstract, tx=tx, offload=s)
+  fresh = [[plan(tx, s) for s in shares] for tx in txs]
+  assert len(traced) >= len(txs) * len(shares)
+  assert fresh[0][-1].update_transient < fresh[2][-1].update_transient
+  del traced[:]
+  with _offload_trace.traces_kept():
+    kept = [[plan(tx, s) for s in shares] for tx in txs]
+    assert len(traced) == len(txs)
+    # another model of the same tree
+    other = jax.eval_shape(
+      lambda: toy.init_params(jax.random.key(0), width=16, layers=6)
+    )
+    assert zerojax.cost.plan_stage(
+      other, tx=txs[0], offload=0.5
+    ) == zerojax.cost.plan_stage(other, tx=txs[0], offload=0.5)
+    assert len(traced) == len(txs) + 1
+  assert kept == fresh
+  # the planner's search keeps them: one trace per model and stage
+  del traced[:]
+  full = plan(txs[1], True)
+  memory = (plan(txs[1], False).working_set + full.working_set) / 2
+  n = len(traced)
+  share = zerojax.cost.offload_fraction_needed(
+    abstract, memory_bytes=memory, tx=txs[1]
+  )
+  assert 0.0 < share < 1.0 and len(traced) - n == 1

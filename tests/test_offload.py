@@ -893,66 +893,6 @@ def test_the_planner_plans_a_users_tx_and_its_share_is_the_one_zero_keeps(mesh):
     zerojax.cost.plan_stage(abstract, tx=grads, offload=0.5)
 
 
-def test_the_planner_traces_a_models_update_once_for_every_share(
-  mesh, monkeypatch
-):
-  """Weighing shares of one model (``offload_fraction_needed``) traces its
-  update once: within ``traces_kept`` each share's plan equals the plan
-  traced afresh, and a spec that differs in more than placements (another
-  optimizer object with the same state, another stage or model) is
-  traced anew, not handed a trace of another program."""
-  from zerojax._src.jaxpr import deps
-  from zerojax._src.step import offload_trace
-
-  traced = []
-  real = deps.trace
-  monkeypatch.setattr(deps, "trace", lambda *a: traced.append(1) or real(*a))
-  abstract = jax.eval_shape(
-    lambda: toy.init_params(jax.random.key(0), width=32, layers=6)
-  )
-  adam = optax.adam(1e-2)
-
-  def coupled_update(g, s, p=None):
-    # each leaf's update reads every leaf's state: not streamed by chunks
-    u, s = adam.update(g, s, p)
-    total = sum(jnp.sum(x) for x in jax.tree.leaves(s[0].mu))
-    return jax.tree.map(lambda x: x + 0 * total, u), s
-
-  coupled = optax.GradientTransformation(adam.init, coupled_update)
-  shares = (0.06, 0.3, 0.5, 0.8, True)
-  txs = [
-    zerojax.zero(opt, stage=stage, mesh=mesh, policy=BF16)
-    for opt in (adam, coupled)
-    for stage in (1, 3)
-  ]
-  plan = lambda tx, s: zerojax.cost.plan_stage(abstract, tx=tx, offload=s)
-  fresh = [[plan(tx, s) for s in shares] for tx in txs]
-  assert len(traced) >= len(txs) * len(shares)
-  assert fresh[0][-1].update_transient < fresh[2][-1].update_transient
-  del traced[:]
-  with offload_trace.traces_kept():
-    kept = [[plan(tx, s) for s in shares] for tx in txs]
-    assert len(traced) == len(txs)
-    # another model of the same tree
-    other = jax.eval_shape(
-      lambda: toy.init_params(jax.random.key(0), width=16, layers=6)
-    )
-    assert zerojax.cost.plan_stage(
-      other, tx=txs[0], offload=0.5
-    ) == zerojax.cost.plan_stage(other, tx=txs[0], offload=0.5)
-    assert len(traced) == len(txs) + 1
-  assert kept == fresh
-  # the planner's search keeps them: one trace per model and stage
-  del traced[:]
-  full = plan(txs[1], True)
-  memory = (plan(txs[1], False).working_set + full.working_set) / 2
-  n = len(traced)
-  share = zerojax.cost.offload_fraction_needed(
-    abstract, memory_bytes=memory, tx=txs[1]
-  )
-  assert 0.0 < share < 1.0 and len(traced) - n == 1
-
-
 def test_offload_params_is_validated():
   with pytest.raises(ValueError, match="offload_params=True needs stage=3"):
     zerojax.zero(optax.adam(1e-3), stage=2, offload_params=True)

@@ -1,6 +1,7 @@
 """The planner reproduces the ZeRO paper's figures from zerojax's layouts."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -561,6 +562,37 @@ def test_cli_refuses_a_size_that_is_not_a_positive_number(args, said, capsys):
     plan.main(argv)
   assert e.value.code == 2
   assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+  "call, said",
+  [
+    (dict(n_devices=0), "n_devices=0: axis sizes are whole numbers"),
+    (dict(n_devices=-2), "n_devices=-2: axis sizes are whole numbers"),
+    (dict(n_devices=3.5), "(got data=3.5)"),
+    (dict(mesh={"data": 4, "model": 0}), "(got model=0)"),
+    (dict(n_devices=8, accum_steps=0), "accum_steps=0; give the micro"),
+    (dict(n_devices=8, memory_bytes=-1), "memory_bytes=-1; give the device"),
+    (dict(n_devices=8, memory_bytes=float("nan")), "memory_bytes=nan"),
+    (dict(n_devices=8, memory_bytes="80GB"), "memory_bytes='80GB'"),
+  ],
+)
+def test_the_planner_refuses_counts_and_memory_that_are_not_sizes(call, said):
+  """Device counts, micro-batches and memory that are not positive whole
+  numbers (memory: finite and above 0) are refused by name before any
+  plan, and a plan with no device count asks for one."""
+  import jax
+  import jax.numpy as jnp
+
+  abstract = {"w": jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)}
+  kw = dict(call)
+  fn = cost.plan_stage
+  if "memory_bytes" in kw:
+    fn = cost.offload_fraction_needed
+  with pytest.raises(ValueError, match=re.escape(said)):
+    fn(abstract, 3, **kw)
+  with pytest.raises(TypeError, match="give n_devices= .* or mesh="):
+    cost.plan_stage(abstract, 3)
 
 
 def test_cli_compile_without_stages_still_reports_every_stage(

@@ -6,6 +6,8 @@ shares that may fit are planned in full."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -50,6 +52,15 @@ def offload_fraction_needed(
     raise TypeError(
       "offload_fraction_needed: give memory_bytes, the device memory the "
       "working set must fit (e.g. memory_bytes=80e9)."
+    )
+  if (
+    isinstance(memory_bytes, bool)
+    or not isinstance(memory_bytes, numbers.Real)
+    or not (math.isfinite(memory_bytes) and memory_bytes > 0)
+  ):
+    raise ValueError(
+      f"offload_fraction_needed: memory_bytes={memory_bytes!r}; give the "
+      f"device memory in bytes, a finite number above 0 (e.g. 80e9)."
     )
   # every share of one model streams the same update: traced once
   with _offload_trace.traces_kept():

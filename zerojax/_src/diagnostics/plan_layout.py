@@ -6,6 +6,8 @@ prices them; nothing is allocated."""
 
 from __future__ import annotations
 
+import numbers
+
 import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, AxisType
@@ -62,7 +64,7 @@ def plan_spec(
   offload = False if offload is None else offload
   offload_params = False if offload_params is None else offload_params
   offload_grads = False if offload_grads is None else offload_grads
-  mesh = {"data": n_devices} if mesh is None else dict(mesh)
+  mesh = mesh_sizes(n_devices, mesh)
   amesh = AbstractMesh(
     tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh)
   )
@@ -118,3 +120,27 @@ def _tx_to_plan(tx, stage, layout: dict, placement: dict):
   except (TypeError, ValueError) as e:
     given = ", ".join(f"{k}={v!r}" for k, v in changes.items())
     raise type(e)(f"plan_stage(tx=..., {given}): {e}") from e
+
+
+def mesh_sizes(n_devices, mesh) -> dict:
+  """The axis sizes to plan on: ``mesh``, else a data axis of
+  ``n_devices``; each a whole number of devices, at least 1."""
+  if mesh is None and n_devices is None:
+    raise TypeError(
+      "plan_stage: give n_devices= (a 1-D data axis, e.g. n_devices=8) or "
+      "mesh= (axis sizes, e.g. mesh={'data': 8, 'model': 2}), or tx=."
+    )
+  given = "n_devices" if mesh is None else "mesh"
+  sizes = {"data": n_devices} if mesh is None else dict(mesh)
+  bad = {
+    k: v
+    for k, v in sizes.items()
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1
+  }
+  if bad:
+    raise ValueError(
+      f"plan_stage: {given}={n_devices if mesh is None else mesh!r}: "
+      f"axis sizes are whole numbers of devices, at least 1 (got "
+      f"{', '.join(f'{k}={v!r}' for k, v in bad.items())})."
+    )
+  return {k: int(v) for k, v in sizes.items()}

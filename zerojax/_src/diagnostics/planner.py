@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import numpy as np
 
 from zerojax._src.diagnostics import cost
 from zerojax._src.diagnostics import offload_stream as _offload_stream
-from zerojax._src.diagnostics.plan_layout import plan_spec
+from zerojax._src.diagnostics.plan_layout import mesh_sizes, plan_spec
 from zerojax._src.jaxpr import activations as _activations
 from zerojax._src.records.policy import Policy
 from zerojax._src.step.loss_call import LossCall
@@ -218,8 +219,17 @@ def plan_stage(
   ``activations``: :func:`saved_activations`'s figure, added to
   :attr:`StagePlan.working_set`. ``accum_steps``: micro-batches per step,
   which the offloaded params' and gradients' host traffic counts."""
-  if tx is None:
-    mesh = {"data": n_devices} if mesh is None else dict(mesh)
+  if (
+    isinstance(accum_steps, bool)
+    or not isinstance(accum_steps, numbers.Integral)
+    or accum_steps < 1
+  ):
+    raise ValueError(
+      f"plan_stage: accum_steps={accum_steps!r}; give the micro-batches "
+      f"per step, a whole number >= 1."
+    )
+  if tx is None and stage is not None:
+    mesh = mesh_sizes(n_devices, mesh)
     n_devices = None
   spec = plan_spec(
     abstract_params,
