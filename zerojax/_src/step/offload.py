@@ -305,7 +305,11 @@ def plan(
     for i in train
   ]
   items = []  # (param, row or None, bytes)
-  rows = _stack_rows(spec, kept, train, sizes, own) if _by_rows else {}
+  # without a cut the rows are the kept trace's; with one, its program's
+  kept_rows = kept.rows if cut is None else {}
+  rows = (
+    _stack_rows(spec, closed, kept_rows, train, sizes, own) if _by_rows else {}
+  )
   for k, i in enumerate(train):
     n = rows.get(k, 0)
     if n:
@@ -387,7 +391,7 @@ def _grads_cut(closed, n_g: int, own, slot, allowed):
   return tuple(passes), None
 
 
-def _stack_rows(spec: StateSpec, kept, train, sizes, own) -> dict:
+def _stack_rows(spec: StateSpec, closed, known, train, sizes, own) -> dict:
   """``{k: rows}`` for the trained leaves (``k``-th) streamed by rows: the
   layer stacks that can be (:func:`~zerojax._src.step.offload_rows.stack_rows`)
   larger than both a chunk's budget and every leaf streamed whole, the
@@ -398,12 +402,10 @@ def _stack_rows(spec: StateSpec, kept, train, sizes, own) -> dict:
   for k, i in enumerate(train):
     if sizes[k] > budget:
       # a leaf with bytes to stream is in host memory, and then its rows
-      # depend on the program alone: kept beside it
-      if k not in kept.rows:
-        kept.rows[k] = _stacks.stack_rows(
-          spec, kept.closed, i, k, len(train), own
-        )
-      n = kept.rows[k]
+      # depend on the program alone: known per leaf once read
+      if k not in known:
+        known[k] = _stacks.stack_rows(spec, closed, i, k, len(train), own)
+      n = known[k]
       if n:
         rows[k] = n
   whole = max((b for k, b in enumerate(sizes) if k not in rows), default=0)
