@@ -925,7 +925,7 @@ def _mesh(p: argparse.ArgumentParser, args) -> tuple[dict, int]:
   return mesh, slices
 
 
-def _config(p, args, mesh: dict) -> gpt.GPTConfig:
+def _config(p: argparse.ArgumentParser, args, mesh: dict) -> gpt.GPTConfig:
   """The GPT to plan. On a model axis the vocabulary is padded to a
   multiple of it (as the main job pads it); the block's own dimensions are
   the model's shape and an axis that does not divide them is refused."""
