@@ -167,7 +167,9 @@ def test_wrong_process_count_and_unreachable_coordinator(tmp_path):
   assert "could not join the distributed run" in proc.stderr
   assert "coordinator (process 0) is reachable" in proc.stderr
   # a wrong process count: 2 processes started, 3 announced; JAX aborts
-  # them after the join timeout, with zerojax's hint printed first
+  # them after the join timeout, with zerojax's hint printed first. The
+  # timeout leaves both processes time to start on a busy machine: one
+  # that connects as the coordinator aborts can wait on it far longer
   env = dict(os.environ, XLA_FLAGS=cpu_device_flags(4))
   coord = f"127.0.0.1:{launch.free_port()}"
   procs = [
@@ -180,7 +182,7 @@ def test_wrong_process_count_and_unreachable_coordinator(tmp_path):
         coord,
         "3",
         str(i),
-        "5",
+        "20",
       ],
       cwd=ROOT,
       env=env,
