@@ -725,7 +725,6 @@ def _positive(kind):
       raise argparse.ArgumentTypeError(f"{text}: give a finite number above 0")
     return x
 
-  parse.__name__ = kind.__name__
   return parse
 
 
