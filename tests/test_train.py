@@ -267,7 +267,8 @@ def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
     (["--heads", "3"], "--heads=3 does not divide --width=128"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--seq-shard", "model"], "--seq-shard=model is not a model axis"),
-    (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be >= 0"),
+    (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be a finite number >= 0"),
+    (["--bucket-mb", "inf"], "--bucket-mb=inf must be a finite number >= 0"),
     (["--lr=-1e-3"], "--lr=-0.001 must be a finite number above 0"),
     (
       ["--warmup", "-3", "--weight-decay", "nan"],
@@ -429,6 +430,40 @@ def test_main_job_resumes_exactly(tmp_path, main_job_run):
   straight = after(records(main_job_run[0]))
   assert straight and after(records(tmp_path / "c")) == straight
   assert after(records(tmp_path / "b")) == straight  # saving changes nothing
+
+
+def test_main_job_stops_when_the_loss_diverges_and_saves_nothing_after(
+  tmp_path,
+):
+  """A learning rate of 1e4 sends the loss to NaN within a few steps: the
+  job exits 1 naming the step and the flags, every checkpoint is of a step
+  read finite and older than it, nothing is exported or sampled, and its
+  files stay strict JSON."""
+  out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+  proc = subprocess.run(
+    [sys.executable, "-m", "zerojax.train", *TINY, "--out", str(out)]
+    + ["--lr", "1e4", "--warmup", "0", "--clip", "1e9", "--save-every", "1"]
+    + ["--checkpoint-dir", str(ckpt), "--export-dir", str(out / "gpt2")],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  strict = lambda text: json.loads(text, parse_constant=pytest.fail)
+  summary = strict((out / "summary.json").read_text())
+  at = summary["diverged_at"]
+  assert 1 <= at <= summary["stopped_at"] < 30
+  assert f"the run diverged: loss nan, grad_norm nan at step {at}" in (
+    proc.stderr
+  )
+  assert "Lower --lr (now 10000)" in proc.stderr
+  records = [
+    strict(l) for l in (out / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert records[-1]["step"] == at and records[-1]["loss"] is None
+  saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+  assert saved == list(range(1, at))[-3:]  # keep=3
+  assert not (out / "gpt2").exists() and "sample:" not in proc.stdout
 
 
 def test_unrolled_scan_gathers_the_next_layer_in_the_same_iteration(mesh):

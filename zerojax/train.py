@@ -10,4 +10,4 @@ from zerojax.app.train import resolve as resolve
 __all__ = ["TrainConfig", "check", "parse_args", "resolve"]
 
 if __name__ == "__main__":
-  main(parse_args())
+  raise SystemExit(1 if main(parse_args())["diverged_at"] is not None else 0)

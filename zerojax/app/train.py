@@ -12,7 +12,9 @@ Writes ``<out>/metrics.jsonl`` (one object per logged step: ``step``,
 ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, and ``eval_loss`` at
 evaluations), the same scalars as TensorBoard event files in ``<out>``
 (tensorboardX), ``<out>/loss.png`` and ``<out>/summary.json``, and prints a
-text sample from the trained model.
+text sample from the trained model. A loss, gradient norm or eval loss that
+is not finite stops the run: nothing later is saved, exported or sampled,
+``summary.json`` names the step (``diverged_at``) and the command exits 1.
 """
 
 from __future__ import annotations
@@ -301,9 +303,10 @@ def check(config: TrainConfig) -> list[str]:
     problems.append(
       f"--remat={config.remat}: use one of {', '.join(gpt.REMAT)}"
     )
-  if not config.bucket_mb >= 0 or math.isinf(config.bucket_mb):
+  if not (math.isfinite(config.bucket_mb) and config.bucket_mb >= 0):
     problems.append(
-      f"--bucket-mb={config.bucket_mb} must be >= 0 (0: whole leaves)"
+      f"--bucket-mb={config.bucket_mb} must be a finite number >= 0 "
+      f"(0: whole leaves)"
     )
   splits, over = config.devices, f"--devices={config.devices}"
   axes = {"data": config.devices}
@@ -535,7 +538,9 @@ def main(config: TrainConfig) -> dict:
     jax.__version__,
   )
   if main_process:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(
+      json.dumps(_strict_json(summary), indent=2)
+    )
     from zerojax.app import plots
 
     plots.loss_curve(
@@ -543,6 +548,9 @@ def main(config: TrainConfig) -> dict:
       out / "loss.png",
       title=f"GPT {n_params:,} params, ZeRO-{config.stage}",
     )
+  if log.diverged is not None:
+    say(_divergence(config, log, ckpt), file=sys.stderr)
+    return summary
   say(
     f"done in {summary['wall_s']:.0f}s: held-out loss "
     f"{summary['first_eval_loss']:.3f} -> {summary['last_eval_loss']:.3f} "
@@ -589,6 +597,42 @@ def _require_app_dependencies():
       file=sys.stderr,
     )
     raise SystemExit(2)
+
+
+def _divergence(config: TrainConfig, log: _Log, ckpt) -> str:
+  """Why the run stopped early, what it kept, and the flags that fix it."""
+  rec, last = log.diverged or {}, log.last_finite
+  bad = ", ".join(
+    f"{k} {rec[k]}"
+    for k in ("loss", "grad_norm", "eval_loss")
+    if k in rec and not math.isfinite(rec[k])
+  )
+  saved = sorted(ckpt.all_steps()) if ckpt is not None else []
+  return (
+    f"zerojax.train: error: the run diverged: {bad} at step {rec.get('step')}"
+    + (f" (finite at step {last})" if last is not None else "")
+    + f"; stopped after step {log.stopped_at}, exported and sampled nothing"
+    + (
+      ""
+      if ckpt is None
+      else f", and saved no checkpoint in {config.checkpoint_dir}"
+      if not saved
+      else f"; {config.checkpoint_dir} holds steps "
+      f"{', '.join(map(str, saved))}, each saved after a step whose loss "
+      f"and gradient norm were finite (its update may still be the one that "
+      f"diverged: the loss after it was not read)"
+    )
+    + f". Lower --lr (now {config.lr:g}), lengthen --warmup (now "
+    f"{config.warmup}) or lower --clip (now {config.clip:g})."
+  )
+
+
+def _strict_json(rec: dict) -> dict:
+  """``rec`` with every non-finite float as ``None`` (JSON has no NaN)."""
+  return {
+    k: None if isinstance(v, float) and not math.isfinite(v) else v
+    for k, v in rec.items()
+  }
 
 
 def _host(x):
@@ -777,10 +821,14 @@ class _Log:
     )
     self.pending = None
     self.wall_s = None
+    self.diverged: dict | None = None  # the first non-finite record
+    self.last_finite: int | None = None  # the last step read finite
+    self.stopped_at = 0  # the last step run
 
   def write(self, rec: dict, flush: bool = False):
     self.records.append(rec)
-    self.file.write(json.dumps(rec) + "\n")
+    self.file.write(json.dumps(_strict_json(rec)) + "\n")
+    self.watch(rec)
     if self.events is not None:
       for name, value in rec.items():
         if name != "step" and isinstance(value, (int, float)):
@@ -839,7 +887,34 @@ class _Log:
       )
     self.t_window, self.window_steps = time.perf_counter(), 0
 
+  def finite_at(self, step: int, metrics) -> bool:
+    """Whether ``step``'s loss and gradient norm are finite (read now: the
+    step is about to be saved). If not, the step's record is written and
+    the run is marked diverged."""
+    values = [float(_host(metrics[k])) for k in ("loss", "grad_norm")]
+    if all(math.isfinite(v) for v in values):
+      self.last_finite = step
+      return True
+    if self.pending is not None:
+      self.write(self.pending())
+      self.pending = None
+    self.write(self.step_metrics(step, metrics))
+    return False
+
+  def watch(self, rec: dict):
+    """Notes the first record whose loss, gradient norm or eval loss is not
+    finite (the run diverged), and the last one whose values all are."""
+    values = [rec[k] for k in ("loss", "grad_norm", "eval_loss") if k in rec]
+    if all(math.isfinite(v) for v in values):
+      if values and self.diverged is None:
+        self.last_finite = max(rec["step"], self.last_finite or 0)
+    elif self.diverged is None:
+      self.diverged = rec
+
   def close(self):
+    if self.pending is not None:  # stopped before the next step read it
+      self.write(self.pending())
+      self.pending = None
     self.file.close()
     if self.events is not None:
       self.events.close()
@@ -871,17 +946,21 @@ def _train(
     if step == start + 1:  # the step compiled on this call
       zerojax.launch.release_free_heap()
     log.bar.update(1)
+    log.stopped_at = step
     extra = {"data_step": step, "seed": config.seed}
     if distributed.preemption_point(step):
       preempted = step
-      if ckpt is not None:
+      saved = ckpt is not None and log.finite_at(step, metrics)
+      if saved:
         ckpt.save(state, extra=extra, force=True)
       say(
         f"zerojax.train: preempted; stopping at step {step}"
         + (
           f", saved to {config.checkpoint_dir}"
-          if ckpt is not None
+          if saved
           else " (no --checkpoint-dir: nothing saved)"
+          if ckpt is None
+          else " (its loss is not finite: nothing saved)"
         ),
         flush=True,
       )
@@ -890,11 +969,15 @@ def _train(
     if ckpt is not None and (
       step % config.save_every == 0 or step == config.steps
     ):
+      if not log.finite_at(step, metrics):
+        break  # a diverged state is never saved
       ckpt.save(state, extra=extra, force=True)
     is_eval = step % config.eval_every == 0 or step == config.steps
     log.after_step(step, metrics, is_eval)
-    if is_eval:
+    if is_eval and log.diverged is None:
       log.evaluation(step, eval_loss(state))
+    if log.diverged is not None:
+      break
   log.close()
   if ckpt is not None:
     ckpt.close()  # waits for the last asynchronous save
@@ -929,7 +1012,11 @@ def _summary(
     "wall_s": log.wall_s,
     "first_eval_loss": evals[0],
     "last_eval_loss": evals[-1],
-    "eval_drop": 1 - evals[-1] / evals[0],
+    "eval_drop": (
+      1 - evals[-1] / evals[0] if math.isfinite(evals[-1] / evals[0]) else None
+    ),
+    "diverged_at": None if log.diverged is None else log.diverged["step"],
+    "stopped_at": log.stopped_at,
     "tokens_per_s": speed,
     "flops_per_token": log.flops_per_token,
     "mfu": mfu.mfu(speed, log.flops_per_token, devices),
