@@ -520,7 +520,7 @@ def test_cli_compile_needs_a_topology_and_names_the_tpu_extra():
 
 def test_cli_stages_reports_only_the_stages_asked(capsys):
   """``--stages 1,3`` prints those stages' rows, largest GPTs and least
-  shares only; a stage outside 0-3 is refused by name."""
+  shares only, as text and as JSON; a stage outside 0-3 is refused by name."""
   plan.main(
     ["--params", "7e9", "--devices", "8", "--memory-gb", "40", "--offload"]
     + ["--stages", "1,3"]
@@ -536,6 +536,14 @@ def test_cli_stages_reports_only_the_stages_asked(capsys):
     "stage 1",
     "stage 3",
   ]
+  plan.main(
+    ["--params", "7e9", "--devices", "8", "--memory-gb", "40", "--offload"]
+    + ["--stages", "1,3", "--json"]
+  )
+  data = json.loads(capsys.readouterr().out)
+  assert [x["stage"] for x in data["plans"]] == [1, 3]
+  assert list(data["largest_fitting"]) == list(data["offload_needed"])
+  assert list(data["offload_needed"]) == ["1", "3"]
   with pytest.raises(SystemExit):
     plan.main(["--params", "7e9", "--devices", "8", "--stages", "4"])
   assert "--stages 4: stages are 0-3" in capsys.readouterr().err

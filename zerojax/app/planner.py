@@ -610,6 +610,7 @@ def main(argv=None):
               device_to_host=x.device_to_host,
             )
             for x in plans
+            if x.stage in stages
           ],
           "largest_fitting": fitting,
           "largest_fitting_bound": bound,
