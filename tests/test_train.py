@@ -464,6 +464,23 @@ def test_main_job_stops_when_the_loss_diverges_and_saves_nothing_after(
   saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
   assert saved == list(range(1, at))[-3:]  # keep=3
   assert not (out / "gpt2").exists() and "sample:" not in proc.stdout
+  # resumed at a lower rate: trains on, or, if the last step saved already
+  # holds the diverging update, stops before running a step
+  resumed = subprocess.run(
+    [sys.executable, "-m", "zerojax.train", *TINY, "--out", str(out / "r")]
+    + ["--checkpoint-dir", str(ckpt), "--resume"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  summary = strict((out / "r" / "summary.json").read_text())
+  assert f"at step {saved[-1]}" in resumed.stdout
+  if resumed.returncode == 1:
+    assert summary["diverged_at"] == summary["stopped_at"] == saved[-1]
+    assert f"eval_loss nan at step {saved[-1]}" in resumed.stderr
+  else:
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary["diverged_at"] is None and summary["stopped_at"] == 30
 
 
 def test_unrolled_scan_gathers_the_next_layer_in_the_same_iteration(mesh):

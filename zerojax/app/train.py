@@ -791,8 +791,11 @@ def _train(
   from zerojax import distributed
 
   log.bar.update(start)
+  log.stopped_at = start
   preempted = None
   for step in range(start + 1, config.steps + 1):
+    if log.diverged is not None:  # read at the last step, or before the first
+      break
     state, metrics = train_step(state, batch_for(step))
     if step == start + 1:  # the step compiled on this call
       zerojax.launch.release_free_heap()
@@ -827,8 +830,6 @@ def _train(
     log.after_step(step, metrics, is_eval)
     if is_eval and log.diverged is None:
       log.evaluation(step, eval_loss(state))
-    if log.diverged is not None:
-      break
   log.close()
   if ckpt is not None:
     ckpt.close()  # waits for the last asynchronous save
