@@ -331,10 +331,10 @@ def test_a_state_from_a_tx_with_another_replica_axis_names_it():
 
 
 def test_planner_refuses_a_model_axis_that_does_not_divide_the_block(capsys):
-  from zerojax.app import planner
+  from zerojax.app import plan_cli
 
   with pytest.raises(SystemExit) as e:
-    planner.main(
+    plan_cli.main(
       ["--width", "1536", "--depth", "2", "--mesh", "data=4,model=5"]
     )
   assert e.value.code == 2

@@ -608,17 +608,17 @@ def test_cli_compile_without_stages_still_reports_every_stage(
 ):
   """``--compile`` alone compiles stage 3 and still prints every stage's
   plan; ``--stages`` names both."""
-  from zerojax.app import planner as app_planner
+  from zerojax.app import plan_cli
 
   compiled = []
   monkeypatch.setattr(
-    app_planner,
+    plan_cli,
     "_compile",
     lambda p, args, config, mesh, plans, stages: compiled.append(stages) or [],
   )
   base = ["--params", "1e9", "--devices", "4", "--batch", "1", "--compile"]
   monkeypatch.setattr(
-    app_planner, "_mesh", lambda p, args: ({"data": 4}, 1), raising=True
+    plan_cli, "_mesh", lambda p, args: ({"data": 4}, 1), raising=True
   )
   plan.main(base)
   out = capsys.readouterr().out

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from zerojax import aot, plan
-from zerojax.app import compiled, gpt, planner
+from zerojax.app import compiled, gpt, plan_cli, planner
 
 pytestmark = pytest.mark.tpu_compiler
 
@@ -420,7 +420,7 @@ def test_the_planners_compile_builds_the_step_it_plans(capsys):
   gradients, the unclipped step's, and the plan's)."""
   import json
 
-  planner.main(
+  plan_cli.main(
     [
       *("--topology", TOPOLOGY, "--batch", str(BATCH), "--stages", "3"),
       *("--width", str(CONFIG.width), "--depth", str(CONFIG.depth)),

@@ -4,13 +4,14 @@
 
 :mod:`zerojax.cost` (library) prices any params; this namespace adds the
 GPT: its saved activations, its working set, the largest one that fits
-and what stops a larger one, and the command line. See :mod:`zerojax.app.planner`.
+and what stops a larger one (:mod:`zerojax.app.planner`), and the command
+line (:mod:`zerojax.app.plan_cli`).
 """
 
+from zerojax.app.plan_cli import main
 from zerojax.app.planner import abstract_gpt as abstract_gpt
 from zerojax.app.planner import gpt_activations as gpt_activations
 from zerojax.app.planner import largest_fitting as largest_fitting
-from zerojax.app.planner import main
 from zerojax.app.planner import plan_gpt as plan_gpt
 from zerojax.app.planner import predicted_peak as predicted_peak
 from zerojax.app.planner import what_binds as what_binds
