@@ -467,6 +467,8 @@ def fsdp2(args) -> dict:
 
 
 def table(runs) -> str:
+  from zerojax.app import tables
+
   mib = lambda x: f"{x / 2**20:,.2f}"
   head = (
     "config",
@@ -507,14 +509,7 @@ def table(runs) -> str:
         f"{r['final_loss']:.5f}",
       )
     )
-  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-  line = lambda cols: (
-    "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
-  )
-  return "\n".join(
-    [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    + [line(r) for r in rows]
-  )
+  return tables.markdown(head, rows)
 
 
 def charts(runs, outdir):

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 import zerojax
-from zerojax.app import gpt
+from zerojax.app import gpt, tables
 from zerojax.app.planner import (
   abstract_gpt,
   gpt_activations,
@@ -124,14 +124,7 @@ def _table(plans) -> str:
     )
     for p in plans
   ]
-  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-  line = lambda cols: (
-    "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
-  )
-  return "\n".join(
-    [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    + [line(r) for r in rows]
-  )
+  return tables.markdown(head, rows)
 
 
 def _comm_table(plans, hw) -> str:
@@ -154,14 +147,7 @@ def _comm_table(plans, hw) -> str:
           f"{e['seconds']:.3f}",
         )
       )
-  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-  line = lambda cols: (
-    "| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |"
-  )
-  return "\n".join(
-    [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    + [line(r) for r in rows]
-  )
+  return tables.markdown(head, rows)
 
 
 def main(argv=None):
