@@ -119,13 +119,17 @@ def main(mode, *rest):
     def loss_rows(p, b):
       loss = toy.loss_fn(p, b)
       return loss, {
-        "x_rows": b["x"].astype(jnp.float32) * (1 + 0 * loss),
+        "x_rows": b["x"].astype(jnp.float32) * b["w"] * (1 + 0 * loss),
         "rows": jnp.asarray(b["x"].shape[0]),
       }
 
     state = zerojax.init(params, tx)
-    state, m = zerojax.train_step(loss_rows, tx)(state, batches[0])
-    _, e = zerojax.eval_step(loss_rows, tx, has_aux=True)(state, batches[1])
+    # a scalar batch leaf (the same on both processes), broadcast to the
+    # global batch's rows across processes
+    state, m = zerojax.train_step(loss_rows, tx)(state, dict(batches[0], w=2.0))
+    _, e = zerojax.eval_step(loss_rows, tx, has_aux=True)(
+      state, zerojax.shard_batch({"w": np.float32(2.0)}, tx, 32) | batches[1]
+    )
     # each process writes the rows its devices hold, keyed by first row
     for name, aux in (("train", m["aux"]), ("eval", e)):
       np.savez(

@@ -73,9 +73,12 @@ def test_a_per_example_aux_across_two_processes_is_every_row_in_order(
   tmp_path, stage
 ):
   """Each process holds its devices' rows of a per-example aux (train and
-  eval steps); together they are the global batch's rows in order."""
+  eval steps); together they are the global batch's rows in order. The
+  rows are scaled by a scalar batch leaf, shared by every example."""
   assert _launch(tmp_path, "aux", stage, tmp_path / "aux") == 0
-  want = [toy.batches(5, seed=11)[i]["x"].astype(np.float32) for i in (0, 1)]
+  want = [
+    toy.batches(5, seed=11)[i]["x"].astype(np.float32) * 2 for i in (0, 1)
+  ]
   for name, rows in zip(("train", "eval"), want):
     got = np.full(rows.shape, np.nan, np.float32)
     for pid in (0, 1):

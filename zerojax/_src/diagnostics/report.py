@@ -379,6 +379,8 @@ def _saved_activations(step, state: ZeroState, batch) -> dict:
     if not shape:
       return x
     dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    # as a step would take it: a NumPy int64 batch is int32 without x64
+    dtype = jax.dtypes.canonicalize_dtype(dtype)
     return jax.ShapeDtypeStruct((shape[0] // rows,) + shape[1:], dtype)
 
   local = jax.tree.map(local, batch)

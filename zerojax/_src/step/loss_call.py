@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._src.records.spec import StateSpec, tree_difference
+from zerojax._src.step.batch import unshare
 
 GATHER_MODES = ("auto", "model", "all")
 
@@ -45,7 +46,7 @@ class LossCall:
       # NNX variables may only be mutated at the trace that created them.
       leaves, treedef = jax.tree.flatten(model_state)
       kw["model_state"] = jax.tree.unflatten(treedef, leaves)
-    return self.parse(loss_fn(params, batch, **kw), model_state)
+    return self.parse(loss_fn(params, unshare(batch), **kw), model_state)
 
   def parse(self, out, model_state):
     """-> ``(loss as float32 scalar, new_model_state, aux)``."""
