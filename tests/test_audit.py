@@ -169,7 +169,10 @@ def _misuse(body_kind):
 def test_ungathered_read_inside_structured_body_is_caught(mesh, kind):
   tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
   state = zerojax.init(_params(), tx)
-  step = zerojax.train_step(_misuse(kind), tx, gather="model")
+  # (the cond branches on one example: a per-device loss, asked for)
+  step = zerojax.train_step(
+    _misuse(kind), tx, gather="model", per_device_loss=True
+  )
   with pytest.raises(
     zerojax.errors.UngatheredParamError, match=r"params\['w'\]"
   ):

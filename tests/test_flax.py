@@ -12,6 +12,7 @@ from flax import nnx
 import zerojax
 import zerojax.linen
 import zerojax.nnx
+from zerojax.errors import LossNotAMeanError
 
 WIDTH, DEPTH = 16, 4
 X = np.random.default_rng(0).normal(size=(32, 5)).astype(np.float32)
@@ -231,7 +232,11 @@ def test_nnx_batch_norm_statistics_train_as_model_state(mesh, stage):
 
   tx = zerojax.zero(optax.sgd(0.0), stage=stage, mesh=mesh)
   state = zerojax.init(params, tx, model_state=rest)
-  state, _ = zerojax.train_step(loss, tx)(state, BATCH)
+  # BatchNorm in training normalizes by the batch's statistics: per device
+  # they are the device's rows', which zerojax refuses unless asked for
+  with pytest.raises(LossNotAMeanError, match="sum over the batch"):
+    zerojax.train_step(loss, tx)(state, BATCH)
+  state, _ = zerojax.train_step(loss, tx, per_device_loss=True)(state, BATCH)
   # sgd(0): weights unchanged, so the statistics are those of lin(x): the
   # mean over devices of each device's batch mean is the global batch mean
   h = np.asarray(BATCH["x"]) @ np.asarray(params["lin"]["kernel"][...])

@@ -148,8 +148,9 @@ def test_value_and_grad_returns_the_gradients_in_host_memory():
 
 
 def _skipped_at_step_2(params, batch):
-  """The toy loss, whose gradients are all NaN at the batch marked so."""
-  return toy.loss_fn(params, batch) * jnp.mean(batch["w"])
+  """The toy loss, whose gradients are all NaN at the batch marked so (its
+  scalar ``w``, shared by every example)."""
+  return toy.loss_fn(params, batch) * batch["w"]
 
 
 @pytest.mark.parametrize(
@@ -178,7 +179,7 @@ def test_apply_if_finite_streams_and_skips_the_nonfinite_step(
   correction there, or multiplies by its reciprocal)."""
   data = toy.batches(4)
   for t, b in enumerate(data):
-    b["w"] = np.full((32,), np.nan if t == 2 else 1.0, np.float32)
+    b["w"] = np.float32(np.nan if t == 2 else 1.0)
   out = []
   for off in (False, True):
     tx = zerojax.zero(
@@ -323,7 +324,7 @@ def _shared_in_the_scan(params, batch):
   def body(h, layer):
     layer = g(layer)
     h = jnp.tanh(h @ layer["w"] + layer["b"][None, :])
-    return h, jnp.sum(h @ g(params["head"]))
+    return h, jnp.mean(h @ g(params["head"]))
 
   h, extra = jax.lax.scan(body, x, params["layers"])
   logits = h @ g(params["head"]) * g(params["scale"])
@@ -498,7 +499,9 @@ def test_a_large_value_made_from_every_gradient_is_refused():
     return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
   params = {"a": jnp.ones((300, 300)), "b": jnp.full((300, 300), 0.5)}
-  loss = lambda p, b: jnp.sum((p["a"] * b[0]) ** 2) + jnp.sum(p["b"] * b[0])
+  loss = lambda p, b: jnp.mean(  # a mean over examples (equal rows)
+    jnp.sum((p["a"][None] * b) ** 2 + p["b"][None] * b, axis=(1, 2))
+  )
   tx = zerojax.zero(
     optax.chain(mean_of_all(), optax.sgd(1e-3)),
     stage=2,
@@ -523,7 +526,9 @@ def test_a_finiteness_of_clipped_gradients_streams_in_two_passes():
   to a rounding per step, through a step whose gradients are NaN
   (skipped)."""
   params = {"a": jnp.ones((300, 300)), "b": jnp.full((300, 300), 0.5)}
-  loss = lambda p, b: jnp.sum((p["a"] * b[0]) ** 2) + jnp.sum(p["b"] * b[0])
+  loss = lambda p, b: jnp.mean(  # a mean over examples (equal rows)
+    jnp.sum((p["a"][None] * b) ** 2 + p["b"][None] * b, axis=(1, 2))
+  )
   batches = [jnp.full((8, 300, 300), x) for x in (1.0, np.nan, 0.5)]
   opt = lambda: optax.chain(
     optax.clip_by_global_norm(1.0), optax.apply_if_finite(optax.adam(1e-3), 3)

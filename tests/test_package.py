@@ -456,7 +456,7 @@ def test_init_and_steps_leave_the_process_heap_alone_unless_asked(monkeypatch):
   state = zerojax.init(_stack(), tx)
   zerojax.init_from(lambda k: _stack(), tx, jax.random.key(0))
   step = zerojax.train_step(
-    lambda p, b: jnp.mean(p["blocks"]["w"]) * b.sum(), tx
+    lambda p, b: jnp.mean(p["blocks"]["w"]) * b.mean(), tx
   )
   for _ in range(2):
     state, _ = step(state, jnp.ones((8,)))

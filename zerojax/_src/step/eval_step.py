@@ -22,6 +22,7 @@ from zerojax._src.step.loss_call import (
   LossProgram,
   check_options,
 )
+from zerojax._src.step.loss_check import check_per_device_loss
 from zerojax._src.step.reduce import reduce_outputs
 from zerojax._src.step.steps import CompiledStep, abstract_ready, step_key
 from zerojax._src.step.transform import ZeroTransformation
@@ -90,6 +91,8 @@ class EvalStep(CompiledStep):
   when built with ``has_aux=True``); nothing is donated (one batch per
   call: ``accum_steps`` is 1)."""
 
+  where = "zerojax.eval_step"
+
   def __call__(self, state: ZeroState, batch):
     batch = self._prepare(state, batch)
     return self._run("zerojax.eval_step", state, batch)
@@ -109,6 +112,7 @@ def eval_step(
   *,
   gather: str = "auto",
   has_aux: bool = False,
+  per_device_loss: bool = False,
 ) -> EvalStep:
   """A jitted ``eval(state, batch) -> mean loss`` that shards the batch.
 
@@ -126,9 +130,12 @@ def eval_step(
   ``(loss, new_model_state, aux)``) and the step ``(mean loss, aux)``, the
   aux combined as :func:`train_step`'s: per-example leaves with every row
   in batch order (sharded by rows), batch means averaged, counts summed.
-  Otherwise an aux the loss returns is dropped.
+  Otherwise an aux the loss returns is dropped. ``per_device_loss``: as
+  in :func:`train_step` (the loss must be a mean over examples unless
+  ``True``).
   """
   check_options(loss_fn, gather, 1, "zerojax.eval_step")
+  check_per_device_loss(per_device_loss, "zerojax.eval_step")
   if not isinstance(has_aux, bool):
     raise TypeError(
       f"zerojax.eval_step: has_aux={has_aux!r} must be True "
@@ -169,5 +176,10 @@ def eval_step(
     )
 
   return EvalStep(
-    loss_fn=loss_fn, tx=tx, gather=gather, accum_steps=1, _jitted=jax.jit(run)
+    loss_fn=loss_fn,
+    tx=tx,
+    gather=gather,
+    accum_steps=1,
+    _jitted=jax.jit(run),
+    per_device_loss=per_device_loss,
   )

@@ -65,6 +65,7 @@ from zerojax._src.step.loss_call import (
   LossProgram,
   check_options,
 )
+from zerojax._src.step.loss_check import grad_loss_check
 from zerojax._src.step.reduce import (
   reduce_grads,
   reduce_outputs,
@@ -356,6 +357,7 @@ def value_and_grad(
   has_aux: bool = False,
   accum_steps: int = 1,
   gather: str = "auto",
+  per_device_loss: bool = False,
 ) -> Callable:
   """Sharded ``jax.value_and_grad`` for ``tx``'s stage, returning gradients
   in the stage's layout.
@@ -378,6 +380,7 @@ def value_and_grad(
       (:mod:`zerojax._src.step.aux`).
     accum_steps: micro-batches per call (accumulated inside).
     gather: as in :func:`zerojax.train_step`.
+    per_device_loss: as in :func:`zerojax.train_step`.
 
   Returns:
     ``fn(params, batch, *, key=None) -> (value, grads)`` with ``value`` the
@@ -402,6 +405,9 @@ def value_and_grad(
     True
   """
   check_options(loss_fn, gather, accum_steps, "zerojax.value_and_grad")
+  check_loss = grad_loss_check(
+    loss_fn, tx, has_aux, accum_steps, per_device_loss
+  )
 
   @functools.partial(jax.jit, static_argnums=3)
   def run(params, batch, key, models):
@@ -480,8 +486,9 @@ def value_and_grad(
     models = (
       None if isinstance(params, ZeroState) else model_axes_of(params, tx)
     )
-    batch = place_batch(batch, tx, accum_steps)
+    placed = place_batch(batch, tx, accum_steps)
+    check_loss(params, batch, key)
     with explain_per_device_errors(tx.mesh, "zerojax.value_and_grad"):
-      return run(params, batch, key, models)
+      return run(params, placed, key, models)
 
   return fn

@@ -50,6 +50,7 @@ from zerojax._src.step.loss_call import (
   LossProgram,
   check_options,
 )
+from zerojax._src.step.loss_check import check_per_device_loss, check_step_loss
 
 # --------------------------------------------------------------------------
 # input checks (all before tracing, so a failed step loses nothing)
@@ -210,10 +211,17 @@ class CompiledStep:
   gather: str
   accum_steps: int
   _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
+  per_device_loss: bool = False
+  checked: dict = dataclasses.field(  # loss_check's verdicts by batch shape
+    repr=False, compare=False, default_factory=dict
+  )
+  where = "zerojax step"
 
   def _prepare(self, state, batch):
     check_state(state, self.tx)
-    return place_batch(batch, self.tx, self.accum_steps)
+    placed = place_batch(batch, self.tx, self.accum_steps)
+    check_step_loss(self, state, batch)
+    return placed
 
   def _run(self, where: str, state, *args):
     """The jitted call; a deleted state leaf is refused first, by path."""
@@ -225,6 +233,12 @@ class CompiledStep:
 @dataclasses.dataclass(frozen=True)
 class TrainStep(CompiledStep):
   """A jitted, state-donating train step; call it as ``step(state, batch)``.
+
+  ``batch`` is a pytree of arrays sharing a leading batch dimension, split
+  over the batch axes (and micro-batches); a scalar leaf (a loss weight,
+  a temperature) is the same for every example and reaches the loss as
+  the scalar, as a plain ``jit`` argument would, a new value retracing
+  nothing.
 
   ``step(state, batch, **extra_args)`` returns ``(new_state, metrics)`` with
   ``metrics = {"loss", "grad_norm"}`` (``"grad_norm"`` unless built with
@@ -241,6 +255,7 @@ class TrainStep(CompiledStep):
 
   donate: bool = True
   grad_norm: bool = True
+  where = "zerojax.train_step"
 
   def __call__(self, state: ZeroState, batch, **extra_args):
     batch = self._prepare(state, batch)
@@ -370,6 +385,7 @@ def train_step(
   gather: str = "auto",
   donate: bool = True,
   grad_norm: bool = True,
+  per_device_loss: bool = False,
 ) -> TrainStep:
   """Builds the jitted train step for ``tx``'s stage.
 
@@ -405,6 +421,11 @@ def train_step(
       gradients inside its backward loop. Either way the result is the
       unsharded one. Other errors in the loss propagate unchanged.
     donate: donate the input state's buffers to the output state.
+    per_device_loss: ``False`` (default): a loss that is not a mean over
+      examples (whose per-device average is not the whole batch's loss)
+      raises :class:`zerojax.errors.LossNotAMeanError` before anything
+      runs (:mod:`zerojax._src.step.loss_check`). ``True``: average the
+      per-device losses on purpose (data parallelism's semantics).
     grad_norm: report the global norm of the step's gradient (the
       optimizer's input, after the reduction) as ``metrics["grad_norm"]``.
       It reads the whole gradient once more: at stage 0, where every
@@ -422,6 +443,7 @@ def train_step(
     (1, ['grad_norm', 'loss'])
   """
   check_options(loss_fn, gather, accum_steps, "zerojax.train_step")
+  check_per_device_loss(per_device_loss, "zerojax.train_step")
   if not isinstance(grad_norm, bool):
     raise TypeError(
       f"zerojax.train_step: grad_norm={grad_norm!r} must be "
@@ -468,4 +490,5 @@ def train_step(
     _jitted=jitted,
     donate=donate,
     grad_norm=grad_norm,
+    per_device_loss=per_device_loss,
   )

@@ -1,0 +1,236 @@
+"""A step averages the loss computed on each device's rows: the whole
+batch's loss only for a mean over examples. A loss that combines examples
+is refused before anything runs, naming what combines them; a mean over
+examples, however written, trains; ``per_device_loss=True`` averages
+per-device losses on purpose."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax.errors import LossNotAMeanError, LossUnverifiedWarning
+
+
+def _params():
+  k = jax.random.split(jax.random.key(0), 3)
+  return {
+    "emb": jax.random.normal(k[0], (11, 6)) * 0.5,
+    "w": jax.random.normal(k[1], (6, 6)) * 0.5,
+    "v": jax.random.normal(k[2], (6, 5)) * 0.5,
+  }
+
+
+def _batch(rows=16, seed=0):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, 8, rows)  # devices hold unequal token counts
+  return {
+    "tok": rng.integers(0, 11, (rows, 7)).astype(np.int32),
+    "y": rng.integers(0, 5, (rows, 7)).astype(np.int32),
+    "mask": (np.arange(7)[None] < lengths[:, None]).astype(np.float32),
+  }
+
+
+def _logits(p, b):
+  p = zerojax.gather(p)
+  h = jnp.tanh(p["emb"][b["tok"]] @ p["w"])
+  return h @ p["v"]  # (rows, tokens, classes)
+
+
+def _ce(p, b):
+  return optax.softmax_cross_entropy_with_integer_labels(_logits(p, b), b["y"])
+
+
+# --- losses that combine examples: per device they are other numbers ----
+def token_mean(p, b):  # normalized by the batch's token count
+  return jnp.sum(_ce(p, b) * b["mask"]) / jnp.sum(b["mask"])
+
+
+def contrastive(p, b):  # every example against every other
+  z = _logits(p, b).mean(1)
+  sim = z @ z.T
+  labels = jnp.arange(sim.shape[0])
+  return optax.softmax_cross_entropy_with_integer_labels(sim, labels).mean()
+
+
+def batch_norm(p, b):  # statistics over the batch inside the loss
+  z = _logits(p, b).mean(1)
+  z = (z - z.mean(0)[None]) / (z.std(0)[None] + 1e-3)
+  return jnp.mean(z**2 * jnp.arange(5.0)[None])
+
+
+def sum_loss(p, b):  # a sum over examples
+  return jnp.sum(_ce(p, b))
+
+
+def fixed_divisor(p, b):  # the whole batch's size written in
+  return jnp.sum(_ce(p, b)) / (16 * 7)
+
+
+def rmse(p, b):  # a nonlinear function of a mean
+  return jnp.sqrt(jnp.mean(_ce(p, b) ** 2))
+
+
+def hardest_half(p, b):  # examples ranked over the batch
+  per_example = _ce(p, b).mean(1)
+  return jnp.mean(jax.lax.top_k(per_example, per_example.shape[0] // 2)[0])
+
+
+NOT_MEANS = {
+  token_mean: "a division by a sum over the batch",
+  contrastive: "a product of every example with every other",
+  batch_norm: "combines each example with a sum over the batch",
+  sum_loss: "a sum over the examples not divided by their number",
+  fixed_divisor: "a sum over the examples not divided by their number",
+  rmse: "sqrt of a sum over the batch",
+  hardest_half: "top_k along the batch's rows",
+}
+
+
+@pytest.mark.parametrize("loss", list(NOT_MEANS), ids=lambda f: f.__name__)
+def test_a_loss_that_combines_examples_is_refused_before_anything_runs(
+  mesh, loss
+):
+  params, batch = _params(), _batch()
+  # first: per device these losses are in fact other numbers
+  whole = float(loss(params, batch))
+  pieces = [
+    float(loss(params, jax.tree.map(lambda x: x[i : i + 2], batch)))
+    for i in range(0, 16, 2)
+  ]
+  assert not np.isclose(np.mean(pieces), whole, rtol=1e-4)
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, mesh=mesh)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(loss, tx)
+  with pytest.raises(LossNotAMeanError, match=re.escape(NOT_MEANS[loss])) as e:
+    step(state, batch)
+  # the message names the user's line and the ways out
+  assert "test_loss_check.py:" in str(e.value)
+  assert "per_device_loss=True" in str(e.value)
+  assert "tokens_per_row" in str(e.value)
+  assert int(state.step) == 0
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  with pytest.raises(LossNotAMeanError):
+    zerojax.eval_step(loss, tx)(state, batch)
+  with pytest.raises(LossNotAMeanError):
+    zerojax.value_and_grad(loss, tx)(state, batch)
+
+
+# --- means over examples, as people write them -------------------------
+def token_mean_exact(p, b):
+  """The whole batch's mean over tokens, written as a mean over examples:
+  the whole batch's tokens per row comes in as a scalar batch leaf."""
+  per_row = jnp.sum(_ce(p, b) * b["mask"], axis=1)
+  return jnp.mean(per_row) / b["tokens_per_row"]
+
+
+def flat_tokens(p, b):  # rows flattened with their tokens
+  logits = _logits(p, b).reshape(-1, 5)
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits, b["y"].reshape(-1)
+  ).mean()
+
+
+def indexed(p, b):  # logits[arange, labels] per token
+  lp = jax.nn.log_softmax(_logits(p, b)[:, 0])
+  return -lp[jnp.arange(lp.shape[0]), b["y"][:, 0]].mean()
+
+
+def mean_plus_terms(p, b):  # a mean, a second mean, a penalty on params
+  aux = jnp.mean(_logits(p, b) ** 2)
+  l2 = sum(jnp.sum(x**2) for x in jax.tree.leaves(p))
+  return jnp.mean(_ce(p, b)) + 0.1 * aux + 1e-3 * l2
+
+
+def sum_over_rows_divided(p, b):  # the division written per example
+  return jnp.sum(_ce(p, b).mean(1) / b["tok"].shape[0])
+
+
+MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms]
+MEANS += [sum_over_rows_divided]
+
+
+def _with_count(batch):
+  return dict(batch, tokens_per_row=float(batch["mask"].sum() / 16))
+
+
+def _plain_losses(loss, params, batches, opt):
+  @jax.jit
+  def step(p, s, b):
+    value, g = jax.value_and_grad(loss)(p, b)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, value
+
+  s, out = opt.init(params), []
+  for b in batches:
+    params, s, value = step(params, s, b)
+    out.append(float(value))
+  return params, out
+
+
+@pytest.mark.parametrize("loss", MEANS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("stage,accum", [(0, 1), (3, 2)])
+def test_a_mean_over_examples_trains_like_the_plain_step(
+  mesh, loss, stage, accum
+):
+  params = _params()
+  batches = [_with_count(_batch(seed=i)) for i in range(2)]
+  want, want_losses = _plain_losses(loss, params, batches, optax.adamw(1e-2))
+  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(loss, tx, accum_steps=accum)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", LossUnverifiedWarning)
+    losses = []
+    for b in batches:
+      state, m = step(state, b)
+      losses.append(float(m["loss"]))
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+  for a, b in zip(
+    jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)
+  ):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_per_device_loss_averages_per_device_losses_on_purpose(mesh):
+  params, batch = _params(), _batch()
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  state = zerojax.init(params, tx)
+  loss, _ = zerojax.value_and_grad(token_mean, tx, per_device_loss=True)(
+    state, batch
+  )
+  pieces = [
+    float(token_mean(params, jax.tree.map(lambda x: x[i : i + 2], batch)))
+    for i in range(0, 16, 2)
+  ]
+  np.testing.assert_allclose(float(loss), np.mean(pieces), rtol=1e-6)
+  ev = zerojax.eval_step(token_mean, tx, per_device_loss=True)(state, batch)
+  np.testing.assert_allclose(float(ev), np.mean(pieces), rtol=1e-6)
+  with pytest.raises(TypeError, match="per_device_loss='yes' must be True"):
+    zerojax.train_step(token_mean, tx, per_device_loss="yes")
+
+
+def test_a_loss_the_reading_cannot_follow_warns_once(mesh):
+  def callback_loss(p, b):  # a host callback: opaque to the reading
+    h = _ce(p, b).mean(1)
+    seen = jax.pure_callback(
+      np.asarray,
+      jax.ShapeDtypeStruct(h.shape, h.dtype),
+      jax.lax.stop_gradient(h),
+    )
+    return jnp.mean(h) + 0.0 * jnp.mean(seen)
+
+  tx = zerojax.zero(optax.sgd(0.1), stage=0, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  step = zerojax.train_step(callback_loss, tx)
+  with pytest.warns(LossUnverifiedWarning, match="pure_callback") as rec:
+    state, _ = step(state, _batch())
+  assert any("test_loss_check.py" in w.filename for w in rec)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", LossUnverifiedWarning)
+    step(state, _batch(seed=1))  # the same batch shapes: checked once

@@ -1,0 +1,289 @@
+"""Whether a loss is a mean over its batch's examples, read from its jaxpr.
+
+zerojax runs the loss on each device's rows of the batch (and on each
+micro-batch) and averages the results. That equals the loss on the whole
+batch exactly when the loss is a mean over examples: ``c * sum_r g(row r)
++ k``, with ``g`` reading only its own row, ``c`` proportional to
+``1 / rows`` and ``k`` independent of the batch. A contrastive loss (every
+example against every other), batch statistics inside the loss, a mean
+normalized by a count summed over the batch (tokens) or a sum over the
+rows is not: on each device it is computed from that device's rows alone.
+
+:func:`classify` interprets a jaxpr abstractly. Each value gets one class:
+
+* ``C`` -- does not depend on the batch's rows (params, constants, scalar
+  batch leaves), with the axes along which it is the same everywhere (a
+  broadcast) and, for an ``iota``, the axis it counts along;
+* ``R`` -- per example: a row axis ``d`` of size ``rows * m`` whose block
+  ``[i*m, (i+1)*m)`` reads only example ``i`` (``m`` > 1 after a reshape
+  that flattens rows with tokens);
+* ``S`` -- linear in a sum over the rows, with the literal coefficients
+  it was scaled by (one per term of a sum of such sums);
+* ``X`` -- mixes examples (the reason): the loss is not a mean;
+* ``U`` -- cannot be followed (a kernel, a collective, a reordering): no
+  verdict.
+
+The classification is run on two traces, at two row counts; a loss that
+is ``S`` in both is a mean when every coefficient times the rows is the
+same in both (``jnp.mean`` divides by the rows, a sum loss or a fixed
+divisor does not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.extend
+import numpy as np
+
+from zerojax._src.jaxpr import deps as _deps
+from zerojax._src.jaxpr import examples_layout as _layout
+from zerojax._src.jaxpr.examples import (
+  BAKED,
+  CUMULATIVE,
+  ELEMENTWISE,
+  REDUCE,
+  C,
+  Mixes,
+  R,
+  S,
+  U,
+  Unknown,
+  X,
+  bake,
+  baked,
+  const,
+  elementwise,
+  fold,
+  where,
+)
+
+
+def classify(closed, in_classes) -> tuple[list, tuple]:
+  """``(the class of each output of closed, the factors baked into the
+  examples' terms)`` for a ClosedJaxpr given its inputs' classes."""
+  consts = [const(np.asarray(c)) for c in closed.consts]
+  token = BAKED.set([])
+  try:
+    outs = _run(closed.jaxpr, consts + list(in_classes))
+    return outs, tuple(BAKED.get())
+  finally:
+    BAKED.reset(token)
+
+
+def _run(jaxpr, ins):
+  env = dict(zip(list(jaxpr.constvars) + list(jaxpr.invars), ins))
+  # a body read with fewer classes than inputs: its consts
+  for v in list(jaxpr.constvars) + list(jaxpr.invars):
+    env.setdefault(v, C())
+
+  def of(v):
+    if hasattr(v, "val"):
+      return const(np.asarray(v.val))
+    return env[v]
+
+  for e in jaxpr.eqns:
+    outs = _eqn(e, [of(v) for v in e.invars])
+    for o, cls in zip(e.outvars, outs):
+      env[o] = cls
+  return [of(v) for v in jaxpr.outvars]
+
+
+def verdict(outs, baked, rows) -> tuple[str, str]:
+  """``("mean" | "mixes" | "unknown", reason)`` from the loss's class in
+  traces at ``rows[0]`` and ``rows[1]`` rows, and the factors each trace
+  baked into the examples' terms (``outs[1]`` None: the loss could not be
+  traced at the second)."""
+  a, b = outs
+  for c in (a, b):
+    if isinstance(c, X):
+      return "mixes", c.reason
+  for c in (a, b):
+    if isinstance(c, U):
+      return "unknown", c.reason
+  if isinstance(a, C):
+    return "mean", ""
+  if not isinstance(a, S):
+    return "unknown", "a loss that is not a scalar"
+  if b is None:
+    return "unknown", (
+      "the loss takes only one batch size, so its divisor cannot be read"
+    )
+  if not isinstance(b, S) or len(a.coefs) != len(b.coefs):
+    return "unknown", "the loss's structure changes with the batch size"
+  if baked[0] != baked[1]:
+    return "unknown", (
+      "each example's term is scaled by a number that changes with the "
+      "batch size"
+    )
+  for ca, cb in zip(a.coefs, b.coefs):
+    wa, wb = ca * rows[0], cb * rows[1]
+    if not math.isclose(wa, wb, rel_tol=1e-5, abs_tol=1e-30):
+      return "mixes", (
+        f"a sum over the examples not divided by their number (a sum loss, "
+        f"or a fixed divisor): {ca:.4g} x the sum at {rows[0]} rows per "
+        f"device, {cb:.4g} x at {rows[1]}, where a mean's factor follows "
+        f"1 / rows{a.at}"
+      )
+  return "mean", ""
+
+
+def _first_bad(ins):
+  for c in ins:
+    if isinstance(c, X):
+      return c
+  for c in ins:
+    if isinstance(c, U):
+      return c
+  return None
+
+
+def _eqn(e, ins):
+  name = e.primitive.name
+  n_out = len(e.outvars)
+  bad = _first_bad(ins)
+  if bad is not None:
+    return [bad] * n_out
+  if all(isinstance(c, C) for c in ins) and not _has_body(e):
+    return [fold(e, ins)] * n_out if n_out == 1 else [C()] * n_out
+  try:
+    if name in ELEMENTWISE:
+      return [elementwise(e, name, ins)] * n_out
+    rule = _RULES.get(name)
+    if rule is not None:
+      return rule(e, ins)
+    body = _deps.call_body(e)
+    if body is not None:
+      jaxpr, consts = body
+      return _run(jaxpr, [const(np.asarray(c)) for c in consts] + ins)
+  except Unknown as u:
+    return [U(f"{u.args[0]}{where(e)}")] * n_out
+  except Mixes as x:
+    return [X(f"{x.args[0]}{where(e)}")] * n_out
+  return [U(f"{name}{where(e)}")] * n_out
+
+
+def _has_body(e) -> bool:
+  return any(True for _ in jax.extend.core.jaxprs_in_params(e.params))
+
+
+def _loop_join(a, b):
+  if a == b:
+    return a
+  for c in (a, b):
+    if isinstance(c, (X, U)):
+      return c
+  if isinstance(a, C) and isinstance(b, C):
+    return C(a.uniform & b.uniform)
+  if isinstance(a, R) and isinstance(b, R) and a.layout == b.layout:
+    bake(b.scale)
+    return baked(a)
+  for x, y in ((a, b), (b, a)):
+    if isinstance(x, C) and isinstance(y, R) and y.d in x.uniform:
+      return baked(y)
+    if isinstance(x, C) and isinstance(y, S):
+      return y
+  return U("a loop carry that changes its layout over the rows")
+
+
+def _scan(e, ins):
+  p = e.params
+  body = p["jaxpr"]
+  nc, nk = p["num_consts"], p["num_carry"]
+  consts, carry, xs = ins[:nc], list(ins[nc : nc + nk]), ins[nc + nk :]
+  sliced = []
+  for c in xs:
+    if isinstance(c, R):
+      if c.d == 0:
+        raise Unknown("a scan over the batch's rows")
+      sliced.append(dataclasses.replace(c, d=c.d - 1))
+    elif isinstance(c, C):
+      sliced.append(C(frozenset(a - 1 for a in c.uniform if a > 0)))
+    else:
+      sliced.append(c)
+  for _ in range(8):
+    outs = _run(
+      body.jaxpr,
+      [const(np.asarray(x)) for x in body.consts]
+      + list(consts)
+      + carry
+      + sliced,
+    )
+    joined = [_loop_join(c, o) for c, o in zip(carry, outs[:nk])]
+    if joined == carry:
+      break
+    carry = joined
+  else:
+    raise Unknown("a scan whose carry does not settle")
+  ys = []
+  for c in outs[nk:]:
+    if isinstance(c, R):
+      ys.append(dataclasses.replace(c, d=c.d + 1))
+    elif isinstance(c, C):
+      ys.append(C(frozenset(a + 1 for a in c.uniform)))
+    else:
+      ys.append(c)
+  return carry + ys
+
+
+def _while(e, ins):
+  p = e.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cconsts, bconsts, carry = ins[:cn], ins[cn : cn + bn], list(ins[cn + bn :])
+  body, cond = p["body_jaxpr"], p["cond_jaxpr"]
+  for _ in range(8):
+    outs = _run(
+      body.jaxpr,
+      [const(np.asarray(x)) for x in body.consts] + list(bconsts) + carry,
+    )
+    joined = [_loop_join(c, o) for c, o in zip(carry, outs)]
+    if joined == carry:
+      break
+    carry = joined
+  else:
+    raise Unknown("a while loop whose carry does not settle")
+  (pred,) = _run(
+    cond.jaxpr,
+    [const(np.asarray(x)) for x in cond.consts] + list(cconsts) + carry,
+  )
+  if not isinstance(pred, C):
+    raise Unknown("a while loop whose length depends on the batch")
+  return carry
+
+
+def _cond(e, ins):
+  if not isinstance(ins[0], C):
+    raise Unknown("a branch chosen by the batch")
+  branches = e.params["branches"]
+  outs = None
+  for b in branches:
+    got = _run(b.jaxpr, [const(np.asarray(x)) for x in b.consts] + ins[1:])
+    outs = (
+      got if outs is None else [_loop_join(x, y) for x, y in zip(outs, got)]
+    )
+  return outs
+
+
+_RULES = {
+  "broadcast_in_dim": _layout.broadcast_in_dim,
+  "reshape": _layout.reshape,
+  "transpose": _layout.transpose,
+  "squeeze": _layout.squeeze,
+  "slice": _layout.static_slice,
+  "dynamic_slice": _layout.dynamic_slice,
+  "pad": _layout.pad,
+  "rev": _layout.rev,
+  "sort": _layout.sort,
+  "top_k": _layout.top_k,
+  "concatenate": _layout.concatenate,
+  "split": _layout.split,
+  "dot_general": _layout.dot_general,
+  "gather": _layout.gather,
+  "scan": _scan,
+  "while": _while,
+  "cond": _cond,
+}
+_RULES.update({n: _layout.reduce for n in REDUCE})
+_RULES.update({n: _layout.cumulative for n in CUMULATIVE})

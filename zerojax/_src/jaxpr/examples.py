@@ -1,0 +1,331 @@
+"""The classes of :mod:`zerojax._src.jaxpr.batch_mean`'s reading of a
+loss, and its rules for elementwise arithmetic.
+
+Each value of a loss's jaxpr is ``C`` (independent of the batch's rows),
+``R`` (per example), ``S`` (linear in a sum over the rows), ``X`` (mixes
+examples) or ``U`` (not followed). A per-example value carries the literal
+factor applied to it so far; a factor that ends up inside an example's
+term is recorded (:func:`bake`), so that two traces at different row
+counts can show it does not depend on them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class C:
+  uniform: frozenset = frozenset()  # axes along which the value is constant
+  val: object = None  # the value when known and small (numpy)
+  pos: int | None = None  # an iota's axis (a position, not data)
+  noise: bool = False  # drawn from a key: independent per element
+
+
+@dataclasses.dataclass(frozen=True)
+class R:
+  d: int
+  m: int = 1
+  scale: float = 1.0  # literal factors applied to the examples so far
+
+  @property
+  def layout(self):
+    return (self.d, self.m)
+
+
+@dataclasses.dataclass(frozen=True)
+class S:
+  coefs: tuple = (1.0,)
+  at: str = dataclasses.field(default="", compare=False)  # the first sum
+
+
+@dataclasses.dataclass(frozen=True)
+class X:
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class U:
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class IX:
+  """An index array (last axis: the index vector) built per row ``d``,
+  with each vector entry an iota over the rows (``"I"``) or data."""
+
+  d: int
+  comps: tuple
+
+
+PASS = frozenset(
+  {
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "reduce_precision",
+    "stop_gradient",
+    "sharding_constraint",
+    "mesh_cast",
+    "reshard",
+    "pvary",
+    "optimization_barrier",
+    "real",
+    "imag",
+    "conj",
+    "name",  # jax.ad_checkpoint.checkpoint_name
+  }
+)
+NONLINEAR = frozenset(
+  {
+    "integer_pow",
+    "pow",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "log",
+    "log1p",
+    "exp",
+    "exp2",
+    "expm1",
+    "tanh",
+    "logistic",
+    "abs",
+    "max",
+    "min",
+    "square",
+  }
+)
+ELEMENTWISE = PASS | NONLINEAR
+ELEMENTWISE |= frozenset(
+  """add add_any sub mul div neg sign floor ceil round is_finite select_n
+  clamp eq ne lt le gt ge and or not xor atan2 nextafter rem sin cos tan
+  asin acos atan sinh cosh asinh acosh atanh erf erfc erf_inv lgamma digamma
+  igamma igammac bessel_i0e bessel_i1e complex shift_left
+  shift_right_logical shift_right_arithmetic population_count clz
+  """.split()
+)
+# values drawn from a key (dropout's masks): noise per element, which
+# a per-example value may take (each example its own draw) without
+# combining examples
+RANDOM = frozenset(
+  """random_bits random_wrap random_unwrap random_fold_in random_split
+  random_seed threefry2x32""".split()
+)
+REDUCE = frozenset(
+  {
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "reduce_and",
+    "reduce_or",
+    "reduce_xor",
+    "argmax",
+    "argmin",
+  }
+)
+CUMULATIVE = frozenset(
+  {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+)
+SMALL = 64  # fold constants of at most this many elements
+# the factors baked into examples' terms while one jaxpr is classified
+BAKED: contextvars.ContextVar[list] = contextvars.ContextVar("baked")
+
+
+def const(val) -> C:
+  small = val if np.size(val) <= SMALL else None
+  uniform = frozenset(range(np.ndim(val))) if np.ndim(val) == 0 else frozenset()
+  return C(uniform, small)
+
+
+def shape_of(v):
+  return tuple(getattr(v.aval, "shape", ()))
+
+
+def where(e) -> str:
+  """``file:line`` of the user's code an equation came from, or ''."""
+  try:
+    frames = e.source_info.traceback.frames
+  except AttributeError:
+    return ""
+  skip = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/zerojax/_src/")
+  for f in frames:
+    if not any(s in f.file_name for s in skip):
+      return f" at {f.file_name}:{f.line_num}"
+  return ""
+
+
+class Unknown(Exception):
+  pass
+
+
+class Mixes(Exception):
+  pass
+
+
+def fold(e, ins) -> C:
+  """A constant's class; its value when every input's is known and small.
+  An iota's axis is kept (elementwise with scalars too)."""
+  out = e.outvars[0]
+  shape = shape_of(out)
+  if e.primitive.name == "iota":
+    dim = e.params["dimension"]
+    return C(frozenset(range(len(shape))) - {dim}, None, dim)
+  noise = e.primitive.name in RANDOM or any(c.noise for c in ins)
+  if noise:
+    return C(noise=True)
+  uniform = frozenset()
+  pos = None
+  if e.primitive.name in ELEMENTWISE:
+    full = [c for v, c in zip(e.invars, ins) if len(shape_of(v)) == len(shape)]
+    # an operand of size 1 along an axis is broadcast along it
+    uniform = frozenset(range(len(shape))).intersection(
+      *(
+        c.uniform | {i for i, n in enumerate(shape_of(v)) if n == 1}
+        for v, c in zip(e.invars, ins)
+        if len(shape_of(v)) == len(shape)
+      )
+    )
+    # an iota's position survives arithmetic with values uniform along it
+    counted = {c.pos for c in full if c.pos is not None}
+    if len(counted) == 1:
+      (pos,) = counted
+      if not all(c.pos == pos or pos in c.uniform for c in full):
+        pos = None
+  elif e.primitive.name == "broadcast_in_dim":
+    uniform, pos = broadcast_uniform(e, ins[0])
+  if all(c.val is not None for c in ins) and math.prod(shape) <= SMALL:
+    try:
+      with jax.ensure_compile_time_eval():
+        val = np.asarray(e.primitive.bind(*[c.val for c in ins], **e.params))
+      return C(uniform, val, pos)
+    except Exception:  # noqa: BLE001 -- a value not folded is only unknown
+      pass
+  return C(uniform, None, pos)
+
+
+def broadcast_uniform(e, c: C):
+  in_shape, out_shape = shape_of(e.invars[0]), shape_of(e.outvars[0])
+  dims = e.params["broadcast_dimensions"]
+  uniform = set(range(len(out_shape))) - set(dims)
+  for i, d in enumerate(dims):
+    if i in c.uniform or (in_shape[i] == 1 and out_shape[d] != 1):
+      uniform.add(d)
+  pos = None if c.pos is None else dims[c.pos]
+  return frozenset(uniform), pos
+
+
+def elementwise(e, name, ins):
+  shape = shape_of(e.outvars[0])
+  rank = len(shape)
+  kinds = {type(c) for c in ins}
+  if S in kinds:
+    return linear(name, ins)
+  rows = [c for c in ins if isinstance(c, (R, IX))]
+  if any(isinstance(c, IX) for c in rows):
+    raise Unknown("arithmetic on an index built from the rows")
+  first = rows[0]
+  if any(c.layout != first.layout for c in rows):
+    raise Unknown(f"{name} of two differently laid out per-example values")
+  for v, c in zip(e.invars, ins):
+    if (
+      isinstance(c, C)
+      and len(shape_of(v)) == rank
+      and first.d not in c.uniform
+      and shape_of(v)[first.d] != 1  # size 1: broadcast along the rows
+      and not c.noise
+    ):
+      if c.pos == first.d:
+        raise Unknown(f"{name} of an example with its position in the batch")
+      raise Unknown(f"{name} of an example with a value that varies over rows")
+  return R(first.d, first.m, scaled(name, ins))
+
+
+def scaled(name, ins) -> float:
+  """The literal factor on the examples after ``name``: kept through
+  linear steps (a product or quotient with a scalar, a sum of values scaled
+  alike), recorded (:func:`bake`) and reset before anything else."""
+  rows = [c for c in ins if isinstance(c, R)]
+  if name in PASS or name == "neg":
+    return rows[0].scale
+  if name == "mul":
+    k = 1.0
+    for c in ins:
+      k *= c.scale if isinstance(c, R) else scalar(c)
+    return k
+  if name == "div" and isinstance(ins[0], R):
+    b = ins[1]
+    return ins[0].scale / (b.scale if isinstance(b, R) else scalar(b))
+  if name in ("add", "add_any", "sub") and len(rows) == len(ins):
+    if all(c.scale == rows[0].scale for c in rows):
+      return rows[0].scale
+  for c in rows:
+    bake(c.scale)
+  return 1.0
+
+
+def baked(c: R) -> R:
+  bake(c.scale)
+  return dataclasses.replace(c, scale=1.0)
+
+
+def bake(scale: float):
+  """A factor that now sits inside each example's term: it must be the
+  same at every batch size (compared by :func:`verdict`)."""
+  if scale != 1.0:
+    BAKED.get().append(scale)
+
+
+def linear(name, ins):
+  """Elementwise with a batch sum among the operands."""
+  if any(isinstance(c, (R, IX)) for c in ins):
+    raise Mixes(
+      f"{name} combines each example with a sum over the batch (batch "
+      f"statistics, a normalization over the rows)"
+    )
+  sums = [c for c in ins if isinstance(c, S)]
+  at = next((c.at for c in sums if c.at), "")
+  consts = [c for c in ins if isinstance(c, C)]
+  if name in ("add", "add_any"):
+    return S(sum((s.coefs for s in sums), ()), at)
+  if name == "sub":
+    a, b = ins
+    if isinstance(a, S) and isinstance(b, S):
+      return S(a.coefs + tuple(-x for x in b.coefs), at)
+    s = a if isinstance(a, S) else b
+    return S(s.coefs if isinstance(a, S) else tuple(-x for x in s.coefs), at)
+  if name in PASS or name == "neg":
+    (s,) = sums
+    return S(tuple(-x for x in s.coefs), at) if name == "neg" else s
+  if name == "mul":
+    if len(sums) > 1:
+      raise Mixes("a product of two sums over the batch")
+    return S(tuple(x * scalar(consts[0]) for x in sums[0].coefs), at)
+  if name == "div":
+    a, b = ins
+    if isinstance(b, S):
+      raise Mixes(
+        "a division by a sum over the batch (a mean normalized by a count "
+        "over the rows, such as a token count)"
+      )
+    return S(tuple(x / scalar(b) for x in a.coefs), at)
+  if name in NONLINEAR:
+    raise Mixes(
+      f"{name} of a sum over the batch (a nonlinear function of a mean)"
+    )
+  raise Unknown(f"{name} of a sum over the batch")
+
+
+def scalar(c: C) -> float:
+  """A known scalar factor, or 1.0 for one that does not depend on the
+  batch's rows (a param, a scalar batch leaf): it scales every trace
+  alike."""
+  if c.val is not None and np.size(c.val) == 1:
+    return float(np.real(np.asarray(c.val).reshape(())))
+  return 1.0

@@ -1,0 +1,317 @@
+""":mod:`zerojax._src.jaxpr.batch_mean`'s rules for the primitives that
+move, reduce, combine or index values: where each keeps the row axis of a
+per-example value, and which of them combine examples."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zerojax._src.jaxpr.examples import (
+  IX,
+  C,
+  Mixes,
+  R,
+  S,
+  Unknown,
+  bake,
+  baked,
+  fold,
+  shape_of,
+  where,
+)
+
+
+def broadcast_in_dim(e, ins):
+  c = ins[0]
+  if isinstance(c, S):
+    return [c]
+  if isinstance(c, R):
+    dims = e.params["broadcast_dimensions"]
+    if shape_of(e.invars[0])[c.d] != shape_of(e.outvars[0])[dims[c.d]]:
+      raise Unknown("a broadcast along the rows")
+    return [dataclasses.replace(c, d=dims[c.d])]
+  if isinstance(c, IX):
+    raise Unknown("a broadcast of an index built from the rows")
+  return [fold(e, ins)]
+
+
+def row_block(shape, d, m, rows):
+  return math.prod(shape[:d]) == 1 and shape[d] == rows * m
+
+
+def reshape(e, ins):
+  c = ins[0]
+  if isinstance(c, S):
+    return [c]
+  if not isinstance(c, R):
+    raise Unknown("a reshape of an index built from the rows")
+  s, t = shape_of(e.invars[0]), shape_of(e.outvars[0])
+  rows = s[c.d] // c.m
+  if math.prod(s[: c.d]) != 1 or e.params.get("dimensions") is not None:
+    raise Unknown("a reshape of rows that are not the leading axis")
+  for k, size in enumerate(t):
+    if size == 1:
+      continue
+    if math.prod(t[:k]) == 1 and size % rows == 0:
+      return [dataclasses.replace(c, d=k, m=size // rows)]
+    break
+  raise Unknown("a reshape that splits the rows")
+
+
+def transpose(e, ins):
+  c, perm = ins[0], e.params["permutation"]
+  if isinstance(c, S):
+    return [c]
+  if isinstance(c, R):
+    return [dataclasses.replace(c, d=list(perm).index(c.d))]
+  raise Unknown("a transpose of an index built from the rows")
+
+
+def squeeze(e, ins):
+  c = ins[0]
+  if isinstance(c, S):
+    return [c]
+  if not isinstance(c, R):
+    raise Unknown("a squeeze of an index built from the rows")
+  dims = e.params["dimensions"]
+  if c.d in dims:
+    raise Unknown("a squeeze of the rows")
+  return [dataclasses.replace(c, d=c.d - sum(1 for x in dims if x < c.d))]
+
+
+def reduce(e, ins):
+  c, name = ins[0], e.primitive.name
+  axes = tuple(e.params["axes"])
+  if isinstance(c, S):
+    if name == "reduce_sum":
+      return [c]
+    raise Mixes(f"{name} over a sum over the batch")
+  if not isinstance(c, R):
+    raise Unknown(f"{name} of an index built from the rows")
+  if c.d not in axes:
+    d = c.d - sum(1 for a in axes if a < c.d)
+    if name != "reduce_sum":
+      c = baked(c)
+    return [dataclasses.replace(c, d=d)] * len(e.outvars)
+  if name == "reduce_sum":
+    return [S((c.scale,), where(e))]
+  raise Mixes(f"{name} over the batch's rows (not a mean over examples)")
+
+
+def cumulative(e, ins):
+  c = ins[0]
+  if isinstance(c, R) and e.params["axis"] != c.d:
+    return [c]
+  if isinstance(c, R):
+    raise Mixes(f"{e.primitive.name} along the batch's rows")
+  raise Unknown(f"{e.primitive.name} of a sum over the batch")
+
+
+def along_rows(e, ins, name, full):
+  """slice / dynamic_slice / pad / rev: per example when the rows are
+  untouched (``full``)."""
+  c = ins[0]
+  if isinstance(c, S):
+    return [c]
+  if not isinstance(c, R):
+    raise Unknown(f"{name} of an index built from the rows")
+  if any(not isinstance(i, C) for i in ins[1:]):
+    raise Unknown(f"{name} at a place read from the batch")
+  if not full(c.d):
+    if c.m == 1:
+      raise Mixes(f"{name} of the batch's rows (drops or reorders examples)")
+    raise Unknown(f"{name} across the flattened rows")
+  return [c]
+
+
+def static_slice(e, ins):
+  s = shape_of(e.invars[0])
+  start, limit = e.params["start_indices"], e.params["limit_indices"]
+  strides = e.params.get("strides") or (1,) * len(s)
+  return along_rows(
+    e,
+    ins,
+    "a slice",
+    lambda d: start[d] == 0 and limit[d] == s[d] and strides[d] == 1,
+  )
+
+
+def dynamic_slice(e, ins):
+  s = shape_of(e.invars[0])
+  sizes = e.params["slice_sizes"]
+  return along_rows(e, ins, "a dynamic slice", lambda d: sizes[d] == s[d])
+
+
+def pad(e, ins):
+  cfg = e.params["padding_config"]
+  return along_rows(e, ins[:1], "a pad", lambda d: tuple(cfg[d]) == (0, 0, 0))
+
+
+def rev(e, ins):
+  dims = e.params["dimensions"]
+  return along_rows(e, ins, "a reversal", lambda d: d not in dims)
+
+
+def sort(e, ins):
+  dim = e.params["dimension"]
+  rows = [c for c in ins if isinstance(c, R)]
+  if any(isinstance(c, (S, IX)) for c in ins) or not rows:
+    raise Unknown("a sort of a sum over the batch")
+  if any(c.layout != rows[0].layout for c in rows):
+    raise Unknown("a sort of differently laid out per-example values")
+  if rows[0].d == dim:
+    raise Mixes("a sort along the batch's rows")
+  return [baked(c) for c in rows[:1]] * len(e.outvars)
+
+
+def top_k(e, ins):
+  c = ins[0]
+  if isinstance(c, R) and c.d != len(shape_of(e.invars[0])) - 1:
+    return [baked(c)] * 2
+  if isinstance(c, R):
+    raise Mixes("top_k along the batch's rows")
+  raise Unknown("top_k of a sum over the batch")
+
+
+def split(e, ins):
+  c, axis = ins[0], e.params["axis"]
+  if isinstance(c, S) or (isinstance(c, R) and c.d != axis):
+    return [c] * len(e.outvars)
+  raise Unknown("a split of the rows")
+
+
+def concatenate(e, ins):
+  dim = e.params["dimension"]
+  rows = [c for c in ins if isinstance(c, R)]
+  shapes = [shape_of(v) for v in e.invars]
+  last = len(shapes[0]) - 1
+  iotas = [c for c in ins if isinstance(c, C) and c.pos is not None]
+  if dim == last and all(s[dim] == 1 for s in shapes) and rows and iotas:
+    d = rows[0].d
+    if all(c.layout == (d, 1) for c in rows) and all(c.pos == d for c in iotas):
+      comps = tuple(
+        "I" if isinstance(c, C) and c.pos == d else "D" for c in ins
+      )
+      return [IX(d, comps)]
+  if any(isinstance(c, (S, IX)) for c in ins) or not rows:
+    raise Unknown("a concatenation of sums over the batch")
+  first = rows[0]
+  if any(c.layout != first.layout for c in rows) or first.d == dim:
+    raise Unknown("a concatenation along the rows")
+  for c in ins:
+    if isinstance(c, C) and first.d not in c.uniform:
+      raise Unknown("a concatenation with a value that varies over rows")
+  if any(c.scale != first.scale for c in rows) or any(
+    isinstance(c, C) for c in ins
+  ):
+    for c in rows:
+      bake(c.scale)
+    return [dataclasses.replace(first, scale=1.0)]
+  return [first]
+
+
+def dot_general(e, ins):
+  (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+  a, b = ins
+  la, rk = len(shape_of(e.invars[0])), len(shape_of(e.invars[1]))
+  if isinstance(a, S) or isinstance(b, S):
+    if isinstance(a, C) or isinstance(b, C):
+      return [a if isinstance(a, S) else b]
+    raise Mixes("a product of a sum over the batch with the batch")
+  if isinstance(a, IX) or isinstance(b, IX):
+    raise Unknown("a product with an index built from the rows")
+  free_a = [i for i in range(la) if i not in lc and i not in lb]
+  free_b = [i for i in range(rk) if i not in rc and i not in rb]
+
+  def position(side, d):
+    if side == 0:
+      if d in lb:
+        return list(lb).index(d)
+      return len(lb) + free_a.index(d)
+    if d in rb:
+      return list(rb).index(d)
+    return len(lb) + len(free_a) + free_b.index(d)
+
+  def with_const(r, side, dims, c):
+    """``r`` (operand ``side``) times the constant ``c``; ``dims``: the
+    contracting and batch dimensions of ``r``'s side, then ``c``'s."""
+    contract, batch, other_contract, other_batch = dims
+    if r.d in contract:
+      if other_contract[list(contract).index(r.d)] in c.uniform:
+        return [S((r.scale,), where(e))]
+      raise Unknown("a sum over rows weighted by a value that varies over rows")
+    if r.d in batch and other_batch[list(batch).index(r.d)] not in c.uniform:
+      raise Unknown("a batched product with a value that varies over rows")
+    return [dataclasses.replace(r, d=position(side, r.d))]
+
+  if isinstance(a, R) and isinstance(b, C):
+    return with_const(a, 0, (lc, lb, rc, rb), b)
+  if isinstance(a, C) and isinstance(b, R):
+    return with_const(b, 1, (rc, rb, lc, lb), a)
+  # both per example
+  if a.m != b.m:
+    raise Unknown("a product of differently laid out per-example values")
+  if a.d in lb and rb[list(lb).index(a.d)] == b.d:
+    return [R(list(lb).index(a.d), a.m, a.scale * b.scale)]
+  if a.d in lc and rc[list(lc).index(a.d)] == b.d:
+    return [S((a.scale * b.scale,), where(e))]
+  if a.d not in lc and a.d not in lb and b.d not in rc and b.d not in rb:
+    raise Mixes(
+      "a product of every example with every other (a contrastive or "
+      "similarity matrix over the batch)"
+    )
+  raise Unknown("a product that mixes the rows")
+
+
+def gather(e, ins):
+  operand, indices = ins[0], ins[1]
+  dn = e.params["dimension_numbers"]
+  sizes = e.params["slice_sizes"]
+  op_shape = shape_of(e.invars[0])
+  out_rank = len(shape_of(e.outvars[0]))
+  offset = tuple(dn.offset_dims)
+  batch_out = [i for i in range(out_rank) if i not in offset]
+  op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+  idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+  if isinstance(operand, S) or isinstance(indices, S):
+    raise Unknown("a gather with a sum over the batch")
+  if isinstance(operand, C):
+    if isinstance(indices, R):
+      return [R(batch_out[indices.d], indices.m)]
+    raise Unknown("a gather with an index built from the rows")
+  if isinstance(indices, R):
+    bake(indices.scale)
+  # operand per example
+  if isinstance(indices, IX):
+    comps = [indices.comps[j] for j, d in enumerate(dn.start_index_map)]
+    ok = (
+      operand.m == 1
+      and operand.d in dn.start_index_map
+      and comps[list(dn.start_index_map).index(operand.d)] == "I"
+      and operand.d in dn.collapsed_slice_dims
+      and not op_batching
+    )
+    if ok:
+      return [R(batch_out[indices.d], 1, operand.scale)]
+    raise Unknown("a gather across the rows")
+  if operand.d in op_batching:
+    j = idx_batching[list(op_batching).index(operand.d)]
+    if (isinstance(indices, R) and indices.d == j) or (
+      isinstance(indices, C) and j in indices.uniform
+    ):
+      return [R(batch_out[j], operand.m, operand.scale)]
+    raise Unknown("a batched gather across the rows")
+  kept = [
+    i
+    for i in range(len(op_shape))
+    if i not in dn.collapsed_slice_dims and i not in op_batching
+  ]
+  if (
+    isinstance(indices, C)
+    and operand.d in kept
+    and operand.d not in dn.start_index_map
+    and sizes[operand.d] == op_shape[operand.d]
+  ):
+    return [dataclasses.replace(operand, d=offset[kept.index(operand.d)])]
+  raise Unknown("a gather across the rows")

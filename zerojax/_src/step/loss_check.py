@@ -1,0 +1,234 @@
+"""The check that a loss is a mean over its batch's examples.
+
+A step runs the loss on each device's rows of the batch (and on each
+micro-batch) and averages the results: the unsharded loss only when the
+loss is a mean over examples. :func:`check_mean_over_examples` traces the
+loss abstractly, at two row counts, and reads the answer from its jaxpr
+(:mod:`zerojax._src.jaxpr.batch_mean`), before anything runs. A loss that
+combines examples raises :class:`LossNotAMeanError`, naming what combines
+them and where; one the reading cannot follow warns
+(:class:`LossUnverifiedWarning`). ``per_device_loss=True`` states that
+the per-device average is what is wanted (data parallelism's semantics:
+batch statistics and normalizers per device) and skips the check.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from zerojax._src.jaxpr import batch_mean as _batch_mean
+from zerojax._src.records.spec import ZeroState
+from zerojax._src.records.warn import warn
+from zerojax._src.step.batch import Shared
+from zerojax._src.step.loss_call import LossCall
+
+
+class LossNotAMeanError(ValueError):
+  """The loss combines examples, so its per-device average is not the
+  loss on the whole batch."""
+
+
+class LossUnverifiedWarning(UserWarning):
+  """zerojax could not read whether the loss is a mean over examples."""
+
+
+_FIX = (
+  "Write the loss as a mean over examples (jnp.mean of per-example terms; "
+  "for a mean over tokens, pass the whole batch's tokens per row as a "
+  "scalar batch leaf and return jnp.mean(jnp.sum(ce * mask, axis=1)) / "
+  "batch['tokens_per_row']), or build the step with per_device_loss=True "
+  "to average per-device losses on purpose (batch statistics and "
+  "normalizers per device, as data parallelism computes them)."
+)
+
+
+def check_per_device_loss(per_device_loss, where: str):
+  if not isinstance(per_device_loss, bool):
+    raise TypeError(
+      f"{where}: per_device_loss={per_device_loss!r} must be True (average "
+      f"the loss computed on each device's rows) or False (check that it "
+      f"is a mean over examples)."
+    )
+
+
+def check_step_loss(step, state, batch):
+  """:func:`check_mean_over_examples` for a train or eval step (a
+  ``CompiledStep``) on ``state`` and ``batch``, unless it was built with
+  ``per_device_loss=True``."""
+  if step.per_device_loss:
+    return
+  call = LossCall(
+    has_key=state.key is not None, has_model_state=state.model_state is not None
+  )
+  check_mean_over_examples(
+    lambda p, b, k, ms: call(step.loss_fn, p, b, k, ms)[0],
+    whole_params(state),
+    batch,
+    None if state.key is None else jax.random.key(0),
+    state.model_state,
+    shards=step.tx.batch_shards * step.accum_steps,
+    where=step.where,
+    seen=step.checked,
+  )
+
+
+def grad_loss_check(loss_fn, tx, has_aux, accum, per_device_loss):
+  """``check(params, batch, key)``: :func:`check_mean_over_examples` for
+  :func:`zerojax.value_and_grad` on ``params`` (a tree, or a
+  ``ZeroState``), unless ``per_device_loss``."""
+  where = "zerojax.value_and_grad"
+  check_per_device_loss(per_device_loss, where)
+  seen: dict = {}
+
+  def check(params, batch, key):
+    if per_device_loss:
+      return
+    state = params if isinstance(params, ZeroState) else None
+    has_key = key is not None or (state is not None and state.key is not None)
+    call = LossCall(has_key=has_key, has_model_state=False, has_aux=has_aux)
+    check_mean_over_examples(
+      lambda p, b, k, ms: call(loss_fn, p, b, k, ms)[0],
+      params if state is None else whole_params(state),
+      batch,
+      jax.random.key(0) if has_key else None,
+      None,
+      shards=tx.batch_shards * accum,
+      where=where,
+      seen=seen,
+    )
+
+  return check
+
+
+def check_mean_over_examples(
+  loss, params, batch, key, model_state, *, shards: int, where: str, seen: dict
+):
+  """Raises or warns unless ``loss(params, batch, key, model_state)`` (the
+  loss value alone) is a mean over the batch's examples.
+
+  Args:
+    loss: ``(params, batch, key, model_state) -> scalar loss``.
+    params: the params as the loss sees them (arrays or shapes).
+    batch: the whole batch as the user passed it.
+    key, model_state: as the loss is called with them (or None).
+    shards: devices x micro-batches the rows split over.
+    where: the calling API, for messages.
+    seen: verdicts by batch signature, kept by the caller.
+  """
+  leaves, treedef = jax.tree.flatten(batch)
+  signature = (treedef, tuple(_signature(x) for x in leaves), shards)
+  if signature in seen:
+    return
+  seen[signature] = True
+  rows = next(np.shape(x)[0] for x in leaves if np.ndim(x)) // shards
+  # not the step's own row count: a jax.jit inside the loss caches its
+  # trace by shapes, and the report's reading of the loss (its Remat
+  # recording) must trace it afresh
+  counts = (2 * rows, 3 * rows)
+  abstract = jax.tree.map(_abstract, (params, key, model_state))
+  first = _classified(loss, abstract, treedef, leaves, counts[0])
+  second = None
+  if first is None:
+    # not at twice the rows: a loss written for one batch size, read at
+    # its own; failing that, the step reports the loss's error itself
+    counts = (rows, rows)
+    first = _classified(loss, abstract, treedef, leaves, rows)
+    if first is None:
+      return
+  else:
+    second = _classified(loss, abstract, treedef, leaves, counts[1])
+  outs = [first[0], None if second is None else second[0]]
+  baked = [first[1], () if second is None else second[1]]
+  kind, reason = _batch_mean.verdict(outs, baked, counts)
+  if kind == "mixes":
+    del seen[signature]  # raised: asked again, it raises again
+    raise LossNotAMeanError(
+      f"{where}: loss_fn is not a mean over the batch's examples: "
+      f"{reason}. The step computes the loss on each device's rows "
+      f"(and micro-batch) and averages, which is the loss on the whole "
+      f"batch only for a mean over examples; this one would give other "
+      f"numbers than the unsharded step. {_FIX}"
+    )
+  if kind == "unknown":
+    _unverified(where, reason)
+
+
+def whole_params(state):
+  """A :class:`ZeroState`'s params as a loss sees them gathered: whole,
+  each trained leaf in its compute dtype (shapes only)."""
+  return state.spec.unflatten_params(
+    [
+      jax.ShapeDtypeStruct(
+        r.aval.shape, r.compute_dtype if r.trainable else r.aval.dtype
+      )
+      for r in state.spec.leaves
+    ]
+  )
+
+
+def _classified(loss, abstract, treedef, leaves, rows):
+  """``(the loss's class, the factors baked into examples)`` traced with
+  ``rows`` rows per device, or None when it does not trace so."""
+  local = jax.tree.unflatten(treedef, [_local(x, rows) for x in leaves])
+  try:
+    closed = jax.make_jaxpr(loss)(abstract[0], local, *abstract[1:])
+  except Exception:  # noqa: BLE001 -- the step itself reports the loss's errors
+    return None
+  classes = (
+    [_batch_mean.C()] * len(jax.tree.leaves(abstract[0]))
+    + [
+      _batch_mean.R(0) if np.ndim(x) else _batch_mean.C()
+      for x in jax.tree.leaves(local)
+    ]
+    + [_batch_mean.C()] * len(jax.tree.leaves(abstract[1:]))
+  )
+  outs, baked = _batch_mean.classify(closed, classes)
+  return outs[0], baked
+
+
+def _unverified(where: str, reason: str):
+  warn(
+    f"{where}: zerojax could not check that loss_fn is a mean over the "
+    f"batch's examples ({reason}). The step averages the loss computed on "
+    f"each device's rows, which is the whole batch's loss only for such a "
+    f"mean; a loss that combines examples (a contrastive loss, batch "
+    f"statistics, a normalizer summed over the batch) would get other "
+    f"numbers. {_FIX}",
+    LossUnverifiedWarning,
+  )
+
+
+def _signature(x):
+  return (np.shape(x), _dtype(x), _weak(x))
+
+
+def _dtype(x):
+  dtype = getattr(x, "dtype", None)
+  return jax.dtypes.canonicalize_dtype(
+    dtype if dtype is not None else np.result_type(x)
+  )
+
+
+def _weak(x) -> bool:
+  if isinstance(x, (bool, int, float, complex)):
+    return not isinstance(x, bool)
+  return bool(getattr(x, "weak_type", False))
+
+
+def _local(x, rows: int):
+  """A batch leaf as one device's micro-batch of ``rows`` rows sees it."""
+  if isinstance(x, Shared):
+    x = x.rows[0]
+  dtype = _dtype(x)
+  if not np.ndim(x):
+    return jax.ShapeDtypeStruct((), dtype, weak_type=_weak(x))
+  return jax.ShapeDtypeStruct((rows,) + tuple(np.shape(x)[1:]), dtype)
+
+
+def _abstract(x):
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return x
