@@ -38,6 +38,7 @@ import jax
 import jax.extend
 import numpy as np
 
+from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.jaxpr import examples_layout as _layout
 from zerojax._src.jaxpr.examples import (
@@ -162,6 +163,8 @@ def _eqn(e, ins):
     return [U(f"{u.args[0]}{where(e)}")] * n_out
   except Mixes as x:
     return [X(f"{x.args[0]}{where(e)}")] * n_out
+  except Exception:  # noqa: BLE001 -- a form this JAX release writes
+    return [U(f"{name}, in a form zerojax does not read{where(e)}")] * n_out
   return [U(f"{name}{where(e)}")] * n_out
 
 
@@ -191,7 +194,10 @@ def _loop_join(a, b):
 def _scan(e, ins):
   p = e.params
   body = p["jaxpr"]
-  nc, nk = p["num_consts"], p["num_carry"]
+  if "num_consts" in p and "num_carry" in p:
+    nc, nk = p["num_consts"], p["num_carry"]
+  else:  # JAX releases that do not name them: from shapes
+    nc, nk = _audit.scan_counts(e, body.jaxpr)
   consts, carry, xs = ins[:nc], list(ins[nc : nc + nk]), ins[nc + nk :]
   sliced = []
   for c in xs:
