@@ -81,6 +81,12 @@ def hardest_half(p, b):  # examples ranked over the batch
   return jnp.mean(jax.lax.top_k(per_example, per_example.shape[0] // 2)[0])
 
 
+def batch_baseline(p, b):  # REINFORCE with the batch's mean as baseline
+  r = jax.lax.stop_gradient(_ce(p, b).mean(1))
+  logp = jax.nn.log_softmax(_logits(p, b))[:, 0, 0]
+  return -jnp.mean((r - jnp.mean(r)) * logp)
+
+
 NOT_MEANS = {
   token_mean: "a division by a sum over the batch",
   contrastive: "a product of every example with every other",
@@ -89,6 +95,7 @@ NOT_MEANS = {
   fixed_divisor: "a sum over the examples not divided by their number",
   rmse: "sqrt of a sum over the batch",
   hardest_half: "top_k along the batch's rows",
+  batch_baseline: "combines each example with a sum over the batch",
 }
 
 
@@ -151,8 +158,24 @@ def sum_over_rows_divided(p, b):  # the division written per example
   return jnp.sum(_ce(p, b).mean(1) / b["tok"].shape[0])
 
 
+def recurrent(p, b, zeros=jnp.zeros_like):
+  """A scan over the tokens from a zero state per example."""
+  p = zerojax.gather(p)
+  xs = jnp.swapaxes(p["emb"][b["tok"]], 0, 1)  # (tokens, rows, width)
+  h0 = zeros(xs[0])
+  _, hs = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x),) * 2, h0, xs)
+  return jnp.mean((hs @ p["v"]) ** 2)
+
+
+def per_example_vmap(p, b):  # the loss of one example, vmapped
+  one = lambda t, y: optax.softmax_cross_entropy_with_integer_labels(
+    _logits(p, {"tok": t[None]})[0], y
+  ).mean()
+  return jax.vmap(one)(b["tok"], b["y"]).mean()
+
+
 MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms]
-MEANS += [sum_over_rows_divided]
+MEANS += [sum_over_rows_divided, recurrent, per_example_vmap]
 
 
 def _with_count(batch):
@@ -234,3 +257,14 @@ def test_a_loss_the_reading_cannot_follow_warns_once(mesh):
   with warnings.catch_warnings():
     warnings.simplefilter("error", LossUnverifiedWarning)
     step(state, _batch(seed=1))  # the same batch shapes: checked once
+
+
+def test_a_loop_carry_started_from_a_constant_is_told_the_fix(mesh):
+  """A carry from jnp.zeros(shape) becomes per-device in the loop; inside
+  the per-device program JAX refuses it, and zerojax says what to write."""
+  loss = lambda p, b: recurrent(p, b, zeros=lambda x: jnp.zeros(x.shape))
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  with pytest.raises(TypeError, match=r"jnp\.zeros_like\(x\[:, 0\]\)"):
+    zerojax.train_step(loss, tx)(state, _batch())
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))

@@ -110,6 +110,9 @@ ELEMENTWISE |= frozenset(
   shift_right_logical shift_right_arithmetic population_count clz
   """.split()
 )
+REDUCE_AXES = frozenset(
+  {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+)
 # values drawn from a key (dropout's masks): noise per element, which
 # a per-example value may take (each example its own draw) without
 # combining examples
@@ -200,6 +203,8 @@ def fold(e, ins) -> C:
         pos = None
   elif e.primitive.name == "broadcast_in_dim":
     uniform, pos = broadcast_uniform(e, ins[0])
+  else:
+    uniform = _kept_uniform(e, ins)
   if all(c.val is not None for c in ins) and math.prod(shape) <= SMALL:
     try:
       with jax.ensure_compile_time_eval():
@@ -208,6 +213,31 @@ def fold(e, ins) -> C:
     except Exception:  # noqa: BLE001 -- a value not folded is only unknown
       pass
   return C(uniform, None, pos)
+
+
+def _kept_uniform(e, ins) -> frozenset:
+  """The axes of a constant's layout change along which it stays the same
+  (a zero carry through a product, a transpose, a reduction)."""
+  name, p = e.primitive.name, e.params
+  u = ins[0].uniform if ins else frozenset()
+  if name == "transpose":
+    return frozenset(i for i, a in enumerate(p["permutation"]) if a in u)
+  if name in REDUCE_AXES:
+    axes = p["axes"]
+    return frozenset(
+      a - sum(1 for x in axes if x < a) for a in u if a not in axes
+    )
+  if name == "dot_general":
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    ua, ub = ins[0].uniform, ins[1].uniform
+    ra, rb_rank = len(shape_of(e.invars[0])), len(shape_of(e.invars[1]))
+    out = [a in ua and b in ub for a, b in zip(lb, rb)]
+    out += [a in ua for a in range(ra) if a not in lc and a not in lb]
+    out += [b in ub for b in range(rb_rank) if b not in rc and b not in rb]
+    return frozenset(i for i, ok in enumerate(out) if ok)
+  if name in ("reduce_precision", "copy", "copy_p", "convert_element_type"):
+    return u
+  return frozenset()
 
 
 def broadcast_uniform(e, c: C):

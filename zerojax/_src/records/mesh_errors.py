@@ -52,9 +52,10 @@ def explain_per_device_errors(mesh: Mesh, where: str):
   """JAX's refusals of a loss inside ``jax.shard_map`` (where zerojax runs
   it per device), re-raised saying which function and what to do: a
   closed-over array typed on ``Explicit`` axes, a sharding constraint
-  naming a batch axis or a reshard (:func:`_restate_a_constraint`), and an
+  naming a batch axis or a reshard (:func:`_restate_a_constraint`), an
   output shape (a Pallas kernel's ``out_shape``) that does not say how it
-  varies across devices. All are raised while tracing, so before any state
+  varies across devices, and a loop carry that starts the same on every
+  device and becomes per-device. All are raised while tracing, so before any state
   is donated."""
   try:
     yield
@@ -79,6 +80,22 @@ def explain_per_device_errors(mesh: Mesh, where: str):
       f"computed from: jax.ShapeDtypeStruct(shape, dtype, "
       f"manual_axis_type=jax.typeof(x).manual_axis_type) -- empty outside "
       f"a per-device program, so the same code runs unsharded. JAX said: "
+      f"{msg.splitlines()[0]}"
+    ) from e
+  except TypeError as e:
+    msg = str(e)
+    if "carry" not in msg or "manual axis types do not match" not in msg:
+      raise
+    raise TypeError(
+      f"{where}: a loop in the loss (lax.scan, fori_loop, while_loop) starts "
+      f"its carry from a constant, say jnp.zeros((rows, width)), and the "
+      f"loop makes it depend on each device's rows. zerojax runs the loss "
+      f"once per device (jax.shard_map over the batch axes, JAX's "
+      f"per-device types checked), where a carry must have one type from "
+      f"the start. Build the initial carry from the batch -- "
+      f"jnp.zeros_like(x[:, 0]) rather than jnp.zeros(...) -- which runs "
+      f"unsharded the same. A library loss written so (optax.ctc_loss) "
+      f"does not run inside a zerojax step. JAX said: "
       f"{msg.splitlines()[0]}"
     ) from e
   except NotImplementedError as e:
