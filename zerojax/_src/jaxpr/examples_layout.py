@@ -36,10 +36,6 @@ def broadcast_in_dim(e, ins):
   return [fold(e, ins)]
 
 
-def row_block(shape, d, m, rows):
-  return math.prod(shape[:d]) == 1 and shape[d] == rows * m
-
-
 def reshape(e, ins):
   c = ins[0]
   if isinstance(c, S):
