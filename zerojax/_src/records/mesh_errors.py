@@ -47,6 +47,35 @@ def _restate_a_constraint(msg: str, where: str) -> str | None:
   return None
 
 
+def carry_made_per_device(err: Exception) -> bool:
+  """Whether ``err`` is JAX's refusal of a loop (``lax.scan``,
+  ``fori_loop``, ``while_loop``) whose carry starts the same on every
+  device -- a constant, such as ``jnp.zeros((rows, width))``, a Flax RNN's
+  initial carry or ``optax.ctc_loss``'s -- and becomes per-device in the
+  loop: under ``jax.shard_map``'s per-device types a carry must have one
+  type from the start."""
+  msg = str(err)
+  return (
+    isinstance(err, TypeError)
+    and "carry" in msg
+    and "manual axis types do not match" in msg
+  )
+
+
+def untyped_note(refused: TypeError) -> str:
+  """What a loss that failed with the per-device types off was run so
+  for: the loop's refusal (:func:`carry_made_per_device`) and its fix."""
+  return (
+    f"zerojax ran this loss with JAX's per-device types off "
+    f"(jax.shard_map(check_vma=False)): a loop in it (lax.scan, fori_loop, "
+    f"while_loop) starts its carry from a constant, such as "
+    f"jnp.zeros((rows, width)), and makes it per-device, which those types "
+    f"refuse. Building the initial carry from the batch -- "
+    f"jnp.zeros_like(x[:, 0]) -- keeps them. JAX said: "
+    f"{str(refused).splitlines()[0]}"
+  )
+
+
 @contextlib.contextmanager
 def explain_per_device_errors(mesh: Mesh, where: str):
   """JAX's refusals of a loss inside ``jax.shard_map`` (where zerojax runs
@@ -54,8 +83,7 @@ def explain_per_device_errors(mesh: Mesh, where: str):
   closed-over array typed on ``Explicit`` axes, a sharding constraint
   naming a batch axis or a reshard (:func:`_restate_a_constraint`), an
   output shape (a Pallas kernel's ``out_shape``) that does not say how it
-  varies across devices, and a loop carry that starts the same on every
-  device and becomes per-device. All are raised while tracing, so before any state
+  varies across devices. All are raised while tracing, so before any state
   is donated."""
   try:
     yield
@@ -80,22 +108,6 @@ def explain_per_device_errors(mesh: Mesh, where: str):
       f"computed from: jax.ShapeDtypeStruct(shape, dtype, "
       f"manual_axis_type=jax.typeof(x).manual_axis_type) -- empty outside "
       f"a per-device program, so the same code runs unsharded. JAX said: "
-      f"{msg.splitlines()[0]}"
-    ) from e
-  except TypeError as e:
-    msg = str(e)
-    if "carry" not in msg or "manual axis types do not match" not in msg:
-      raise
-    raise TypeError(
-      f"{where}: a loop in the loss (lax.scan, fori_loop, while_loop) starts "
-      f"its carry from a constant, say jnp.zeros((rows, width)), and the "
-      f"loop makes it depend on each device's rows. zerojax runs the loss "
-      f"once per device (jax.shard_map over the batch axes, JAX's "
-      f"per-device types checked), where a carry must have one type from "
-      f"the start. Build the initial carry from the batch -- "
-      f"jnp.zeros_like(x[:, 0]) rather than jnp.zeros(...) -- which runs "
-      f"unsharded the same. A library loss written so (optax.ctc_loss) "
-      f"does not run inside a zerojax step. JAX said: "
       f"{msg.splitlines()[0]}"
     ) from e
   except NotImplementedError as e:

@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 from zerojax._src.records.mesh_errors import explain_per_device_errors
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.step import aux as _aux
-from zerojax._src.step import grad as _grad
 from zerojax._src.step.gather_mode import gather_mode, gather_spec, run_loss
 from zerojax._src.step.loss_call import (
   LossArgs,
@@ -23,6 +22,7 @@ from zerojax._src.step.loss_call import (
   check_options,
 )
 from zerojax._src.step.loss_check import check_per_device_loss
+from zerojax._src.step.per_device import over_batch_axes
 from zerojax._src.step.reduce import reduce_outputs
 from zerojax._src.step.steps import CompiledStep, abstract_ready, step_key
 from zerojax._src.step.transform import ZeroTransformation
@@ -166,8 +166,8 @@ def eval_step(
     prog = LossProgram(state.spec, loss_fn, call, gather=gather)
     args = LossArgs(batch, step_key(state), state.model_state)
     if found is None:
-      return _grad.over_batch_axes(prog, _eval_local, P(), state.params, args)
-    return _grad.over_batch_axes(
+      return over_batch_axes(prog, _eval_local, P(), state.params, args)
+    return over_batch_axes(
       prog,
       functools.partial(_eval_local, found=found),
       (P(), P(), _aux.rows_spec(prog.spec.tx.batch_axes)),

@@ -66,6 +66,7 @@ from zerojax._src.step.loss_call import (
   check_options,
 )
 from zerojax._src.step.loss_check import grad_loss_check
+from zerojax._src.step.per_device import over_batch_axes
 from zerojax._src.step.reduce import (
   reduce_grads,
   reduce_outputs,
@@ -101,7 +102,9 @@ def local_grads(
   micro = batch if k == 1 else jax.tree.map(lambda x: _split_micro(x, k), batch)
   first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   hooked = hooked_leaves(spec)
-  direct = reduced_where_used(spec, k)
+  # untyped (a loop JAX's per-device types refuse): nothing is summed by
+  # them, so every leaf is reduced explicitly after the backward
+  direct = reduced_where_used(spec, k) if prog.typed else [False] * len(hooked)
   how = GatherMode("model")
   if reduce_in_backward(spec, k, prog.gather, direct):
     gathered, mode = gathered_by_the_loss(
@@ -294,26 +297,6 @@ def _on_cpu(mesh) -> bool:
 # global: the shard_map around it
 
 # --------------------------------------------------------------------------
-
-
-def over_batch_axes(prog: LossProgram, body, out_specs, params, args: LossArgs):
-  """``body(prog, param_leaves, batch, key, model_state)`` per device in a
-  ``shard_map`` manual over the batch axes only: model (tensor-parallel)
-  axes stay automatic, so XLA partitions the loss over them as the params
-  say. Params enter in their stored layout, the batch split by rows, key
-  and model state replicated. Training and evaluation alike."""
-  batch, key, model_state = args
-  tx = prog.spec.tx
-  param_specs = [r.param.manual_spec(tx.axis_name) for r in prog.spec.leaves]
-  batch_specs = jax.tree.map(lambda _: P(tx.batch_axes), batch)
-  rep = lambda t: jax.tree.map(lambda _: P(), t)
-  return jax.shard_map(
-    functools.partial(body, prog),
-    mesh=tx.compute_mesh,
-    in_specs=(param_specs, batch_specs, rep(key), rep(model_state)),
-    out_specs=out_specs,
-    axis_names=set(tx.batch_axes),
-  )(jax.tree.leaves(params), batch, key, model_state)
 
 
 def sharded_grads(

@@ -110,13 +110,18 @@ def _check_same_tree(old, new):
 class LossProgram:
   """One gradient (or evaluation) computation's static inputs: the state's
   records, the user's loss and how it is called, the micro-batches per
-  step and the gather mode (see :func:`zerojax.train_step`)."""
+  step and the gather mode (see :func:`zerojax.train_step`).
+
+  ``typed``: whether the per-device program keeps JAX's per-device types
+  (``jax.shard_map``'s ``check_vma``); ``False`` for a loss those types
+  refuse (:func:`zerojax._src.step.grad.over_batch_axes`)."""
 
   spec: StateSpec
   loss_fn: Callable
   call: LossCall
   accum_steps: int = 1
   gather: str = "auto"
+  typed: bool = True
 
 
 class LossArgs(NamedTuple):

@@ -1,0 +1,133 @@
+"""A loop whose carry starts from a constant and becomes per-example in the
+loop -- a Flax RNN's initial carry, ``optax.ctc_loss``'s, a user's
+``jnp.zeros((rows, width))`` -- trains, evaluates and differentiates with
+the numbers of the plain step, at every stage, on Explicit and Auto axes.
+
+Inside ``jax.shard_map``'s per-device types such a carry is refused by JAX
+(its type changes in the loop); the step then runs the loss with those
+types off and reduces every gradient explicitly."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+
+
+class _LSTM(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.RNN(nn.LSTMCell(8))(x)  # its initial carry: jnp.zeros
+    return nn.Dense(3)(h)
+
+
+_model = _LSTM()
+
+
+def _batch(seed=0, rows=16):
+  rng = np.random.default_rng(seed)
+  return {
+    "x": rng.normal(size=(rows, 6, 4)).astype(np.float32),
+    "y": rng.integers(1, 3, (rows, 2)).astype(np.int32),
+  }
+
+
+def lstm_regression(params, b):
+  out = _model.apply(params, b["x"])  # (rows, time, 3)
+  return jnp.mean((out[:, -1, :2] - b["y"]) ** 2)
+
+
+def lstm_ctc(params, b):
+  logits = _model.apply(params, b["x"])
+  paddings = jnp.zeros(logits.shape[:2])
+  labels_pad = jnp.zeros(b["y"].shape, jnp.float32)
+  return jnp.mean(optax.ctc_loss(logits, paddings, b["y"], labels_pad))
+
+
+def zero_carry_scan(params, b):  # a user's scan from jnp.zeros
+  w = zerojax.gather(params)["params"]["Dense_0"]["kernel"]  # (8, 3)
+  xs = jnp.swapaxes(b["x"], 0, 1)  # (time, rows, 4)
+  h0 = jnp.zeros((xs.shape[1], 3))
+
+  def cell(h, x):
+    h = jnp.tanh(h + x[:, :3] @ w[:3])
+    return h, h
+
+  h, _ = jax.lax.scan(cell, h0, xs)
+  return jnp.mean((h[:, :2] - b["y"]) ** 2) + lstm_regression(params, b)
+
+
+def _params():
+  return _model.init(jax.random.key(0), _batch()["x"])
+
+
+def _plain(loss, opt, batches):
+  params, s, losses = _params(), None, []
+  s = opt.init(params)
+  for b in batches:
+    value, g = jax.value_and_grad(loss)(params, b)
+    u, s = opt.update(g, s, params)
+    params = optax.apply_updates(params, u)
+    losses.append(float(value))
+  return params, losses
+
+
+def _close(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+  "loss", [lstm_regression, lstm_ctc, zero_carry_scan], ids=lambda f: f.__name__
+)
+@pytest.mark.parametrize("stage,accum", [(0, 1), (1, 1), (2, 2), (3, 1)])
+def test_a_loop_from_a_constant_carry_trains_like_the_plain_step(
+  mesh, loss, stage, accum
+):
+  batches = [_batch(seed=i) for i in range(2)]
+  opt = optax.sgd(0.5, momentum=0.9)  # not scale-invariant: a sum counts
+  want, want_losses = _plain(loss, opt, batches)
+  tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  step = zerojax.train_step(loss, tx, accum_steps=accum)
+  losses = []
+  for b in batches:
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+  _close(zerojax.gather_params(state), want)
+
+
+def test_on_auto_axes_in_eval_and_in_the_callers_jit(any_mesh):
+  b = _batch()
+  opt = optax.sgd(0.5)
+  want_params, (want,) = _plain(lstm_ctc, opt, [b])
+  tx = zerojax.zero(opt, stage=3, mesh=any_mesh)
+  state = zerojax.init(_params(), tx)
+  ev = zerojax.eval_step(lstm_ctc, tx, gather="all")(state, b)
+  np.testing.assert_allclose(float(ev), want, rtol=2e-6)
+  vg = jax.jit(zerojax.value_and_grad(lstm_ctc, tx, gather="all"))
+  loss, grads = vg(state, zerojax.shard_batch(b, tx, 16))
+  np.testing.assert_allclose(float(loss), want, rtol=2e-6)
+  _close(
+    zerojax.gather_params(zerojax.apply_gradients(state, grads)), want_params
+  )
+
+
+def test_a_loss_that_fails_for_another_reason_still_raises(mesh):
+  """Only the carry's refusal is answered by dropping the types: any other
+  error inside the loss reaches the user, and the state is kept."""
+
+  def broken(params, b):
+    lstm_regression(params, b)
+    raise RuntimeError("the model's own bug")
+
+  tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  with pytest.raises(RuntimeError, match="the model's own bug") as err:
+    zerojax.train_step(broken, tx)(state, _batch())
+  assert any("check_vma=False" in n for n in err.value.__notes__)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
