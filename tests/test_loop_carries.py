@@ -131,3 +131,21 @@ def test_a_loss_that_fails_for_another_reason_still_raises(mesh):
     zerojax.train_step(broken, tx)(state, _batch())
   assert any("check_vma=False" in n for n in err.value.__notes__)
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("axes", ["replica=2,data=4", "data=4,model=2"])
+def test_on_pod_meshes(axes):
+  """Hybrid sharding, and a model axis, whose collectives run in regions
+  nested in the per-device program (untyped with it)."""
+  batches = [_batch(seed=i) for i in range(2)]
+  opt = optax.sgd(0.5, momentum=0.9)
+  want, want_losses = _plain(zero_carry_scan, opt, batches)
+  tx = zerojax.zero(opt, stage=3, mesh=zerojax.make_mesh(axes))
+  state = zerojax.init(_params(), tx)
+  step = zerojax.train_step(zero_carry_scan, tx, gather="all")
+  losses = []
+  for b in batches:
+    state, m = step(state, b)
+    losses.append(float(m["loss"]))
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+  _close(zerojax.gather_params(state), want)

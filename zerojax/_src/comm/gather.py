@@ -37,6 +37,8 @@ model that calls it also runs unchanged at stages 0-1 and in evaluation.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -94,6 +96,23 @@ def _entries(model, ndim):
   return [None if not a else a[0] if len(a) == 1 else a for a in dims]
 
 
+# Set while tracing a per-device program with JAX's per-device types off
+# (``step/per_device.py``): the regions nested in it are untyped too.
+_UNTYPED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "zerojax_untyped", default=False
+)
+
+
+@contextlib.contextmanager
+def untyped():
+  """Nested regions traced inside run without per-device types."""
+  token = _UNTYPED.set(True)
+  try:
+    yield
+  finally:
+    _UNTYPED.reset(token)
+
+
 def over_model_shards(fn, x, model, dim=None):
   """Runs the data-axis collective ``fn`` on each model shard of ``x``.
 
@@ -133,7 +152,12 @@ def over_model_shards(fn, x, model, dim=None):
     entries[dim] = None  # shared with the data axis: whole over model
   spec = jax.sharding.PartitionSpec(*entries)
   region = jax.shard_map(
-    fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=axes
+    fn,
+    mesh=mesh,
+    in_specs=spec,
+    out_specs=spec,
+    axis_names=axes,
+    check_vma=not _UNTYPED.get(),
   )
   # Under ``jax.checkpoint`` (identity here: nothing differentiates this
   # call, it runs inside the gather's custom VJP) so that a scan's partial
