@@ -37,8 +37,6 @@ model that calls it also runs unchanged at stages 0-1 and in evaluation.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -50,6 +48,7 @@ import numpy as np
 
 from zerojax._src.comm import quantized as _zeropp
 from zerojax._src.records import layout as _layout
+from zerojax._src.records import mesh as _mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,23 +95,6 @@ def _entries(model, ndim):
   return [None if not a else a[0] if len(a) == 1 else a for a in dims]
 
 
-# Set while tracing a per-device program with JAX's per-device types off
-# (``step/per_device.py``): the regions nested in it are untyped too.
-_UNTYPED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-  "zerojax_untyped", default=False
-)
-
-
-@contextlib.contextmanager
-def untyped():
-  """Nested regions traced inside run without per-device types."""
-  token = _UNTYPED.set(True)
-  try:
-    yield
-  finally:
-    _UNTYPED.reset(token)
-
-
 def over_model_shards(fn, x, model, dim=None):
   """Runs the data-axis collective ``fn`` on each model shard of ``x``.
 
@@ -157,7 +139,7 @@ def over_model_shards(fn, x, model, dim=None):
     in_specs=spec,
     out_specs=spec,
     axis_names=axes,
-    check_vma=not _UNTYPED.get(),
+    check_vma=not _mesh.untyped_now(),
   )
   # Under ``jax.checkpoint`` (identity here: nothing differentiates this
   # call, it runs inside the gather's custom VJP) so that a scan's partial

@@ -26,6 +26,7 @@ it composes with the caller's own Explicit-sharding code. See
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
@@ -421,3 +422,25 @@ def auto_region(mesh: Mesh, fn: Callable, out_shardings) -> Callable:
       _CONCRETE_VIEW.reset(token)
 
   return call
+
+
+# Set while tracing a per-device program with JAX's per-device types off
+# (``step/per_device.py``): the regions nested in it are untyped too.
+_UNTYPED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "zerojax_untyped", default=False
+)
+
+
+@contextlib.contextmanager
+def untyped():
+  """Nested regions traced inside run without per-device types."""
+  token = _UNTYPED.set(True)
+  try:
+    yield
+  finally:
+    _UNTYPED.reset(token)
+
+
+def untyped_now() -> bool:
+  """Whether a region traced now runs without per-device types."""
+  return _UNTYPED.get()

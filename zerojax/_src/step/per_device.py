@@ -8,7 +8,7 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zerojax._src.comm import gather as _gather
+from zerojax._src.records import mesh as _mesh
 from zerojax._src.records.mesh_errors import (
   carry_made_per_device,
   untyped_note,
@@ -54,7 +54,7 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params, args: LossArgs):
       raise
     refused = e
   try:
-    with _gather.untyped():  # the regions nested in it too
+    with _mesh.untyped():  # the regions nested in it too
       return run(dataclasses.replace(prog, typed=False))
   except Exception as e:
     e.add_note(untyped_note(refused))
