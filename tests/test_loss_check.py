@@ -279,3 +279,48 @@ def test_a_loop_carry_started_from_a_constant_trains_like_the_plain_step(mesh):
     jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)
   ):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def _per_example(p, b):
+  return _ce(p, b).mean(1)
+
+
+@pytest.mark.parametrize(
+  "weights",
+  [
+    lambda r: jnp.zeros(r).at[0].set(1.0),  # the first example only
+    lambda r: jnp.concatenate([jnp.ones(r // 2), jnp.zeros(r - r // 2)]),
+    lambda r: jnp.reshape(jnp.arange(r), (r, 1))[:, 0],
+    lambda r: jnp.arange(r)[::-1],
+  ],
+  ids=["scatter", "concatenate", "reshape", "rev"],
+)
+def test_a_constant_that_differs_over_the_rows_is_not_read_as_a_mean(
+  mesh, weights
+):
+  """Constants the reading follows through scatters, reshapes, slices and
+  concatenations stay the same along the rows only where they are."""
+
+  def weighted(p, b):
+    rows = b["tok"].shape[0]
+    return jnp.mean(weights(rows) * _per_example(p, b))
+
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  with pytest.warns(LossUnverifiedWarning, match="varies over rows"):
+    zerojax.eval_step(weighted, tx)(state, _batch())
+
+
+def test_a_constant_the_same_along_the_rows_is_read_through_its_layout(mesh):
+  def weighted(p, b):
+    rows = b["tok"].shape[0]
+    w = jnp.full((rows + 3, 2), 3.0).at[:, 1].set(0.5)[:rows]
+    w = jnp.concatenate([w, w], axis=1).reshape(rows, 1, 4)[:, 0, 1]
+    return jnp.mean(w * _per_example(p, b))
+
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", LossUnverifiedWarning)
+    got = zerojax.eval_step(weighted, tx)(state, _batch())
+  np.testing.assert_allclose(got, weighted(_params(), _batch()), rtol=1e-6)

@@ -137,14 +137,16 @@ CUMULATIVE = frozenset(
   {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 )
 SMALL = 64  # fold constants of at most this many elements
+SCATTERS = frozenset(
+  {"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul"}
+)
 # the factors baked into examples' terms while one jaxpr is classified
 BAKED: contextvars.ContextVar[list] = contextvars.ContextVar("baked")
 
 
 def const(val) -> C:
   small = val if np.size(val) <= SMALL else None
-  uniform = frozenset(range(np.ndim(val))) if np.ndim(val) == 0 else frozenset()
-  return C(uniform, small)
+  return C(frozenset() if small is None else _uniform_in(small), small)
 
 
 def shape_of(v):
@@ -209,7 +211,7 @@ def fold(e, ins) -> C:
     try:
       with jax.ensure_compile_time_eval():
         val = np.asarray(e.primitive.bind(*[c.val for c in ins], **e.params))
-      return C(uniform, val, pos)
+      return C(uniform | _uniform_in(val), val, pos)
     except Exception:  # noqa: BLE001 -- a value not folded is only unknown
       pass
   return C(uniform, None, pos)
@@ -235,9 +237,73 @@ def _kept_uniform(e, ins) -> frozenset:
     out += [a in ua for a in range(ra) if a not in lc and a not in lb]
     out += [b in ub for b in range(rb_rank) if b not in rc and b not in rb]
     return frozenset(i for i, ok in enumerate(out) if ok)
-  if name in ("reduce_precision", "copy", "copy_p", "convert_element_type"):
-    return u
+  if name in (
+    "reduce_precision",
+    "copy",
+    "copy_p",
+    "convert_element_type",
+    "slice",
+    "dynamic_slice",
+    "rev",
+  ):
+    return u  # the same along an axis: so is any part of it
+  if name == "squeeze":
+    gone = p["dimensions"]
+    return frozenset(
+      a - sum(1 for x in gone if x < a) for a in u if a not in gone
+    )
+  if name == "reshape" and p.get("dimensions") is None:
+    return _reshape_uniform(shape_of(e.invars[0]), shape_of(e.outvars[0]), u)
+  if name == "concatenate":
+    return frozenset(u.intersection(*(c.uniform for c in ins))) - {
+      p["dimension"]
+    }
+  if name in SCATTERS:
+    return _scatter_uniform(e, ins)
   return frozenset()
+
+
+def _reshape_uniform(before, after, u) -> frozenset:
+  """A reshape that only adds or drops axes of size 1 keeps each axis's
+  sameness; any axis of size 1 is the same along itself."""
+  ones = {i for i, n in enumerate(after) if n == 1}
+  a = [i for i, n in enumerate(before) if n != 1]
+  b = [i for i, n in enumerate(after) if n != 1]
+  if [before[i] for i in a] != [after[j] for j in b]:
+    return frozenset(ones)
+  return frozenset(ones | {j for i, j in zip(a, b) if i in u})
+
+
+def _scatter_uniform(e, ins) -> frozenset:
+  """A scatter into a constant (``x.at[:, 0].set(v)``) stays the same
+  along an operand axis it neither indexes nor slices: the operand is
+  uniform there and the update covers it whole and is uniform along it."""
+  if e.primitive.name == "scatter" and not e.params.get("unique_indices"):
+    return frozenset()  # which of two writes lands is not defined
+  dn = e.params["dimension_numbers"]
+  operand, updates = shape_of(e.invars[0]), shape_of(e.invars[2])
+  skipped = set(dn.inserted_window_dims)
+  skipped |= set(getattr(dn, "operand_batching_dims", ()))
+  window = [a for a in range(len(operand)) if a not in skipped]
+  kept = set()
+  for a, ud in zip(window, dn.update_window_dims):
+    if (
+      a in ins[0].uniform
+      and a not in dn.scatter_dims_to_operand_dims
+      and updates[ud] == operand[a]
+      and (ud in ins[2].uniform or updates[ud] == 1)
+    ):
+      kept.add(a)
+  return frozenset(kept)
+
+
+def _uniform_in(val) -> frozenset:
+  """The axes along which a known value is the same."""
+  return frozenset(
+    a
+    for a in range(np.ndim(val))
+    if np.array_equal(val, np.take(val, [0] * np.shape(val)[a], axis=a))
+  )
 
 
 def broadcast_uniform(e, c: C):
