@@ -87,7 +87,30 @@ def batch_baseline(p, b):  # REINFORCE with the batch's mean as baseline
   return -jnp.mean((r - jnp.mean(r)) * logp)
 
 
+def _chunked_sum(p, b, chunk=2):
+  """Cross-entropy summed chunk by chunk of the sequence in a scan (the
+  logits of one chunk live at a time)."""
+  q = zerojax.gather(p)
+  h = jnp.tanh(q["emb"][b["tok"][:, :6]] @ q["w"])  # (rows, 6, width)
+  rows = h.shape[0]
+  hs = jnp.moveaxis(h.reshape(rows, 6 // chunk, chunk, -1), 1, 0)
+  ys = jnp.moveaxis(b["y"][:, :6].reshape(rows, 6 // chunk, chunk), 1, 0)
+
+  def body(total, xs):
+    hc, yc = xs
+    ce = optax.softmax_cross_entropy_with_integer_labels(hc @ q["v"], yc)
+    return total + jnp.sum(ce), None
+
+  total, _ = jax.lax.scan(body, 0.0, (hs, ys))
+  return total
+
+
+def chunked_sum(p, b):  # the chunks' sum, never divided by the rows
+  return _chunked_sum(p, b) / 6
+
+
 NOT_MEANS = {
+  chunked_sum: "a sum over the examples not divided by their number",
   token_mean: "a division by a sum over the batch",
   contrastive: "a product of every example with every other",
   batch_norm: "combines each example with a sum over the batch",
@@ -174,7 +197,11 @@ def per_example_vmap(p, b):  # the loss of one example, vmapped
   return jax.vmap(one)(b["tok"], b["y"]).mean()
 
 
-MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms]
+def chunked_mean(p, b):  # the chunks' sum over the batch's tokens
+  return _chunked_sum(p, b) / (b["tok"].shape[0] * 6)
+
+
+MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms, chunked_mean]
 MEANS += [sum_over_rows_divided, recurrent, per_example_vmap]
 
 

@@ -180,6 +180,10 @@ def _loop_join(a, b):
       return c
   if isinstance(a, C) and isinstance(b, C):
     return C(a.uniform & b.uniform)
+  if isinstance(a, S) and isinstance(b, S):
+    # a sum accumulated over the iterations (a chunked loss): its terms'
+    # factors as a set, each checked to follow 1 / rows like any other
+    return S(tuple(sorted(set(a.coefs) | set(b.coefs))), a.at or b.at)
   if isinstance(a, R) and isinstance(b, R) and a.layout == b.layout:
     bake(b.scale)
     return baked(a)
