@@ -25,6 +25,7 @@ class C:
   val: object = None  # the value when known and small (numpy)
   pos: int | None = None  # an iota's axis (a position, not data)
   noise: bool = False  # drawn from a key: independent per element
+  fill: object = None  # every element's value, when all are the same
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +215,58 @@ def fold(e, ins) -> C:
       return C(uniform | _uniform_in(val), val, pos)
     except Exception:  # noqa: BLE001 -- a value not folded is only unknown
       pass
-  return C(uniform, None, pos)
+  fill = _fill(e, ins) if len(uniform) == len(shape) else None
+  if fill is not None and math.prod(shape) <= SMALL:
+    val = np.full(shape, fill, np.dtype(e.outvars[0].aval.dtype))
+    return C(frozenset(range(len(shape))), val, pos)
+  return C(uniform, None, pos, fill=fill)
+
+
+def _element(c: C):
+  """The value every element of ``c`` has, when known."""
+  if c.val is not None and np.size(c.val) >= 1:
+    flat = np.ravel(np.asarray(c.val))
+    return flat[0] if np.all(flat == flat[0]) else None
+  return c.fill
+
+
+# layout changes and reductions whose result holds only the input's values
+_SAME_VALUES = frozenset(
+  {"broadcast_in_dim", "reshape", "slice", "squeeze", "transpose", "rev"}
+  | {"concatenate", "copy", "copy_p", "dynamic_slice", "reduce_max"}
+  | {"reduce_min"}
+)
+
+
+def _fill(e, ins):
+  """The one value of every element of a constant made of constants the
+  same everywhere (``jnp.ones((rows, n))``, its sum): large constants keep
+  it where their elements are not kept."""
+  name = e.primitive.name
+  if (
+    name in ELEMENTWISE or name == "convert_element_type"
+  ) and not e.primitive.multiple_results:
+    values = [_element(c) for c in ins]
+    if any(v is None for v in values):
+      return None
+    params = dict(e.params)
+    try:
+      with jax.ensure_compile_time_eval():
+        out = e.primitive.bind(*[np.asarray(v) for v in values], **params)
+      return np.asarray(out).reshape(())[()]
+    except Exception:  # noqa: BLE001 -- a value not folded is only unknown
+      return None
+  if name in _SAME_VALUES:
+    values = {_element(c) for c in ins[:1]}
+    if name == "concatenate":
+      values = {_element(c) for c in ins}
+    return next(iter(values)) if len(values) == 1 else None
+  if name == "reduce_sum":
+    v = _element(ins[0])
+    before = shape_of(e.invars[0])
+    n = math.prod(before[a] for a in e.params["axes"])
+    return None if v is None else v * n
+  return None
 
 
 def _kept_uniform(e, ins) -> frozenset:
