@@ -14,7 +14,11 @@ import optax
 import pytest
 
 import zerojax
-from zerojax.errors import LossNotAMeanError, LossUnverifiedWarning
+from zerojax.errors import (
+  AuxNotAMeanWarning,
+  LossNotAMeanError,
+  LossUnverifiedWarning,
+)
 
 
 def _params():
@@ -358,3 +362,42 @@ def test_a_constant_the_same_along_the_rows_is_read_through_its_layout(mesh):
     warnings.simplefilter("error", LossUnverifiedWarning)
     got = zerojax.eval_step(weighted, tx)(state, _batch())
   np.testing.assert_allclose(got, weighted(_params(), _batch()), rtol=1e-6)
+
+
+def _with_aux(p, b):
+  per = _ce(p, b).mean(1)
+  tokens = b["mask"].sum(1)
+  return jnp.mean(per), {
+    "token_weighted": jnp.sum(per * tokens) / jnp.sum(tokens),  # a ratio
+    "worst": jnp.max(per),  # over the batch
+    "mean": jnp.mean(per),
+    "per_example": per,
+    "tokens": jnp.sum(tokens).astype(jnp.int32),  # a count: summed
+  }
+
+
+def test_an_aux_leaf_the_step_would_average_wrongly_is_warned_about(mesh):
+  """The step averages a floating aux leaf over devices: exact for a mean
+  over examples, another number for a ratio of sums or a maximum, which
+  are named; per-example leaves and counts are exact and pass."""
+  params, batch = _params(), _batch()
+  want = _with_aux(params, batch)[1]
+  tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
+  state = zerojax.init(params, tx)
+  with pytest.warns(AuxNotAMeanWarning) as rec:
+    state, m = zerojax.train_step(_with_aux, tx)(state, batch)
+  named = sorted(
+    re.search(r"aux\['(\w+)'\]", str(w.message)).group(1)
+    for w in rec
+    if w.category is AuxNotAMeanWarning
+  )
+  assert named == ["token_weighted", "worst"]
+  assert all("test_loss_check.py" in w.filename for w in rec)
+  got = m["aux"]
+  for k in ("mean", "per_example", "tokens"):
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+  for k in named:  # what the warning is about: per-device averages
+    assert not np.isclose(float(got[k]), float(want[k]), rtol=1e-4)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", AuxNotAMeanWarning)
+    zerojax.train_step(_with_aux, tx, per_device_loss=True)(state, batch)

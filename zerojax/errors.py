@@ -1,6 +1,6 @@
 """The errors zerojax raises for a user's loss, model or mesh (bad settings
-raise ``ValueError`` or ``TypeError``), and the warning for a loss it
-cannot check."""
+raise ``ValueError`` or ``TypeError``), and the warnings for a loss it
+cannot check and for an aux leaf the step's average changes."""
 
 from zerojax._src.comm.gather import (
   UngatheredParamError as UngatheredParamError,
@@ -9,6 +9,9 @@ from zerojax._src.records.model_axes import ModelSpecError as ModelSpecError
 from zerojax._src.remat.remat import RematError as RematError
 from zerojax._src.step.loss_call import LossOutputError as LossOutputError
 from zerojax._src.step.loss_check import (
+  AuxNotAMeanWarning as AuxNotAMeanWarning,
+)
+from zerojax._src.step.loss_check import (
   LossNotAMeanError as LossNotAMeanError,
 )
 from zerojax._src.step.loss_check import (
@@ -16,6 +19,7 @@ from zerojax._src.step.loss_check import (
 )
 
 __all__ = [
+  "AuxNotAMeanWarning",
   "LossNotAMeanError",
   "LossOutputError",
   "LossUnverifiedWarning",

@@ -33,6 +33,11 @@ class LossUnverifiedWarning(UserWarning):
   """zerojax could not read whether the loss is a mean over examples."""
 
 
+class AuxNotAMeanWarning(UserWarning):
+  """A floating aux leaf the step averages over devices combines examples,
+  so the step reports another number than the unsharded loss gives."""
+
+
 _FIX = (
   "Write the loss as a mean over examples (jnp.mean of per-example terms; "
   "for a mean over tokens, pass the whole batch's tokens per row as a "
@@ -62,7 +67,7 @@ def check_step_loss(step, state, batch):
     has_key=state.key is not None, has_model_state=state.model_state is not None
   )
   check_mean_over_examples(
-    lambda p, b, k, ms: call(step.loss_fn, p, b, k, ms)[0],
+    lambda p, b, k, ms: _loss_and_aux(call(step.loss_fn, p, b, k, ms)),
     whole_params(state),
     batch,
     None if state.key is None else jax.random.key(0),
@@ -88,7 +93,7 @@ def grad_loss_check(loss_fn, tx, has_aux, accum, per_device_loss):
     has_key = key is not None or (state is not None and state.key is not None)
     call = LossCall(has_key=has_key, has_model_state=False, has_aux=has_aux)
     check_mean_over_examples(
-      lambda p, b, k, ms: call(loss_fn, p, b, k, ms)[0],
+      lambda p, b, k, ms: _loss_and_aux(call(loss_fn, p, b, k, ms)),
       params if state is None else whole_params(state),
       batch,
       jax.random.key(0) if has_key else None,
@@ -101,14 +106,20 @@ def grad_loss_check(loss_fn, tx, has_aux, accum, per_device_loss):
   return check
 
 
+def _loss_and_aux(out):
+  loss, _, aux = out
+  return loss, aux
+
+
 def check_mean_over_examples(
   loss, params, batch, key, model_state, *, shards: int, where: str, seen: dict
 ):
   """Raises or warns unless ``loss(params, batch, key, model_state)`` (the
-  loss value alone) is a mean over the batch's examples.
+  loss value) is a mean over the batch's examples; warns for each floating
+  aux leaf the step averages that combines examples (:func:`_check_aux`).
 
   Args:
-    loss: ``(params, batch, key, model_state) -> scalar loss``.
+    loss: ``(params, batch, key, model_state) -> (scalar loss, aux)``.
     params: the params as the loss sees them (arrays or shapes).
     batch: the whole batch as the user passed it.
     key, model_state: as the loss is called with them (or None).
@@ -138,9 +149,11 @@ def check_mean_over_examples(
       return
   else:
     second = _classified(loss, abstract, treedef, leaves, counts[1])
-  outs = [first[0], None if second is None else second[0]]
+  outs = [first[0][0], None if second is None else second[0][0]]
   baked = [first[1], () if second is None else second[1]]
   kind, reason = _batch_mean.verdict(outs, baked, counts)
+  if second is not None and kind != "mixes":
+    _check_aux(first, second, baked, counts, where)
   if kind == "mixes":
     del seen[signature]  # raised: asked again, it raises again
     raise LossNotAMeanError(
@@ -167,12 +180,41 @@ def whole_params(state):
   )
 
 
+def _check_aux(first, second, baked, counts, where: str):
+  """Warns for each floating aux leaf the step averages over devices (its
+  shape does not follow the rows) that is not a mean over examples: a
+  ratio of sums (a masked accuracy), a maximum over the batch. Its
+  average over devices is another number than the unsharded loss's."""
+  (classes_a, shapes_a), (classes_b, shapes_b) = first[0][1:], second[0][1:]
+  for (path, a), (_, b), ca, cb in zip(
+    shapes_a, shapes_b, classes_a, classes_b
+  ):
+    if a.shape != b.shape or not np.issubdtype(a.dtype, np.floating):
+      continue  # per example (kept row by row), or a count (summed)
+    kind, reason = _batch_mean.verdict([ca, cb], baked, counts)
+    if kind == "mixes":
+      warn(
+        f"{where}: the loss's aux{jax.tree_util.keystr(path)} is not a mean "
+        f"over the batch's examples ({reason}). The step averages a "
+        f"floating aux leaf over devices and micro-batches, which is the "
+        f"whole batch's value only for such a mean, so it reports another "
+        f"number than the unsharded loss gives. Return it per example (a "
+        f"leaf with the batch's rows, which the step keeps row by row) or "
+        f"its numerator and denominator as integer counts (summed), and "
+        f"combine them after the step.",
+        AuxNotAMeanWarning,
+      )
+
+
 def _classified(loss, abstract, treedef, leaves, rows):
-  """``(the loss's class, the factors baked into examples)`` traced with
-  ``rows`` rows per device, or None when it does not trace so."""
+  """``((the loss's class, its aux leaves' classes, their paths and
+  shapes), the factors baked into examples)`` traced with ``rows`` rows
+  per device, or None when it does not trace so."""
   local = jax.tree.unflatten(treedef, [_local(x, rows) for x in leaves])
   try:
-    closed = jax.make_jaxpr(loss)(abstract[0], local, *abstract[1:])
+    closed, shape = jax.make_jaxpr(loss, return_shape=True)(
+      abstract[0], local, *abstract[1:]
+    )
   except Exception:  # noqa: BLE001 -- the step itself reports the loss's errors
     return None
   classes = (
@@ -184,7 +226,8 @@ def _classified(loss, abstract, treedef, leaves, rows):
     + [_batch_mean.C()] * len(jax.tree.leaves(abstract[1:]))
   )
   outs, baked = _batch_mean.classify(closed, classes)
-  return outs[0], baked
+  aux = jax.tree_util.tree_flatten_with_path(shape[1])[0]
+  return (outs[0], outs[1:], aux), baked
 
 
 def _unverified(where: str, reason: str):
