@@ -1,11 +1,14 @@
 """A loop whose carry starts from a constant and becomes per-example in the
 loop -- a Flax RNN's initial carry, ``optax.ctc_loss``'s, a user's
-``jnp.zeros((rows, width))`` -- trains, evaluates and differentiates with
-the numbers of the plain step, at every stage, on Explicit and Auto axes.
+``jnp.zeros((rows, width))`` -- and branches of which one returns a
+constant where another returns a per-example value train, evaluate and
+differentiate with the numbers of the plain step, at every stage, on
+Explicit and Auto axes.
 
-Inside ``jax.shard_map``'s per-device types such a carry is refused by JAX
-(its type changes in the loop); the step then runs the loss with those
-types off and reduces every gradient explicitly."""
+Inside ``jax.shard_map``'s per-device types JAX refuses such a carry (its
+type changes in the loop) and such branches (their types differ); the
+step then runs the loss with those types off and reduces every gradient
+explicitly."""
 
 import flax.linen as nn
 import jax
@@ -66,6 +69,13 @@ def zero_carry_scan(params, b):  # a user's scan from jnp.zeros
   return jnp.mean((h[:, :2] - b["y"]) ** 2) + lstm_regression(params, b)
 
 
+def branch_to_a_constant(params, b):  # lax.cond on a param: zeros or rows
+  w = params["params"]["Dense_0"]["kernel"]
+  h = jnp.tanh(b["x"][:, -1, :3] @ w[:3])
+  h = jax.lax.cond(w[0, 0] > -10.0, lambda: h, lambda: jnp.zeros(h.shape))
+  return jnp.mean((h[:, :2] - b["y"]) ** 2)
+
+
 def _params():
   return _model.init(jax.random.key(0), _batch()["x"])
 
@@ -87,7 +97,9 @@ def _close(got, want):
 
 
 @pytest.mark.parametrize(
-  "loss", [lstm_regression, lstm_ctc, zero_carry_scan], ids=lambda f: f.__name__
+  "loss",
+  [lstm_regression, lstm_ctc, zero_carry_scan, branch_to_a_constant],
+  ids=lambda f: f.__name__,
 )
 @pytest.mark.parametrize("stage,accum", [(0, 1), (1, 1), (2, 2), (3, 1)])
 def test_a_loop_from_a_constant_carry_trains_like_the_plain_step(

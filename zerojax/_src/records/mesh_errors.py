@@ -47,31 +47,33 @@ def _restate_a_constraint(msg: str, where: str) -> str | None:
   return None
 
 
-def carry_made_per_device(err: Exception) -> bool:
-  """Whether ``err`` is JAX's refusal of a loop (``lax.scan``,
-  ``fori_loop``, ``while_loop``) whose carry starts the same on every
-  device -- a constant, such as ``jnp.zeros((rows, width))``, a Flax RNN's
-  initial carry or ``optax.ctc_loss``'s -- and becomes per-device in the
-  loop: under ``jax.shard_map``'s per-device types a carry must have one
-  type from the start."""
+def types_refused(err: Exception) -> bool:
+  """Whether ``err`` is JAX's refusal of a per-device type a plain program
+  has no notion of: a loop (``lax.scan``, ``fori_loop``, ``while_loop``)
+  whose carry starts the same on every device -- a constant, such as
+  ``jnp.zeros((rows, width))``, a Flax RNN's initial carry or
+  ``optax.ctc_loss``'s -- and becomes per-device in the loop, or branches
+  (``lax.cond``, ``lax.switch``) of which one returns a constant where
+  another returns a per-device value. Under ``jax.shard_map``'s
+  per-device types a carry must keep one type and branches must agree."""
   msg = str(err)
   return (
     isinstance(err, TypeError)
-    and "carry" in msg
+    and ("carry" in msg or "branches" in msg)
     and "manual axis types do not match" in msg
   )
 
 
 def untyped_note(refused: TypeError) -> str:
   """What a loss that failed with the per-device types off was run so
-  for: the loop's refusal (:func:`carry_made_per_device`) and its fix."""
+  for: JAX's refusal (:func:`types_refused`) and its fix."""
   return (
     f"zerojax ran this loss with JAX's per-device types off "
-    f"(jax.shard_map(check_vma=False)): a loop in it (lax.scan, fori_loop, "
-    f"while_loop) starts its carry from a constant, such as "
-    f"jnp.zeros((rows, width)), and makes it per-device, which those types "
-    f"refuse. Building the initial carry from the batch -- "
-    f"jnp.zeros_like(x[:, 0]) -- keeps them. JAX said: "
+    f"(jax.shard_map(check_vma=False)): a loop in it starts its carry from "
+    f"a constant, such as jnp.zeros((rows, width)), and makes it "
+    f"per-device, or a branch returns a constant where another returns a "
+    f"per-device value, which those types refuse. Building the constant "
+    f"from the batch -- jnp.zeros_like(x[:, 0]) -- keeps them. JAX said: "
     f"{str(refused).splitlines()[0]}"
   )
 

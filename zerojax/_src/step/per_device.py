@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._src.records import mesh as _mesh
 from zerojax._src.records.mesh_errors import (
-  carry_made_per_device,
+  types_refused,
   untyped_note,
 )
 from zerojax._src.step.loss_call import LossArgs, LossProgram
@@ -25,7 +25,9 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params, args: LossArgs):
 
   JAX types each per-device value with the axes it varies over, and
   refuses a loop whose carry starts the same on every device and becomes
-  per-device (a Flax RNN's zero carry, ``optax.ctc_loss``'s). Such a loss
+  per-device (a Flax RNN's zero carry, ``optax.ctc_loss``'s), and
+  branches of which one returns a constant and another a per-device
+  value (:func:`~zerojax._src.records.mesh_errors.types_refused`). Such a loss
   is traced again with those types off (``check_vma=False``,
   ``prog.typed`` False): the forward values are the same, and no implicit
   sum of the typed program is relied on -- every differentiated leaf is
@@ -50,7 +52,7 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params, args: LossArgs):
   try:
     return run(prog)
   except TypeError as e:
-    if not (prog.typed and carry_made_per_device(e)):
+    if not (prog.typed and types_refused(e)):
       raise
     refused = e
   try:
