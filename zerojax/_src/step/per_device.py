@@ -31,7 +31,7 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params, args: LossArgs):
   is traced again with those types off (``check_vma=False``,
   ``prog.typed`` False): the forward values are the same, and no implicit
   sum of the typed program is relied on -- every differentiated leaf is
-  made varying and reduced explicitly (:func:`local_grads`), every output
+  made varying and reduced explicitly (``grad.local_grads``), every output
   reduced by an explicit collective, as in the typed program."""
   batch, key, model_state = args
   tx = prog.spec.tx
