@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import zerojax
+from tests import toy
 
 # the loss check reads each of these losses as a mean (optax.ctc_loss's
 # scatter into a constant and its reshapes included): no warning
@@ -80,20 +81,18 @@ def _params():
   return _model.init(jax.random.key(0), _batch()["x"])
 
 
-def _plain(loss, opt, batches):
-  params, s, losses = _params(), None, []
-  s = opt.init(params)
-  for b in batches:
-    value, g = jax.value_and_grad(loss)(params, b)
-    u, s = opt.update(g, s, params)
-    params = optax.apply_updates(params, u)
-    losses.append(float(value))
-  return params, losses
-
-
 def _close(got, want):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def _assert_trains_like_plain(loss, opt, tx, **step_kw):
+  batches = [_batch(seed=i) for i in range(2)]
+  want, want_losses = toy.optax_run(loss, opt, _params(), batches)
+  got, losses, notes = toy.zero_run(loss, tx, _params(), batches, **step_kw)
+  assert not [n for n in notes if "mean over the batch" in n], notes
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+  _close(got, want)
 
 
 @pytest.mark.parametrize(
@@ -105,24 +104,15 @@ def _close(got, want):
 def test_a_loop_from_a_constant_carry_trains_like_the_plain_step(
   mesh, loss, stage, accum
 ):
-  batches = [_batch(seed=i) for i in range(2)]
   opt = optax.sgd(0.5, momentum=0.9)  # not scale-invariant: a sum counts
-  want, want_losses = _plain(loss, opt, batches)
   tx = zerojax.zero(opt, stage=stage, mesh=mesh)
-  state = zerojax.init(_params(), tx)
-  step = zerojax.train_step(loss, tx, accum_steps=accum)
-  losses = []
-  for b in batches:
-    state, m = step(state, b)
-    losses.append(float(m["loss"]))
-  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
-  _close(zerojax.gather_params(state), want)
+  _assert_trains_like_plain(loss, opt, tx, accum_steps=accum)
 
 
 def test_on_auto_axes_in_eval_and_in_the_callers_jit(any_mesh):
   b = _batch()
   opt = optax.sgd(0.5)
-  want_params, (want,) = _plain(lstm_ctc, opt, [b])
+  want_params, (want,) = toy.optax_run(lstm_ctc, opt, _params(), [b])
   tx = zerojax.zero(opt, stage=3, mesh=any_mesh)
   state = zerojax.init(_params(), tx)
   ev = zerojax.eval_step(lstm_ctc, tx, gather="all")(state, b)
@@ -155,15 +145,6 @@ def test_a_loss_that_fails_for_another_reason_still_raises(mesh):
 def test_on_pod_meshes(axes):
   """Hybrid sharding, and a model axis, whose collectives run in regions
   nested in the per-device program (untyped with it)."""
-  batches = [_batch(seed=i) for i in range(2)]
   opt = optax.sgd(0.5, momentum=0.9)
-  want, want_losses = _plain(zero_carry_scan, opt, batches)
   tx = zerojax.zero(opt, stage=3, mesh=zerojax.make_mesh(axes))
-  state = zerojax.init(_params(), tx)
-  step = zerojax.train_step(zero_carry_scan, tx, gather="all")
-  losses = []
-  for b in batches:
-    state, m = step(state, b)
-    losses.append(float(m["loss"]))
-  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
-  _close(zerojax.gather_params(state), want)
+  _assert_trains_like_plain(zero_carry_scan, opt, tx, gather="all")

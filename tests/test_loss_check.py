@@ -234,16 +234,13 @@ def _plain_losses(loss, params, batches, opt):
   return params, out
 
 
-@pytest.mark.parametrize("loss", MEANS, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("stage,accum", [(0, 1), (3, 2)])
-def test_a_mean_over_examples_trains_like_the_plain_step(
-  mesh, loss, stage, accum
-):
-  params = _params()
+def _assert_trains_like_plain(mesh, loss, opt, stage, accum=1):
+  """Two steps of ``loss`` equal the plain step's, with no warning that
+  the loss could not be read."""
   batches = [_with_count(_batch(seed=i)) for i in range(2)]
-  want, want_losses = _plain_losses(loss, params, batches, optax.adamw(1e-2))
-  tx = zerojax.zero(optax.adamw(1e-2), stage=stage, mesh=mesh)
-  state = zerojax.init(params, tx)
+  want, want_losses = _plain_losses(loss, _params(), batches, opt)
+  tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+  state = zerojax.init(_params(), tx)
   step = zerojax.train_step(loss, tx, accum_steps=accum)
   with warnings.catch_warnings():
     warnings.simplefilter("error", LossUnverifiedWarning)
@@ -256,6 +253,14 @@ def test_a_mean_over_examples_trains_like_the_plain_step(
     jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)
   ):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("loss", MEANS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("stage,accum", [(0, 1), (3, 2)])
+def test_a_mean_over_examples_trains_like_the_plain_step(
+  mesh, loss, stage, accum
+):
+  _assert_trains_like_plain(mesh, loss, optax.adamw(1e-2), stage, accum)
 
 
 def test_per_device_loss_averages_per_device_losses_on_purpose(mesh):
@@ -302,21 +307,7 @@ def test_a_loop_carry_started_from_a_constant_trains_like_the_plain_step(mesh):
   JAX's per-device types refuse; the step runs it untyped, with the plain
   step's numbers (tests/test_loop_carries.py has library losses so)."""
   loss = lambda p, b: recurrent(p, b, zeros=lambda x: jnp.zeros(x.shape))
-  batches = [_batch(seed=i) for i in range(2)]
-  opt = optax.sgd(0.1, momentum=0.9)
-  want, want_losses = _plain_losses(loss, _params(), batches, opt)
-  tx = zerojax.zero(opt, stage=3, mesh=mesh)
-  state = zerojax.init(_params(), tx)
-  step = zerojax.train_step(loss, tx)
-  losses = []
-  for b in batches:
-    state, m = step(state, b)
-    losses.append(float(m["loss"]))
-  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
-  for a, b in zip(
-    jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)
-  ):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+  _assert_trains_like_plain(mesh, loss, optax.sgd(0.1, momentum=0.9), 3)
 
 
 def _per_example(p, b):
