@@ -49,31 +49,40 @@ def _restate_a_constraint(msg: str, where: str) -> str | None:
 
 def types_refused(err: Exception) -> bool:
   """Whether ``err`` is JAX's refusal of a per-device type a plain program
-  has no notion of: a loop (``lax.scan``, ``fori_loop``, ``while_loop``)
-  whose carry starts the same on every device -- a constant, such as
-  ``jnp.zeros((rows, width))``, a Flax RNN's initial carry or
-  ``optax.ctc_loss``'s -- and becomes per-device in the loop, or branches
-  (``lax.cond``, ``lax.switch``) of which one returns a constant where
-  another returns a per-device value. Under ``jax.shard_map``'s
-  per-device types a carry must keep one type and branches must agree."""
+  has no notion of, in code users may not own:
+
+  * a loop (``lax.scan``, ``fori_loop``, ``while_loop``) whose carry
+    starts the same on every device -- a constant, such as
+    ``jnp.zeros((rows, width))``, a Flax RNN's initial carry or
+    ``optax.ctc_loss``'s -- and becomes per-device in the loop;
+  * branches (``lax.cond``, ``lax.switch``) of which one returns a
+    constant where another returns a per-device value;
+  * an output shape given as a ``jax.ShapeDtypeStruct`` that does not say
+    how it varies across devices (a Pallas kernel's ``out_shape``)."""
   msg = str(err)
-  return (
-    isinstance(err, TypeError)
-    and ("carry" in msg or "branches" in msg)
-    and "manual axis types do not match" in msg
+  if isinstance(err, TypeError):
+    return ("carry" in msg or "branches" in msg) and (
+      "manual axis types do not match" in msg
+    )
+  return isinstance(err, ValueError) and (
+    "manual_axis_type" in msg
+    and "ShapeDtypeStruct" in msg
+    and "must not be" in msg
   )
 
 
-def untyped_note(refused: TypeError) -> str:
+def untyped_note(refused: Exception) -> str:
   """What a loss that failed with the per-device types off was run so
-  for: JAX's refusal (:func:`types_refused`) and its fix."""
+  for: JAX's refusal (:func:`types_refused`) and how to keep the types."""
   return (
     f"zerojax ran this loss with JAX's per-device types off "
-    f"(jax.shard_map(check_vma=False)): a loop in it starts its carry from "
-    f"a constant, such as jnp.zeros((rows, width)), and makes it "
-    f"per-device, or a branch returns a constant where another returns a "
-    f"per-device value, which those types refuse. Building the constant "
-    f"from the batch -- jnp.zeros_like(x[:, 0]) -- keeps them. JAX said: "
+    f"(jax.shard_map(check_vma=False)) because they refuse it: a loop "
+    f"whose carry starts from a constant (jnp.zeros((rows, width))) and "
+    f"becomes per-device, a branch returning a constant where another "
+    f"returns a per-device value, or an output shape with no "
+    f"manual_axis_type (a Pallas kernel's out_shape). Building such "
+    f"constants from the batch (jnp.zeros_like(x[:, 0])), or giving the "
+    f"shape jax.typeof(x).manual_axis_type, keeps them. JAX said: "
     f"{str(refused).splitlines()[0]}"
   )
 
@@ -83,10 +92,8 @@ def explain_per_device_errors(mesh: Mesh, where: str):
   """JAX's refusals of a loss inside ``jax.shard_map`` (where zerojax runs
   it per device), re-raised saying which function and what to do: a
   closed-over array typed on ``Explicit`` axes, a sharding constraint
-  naming a batch axis or a reshard (:func:`_restate_a_constraint`), an
-  output shape (a Pallas kernel's ``out_shape``) that does not say how it
-  varies across devices. All are raised while tracing, so before any state
-  is donated."""
+  naming a batch axis or a reshard (:func:`_restate_a_constraint`). All
+  are raised while tracing, so before any state is donated."""
   try:
     yield
   except ValueError as e:
@@ -94,24 +101,7 @@ def explain_per_device_errors(mesh: Mesh, where: str):
     said = _restate_a_constraint(msg, where)
     if said is not None:
       raise ValueError(f"{said} JAX said: {msg.splitlines()[0]}") from e
-    if not (
-      "manual_axis_type" in msg
-      and "ShapeDtypeStruct" in msg
-      and "must not be" in msg
-    ):
-      raise
-    raise ValueError(
-      f"{where}: the loss gives an output shape (a Pallas kernel's "
-      f"out_shape, say) as a jax.ShapeDtypeStruct with no "
-      f"manual_axis_type. zerojax runs the loss once per device "
-      f"(jax.shard_map over the batch axes, JAX's per-device types "
-      f"checked), where JAX must be told how such an output varies "
-      f"across devices. Give it the type of the per-device input it is "
-      f"computed from: jax.ShapeDtypeStruct(shape, dtype, "
-      f"manual_axis_type=jax.typeof(x).manual_axis_type) -- empty outside "
-      f"a per-device program, so the same code runs unsharded. JAX said: "
-      f"{msg.splitlines()[0]}"
-    ) from e
+    raise
   except NotImplementedError as e:
     msg = str(e)
     if "Closing over inputs to shard_map" not in msg:

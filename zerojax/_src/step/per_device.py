@@ -25,9 +25,10 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params, args: LossArgs):
 
   JAX types each per-device value with the axes it varies over, and
   refuses a loop whose carry starts the same on every device and becomes
-  per-device (a Flax RNN's zero carry, ``optax.ctc_loss``'s), and
-  branches of which one returns a constant and another a per-device
-  value (:func:`~zerojax._src.records.mesh_errors.types_refused`). Such a loss
+  per-device (a Flax RNN's zero carry, ``optax.ctc_loss``'s), branches of
+  which one returns a constant and another a per-device value, and a
+  kernel's output shape that does not say how it varies
+  (:func:`~zerojax._src.records.mesh_errors.types_refused`). Such a loss
   is traced again with those types off (``check_vma=False``,
   ``prog.typed`` False): the forward values are the same, and no implicit
   sum of the typed program is relied on -- every differentiated leaf is
@@ -51,7 +52,7 @@ def over_batch_axes(prog: LossProgram, body, out_specs, params, args: LossArgs):
 
   try:
     return run(prog)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     if not (prog.typed and types_refused(e)):
       raise
     refused = e
