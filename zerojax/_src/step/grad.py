@@ -102,8 +102,8 @@ def local_grads(
   micro = batch if k == 1 else jax.tree.map(lambda x: _split_micro(x, k), batch)
   first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   hooked = hooked_leaves(spec)
-  # untyped (a loop JAX's per-device types refuse): nothing is summed by
-  # them, so every leaf is reduced explicitly after the backward
+  # untyped (a loop, branch or kernel JAX's per-device types refuse):
+  # nothing is summed by them, so every leaf is reduced after the backward
   direct = reduced_where_used(spec, k) if prog.typed else [False] * len(hooked)
   how = GatherMode("model")
   if reduce_in_backward(spec, k, prog.gather, direct):

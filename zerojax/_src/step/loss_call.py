@@ -114,7 +114,7 @@ class LossProgram:
 
   ``typed``: whether the per-device program keeps JAX's per-device types
   (``jax.shard_map``'s ``check_vma``); ``False`` for a loss those types
-  refuse (:func:`zerojax._src.step.grad.over_batch_axes`)."""
+  refuse (:func:`zerojax._src.step.per_device.over_batch_axes`)."""
 
   spec: StateSpec
   loss_fn: Callable
