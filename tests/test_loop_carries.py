@@ -148,3 +148,80 @@ def test_on_pod_meshes(axes):
   opt = optax.sgd(0.5, momentum=0.9)
   tx = zerojax.zero(opt, stage=3, mesh=zerojax.make_mesh(axes))
   _assert_trains_like_plain(zero_carry_scan, opt, tx, gather="all")
+
+
+def _rule_summing(over_types: bool):
+  """A zero-carry scan through a custom-VJP product whose backward rule
+  sums the weight's gradient over devices: by the axes its types give
+  (zerojax's recipe; a no-op untyped) or over ``'data'`` by name."""
+
+  @jax.custom_vjp
+  def product(x, w):
+    return x @ w
+
+  def bwd(res, ct):
+    x, w = res
+    g = x.T @ ct
+    axes = (
+      tuple(
+        jax.typeof(g).manual_axis_type.varying
+        - jax.typeof(w).manual_axis_type.varying
+      )
+      if over_types
+      else "data"
+    )
+    return ct @ w.T, jax.lax.psum(g, axes)
+
+  product.defvjp(lambda x, w: (x @ w, (x, w)), bwd)
+
+  def loss(params, b):
+    w = params["params"]["Dense_0"]["kernel"][:3]  # (3, 3)
+    xs = jnp.swapaxes(b["x"], 0, 1)[..., :3]
+
+    def cell(h, x):
+      return jnp.tanh(h + product(x, w)), None
+
+    h, _ = jax.lax.scan(cell, jnp.zeros((xs.shape[1], 3)), xs)
+    return jnp.mean((h[:, :2] - b["y"]) ** 2)
+
+  return loss
+
+
+def _forward_pmean(params, b):
+  h = zero_carry_scan(params, b)
+  return h + 0.1 * jax.lax.pmean(jnp.mean(b["x"][:, 0, 0]), "data") * h
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_custom_vjp_rule_summing_over_its_typed_axes_trains_like_the_plain_step(
+  mesh, stage
+):
+  opt = optax.sgd(0.5, momentum=0.9)
+  tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+  _assert_trains_like_plain(_rule_summing(over_types=True), opt, tx)
+
+
+@pytest.mark.parametrize(
+  "loss,what",
+  [
+    (_rule_summing(over_types=False), "psum over \\('data',\\)"),
+    (_forward_pmean, "psum over \\('data',\\)"),
+  ],
+  ids=["psum_in_a_custom_vjp_rule", "pmean_in_the_forward_pass"],
+)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_collective_over_the_batch_axis_in_such_a_loss_raises_and_keeps_the_state(
+  any_mesh, loss, what, stage
+):
+  """Untyped, a collective the loss runs over the batch axes is not
+  differentiated as typed (a rule's psum would sum a gradient zerojax sums
+  again): refused, naming it and its line, before anything runs."""
+  tx = zerojax.zero(optax.sgd(0.5), stage=stage, mesh=any_mesh)
+  state = zerojax.init(_params(), tx)
+  with pytest.raises(
+    ValueError,
+    match=rf"zerojax: the loss runs {what} at .*test_loop_carries.py:\d+.*"
+    r"types off.*drop the collective.*jnp.zeros_like\(x\[:, 0\]\)",
+  ):
+    zerojax.train_step(loss, tx, gather="all")(state, _batch())
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))

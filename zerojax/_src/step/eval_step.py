@@ -166,13 +166,16 @@ def eval_step(
     prog = LossProgram(state.spec, loss_fn, call, gather=gather)
     args = LossArgs(batch, step_key(state), state.model_state)
     if found is None:
-      return over_batch_axes(prog, _eval_local, P(), state.params, args)
+      return over_batch_axes(
+        prog, _eval_local, P(), state.params, args, grads=False
+      )
     return over_batch_axes(
       prog,
       functools.partial(_eval_local, found=found),
       (P(), P(), _aux.rows_spec(prog.spec.tx.batch_axes)),
       state.params,
       args,
+      grads=False,
     )
 
   return EvalStep(

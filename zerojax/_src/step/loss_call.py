@@ -133,6 +133,19 @@ class LossArgs(NamedTuple):
   model_state: Any
 
 
+def whole_params(spec: StateSpec):
+  """The params as a loss sees them gathered: whole, each trained leaf in
+  its compute dtype (shapes only)."""
+  return spec.unflatten_params(
+    [
+      jax.ShapeDtypeStruct(
+        r.aval.shape, r.compute_dtype if r.trainable else r.aval.dtype
+      )
+      for r in spec.leaves
+    ]
+  )
+
+
 def check_options(loss_fn, gather, accum_steps, where):
   if gather not in GATHER_MODES:
     raise ValueError(

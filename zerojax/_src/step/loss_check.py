@@ -21,7 +21,7 @@ from zerojax._src.jaxpr import batch_mean as _batch_mean
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.records.warn import warn
 from zerojax._src.step.batch import Shared
-from zerojax._src.step.loss_call import LossCall
+from zerojax._src.step.loss_call import LossCall, whole_params
 
 
 class LossNotAMeanError(ValueError):
@@ -68,7 +68,7 @@ def check_step_loss(step, state, batch):
   )
   check_mean_over_examples(
     lambda p, b, k, ms: _loss_and_aux(call(step.loss_fn, p, b, k, ms)),
-    whole_params(state),
+    whole_params(state.spec),
     batch,
     None if state.key is None else jax.random.key(0),
     state.model_state,
@@ -94,7 +94,7 @@ def grad_loss_check(loss_fn, tx, has_aux, accum, per_device_loss):
     call = LossCall(has_key=has_key, has_model_state=False, has_aux=has_aux)
     check_mean_over_examples(
       lambda p, b, k, ms: _loss_and_aux(call(loss_fn, p, b, k, ms)),
-      params if state is None else whole_params(state),
+      params if state is None else whole_params(state.spec),
       batch,
       jax.random.key(0) if has_key else None,
       None,
@@ -165,19 +165,6 @@ def check_mean_over_examples(
     )
   if kind == "unknown":
     _unverified(where, reason)
-
-
-def whole_params(state):
-  """A :class:`ZeroState`'s params as a loss sees them gathered: whole,
-  each trained leaf in its compute dtype (shapes only)."""
-  return state.spec.unflatten_params(
-    [
-      jax.ShapeDtypeStruct(
-        r.aval.shape, r.compute_dtype if r.trainable else r.aval.dtype
-      )
-      for r in state.spec.leaves
-    ]
-  )
 
 
 def _check_aux(first, second, baked, counts, where: str):
