@@ -15,6 +15,7 @@ import pytest
 
 import zerojax
 from zerojax.errors import (
+  AuxNotACountWarning,
   AuxNotAMeanWarning,
   LossNotAMeanError,
   LossUnverifiedWarning,
@@ -392,3 +393,47 @@ def test_an_aux_leaf_the_step_would_average_wrongly_is_warned_about(mesh):
   with warnings.catch_warnings():
     warnings.simplefilter("error", AuxNotAMeanWarning)
     zerojax.train_step(_with_aux, tx, per_device_loss=True)(state, batch)
+
+
+def _with_int_aux(p, b):
+  tokens = b["mask"].sum(1).astype(jnp.int32)
+  right = jnp.argmax(_logits(p, b), -1) == b["y"]
+  return jnp.mean(_ce(p, b)), {
+    "tokens": jnp.sum(tokens),  # counts: summed
+    "right": jnp.sum(right),
+    "none": jnp.zeros((), jnp.int32),
+    "per_example": tokens,
+    "version": jnp.int32(3),  # the same on every device
+    "longest": jnp.max(tokens),  # over the batch
+    "first": tokens[0],  # one example's
+    "all_long": jnp.all(tokens > 0),  # a bool over the batch
+  }
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_an_int_or_bool_aux_leaf_the_step_would_sum_wrongly_is_warned_about(
+  mesh, accum
+):
+  """The step sums an integer or bool aux leaf over devices and
+  micro-batches: exact for a count, another number for a constant, a
+  maximum, one example's value or a bool, which are named; counts, zero
+  and per-example leaves are exact and pass."""
+  params, batch = _params(), _batch()
+  want = _with_int_aux(params, batch)[1]
+  tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(_with_int_aux, tx, accum_steps=accum)
+  with pytest.warns(AuxNotACountWarning) as rec:
+    state, m = step(state, batch)
+  named = sorted(
+    re.search(r"aux\['(\w+)'\]", str(w.message)).group(1)
+    for w in rec
+    if w.category is AuxNotACountWarning
+  )
+  assert named == ["all_long", "first", "longest", "version"]
+  assert not [w for w in rec if w.category is AuxNotAMeanWarning]
+  got = m["aux"]
+  for k in ("tokens", "right", "none", "per_example"):
+    np.testing.assert_array_equal(got[k], want[k])
+  for k in named:  # what the warning is about: sums over devices
+    assert int(got[k]) != int(want[k]), k

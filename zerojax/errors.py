@@ -9,6 +9,9 @@ from zerojax._src.records.model_axes import ModelSpecError as ModelSpecError
 from zerojax._src.remat.remat import RematError as RematError
 from zerojax._src.step.loss_call import LossOutputError as LossOutputError
 from zerojax._src.step.loss_check import (
+  AuxNotACountWarning as AuxNotACountWarning,
+)
+from zerojax._src.step.loss_check import (
   AuxNotAMeanWarning as AuxNotAMeanWarning,
 )
 from zerojax._src.step.loss_check import (
@@ -19,6 +22,7 @@ from zerojax._src.step.loss_check import (
 )
 
 __all__ = [
+  "AuxNotACountWarning",
   "AuxNotAMeanWarning",
   "LossNotAMeanError",
   "LossOutputError",

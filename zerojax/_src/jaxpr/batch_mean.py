@@ -56,6 +56,7 @@ from zerojax._src.jaxpr.examples import (
   bake,
   baked,
   const,
+  element_value,
   elementwise,
   fold,
   where,
@@ -129,6 +130,33 @@ def verdict(outs, baked, rows) -> tuple[str, str]:
         f"1 / rows{a.at}"
       )
   return "mean", ""
+
+
+def count_verdict(outs, baked) -> str | None:
+  """Why a leaf that the step sums over devices and micro-batches (an
+  integer aux leaf) is not the whole batch's value, from its classes at
+  two row counts (:func:`verdict`'s ``outs`` and ``baked``); ``None``
+  when it is a count (a sum over the examples with fixed factors, or
+  zero) or cannot be read."""
+  a, b = outs
+  for c in (a, b):
+    if isinstance(c, X):
+      return c.reason
+  if any(isinstance(c, U) for c in (a, b)):
+    return None
+  if isinstance(a, C):
+    element = element_value(a)
+    if element is not None and element == 0:
+      return None
+    return (
+      "it does not depend on the examples, so the sum over devices is "
+      "that many times the value"
+    )
+  if isinstance(a, S) and isinstance(b, S):
+    if a.coefs != b.coefs or baked[0] != baked[1]:
+      return "a sum over the examples scaled by a factor that follows the rows"
+    return None
+  return None
 
 
 def _first_bad(ins):

@@ -222,7 +222,7 @@ def fold(e, ins) -> C:
   return C(uniform, None, pos, fill=fill)
 
 
-def _element(c: C):
+def element_value(c: C):
   """The value every element of ``c`` has, when known."""
   if c.val is not None and np.size(c.val) >= 1:
     flat = np.ravel(np.asarray(c.val))
@@ -246,7 +246,7 @@ def _fill(e, ins):
   if (
     name in ELEMENTWISE or name == "convert_element_type"
   ) and not e.primitive.multiple_results:
-    values = [_element(c) for c in ins]
+    values = [element_value(c) for c in ins]
     if any(v is None for v in values):
       return None
     params = dict(e.params)
@@ -257,12 +257,12 @@ def _fill(e, ins):
     except Exception:  # noqa: BLE001 -- a value not folded is only unknown
       return None
   if name in _SAME_VALUES:
-    values = {_element(c) for c in ins[:1]}
+    values = {element_value(c) for c in ins[:1]}
     if name == "concatenate":
-      values = {_element(c) for c in ins}
+      values = {element_value(c) for c in ins}
     return next(iter(values)) if len(values) == 1 else None
   if name == "reduce_sum":
-    v = _element(ins[0])
+    v = element_value(ins[0])
     before = shape_of(e.invars[0])
     n = math.prod(before[a] for a in e.params["axes"])
     return None if v is None else v * n

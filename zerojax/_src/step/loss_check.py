@@ -38,6 +38,12 @@ class AuxNotAMeanWarning(UserWarning):
   so the step reports another number than the unsharded loss gives."""
 
 
+class AuxNotACountWarning(UserWarning):
+  """An integer or bool aux leaf the step sums over devices is not a count
+  over the examples (a constant, a maximum, one example's value), so the
+  step reports another number than the unsharded loss gives."""
+
+
 _FIX = (
   "Write the loss as a mean over examples (jnp.mean of per-example terms; "
   "for a mean over tokens, pass the whole batch's tokens per row as a "
@@ -168,29 +174,52 @@ def check_mean_over_examples(
 
 
 def _check_aux(first, second, baked, counts, where: str):
-  """Warns for each floating aux leaf the step averages over devices (its
-  shape does not follow the rows) that is not a mean over examples: a
-  ratio of sums (a masked accuracy), a maximum over the batch. Its
-  average over devices is another number than the unsharded loss's."""
+  """Warns for each aux leaf whose combination over devices and
+  micro-batches is not the unsharded loss's value: a floating leaf (the
+  step averages it) that is not a mean over examples -- a ratio of sums
+  (a masked accuracy), a maximum over the batch; an integer or bool leaf
+  (the step sums it) that is not a count over them -- a constant, a
+  maximum, one example's value. Leaves whose shape follows the rows are
+  kept row by row and are not warned."""
   (classes_a, shapes_a), (classes_b, shapes_b) = first[0][1:], second[0][1:]
   for (path, a), (_, b), ca, cb in zip(
     shapes_a, shapes_b, classes_a, classes_b
   ):
-    if a.shape != b.shape or not np.issubdtype(a.dtype, np.floating):
-      continue  # per example (kept row by row), or a count (summed)
-    kind, reason = _batch_mean.verdict([ca, cb], baked, counts)
-    if kind == "mixes":
+    if a.shape != b.shape:
+      continue  # per example: kept row by row
+    leaf = f"the loss's aux{jax.tree_util.keystr(path)}"
+    if np.issubdtype(a.dtype, np.inexact):
+      kind, reason = _batch_mean.verdict([ca, cb], baked, counts)
+      if kind == "mixes":
+        _warn_mean(where, leaf, reason)
+      continue
+    reason = _batch_mean.count_verdict([ca, cb], baked)
+    if a.dtype == np.bool_:
+      reason = reason or "a bool, which the step sums as a count"
+    if reason is not None:
       warn(
-        f"{where}: the loss's aux{jax.tree_util.keystr(path)} is not a mean "
-        f"over the batch's examples ({reason}). The step averages a "
-        f"floating aux leaf over devices and micro-batches, which is the "
-        f"whole batch's value only for such a mean, so it reports another "
-        f"number than the unsharded loss gives. Return it per example (a "
-        f"leaf with the batch's rows, which the step keeps row by row) or "
-        f"its numerator and denominator as integer counts (summed), and "
-        f"combine them after the step.",
-        AuxNotAMeanWarning,
+        f"{where}: {leaf} ({a.dtype}) is not a count over the batch's "
+        f"examples ({reason}). The step sums an integer or bool aux leaf "
+        f"over devices and micro-batches, which is the whole batch's value "
+        f"only for a count (jnp.sum of per-example values), so it reports "
+        f"another number than the unsharded loss gives. Return it per "
+        f"example (a leaf with the batch's rows, which the step keeps row "
+        f"by row), as a count, or as a float mean over examples.",
+        AuxNotACountWarning,
       )
+
+
+def _warn_mean(where: str, leaf: str, reason: str):
+  warn(
+    f"{where}: {leaf} is not a mean over the batch's examples ({reason}). "
+    f"The step averages a floating aux leaf over devices and "
+    f"micro-batches, which is the whole batch's value only for such a "
+    f"mean, so it reports another number than the unsharded loss gives. "
+    f"Return it per example (a leaf with the batch's rows, which the step "
+    f"keeps row by row) or its numerator and denominator as integer counts "
+    f"(summed), and combine them after the step.",
+    AuxNotAMeanWarning,
+  )
 
 
 def _classified(loss, abstract, treedef, leaves, rows):
