@@ -225,3 +225,32 @@ def test_a_collective_over_the_batch_axis_in_such_a_loss_raises_and_keeps_the_st
   ):
     zerojax.train_step(loss, tx, gather="all")(state, _batch())
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_report_says_the_loss_ran_untyped_and_what_stage_0_holds(
+  mesh, stage
+):
+  """The compiled program names the untyped per-device program; the report
+  says so and, at stage 0 with one micro-batch, the whole unreduced
+  gradient each device holds (its all-reduce is no longer per layer)."""
+  tx = zerojax.zero(optax.sgd(0.5), stage=stage, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  got = zerojax.report(zerojax.train_step(lstm_ctc, tx), state, _batch())
+  assert not got.per_device_types
+  grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(_params()))
+  assert got.unreduced_grad_bytes == (grad_bytes if stage == 0 else 0)
+  assert "per-device types off" in str(got)
+  assert (f"unreduced gradient, {grad_bytes:,} bytes" in str(got)) == (
+    stage == 0
+  )
+  typed = zerojax.report(
+    zerojax.train_step(_forward_typed, tx), state, _batch()
+  )
+  assert typed.per_device_types and typed.unreduced_grad_bytes == 0
+  assert "per-device types off" not in str(typed)
+
+
+def _forward_typed(params, b):  # the same model, no loop from a constant
+  w = params["params"]["Dense_0"]["kernel"]
+  return jnp.mean((jnp.tanh(b["x"][:, -1, :3] @ w[:3])[:, :2] - b["y"]) ** 2)

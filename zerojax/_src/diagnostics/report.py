@@ -1,6 +1,6 @@
 """``zerojax.report``: what a train step costs, measured next to theory.
 
-Three sources, each labelled:
+Its sources, each labelled:
 
 * **state bytes per device**, measured from the state arrays' addressable
   shards (padding included), next to the ZeRO formula for the stage;
@@ -23,6 +23,10 @@ Three sources, each labelled:
   ``jax.ad_checkpoint.print_saved_residuals`` (see
   :mod:`zerojax._src.jaxpr.activations`; Pa's splits applied, tensor
   parallelism's not);
+* **whether the loss ran with JAX's per-device types** (read from the
+  compiled program's operation names: ``records/mesh.UNTYPED_SCOPE``);
+  without them stage 0 with one micro-batch holds the whole unreduced
+  gradient before one all-reduce (``unreduced_grad_bytes``);
 * **XLA's memory analysis** of the compiled step (argument, output, temp,
   alias bytes per device). On CPU its temp figure misses buffers inside loop
   bodies; do not read it as the peak.
@@ -46,8 +50,10 @@ from zerojax._src.diagnostics import hlo as _hlo
 from zerojax._src.diagnostics import hlo_memory as _hlo_memory
 from zerojax._src.diagnostics import measure as _measure
 from zerojax._src.diagnostics import offload_stream as _offload_stream
+from zerojax._src.diagnostics import report_offload as _report_offload
 from zerojax._src.diagnostics import schedule as _schedule
 from zerojax._src.jaxpr import activations as _activations
+from zerojax._src.records.mesh import UNTYPED_SCOPE
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.steps import loss_call
@@ -89,6 +95,8 @@ class Report:
   zero_collective_bytes: dict = dataclasses.field(default_factory=dict)
   zero_collective_elements: dict = dataclasses.field(default_factory=dict)
   activations: dict = dataclasses.field(default_factory=dict)
+  per_device_types: bool = True
+  unreduced_grad_bytes: int = 0
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -117,6 +125,7 @@ class Report:
     lines = [
       f"zerojax stage {self.stage}: {self.n_params:,} params over "
       f"{self.n_devices} devices",
+      *self._untyped_lines(),
       "",
       "state bytes per device      measured        theory",
     ]
@@ -153,85 +162,7 @@ class Report:
         f"  {'crossing processes':<38}{self.cross_process_bytes:>14,}"
       )
     if self.offload:
-      o = self.offload
-      how = (
-        "on the device (master + optimizer state)"
-        if not o["host_fraction"]
-        else f"streamed in {o['chunks']} chunks (largest "
-        f"{o['largest_chunk_fraction']:.1%} of the offloaded state; "
-        f"{o['prefetched']} loaded during the previous one's update, "
-        f"{o['crossing']} while its results go back"
-        + (
-          f", {o['stacks_by_rows']} layer stacks a few layers per chunk"
-          if o["stacks_by_rows"]
-          else ""
-        )
-        + "); "
-        f"{o['host_fraction']:.1%} of master + optimizer state on the host"
-        + (
-          f" (offload={o['asked_fraction']:g} asked; whole arrays)"
-          if 0 < o["asked_fraction"] < 1
-          else ""
-        )
-        if o["streamed"]
-        else f"whole state at once ({o['reason']})"
-      )
-      if o["params_on_host"]:
-        how += "; the params' shards on the host"
-      copies = sum(r["sync"] + r["async"] for r in o["host_copies"].values())
-      rows = o["host_copies"].values()
-      behind = sum(r["overlapped"] for r in rows)
-      beside = sum(r.get("beside_compute", 0) for r in rows)
-      both = sum(r.get("both_ways", 0) for r in rows)
-      lines += [
-        "",
-        f"offload: update {how}",
-        f"  host->device bytes/step per device   "
-        f"{o['host_to_device_bytes']:>14,}  theory "
-        f"{o['theory_host_to_device_bytes']:>14,}",
-        f"  device->host bytes/step per device   "
-        f"{o['device_to_host_bytes']:>14,}  theory "
-        f"{o['theory_device_to_host_bytes']:>14,}",
-        f"  (measured from the program's {o['measured_from']}"
-        + (
-          "; reads per layer loop are not seen)"
-          if o["measured_from"] == "entry buffers"
-          else ")"
-        ),
-        f"  (ZeRO-Offload's host-side update would move "
-        f"{o['theory_host_compute_bytes']:,}: compute-dtype "
-        f"gradients down, params up)",
-        f"  at {o['link_gb_s']:g} GB/s each way: "
-        f"{1e3 * o['host_to_device_s']:.2f} ms down, "
-        f"{1e3 * o['device_to_host_s']:.2f} ms up per step",
-        f"  host copies in the schedule: {copies}, beside a matmul: "
-        f"{behind}, beside any compute: {beside}, while a copy the "
-        f"other way moves: {both}"
-        + (
-          ""
-          if copies
-          else " (this backend moves host buffers without copy-start/copy-done)"
-        ),
-      ]
-      loops = o.get("across_loops") or {}
-      for kind, way in (("host-to-device", "down"), ("device-to-host", "back")):
-        row = loops.get(kind)
-        if row and row["bytes"]:
-          lines.append(
-            f"  {way} while a layer loop runs: {row['bytes_across_loops']:,} "
-            f"of {row['bytes']:,} bytes "
-            f"({row['bytes_across_loops'] / row['bytes']:.0%})"
-          )
-      if o.get("outside_loops_s") is not None:
-        down, up = (
-          loops[k]["bytes_outside_loops"]
-          for k in ("host-to-device", "device-to-host")
-        )
-        lines.append(
-          f"  while no layer loop runs: {down:,} down, {up:,} back: "
-          f"{1e3 * o['outside_loops_s']:.2f} ms at {o['link_gb_s']:g} GB/s "
-          f"one way at a time (no pass's compute hides it)"
-        )
+      lines += _report_offload.offload_lines(self.offload)
     a = self.activations
     if a.get("error"):
       lines += ["", f"saved activations: {a['error']}"]
@@ -251,6 +182,21 @@ class Report:
       + ", ".join(f"{k} {v:,}" for k, v in self.xla_memory.items()),
     ]
     return "\n".join(lines)
+
+  def _untyped_lines(self) -> list[str]:
+    if self.per_device_types:
+      return []
+    held = (
+      f": each device holds the whole unreduced gradient, "
+      f"{self.unreduced_grad_bytes:,} bytes, before one all-reduce, "
+      f"instead of reducing each layer's in the backward pass"
+      if self.unreduced_grad_bytes
+      else ""
+    )
+    return [
+      "the loss ran with JAX's per-device types off (a loop, branch or "
+      f"kernel they refuse; docs/design.md){held}"
+    ]
 
   def _repr_markdown_(self) -> str:
     rows = ["| category | measured bytes/device | theory |", "|---|---|---|"]
@@ -328,6 +274,7 @@ def report(step, state: ZeroState, batch, *, link_gb_s: float = 50.0) -> Report:
       zero_e[c.kind] += c.total_elements
   theory = theory_collectives(state, step.accum_steps)
   mem = compiled.memory_analysis()
+  typed = UNTYPED_SCOPE not in hlo
   return Report(
     stage=spec.stage,
     n_devices=n,
@@ -356,6 +303,12 @@ def report(step, state: ZeroState, batch, *, link_gb_s: float = 50.0) -> Report:
       else {}
     ),
     activations=_saved_activations(step, state, batch),
+    per_device_types=typed,
+    unreduced_grad_bytes=(
+      int(_measure.theory_bytes(state)["grads"])
+      if not typed and spec.stage == 0 and step.accum_steps == 1
+      else 0
+    ),
   )
 
 

@@ -431,12 +431,19 @@ _UNTYPED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+# The name scope of a per-device program traced untyped: its operations'
+# names in the compiled program say so (``zerojax.report``, profiles).
+UNTYPED_SCOPE = "zerojax_untyped_loss"
+
+
 @contextlib.contextmanager
 def untyped():
-  """Nested regions traced inside run without per-device types."""
+  """Nested regions traced inside run without per-device types; all that
+  is traced inside is named under :data:`UNTYPED_SCOPE`."""
   token = _UNTYPED.set(True)
   try:
-    yield
+    with jax.named_scope(UNTYPED_SCOPE):
+      yield
   finally:
     _UNTYPED.reset(token)
 
