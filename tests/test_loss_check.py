@@ -362,6 +362,7 @@ def _with_aux(p, b):
   return jnp.mean(per), {
     "token_weighted": jnp.sum(per * tokens) / jnp.sum(tokens),  # a ratio
     "worst": jnp.max(per),  # over the batch
+    "worst_bf16": jnp.max(per).astype(jnp.bfloat16),  # a float too
     "mean": jnp.mean(per),
     "per_example": per,
     "tokens": jnp.sum(tokens).astype(jnp.int32),  # a count: summed
@@ -383,7 +384,7 @@ def test_an_aux_leaf_the_step_would_average_wrongly_is_warned_about(mesh):
     for w in rec
     if w.category is AuxNotAMeanWarning
   )
-  assert named == ["token_weighted", "worst"]
+  assert named == ["token_weighted", "worst", "worst_bf16"]
   assert all("test_loss_check.py" in w.filename for w in rec)
   got = m["aux"]
   for k in ("mean", "per_example", "tokens"):
@@ -401,6 +402,7 @@ def _with_int_aux(p, b):
   return jnp.mean(_ce(p, b)), {
     "tokens": jnp.sum(tokens),  # counts: summed
     "right": jnp.sum(right),
+    "rows": jnp.asarray(b["tok"].shape[0]),  # a count from a shape
     "none": jnp.zeros((), jnp.int32),
     "per_example": tokens,
     "version": jnp.int32(3),  # the same on every device
@@ -416,8 +418,9 @@ def test_an_int_or_bool_aux_leaf_the_step_would_sum_wrongly_is_warned_about(
 ):
   """The step sums an integer or bool aux leaf over devices and
   micro-batches: exact for a count, another number for a constant, a
-  maximum, one example's value or a bool, which are named; counts, zero
-  and per-example leaves are exact and pass."""
+  maximum, one example's value or a bool, which are named; counts (a row
+  count from a shape too), zero and per-example leaves are exact and
+  pass."""
   params, batch = _params(), _batch()
   want = _with_int_aux(params, batch)[1]
   tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
@@ -433,7 +436,7 @@ def test_an_int_or_bool_aux_leaf_the_step_would_sum_wrongly_is_warned_about(
   assert named == ["all_long", "first", "longest", "version"]
   assert not [w for w in rec if w.category is AuxNotAMeanWarning]
   got = m["aux"]
-  for k in ("tokens", "right", "none", "per_example"):
+  for k in ("tokens", "right", "rows", "none", "per_example"):
     np.testing.assert_array_equal(got[k], want[k])
   for k in named:  # what the warning is about: sums over devices
     assert int(got[k]) != int(want[k]), k

@@ -132,22 +132,26 @@ def verdict(outs, baked, rows) -> tuple[str, str]:
   return "mean", ""
 
 
-def count_verdict(outs, baked) -> str | None:
+def count_verdict(outs, baked, rows) -> str | None:
   """Why a leaf that the step sums over devices and micro-batches (an
-  integer aux leaf) is not the whole batch's value, from its classes at
-  two row counts (:func:`verdict`'s ``outs`` and ``baked``); ``None``
-  when it is a count (a sum over the examples with fixed factors, or
-  zero) or cannot be read."""
+  integer aux leaf) is not the whole batch's value, from its classes in
+  traces at ``rows[0]`` and ``rows[1]`` rows (:func:`verdict`'s ``outs``
+  and ``baked``); ``None`` when it is a count -- a sum over the examples
+  with fixed factors, a constant proportional to the rows (a row count
+  from a shape), zero -- or cannot be read."""
   a, b = outs
   for c in (a, b):
     if isinstance(c, X):
       return c.reason
   if any(isinstance(c, U) for c in (a, b)):
     return None
-  if isinstance(a, C):
-    element = element_value(a)
-    if element is not None and element == 0:
-      return None
+  if isinstance(a, C) and isinstance(b, C):
+    va, vb = element_value(a), element_value(b)
+    if va is not None and vb is not None:
+      if va == 0 == vb or va * rows[1] == vb * rows[0]:
+        return None
+      if va != vb:
+        return "a number that grows with the rows otherwise than a count"
     return (
       "it does not depend on the examples, so the sum over devices is "
       "that many times the value"
@@ -155,7 +159,6 @@ def count_verdict(outs, baked) -> str | None:
   if isinstance(a, S) and isinstance(b, S):
     if a.coefs != b.coefs or baked[0] != baked[1]:
       return "a sum over the examples scaled by a factor that follows the rows"
-    return None
   return None
 
 

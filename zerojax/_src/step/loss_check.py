@@ -15,6 +15,7 @@ batch statistics and normalizers per device) and skips the check.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import batch_mean as _batch_mean
@@ -188,12 +189,12 @@ def _check_aux(first, second, baked, counts, where: str):
     if a.shape != b.shape:
       continue  # per example: kept row by row
     leaf = f"the loss's aux{jax.tree_util.keystr(path)}"
-    if np.issubdtype(a.dtype, np.inexact):
+    if jnp.issubdtype(a.dtype, jnp.inexact):  # bfloat16 too
       kind, reason = _batch_mean.verdict([ca, cb], baked, counts)
       if kind == "mixes":
         _warn_mean(where, leaf, reason)
       continue
-    reason = _batch_mean.count_verdict([ca, cb], baked)
+    reason = _batch_mean.count_verdict([ca, cb], baked, counts)
     if a.dtype == np.bool_:
       reason = reason or "a bool, which the step sums as a count"
     if reason is not None:
