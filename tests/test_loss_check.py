@@ -440,3 +440,95 @@ def test_an_int_or_bool_aux_leaf_the_step_would_sum_wrongly_is_warned_about(
     np.testing.assert_array_equal(got[k], want[k])
   for k in named:  # what the warning is about: sums over devices
     assert int(got[k]) != int(want[k]), k
+
+
+def _over_chunks(split: str, combine: str = "sum"):
+  """Cross-entropy accumulated in a scan over chunks of the batch: of the
+  flattened tokens within each example (``"tokens"``: 6 per row, chunks of
+  3) or of whole rows (``"rows"``: 2 rows per chunk); ``combine`` says how
+  the carry takes each chunk's cross-entropy."""
+
+  def loss(p, b):
+    q = zerojax.gather(p)
+    h = jnp.tanh(q["emb"][b["tok"][:, :6]] @ q["w"])  # (rows, 6, width)
+    if split == "tokens":
+      hs = h.reshape(-1, h.shape[-1]).reshape(-1, 3, h.shape[-1])
+      ys = b["y"][:, :6].reshape(-1).reshape(-1, 3)
+    else:
+      hs, ys = h.reshape(-1, 2, 6, h.shape[-1]), b["y"][:, :6].reshape(-1, 2, 6)
+
+    def body(acc, xs):
+      ce = optax.softmax_cross_entropy_with_integer_labels(
+        xs[0] @ q["v"], xs[1]
+      )
+      if combine == "max":  # over a chunk's rows
+        return acc + jnp.max(jnp.sum(ce, axis=-1)), None
+      if combine == "decay":  # later chunks weigh more
+        return 0.5 * acc + jnp.sum(ce), None
+      return acc + jnp.sum(ce), None
+
+    total, _ = jax.lax.scan(body, 0.0, (hs, ys))
+    return total if combine == "undivided" else total / ys.size
+
+  return loss
+
+
+@pytest.mark.parametrize("split", ["tokens", "rows"])
+@pytest.mark.parametrize("stage,accum", [(0, 1), (3, 2)])
+def test_a_loss_summed_over_chunks_of_rows_or_tokens_trains_like_the_plain_step(
+  mesh, split, stage, accum
+):
+  """A scan over the rows' chunks whose carry is a running sum is read as
+  the batched sum it is: a mean once divided, with no warning."""
+  loss, opt = _over_chunks(split), optax.adamw(1e-2)
+  batches = [_batch(rows=64, seed=i) for i in range(2)]
+  want, want_losses = _plain_losses(loss, _params(), batches, opt)
+  tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  step = zerojax.train_step(loss, tx, accum_steps=accum)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", LossUnverifiedWarning)
+    losses = []
+    for b in batches:
+      state, m = step(state, b)
+      losses.append(float(m["loss"]))
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+  for a, b in zip(
+    jax.tree.leaves(zerojax.gather_params(state)), jax.tree.leaves(want)
+  ):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+  "split,combine,verdict",
+  [
+    ("rows", "undivided", "a sum over the examples not divided"),
+    ("tokens", "undivided", "a sum over the examples not divided"),
+    ("rows", "max", "reduce_max over the batch's rows"),
+    ("rows", "decay", None),
+    ("tokens", "decay", None),
+  ],
+)
+def test_chunks_combined_otherwise_than_summed_are_not_taken_for_a_mean(
+  mesh, split, combine, verdict
+):
+  """A sum and a carry that decays (weighing the chunks apart) differ per
+  device from the whole batch's loss: the sum is refused, the decay not
+  read (a warning). A maximum over a chunk's rows combines examples and
+  is refused (here each device's rows hold whole chunks, so only the
+  reading can tell)."""
+  loss, batch = _over_chunks(split, combine), _batch(rows=64)
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  pieces = [
+    float(loss(_params(), jax.tree.map(lambda x: x[i : i + 8], batch)))
+    for i in range(0, 64, 8)
+  ]
+  whole = float(loss(_params(), batch))
+  assert np.isclose(np.mean(pieces), whole) == (combine == "max")
+  if verdict is None:
+    with pytest.warns(LossUnverifiedWarning, match="running sum"):
+      zerojax.eval_step(loss, tx)(state, batch)
+  else:
+    with pytest.raises(LossNotAMeanError, match=verdict):
+      zerojax.eval_step(loss, tx)(state, batch)

@@ -36,6 +36,7 @@ import math
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import audit as _audit
@@ -46,6 +47,7 @@ from zerojax._src.jaxpr.examples import (
   CUMULATIVE,
   ELEMENTWISE,
   REDUCE,
+  RK,
   C,
   Mixes,
   R,
@@ -178,6 +180,14 @@ def _eqn(e, ins):
   bad = _first_bad(ins)
   if bad is not None:
     return [bad] * n_out
+  if (
+    name != "scan"
+    and any(isinstance(c, RK) for c in ins)
+    and _deps.call_body(e) is None
+  ):
+    return [
+      U(f"rows split into chunks, read other than by a scan{where(e)}")
+    ] * n_out
   if all(isinstance(c, C) for c in ins) and not _has_body(e):
     return [fold(e, ins)] * n_out if n_out == 1 else [C()] * n_out
   try:
@@ -234,11 +244,21 @@ def _scan(e, ins):
   else:  # JAX releases that do not name them: from shapes
     nc, nk = _audit.scan_counts(e, body.jaxpr)
   consts, carry, xs = ins[:nc], list(ins[nc : nc + nk]), ins[nc + nk :]
+  if any(isinstance(c, R) and c.d == 0 for c in xs):
+    return _scan_over_rows(e, ins, nc, nk)
+  chunks = any(isinstance(c, RK) for c in xs)
+  if chunks:
+    _running_sums(body.jaxpr, nc, nk)
+    if any(isinstance(c, C) and 0 not in c.uniform for c in xs):
+      # an iteration count or a per-chunk weight: chunks weighed apart
+      raise Unknown("a scan over chunks of rows with a value per chunk")
   sliced = []
   for c in xs:
-    if isinstance(c, R):
-      if c.d == 0:
-        raise Unknown("a scan over the batch's rows")
+    if isinstance(c, RK):
+      if c.d != 0:
+        raise Unknown("a scan over chunks of rows along another axis")
+      sliced.append(R(0, c.m, c.scale))  # one chunk's examples
+    elif isinstance(c, R):
       sliced.append(dataclasses.replace(c, d=c.d - 1))
     elif isinstance(c, C):
       sliced.append(C(frozenset(a - 1 for a in c.uniform if a > 0)))
@@ -258,15 +278,92 @@ def _scan(e, ins):
     carry = joined
   else:
     raise Unknown("a scan whose carry does not settle")
+  if chunks and any(isinstance(c, R) for c in carry):
+    # summed elementwise over the chunks, a carry adds up different examples
+    raise Unknown("a running sum over chunks of rows that keeps the rows")
   ys = []
   for c in outs[nk:]:
-    if isinstance(c, R):
+    if chunks and isinstance(c, R):
+      ys.append(RK(0, c.m, c.scale) if c.d == 0 else U("a chunk's rows moved"))
+    elif isinstance(c, R):
       ys.append(dataclasses.replace(c, d=c.d + 1))
     elif isinstance(c, C):
       ys.append(C(frozenset(a + 1 for a in c.uniform)))
     else:
       ys.append(c)
   return carry + ys
+
+
+def _running_sums(jb, nc: int, nk: int) -> list[bool]:
+  """Per carry of a scan body ``jb``: True for a running sum (``carry +
+  term``, the carry used nowhere else, a weakly typed carry's cast
+  aside), False for one passed through; raises :class:`Unknown` for any
+  other carry, which could order or weigh the examples."""
+  uses: dict = {}
+  for v in [v for q in jb.eqns for v in q.invars] + list(jb.outvars):
+    if not hasattr(v, "val"):
+      uses[v] = uses.get(v, 0) + 1
+  made = {o: q for q in jb.eqns for o in q.outvars}
+  users = {v: q for q in jb.eqns for v in q.invars if not hasattr(v, "val")}
+  summed = []
+  for k in range(nk):
+    cin, cout = jb.invars[nc + k], jb.outvars[k]
+    while (  # a weakly typed carry's cast
+      uses.get(cin) == 1
+      and cin in users
+      and users[cin].primitive.name in ("convert_element_type", "copy")
+    ):
+      cin = users[cin].outvars[0]
+    q = made.get(cout)
+    if cout is jb.invars[nc + k]:
+      summed.append(False)
+    elif (
+      q is not None
+      and q.primitive.name in ("add", "add_any")
+      and cin in q.invars
+      and uses.get(cin) == 1
+      and uses.get(cout) == 1
+    ):
+      summed.append(True)
+    else:
+      raise Unknown(
+        "a scan over the batch's rows whose carry is not a running sum"
+      )
+  return summed
+
+
+def _scan_over_rows(e, ins, nc: int, nk: int):
+  """A scan over the batch's rows (a loss computed chunk by chunk over its
+  rows or tokens, each chunk within one example), read as the same
+  program batched: when every carry is a running sum (``carry + term``,
+  the carry used nowhere else) or passed through, the scan is ``init +
+  sum_j term(xs[j])`` with ``ys[j]`` from ``xs[j]`` alone, which is
+  ``jax.vmap`` of its body over the rows and a sum: that program's
+  classes are the scan's. Any other use of a carry (a running maximum, a
+  decay) orders or weighs the examples: unread."""
+  body = e.params["jaxpr"]
+  summed = _running_sums(body.jaxpr, nc, nk)
+  body_fn = jax.extend.core.jaxpr_as_fun(body)
+
+  def batched(consts, carry, xs):
+    start = [jnp.zeros_like(c) if s else c for c, s in zip(carry, summed)]
+    outs = jax.vmap(lambda x: body_fn(*consts, *start, *x))(xs)
+    totals = [
+      c + jnp.sum(t, axis=0) if s else c
+      for c, t, s in zip(carry, outs[:nk], summed)
+    ]
+    return totals + list(outs[nk:])
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in e.invars]
+  try:
+    closed = jax.make_jaxpr(batched)(
+      avals[:nc], avals[nc : nc + nk], avals[nc + nk :]
+    )
+  except Exception as err:  # noqa: BLE001 -- a body vmap cannot batch
+    raise Unknown("a scan over the batch's rows") from err
+  return _run(
+    closed.jaxpr, [const(np.asarray(c)) for c in closed.consts] + list(ins)
+  )
 
 
 def _while(e, ins):

@@ -40,6 +40,17 @@ class R:
 
 
 @dataclasses.dataclass(frozen=True)
+class RK:
+  """The rows in chunks of whole examples: axis ``d`` indexes the chunks,
+  axis ``d + 1`` holds each chunk's rows as :class:`R` (``m`` elements per
+  example). Read only as a scan's input over ``d`` (``batch_mean``)."""
+
+  d: int
+  m: int = 1
+  scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class S:
   coefs: tuple = (1.0,)
   at: str = dataclasses.field(default="", compare=False)  # the first sum

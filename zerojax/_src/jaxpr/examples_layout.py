@@ -9,6 +9,7 @@ import math
 
 from zerojax._src.jaxpr.examples import (
   IX,
+  RK,
   C,
   Mixes,
   R,
@@ -51,6 +52,13 @@ def reshape(e, ins):
       continue
     if math.prod(t[:k]) == 1 and size % rows == 0:
       return [dataclasses.replace(c, d=k, m=size // rows)]
+    if (  # chunks of whole examples: (rows * m, ...) -> (n, rows / n * m, ...)
+      math.prod(t[:k]) == 1
+      and k + 1 < len(t)
+      and rows % size == 0
+      and size * t[k + 1] == s[c.d]
+    ):
+      return [RK(k, c.m, c.scale)]
     break
   raise Unknown("a reshape that splits the rows")
 
