@@ -25,8 +25,10 @@ Its sources, each labelled:
   parallelism's not);
 * **whether the loss ran with JAX's per-device types** (read from the
   compiled program's operation names: ``records/mesh.UNTYPED_SCOPE``);
-  without them stage 0 with one micro-batch holds the whole unreduced
-  gradient before one all-reduce (``unreduced_grad_bytes``);
+  without them stage 0 with one micro-batch all-reduces the leaves the
+  loss uses without ``zerojax.gather`` after the backward pass, holding
+  up to the whole gradient unreduced (``unreduced_grad_bytes``, the
+  bound);
 * **XLA's memory analysis** of the compiled step (argument, output, temp,
   alias bytes per device). On CPU its temp figure misses buffers inside loop
   bodies; do not read it as the peak.
@@ -187,9 +189,9 @@ class Report:
     if self.per_device_types:
       return []
     held = (
-      f": each device holds the whole unreduced gradient, "
-      f"{self.unreduced_grad_bytes:,} bytes, before one all-reduce, "
-      f"instead of reducing each layer's in the backward pass"
+      f": the leaves it uses without zerojax.gather are all-reduced after "
+      f"the backward pass, not where it uses them, so each device holds up "
+      f"to {self.unreduced_grad_bytes:,} bytes of unreduced gradient"
       if self.unreduced_grad_bytes
       else ""
     )
