@@ -187,9 +187,42 @@ def _rule_summing(over_types: bool):
   return loss
 
 
-def _forward_pmean(params, b):
-  h = zero_carry_scan(params, b)
-  return h + 0.1 * jax.lax.pmean(jnp.mean(b["x"][:, 0, 0]), "data") * h
+def _rule_and_forward_pmean(params, b):  # the rule's psum beside a pmean
+  loss = _rule_summing(over_types=False)(params, b)
+  return loss + 0.1 * jax.lax.pmean(loss, "data")
+
+
+class _SyncBN(nn.Module):
+  """A zero-carry recurrence, then batch norm over the batch: per device
+  with ``axis_name='data'`` (a pmean in the forward pass), or over the
+  whole batch with None; ``remat`` replays the norm in the backward."""
+
+  axis_name: str | None
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.lecun_normal(), (7, 3))
+
+    def cell(h, xt):
+      return jnp.tanh(jnp.concatenate([h, xt], -1) @ w), None
+
+    h, _ = jax.lax.scan(cell, jnp.zeros((x.shape[0], 3)), jnp.swapaxes(x, 0, 1))
+    norm = nn.remat(nn.BatchNorm) if self.remat else nn.BatchNorm
+    h = norm(use_running_average=False, axis_name=self.axis_name)(h)
+    return nn.Dense(2)(h)
+
+
+def _norm_loss(model):
+  def loss(params, b, model_state):
+    out, new = model.apply(
+      {"params": params, "batch_stats": model_state},
+      b["x"],
+      mutable=["batch_stats"],
+    )
+    return jnp.mean((out - b["y"][:, :2]) ** 2), new["batch_stats"]
+
+  return loss
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -201,29 +234,68 @@ def test_a_custom_vjp_rule_summing_over_its_typed_axes_trains_like_the_plain_ste
   _assert_trains_like_plain(_rule_summing(over_types=True), opt, tx)
 
 
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_synchronized_batch_norm_beside_such_a_loop_trains_like_the_plain_step(
+  mesh, stage, remat
+):
+  """A forward collective over the batch axis (a synchronized batch norm's
+  pmean, replayed under remat) is differentiated exactly untyped: the same
+  params and batch statistics as the plain step's norm over the batch."""
+  opt = optax.sgd(0.5, momentum=0.9)
+  batches = [_batch(seed=i) for i in range(2)]
+  init = _SyncBN(None, remat).init(jax.random.key(0), batches[0]["x"])
+  plain_loss = _norm_loss(_SyncBN(None, remat))
+
+  @jax.jit
+  def plain(p, s, ms, b):
+    (value, ms), g = jax.value_and_grad(plain_loss, has_aux=True)(p, b, ms)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, ms, value
+
+  p, s, ms = init["params"], opt.init(init["params"]), init["batch_stats"]
+  want = []
+  for b in batches:
+    p, s, ms, value = plain(p, s, ms, b)
+    want.append(float(value))
+  tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+  state = zerojax.init(init["params"], tx, model_state=init["batch_stats"])
+  step = zerojax.train_step(
+    _norm_loss(_SyncBN("data", remat)), tx, per_device_loss=True
+  )
+  got = []
+  for b in batches:
+    state, m = step(state, b)
+    got.append(float(m["loss"]))
+  np.testing.assert_allclose(got, want, rtol=2e-6)
+  _close(zerojax.gather_params(state), p)
+  _close(state.model_state, ms)
+
+
 @pytest.mark.parametrize(
-  "loss,what",
-  [
-    (_rule_summing(over_types=False), "psum over \\('data',\\)"),
-    (_forward_pmean, "psum over \\('data',\\)"),
-  ],
-  ids=["psum_in_a_custom_vjp_rule", "pmean_in_the_forward_pass"],
+  "loss",
+  [_rule_summing(over_types=False), _rule_and_forward_pmean],
+  ids=["psum_in_a_custom_vjp_rule", "beside_a_pmean_in_the_forward_pass"],
 )
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_collective_over_the_batch_axis_in_such_a_loss_raises_and_keeps_the_state(
-  any_mesh, loss, what, stage
+def test_a_custom_vjp_rules_own_collective_in_such_a_loss_raises_and_keeps_the_state(
+  any_mesh, loss, stage
 ):
-  """Untyped, a collective the loss runs over the batch axes is not
-  differentiated as typed (a rule's psum would sum a gradient zerojax sums
-  again): refused, naming it and its line, before anything runs."""
+  """Untyped, a psum a custom VJP rule runs over the batch axis sums a
+  gradient zerojax sums again: refused, naming it and the rule's line,
+  before anything runs -- also beside a forward pmean, whose own
+  transpose is exact."""
   tx = zerojax.zero(optax.sgd(0.5), stage=stage, mesh=any_mesh)
   state = zerojax.init(_params(), tx)
   with pytest.raises(
     ValueError,
-    match=rf"zerojax: the loss runs {what} at .*test_loop_carries.py:\d+.*"
-    r"types off.*drop the collective.*jnp.zeros_like\(x\[:, 0\]\)",
+    match=r"zerojax: the loss's backward pass runs psum over \('data',\) "
+    r"at .*test_loop_carries.py:\d+, which is no forward collective's "
+    r"transpose.*types off.*jnp.zeros_like\(x\[:, 0\]\)",
   ):
-    zerojax.train_step(loss, tx, gather="all")(state, _batch())
+    zerojax.train_step(loss, tx, gather="all", per_device_loss=True)(
+      state, _batch()
+    )
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))
 
 

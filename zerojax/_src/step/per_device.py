@@ -41,8 +41,8 @@ def over_batch_axes(
   sum of the typed program is relied on -- every differentiated leaf is
   made varying and reduced explicitly (``grad.local_grads``), every output
   reduced by an explicit collective, as in the typed program. A loss to
-  differentiate that runs a collective over the batch axes itself is
-  refused then (:func:`_refuse_batch_collectives`)."""
+  differentiate whose custom VJP rule runs its own collective over the
+  batch axes is refused then (:func:`_refuse_batch_collectives`)."""
   batch, key, model_state = args
   tx = prog.spec.tx
   param_specs = [r.param.manual_spec(tx.axis_name) for r in prog.spec.leaves]
@@ -77,15 +77,18 @@ def over_batch_axes(
 
 def _refuse_batch_collectives(prog: LossProgram, args: LossArgs, refused):
   """Raises if the loss, differentiated on its whole params per device
-  with the types off, runs a collective over the batch axes.
+  with the types off, runs a collective over the batch axes in its
+  backward pass that is no forward collective's transpose: a custom VJP
+  rule's own (:func:`~zerojax._src.jaxpr.collectives.beyond_transposes`).
 
-  Untyped, such a collective is not differentiated as the typed program
-  differentiates it: a ``psum`` in a custom VJP rule, or the transpose of
-  one in the forward pass, sums over devices a gradient that
+  Untyped, a rule's ``psum`` sums over devices a gradient that
   ``grad.local_grads`` sums again, and the step would train on a multiple
-  of the gradient. A loss whose trace fails here is left to the step,
-  which reports the failure itself; zerojax's own gathers are the
-  identity on whole params, so only the user's collectives are found."""
+  of the gradient. A forward collective (a synchronized batch norm's
+  ``pmean``) is differentiated exactly: its transpose sums the devices'
+  cotangents, as the per-device losses' sum needs. A loss whose trace
+  fails here is left to the step, which reports the failure itself;
+  zerojax's own gathers are the identity on whole params, so only the
+  user's collectives are found."""
   tx = prog.spec.tx
   mesh = tx.compute_mesh
   batch, key, model_state = args
@@ -96,7 +99,7 @@ def _refuse_batch_collectives(prog: LossProgram, args: LossArgs, refused):
   ]
   rep = NamedSharding(mesh, P())
 
-  def loss_and_grads(diff, batch, key, model_state):
+  def loss_and_grads(diff, batch, key, model_state, differentiate):
     def loss(diff):
       full = list(leaves)
       for i, d in zip(grad_at, diff):
@@ -105,7 +108,9 @@ def _refuse_batch_collectives(prog: LossProgram, args: LossArgs, refused):
         prog.loss_fn, jax.tree.unflatten(tree, full), batch, key, model_state
       )[0]
 
-    value, pull = jax.vjp(loss, [leaves[i] for i in grad_at])
+    if not differentiate:
+      return loss(diff)
+    value, pull = jax.vjp(loss, diff)
     return value, pull(jnp.ones_like(value))
 
   def spec_of(x):
@@ -115,36 +120,43 @@ def _refuse_batch_collectives(prog: LossProgram, args: LossArgs, refused):
     jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=rep)
     for i in grad_at
   ]
-  per_device = jax.shard_map(
-    loss_and_grads,
-    mesh=mesh,
-    in_specs=(
-      P(),
-      jax.tree.map(spec_of, batch),
-      jax.tree.map(lambda _: P(), key),
-      jax.tree.map(lambda _: P(), model_state),
-    ),
-    out_specs=P(),
-    axis_names=set(tx.batch_axes),
-    check_vma=False,
-  )
-  try:
+
+  def collectives(differentiate: bool):
+    per_device = jax.shard_map(
+      functools.partial(loss_and_grads, differentiate=differentiate),
+      mesh=mesh,
+      in_specs=(
+        P(),
+        jax.tree.map(spec_of, batch),
+        jax.tree.map(lambda _: P(), key),
+        jax.tree.map(lambda _: P(), model_state),
+      ),
+      out_specs=P(),
+      axis_names=set(tx.batch_axes),
+      check_vma=False,
+    )
     closed = jax.make_jaxpr(per_device)(abstract, batch, key, model_state)
+    return _collectives.over_axes(closed, tx.batch_axes)
+
+  try:
+    found = _collectives.beyond_transposes(
+      collectives(False), collectives(True)
+    )
   except Exception:  # noqa: BLE001 -- the step reports the loss's errors
     return
-  found = _collectives.over_axes(closed, tx.batch_axes)
   if found:
     raise ValueError(
-      f"zerojax: the loss runs {found[0]}"
+      f"zerojax: the loss's backward pass runs {found[0]}"
       f"{f' (and {len(found) - 1} more)' if len(found) > 1 else ''}, "
-      f"and holds a loop, branch or kernel that JAX's per-device types "
-      f"refuse. zerojax runs such a loss with the types off, where a "
-      f"collective over the batch axes {tuple(tx.batch_axes)} is not "
-      f"differentiated as in the typed program (a psum in a custom VJP "
-      f"rule would sum a gradient zerojax sums again), so the step "
-      f"would not give the unsharded numbers. Leave the reduction over "
-      f"the batch to zerojax (it averages the loss and sums the "
-      f"gradients itself) and drop the collective, or build the refused "
-      f"constant from the batch (jnp.zeros_like(x[:, 0])) so the types "
-      f"stay on. JAX said: {str(refused).splitlines()[0]}"
+      f"which is no forward collective's transpose (a custom VJP rule's "
+      f"own), and the loss holds a loop, branch or kernel that JAX's "
+      f"per-device types refuse. zerojax runs such a loss with the types "
+      f"off, where such a collective over the batch axes "
+      f"{tuple(tx.batch_axes)} sums a gradient that zerojax sums again "
+      f"after the backward pass, so the step would not give the "
+      f"unsharded numbers. In the rule, sum over the axes the types give "
+      f"(jax.lax.psum(g, tuple(jax.typeof(g).manual_axis_type.varying - "
+      f"jax.typeof(x).manual_axis_type.varying)), a no-op here), or build "
+      f"the refused constant from the batch (jnp.zeros_like(x[:, 0])) so "
+      f"the types stay on. JAX said: {str(refused).splitlines()[0]}"
     )
