@@ -192,6 +192,27 @@ def _rule_and_forward_pmean(params, b):  # the rule's psum beside a pmean
   return loss + 0.1 * jax.lax.pmean(loss, "data")
 
 
+def _data_sum(x):  # one helper for the forward pass and a rule
+  return jax.lax.psum(x, "data")
+
+
+def _rule_sharing_a_helper(params, b):
+  @jax.custom_vjp
+  def scale(w):
+    return w
+
+  scale.defvjp(lambda w: (w, None), lambda _, g: (_data_sum(g),))
+  loss = _rule_summing(over_types=True)(
+    {
+      "params": {
+        "Dense_0": {"kernel": scale(params["params"]["Dense_0"]["kernel"])}
+      }
+    },
+    b,
+  )
+  return loss + 0.1 * _data_sum(loss) / 8
+
+
 class _SyncBN(nn.Module):
   """A zero-carry recurrence, then batch norm over the batch: per device
   with ``axis_name='data'`` (a pmean in the forward pass), or over the
@@ -274,8 +295,16 @@ def test_a_synchronized_batch_norm_beside_such_a_loop_trains_like_the_plain_step
 
 @pytest.mark.parametrize(
   "loss",
-  [_rule_summing(over_types=False), _rule_and_forward_pmean],
-  ids=["psum_in_a_custom_vjp_rule", "beside_a_pmean_in_the_forward_pass"],
+  [
+    _rule_summing(over_types=False),
+    _rule_and_forward_pmean,
+    _rule_sharing_a_helper,
+  ],
+  ids=[
+    "psum_in_a_custom_vjp_rule",
+    "beside_a_pmean_in_the_forward_pass",
+    "through_a_helper_the_forward_pass_calls_too",
+  ],
 )
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_custom_vjp_rules_own_collective_in_such_a_loss_raises_and_keeps_the_state(

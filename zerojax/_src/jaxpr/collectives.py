@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.extend
 
-from zerojax._src.jaxpr.examples import where
+from zerojax._src.jaxpr.examples import user_frames, where
 
 # primitives that name mesh axes but move no value between devices
 _NO_TRAFFIC = frozenset({"axis_index", "pvary", "pcast"})
@@ -31,6 +31,7 @@ class Collective(NamedTuple):
   name: str
   axes: tuple
   at: str  # " at file:line" of the user's code, or ""
+  frames: tuple = ()  # the user's frames it was traced under
 
   def __str__(self) -> str:
     return f"{self.name} over {self.axes}{self.at}"
@@ -47,20 +48,25 @@ def over_axes(closed, axes) -> list[Collective]:
 
 def beyond_transposes(forward, differentiated) -> list[Collective]:
   """The collectives of ``differentiated`` (a loss and its backward pass)
-  that come from another line of the user's code than any of
-  ``forward``'s (the loss alone): a backward rule's own. JAX gives a
-  transposed equation, and a rematerialized one, the traceback of the
-  forward equation it comes from, so those share its line; one whose
-  line is unknown (library code only) is not counted."""
-  lines = {c.at for c in forward}
-  return [c for c in differentiated if c.at and c.at not in lines]
+  traced under other frames of the user's code than any of ``forward``'s
+  (the loss alone): a backward rule's own. JAX gives a transposed
+  equation, and a rematerialized one, the traceback of the forward
+  equation it comes from, so those share its frames; a helper the rule
+  shares with the forward pass is told apart by the frames above it. One
+  traced under no user frame (library code only) is not counted."""
+  seen = {c.frames for c in forward}
+  return [c for c in differentiated if c.frames and c.frames not in seen]
 
 
 def _walk(jaxpr, axes, found):
   for e in jaxpr.eqns:
     named = _axis_names(e.params) & axes
     if named and e.primitive.name not in _NO_TRAFFIC:
-      found.append(Collective(e.primitive.name, tuple(sorted(named)), where(e)))
+      found.append(
+        Collective(
+          e.primitive.name, tuple(sorted(named)), where(e), user_frames(e)
+        )
+      )
     for sub in jax.extend.core.jaxprs_in_params(e.params):
       _walk(sub, axes, found)
 

@@ -166,16 +166,24 @@ def shape_of(v):
 
 
 def where(e) -> str:
-  """``file:line`` of the user's code an equation came from, or ''."""
+  """`` at file:line`` of the user's code an equation came from, or ''."""
+  frames = user_frames(e)
+  return f" at {frames[0][0]}:{frames[0][1]}" if frames else ""
+
+
+def user_frames(e) -> tuple:
+  """``(file, line)`` of each frame of the user's code an equation was
+  traced under, innermost first (library frames left out)."""
   try:
     frames = e.source_info.traceback.frames
   except AttributeError:
-    return ""
+    return ()
   skip = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/zerojax/_src/")
-  for f in frames:
-    if not any(s in f.file_name for s in skip):
-      return f" at {f.file_name}:{f.line_num}"
-  return ""
+  return tuple(
+    (f.file_name, f.line_num)
+    for f in frames
+    if not any(s in f.file_name for s in skip)
+  )
 
 
 class Unknown(Exception):
