@@ -17,6 +17,8 @@ import zerojax
 from zerojax.errors import (
   AuxNotACountWarning,
   AuxNotAMeanWarning,
+  AuxNotPerExampleWarning,
+  AuxUnverifiedWarning,
   LossNotAMeanError,
   LossUnverifiedWarning,
 )
@@ -114,6 +116,24 @@ def chunked_sum(p, b):  # the chunks' sum, never divided by the rows
   return _chunked_sum(p, b) / 6
 
 
+def regularizer_by_rows(p, b):  # a penalty on params over the batch size
+  l2 = sum(jnp.sum(x**2) for x in jax.tree.leaves(zerojax.gather(p)))
+  return jnp.mean(_ce(p, b)) + l2 / b["tok"].shape[0]
+
+
+def log_batch_size_added(p, b):  # a constant of the batch size added
+  return jnp.mean(_ce(p, b)) + jnp.log(b["tok"].shape[0])
+
+
+def weighted_by_rows(p, b):  # a mean and a sum, stacked, weighted alike
+  terms = jnp.stack([jnp.mean(_ce(p, b)), jnp.mean(_ce(p, b) ** 2)])
+  return jnp.sum(terms * jnp.array([1.0, b["tok"].shape[0]]))
+
+
+def first_example(p, b):  # one example, unstacked from the batch
+  return jnp.unstack(_ce(p, b).mean(1))[0]
+
+
 NOT_MEANS = {
   chunked_sum: "a sum over the examples not divided by their number",
   token_mean: "a division by a sum over the batch",
@@ -124,6 +144,10 @@ NOT_MEANS = {
   rmse: "sqrt of a sum over the batch",
   hardest_half: "top_k along the batch's rows",
   batch_baseline: "combines each example with a sum over the batch",
+  regularizer_by_rows: "a value computed from the batch's row count",
+  log_batch_size_added: "a value computed from the batch's row count",
+  weighted_by_rows: "a value computed from the batch's row count",
+  first_example: "an unstack of the batch's rows",
 }
 
 
@@ -212,7 +236,27 @@ def chunked_mean(p, b):  # the chunks' sum over the batch's tokens
   return _chunked_sum(p, b) / (b["tok"].shape[0] * 6)
 
 
+def rotary(p, b):  # a rotation per position, written with jnp.stack
+  h = jnp.tanh(_logits(p, b)[..., :4])  # (rows, tokens, 4)
+  x1, x2 = h[..., ::2], h[..., 1::2]
+  t = jnp.arange(h.shape[1])[None, :, None] * 0.3
+  cos, sin = jnp.cos(t), jnp.sin(t)
+  h = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+  return jnp.mean(jnp.sum(h.reshape(h.shape[0], -1) ** 2, 1))
+
+
+def unstacked_halves(p, b):  # jnp.unstack along a feature axis
+  lo, hi = jnp.unstack(_logits(p, b)[..., :4].reshape(-1, 7, 2, 2), axis=2)
+  return jnp.mean(jnp.sum(lo * hi, (1, 2)))
+
+
+def stacked_terms(p, b):  # means side by side, weighted
+  terms = jnp.stack([jnp.mean(_ce(p, b)), jnp.mean(_logits(p, b) ** 2)])
+  return jnp.sum(terms * jnp.array([1.0, 0.1]))
+
+
 MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms, chunked_mean]
+MEANS += [rotary, unstacked_halves, stacked_terms]
 MEANS += [ones_like_divisor]
 MEANS += [sum_over_rows_divided, recurrent, per_example_vmap]
 
@@ -442,6 +486,109 @@ def test_an_int_or_bool_aux_leaf_the_step_would_sum_wrongly_is_warned_about(
     np.testing.assert_array_equal(got[k], want[k])
   for k in named:  # what the warning is about: sums over devices
     assert int(got[k]) != int(want[k]), k
+
+
+def _with_unread_aux(p, b):
+  per = _ce(p, b).mean(1)
+  tokens = b["mask"].sum(1).astype(jnp.int32)
+  return jnp.mean(per), {
+    "tokens_per_3": jnp.sum(tokens) // 3,  # floor of a count: not a count
+    "host_max": jax.pure_callback(  # opaque to the reading
+      lambda v: np.asarray(np.max(v), np.float32),
+      jax.ShapeDtypeStruct((), jnp.float32),
+      jax.lax.stop_gradient(per),
+    ),
+    "mean": jnp.mean(per),
+    "tokens": jnp.sum(tokens),
+  }
+
+
+def test_an_aux_leaf_the_reading_cannot_follow_is_warned_about(mesh):
+  """An aux leaf the reading cannot follow (a host callback, an integer
+  floor division) may be another number once combined over devices: it is
+  named, float or integer, and read leaves are not."""
+  params, batch = _params(), _batch()
+  want = _with_unread_aux(params, batch)[1]
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  state = zerojax.init(params, tx)
+  with pytest.warns(AuxUnverifiedWarning) as rec:
+    state, m = zerojax.train_step(_with_unread_aux, tx)(state, batch)
+  named = {
+    re.search(r"aux\['(\w+)'\]", str(w.message)).group(1): str(w.message)
+    for w in rec
+    if w.category is AuxUnverifiedWarning
+  }
+  assert sorted(named) == ["host_max", "tokens_per_3"]
+  assert "pure_callback" in named["host_max"]
+  assert "(int32)" in named["tokens_per_3"]
+  assert all("test_loss_check.py" in w.filename for w in rec)
+  assert not [w for w in rec if w.category is not AuxUnverifiedWarning]
+  got = m["aux"]
+  np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-6)
+  np.testing.assert_array_equal(got["tokens"], want["tokens"])
+  for k in named:  # what the warning is about: combined per device
+    assert not np.isclose(float(got[k]), float(want[k]), rtol=1e-4), k
+
+
+def _with_row_aux(p, b):
+  per = _ce(p, b).mean(1)
+  return jnp.mean(per), {
+    # each row its own example's: joined row by row, exact
+    "per_token": _ce(p, b).T,  # rows on the second axis
+    "flat": _ce(p, b).reshape(-1),
+    "pred": jnp.argmax(_logits(p, b), -1),
+    "same": jnp.zeros_like(per) + jnp.sum(zerojax.gather(p)["w"]),
+    # rows computed from other rows: each device's piece differs
+    "cumulative": jnp.cumsum(per),
+    "share": per / jnp.sum(per),
+    "ranked": jnp.sort(per),
+    "position": jnp.arange(per.shape[0]),
+    "batch_total": jnp.broadcast_to(jnp.sum(per), per.shape),
+    "by_rows": per / per.shape[0],
+    "first_zeroed": per.at[0].set(0.0),  # a scatter: not read
+  }
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_an_aux_leaf_with_the_rows_not_computed_row_by_row_is_warned_about(
+  mesh, accum
+):
+  """The step joins an aux leaf whose shape follows the rows from the
+  devices' and micro-batches' rows: exact when each row is its own
+  example's value, each device's piece otherwise (a cumulative sum, a
+  normalization over the rows, a sort, a position, a sum spread over the
+  rows, a factor of the row count), which are named; a scatter is named
+  as unchecked."""
+  params, batch = _params(), _batch()
+  want = _with_row_aux(params, batch)[1]
+  tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
+  state = zerojax.init(params, tx)
+  step = zerojax.train_step(_with_row_aux, tx, accum_steps=accum)
+  with pytest.warns((AuxNotPerExampleWarning, AuxUnverifiedWarning)) as rec:
+    state, m = step(state, batch)
+
+  def named(category):
+    return sorted(
+      re.search(r"aux\['(\w+)'\]", str(w.message)).group(1)
+      for w in rec
+      if w.category is category
+    )
+
+  assert named(AuxNotPerExampleWarning) == [
+    "batch_total",
+    "by_rows",
+    "cumulative",
+    "position",
+    "ranked",
+    "share",
+  ]
+  assert named(AuxUnverifiedWarning) == ["first_zeroed"]
+  assert len(rec) == 7
+  got = m["aux"]
+  for k in ("per_token", "flat", "pred", "same"):
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+  for k in named(AuxNotPerExampleWarning) + ["first_zeroed"]:
+    assert not np.allclose(got[k], want[k], rtol=1e-4), k
 
 
 def _over_chunks(split: str, combine: str = "sum"):

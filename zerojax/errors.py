@@ -1,6 +1,7 @@
 """The errors zerojax raises for a user's loss, model or mesh (bad settings
 raise ``ValueError`` or ``TypeError``), and the warnings for a loss it
-cannot check and for an aux leaf the step's average changes."""
+cannot check and for an aux leaf the step's average or sum changes or
+cannot check."""
 
 from zerojax._src.comm.gather import (
   UngatheredParamError as UngatheredParamError,
@@ -15,6 +16,12 @@ from zerojax._src.step.loss_check import (
   AuxNotAMeanWarning as AuxNotAMeanWarning,
 )
 from zerojax._src.step.loss_check import (
+  AuxNotPerExampleWarning as AuxNotPerExampleWarning,
+)
+from zerojax._src.step.loss_check import (
+  AuxUnverifiedWarning as AuxUnverifiedWarning,
+)
+from zerojax._src.step.loss_check import (
   LossNotAMeanError as LossNotAMeanError,
 )
 from zerojax._src.step.loss_check import (
@@ -24,6 +31,8 @@ from zerojax._src.step.loss_check import (
 __all__ = [
   "AuxNotACountWarning",
   "AuxNotAMeanWarning",
+  "AuxNotPerExampleWarning",
+  "AuxUnverifiedWarning",
   "LossNotAMeanError",
   "LossOutputError",
   "LossUnverifiedWarning",

@@ -42,6 +42,7 @@ import numpy as np
 from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.jaxpr import examples_layout as _layout
+from zerojax._src.jaxpr import row_count as _row_count
 from zerojax._src.jaxpr.examples import (
   BAKED,
   CUMULATIVE,
@@ -104,6 +105,12 @@ def verdict(outs, baked, rows) -> tuple[str, str]:
   for c in (a, b):
     if isinstance(c, X):
       return "mixes", c.reason
+  if b is not None:
+    reason = _row_count.differs(baked)
+    if reason is None and isinstance(a, C) and isinstance(b, C):
+      reason = _row_count.constant_differs(a, b)
+    if reason is not None:
+      return "mixes", reason
   for c in (a, b):
     if isinstance(c, U):
       return "unknown", c.reason
@@ -117,7 +124,7 @@ def verdict(outs, baked, rows) -> tuple[str, str]:
     )
   if not isinstance(b, S) or len(a.coefs) != len(b.coefs):
     return "unknown", "the loss's structure changes with the batch size"
-  if baked[0] != baked[1]:
+  if _row_count.factors(baked[0]) != _row_count.factors(baked[1]):
     return "unknown", (
       "each example's term is scaled by a number that changes with the "
       "batch size"
@@ -159,9 +166,61 @@ def count_verdict(outs, baked, rows) -> str | None:
       "that many times the value"
     )
   if isinstance(a, S) and isinstance(b, S):
-    if a.coefs != b.coefs or baked[0] != baked[1]:
+    if a.coefs != b.coefs or _row_count.factors(baked[0]) != _row_count.factors(
+      baked[1]
+    ):
       return "a sum over the examples scaled by a factor that follows the rows"
   return None
+
+
+def per_row_verdict(outs, baked, dim: int) -> tuple[str, str]:
+  """``("rows" | "mixes" | "unknown", reason)`` for a value whose axis
+  ``dim`` follows the rows, from its classes in two traces (as
+  :func:`verdict`'s): ``"rows"`` when each row is its own example's value
+  (joining the devices' rows gives the whole batch's), or when it is the
+  same along the rows."""
+  for c in outs:
+    if isinstance(c, X):
+      return "mixes", c.reason
+    if isinstance(c, U):
+      return "unknown", c.reason
+    if isinstance(c, S):
+      return "mixes", f"a sum over the batch's rows, spread over them{c.at}"
+    if isinstance(c, C) and not _same_along(c, dim):
+      if c.pos == dim:
+        return "mixes", (
+          "a position along the batch's rows (an iota), which each device "
+          "counts from its own first row"
+        )
+      return "unknown", "a value that differs along the rows by position"
+    if isinstance(c, R) and c.d != dim:
+      return "unknown", "its examples on another axis than its rows"
+    if not isinstance(c, (C, R)):
+      return "unknown", "a layout of the rows zerojax does not read"
+  a, b = outs
+  if isinstance(a, R) and isinstance(b, R):
+    if not math.isclose(a.scale, b.scale, rel_tol=1e-5, abs_tol=1e-30):
+      return "mixes", (
+        f"each row scaled by a number that follows the batch size "
+        f"({a.scale:.4g} at one, {b.scale:.4g} at another)"
+      )
+    if _row_count.factors(baked[0]) != _row_count.factors(baked[1]):
+      return "unknown", (
+        "each example's term is scaled by a number that changes with the "
+        "batch size"
+      )
+  return "rows", ""
+
+
+def _same_along(c: C, dim: int) -> bool:
+  """Whether the constant ``c`` is the same along axis ``dim`` (a fill,
+  an axis it is uniform along, or a random draw: independent per row)."""
+  if dim in c.uniform or c.fill is not None or c.noise:
+    return True
+  if c.val is not None and np.ndim(c.val) > dim:
+    v = np.asarray(c.val)
+    return bool(np.all(v == np.take(v, [0], axis=dim)))
+  return False
 
 
 def _first_bad(ins):
@@ -189,7 +248,12 @@ def _eqn(e, ins):
       U(f"rows split into chunks, read other than by a scan{where(e)}")
     ] * n_out
   if all(isinstance(c, C) for c in ins) and not _has_body(e):
-    return [fold(e, ins)] * n_out if n_out == 1 else [C()] * n_out
+    out = fold(e, ins) if n_out == 1 else C()
+    if out.val is None and out.fill is None and not out.noise:
+      out = dataclasses.replace(out, lits=_row_count.lits(ins))
+    return [out] * n_out
+  if name in ELEMENTWISE or name in ("dot_general", "concatenate", "stack"):
+    _row_count.note(e, name, ins)
   try:
     if name in ELEMENTWISE:
       return [elementwise(e, name, ins)] * n_out
@@ -416,6 +480,8 @@ _RULES = {
   "sort": _layout.sort,
   "top_k": _layout.top_k,
   "concatenate": _layout.concatenate,
+  "stack": _layout.stack,
+  "unstack": _layout.unstack,
   "split": _layout.split,
   "dot_general": _layout.dot_general,
   "gather": _layout.gather,

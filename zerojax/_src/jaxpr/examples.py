@@ -26,6 +26,7 @@ class C:
   pos: int | None = None  # an iota's axis (a position, not data)
   noise: bool = False  # drawn from a key: independent per element
   fill: object = None  # every element's value, when all are the same
+  lits: int = 0  # the known numbers folded into it (row_count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,9 +491,8 @@ def linear(name, ins):
 
 
 def scalar(c: C) -> float:
-  """A known scalar factor, or 1.0 for one that does not depend on the
-  batch's rows (a param, a scalar batch leaf): it scales every trace
-  alike."""
-  if c.val is not None and np.size(c.val) == 1:
-    return float(np.real(np.asarray(c.val).reshape(())))
-  return 1.0
+  """A known factor (every element alike), or 1.0 for one that does not
+  depend on the batch's rows (a param, a scalar batch leaf: it scales
+  every trace alike) or is compared between traces (``row_count``)."""
+  v = element_value(c)
+  return 1.0 if v is None else float(np.real(v))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from zerojax._src.jaxpr.examples import (
   IX,
   RK,
@@ -18,6 +20,7 @@ from zerojax._src.jaxpr.examples import (
   bake,
   baked,
   fold,
+  scalar,
   shape_of,
   where,
 )
@@ -186,9 +189,54 @@ def split(e, ins):
 
 
 def concatenate(e, ins):
-  dim = e.params["dimension"]
+  return _concatenate(
+    e.params["dimension"], [shape_of(v) for v in e.invars], ins
+  )
+
+
+def stack(e, ins):
+  """``jnp.stack``: each input given a new axis of size 1, concatenated
+  along it."""
+  axis = e.params["axis"]
+  shapes = [
+    tuple(shape_of(v)[:axis]) + (1,) + tuple(shape_of(v)[axis:])
+    for v in e.invars
+  ]
+  return _concatenate(axis, shapes, [_with_axis(c, axis) for c in ins])
+
+
+def unstack(e, ins):
+  """``jnp.unstack``: each index along ``axis`` as its own value."""
+  c, axis, n = ins[0], e.params["axis"], len(e.outvars)
+  if isinstance(c, S):
+    return [c] * n
+  if not isinstance(c, R):
+    raise Unknown("an unstack of an index built from the rows")
+  if c.d == axis:
+    if c.m == 1:
+      raise Mixes("an unstack of the batch's rows (each example apart)")
+    raise Unknown("an unstack across the flattened rows")
+  return [dataclasses.replace(c, d=c.d - (c.d > axis))] * n
+
+
+def _with_axis(c, axis: int):
+  """``c`` with a new axis of size 1 at ``axis``."""
+  if isinstance(c, R):
+    return dataclasses.replace(c, d=c.d + (c.d >= axis))
+  if isinstance(c, C):
+    return dataclasses.replace(
+      c,
+      uniform=frozenset(u + (u >= axis) for u in c.uniform) | {axis},
+      val=None if c.val is None else np.expand_dims(np.asarray(c.val), axis),
+      pos=None if c.pos is None else c.pos + (c.pos >= axis),
+    )
+  if isinstance(c, S):
+    return c
+  raise Unknown("a stack of an index built from the rows")
+
+
+def _concatenate(dim: int, shapes, ins):
   rows = [c for c in ins if isinstance(c, R)]
-  shapes = [shape_of(v) for v in e.invars]
   last = len(shapes[0]) - 1
   iotas = [c for c in ins if isinstance(c, C) and c.pos is not None]
   if dim == last and all(s[dim] == 1 for s in shapes) and rows and iotas:
@@ -198,7 +246,13 @@ def concatenate(e, ins):
         "I" if isinstance(c, C) and c.pos == d else "D" for c in ins
       )
       return [IX(d, comps)]
-  if any(isinstance(c, (S, IX)) for c in ins) or not rows:
+  if not rows and not any(isinstance(c, IX) for c in ins):
+    # sums (and constants) side by side, jnp.stack([mean_a, mean_b]):
+    # each element is linear in the sums, as their S says
+    sums = [c for c in ins if isinstance(c, S)]
+    at = next((c.at for c in sums if c.at), "")
+    return [S(sum((c.coefs for c in sums), ()), at)]
+  if any(isinstance(c, (S, IX)) for c in ins):
     raise Unknown("a concatenation of sums over the batch")
   first = rows[0]
   if any(c.layout != first.layout for c in rows) or first.d == dim:
@@ -241,13 +295,14 @@ def dot_general(e, ins):
     """``r`` (operand ``side``) times the constant ``c``; ``dims``: the
     contracting and batch dimensions of ``r``'s side, then ``c``'s."""
     contract, batch, other_contract, other_batch = dims
+    k = r.scale * scalar(c)  # a known factor, every element alike
     if r.d in contract:
       if other_contract[list(contract).index(r.d)] in c.uniform:
-        return [S((r.scale,), where(e))]
+        return [S((k,), where(e))]
       raise Unknown("a sum over rows weighted by a value that varies over rows")
     if r.d in batch and other_batch[list(batch).index(r.d)] not in c.uniform:
       raise Unknown("a batched product with a value that varies over rows")
-    return [dataclasses.replace(r, d=position(side, r.d))]
+    return [dataclasses.replace(r, d=position(side, r.d), scale=k)]
 
   if isinstance(a, R) and isinstance(b, C):
     return with_const(a, 0, (lc, lb, rc, rb), b)
