@@ -121,6 +121,18 @@ def regularizer_by_rows(p, b):  # a penalty on params over the batch size
   return jnp.mean(_ce(p, b)) + l2 / b["tok"].shape[0]
 
 
+def _scanned_penalty(p, divisor):
+  """A penalty on the params accumulated in a scan over their leaves."""
+  q = zerojax.gather(p)
+  sq = jnp.stack([jnp.sum(q["w"] ** 2), jnp.sum(q["v"] ** 2)])
+  total, _ = jax.lax.scan(lambda acc, x: (acc + x / divisor, None), 0.0, sq)
+  return total
+
+
+def scanned_penalty_by_rows(p, b):  # the same, inside a loop
+  return jnp.mean(_ce(p, b)) + _scanned_penalty(p, b["tok"].shape[0])
+
+
 def log_batch_size_added(p, b):  # a constant of the batch size added
   return jnp.mean(_ce(p, b)) + jnp.log(b["tok"].shape[0])
 
@@ -145,6 +157,7 @@ NOT_MEANS = {
   hardest_half: "top_k along the batch's rows",
   batch_baseline: "combines each example with a sum over the batch",
   regularizer_by_rows: "a value computed from the batch's row count",
+  scanned_penalty_by_rows: "a value computed from the batch's row count",
   log_batch_size_added: "a value computed from the batch's row count",
   weighted_by_rows: "a value computed from the batch's row count",
   first_example: "an unstack of the batch's rows",
@@ -250,13 +263,17 @@ def unstacked_halves(p, b):  # jnp.unstack along a feature axis
   return jnp.mean(jnp.sum(lo * hi, (1, 2)))
 
 
+def scanned_penalty(p, b):  # a penalty summed in a scan, fixed divisor
+  return jnp.mean(_ce(p, b)) + _scanned_penalty(p, 1000.0)
+
+
 def stacked_terms(p, b):  # means side by side, weighted
   terms = jnp.stack([jnp.mean(_ce(p, b)), jnp.mean(_logits(p, b) ** 2)])
   return jnp.sum(terms * jnp.array([1.0, 0.1]))
 
 
 MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms, chunked_mean]
-MEANS += [rotary, unstacked_halves, stacked_terms]
+MEANS += [rotary, unstacked_halves, stacked_terms, scanned_penalty]
 MEANS += [ones_like_divisor]
 MEANS += [sum_over_rows_divided, recurrent, per_example_vmap]
 

@@ -284,7 +284,7 @@ def _loop_join(a, b):
     if isinstance(c, (X, U)):
       return c
   if isinstance(a, C) and isinstance(b, C):
-    return C(a.uniform & b.uniform)
+    return C(a.uniform & b.uniform, lits=_row_count.joined(a, b))
   if isinstance(a, S) and isinstance(b, S):
     # a sum accumulated over the iterations (a chunked loss): its terms'
     # factors as a set, each checked to follow 1 / rows like any other
@@ -325,7 +325,9 @@ def _scan(e, ins):
     elif isinstance(c, R):
       sliced.append(dataclasses.replace(c, d=c.d - 1))
     elif isinstance(c, C):
-      sliced.append(C(frozenset(a - 1 for a in c.uniform if a > 0)))
+      sliced.append(
+        C(frozenset(a - 1 for a in c.uniform if a > 0), lits=c.lits)
+      )
     else:
       sliced.append(c)
   for _ in range(8):
@@ -352,7 +354,7 @@ def _scan(e, ins):
     elif isinstance(c, R):
       ys.append(dataclasses.replace(c, d=c.d + 1))
     elif isinstance(c, C):
-      ys.append(C(frozenset(a + 1 for a in c.uniform)))
+      ys.append(C(frozenset(a + 1 for a in c.uniform), lits=c.lits))
     else:
       ys.append(c)
   return carry + ys

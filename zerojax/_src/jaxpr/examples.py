@@ -26,7 +26,7 @@ class C:
   pos: int | None = None  # an iota's axis (a position, not data)
   noise: bool = False  # drawn from a key: independent per element
   fill: object = None  # every element's value, when all are the same
-  lits: int = 0  # the known numbers folded into it (row_count)
+  lits: frozenset = frozenset()  # known numbers folded into it (row_count)
 
 
 @dataclasses.dataclass(frozen=True)

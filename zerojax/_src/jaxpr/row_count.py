@@ -12,7 +12,7 @@ that differs between the two traces combines the examples' number into
 the loss.
 
 A constant whose value is not known (a product of params with a literal)
-carries ``C.lits``, a hash of the known numbers folded into it, so a
+carries ``C.lits``, the known numbers folded into it, so a
 ``sum(w ** 2) / rows`` differs between the traces as ``rows`` does.
 """
 
@@ -37,9 +37,9 @@ class Const:
 
 
 def fingerprint(c: C) -> tuple | None:
-  """What ``c``'s value is made of: its value when known, else the hash of
-  the known numbers folded into it; None for neither (a param, a scalar
-  batch leaf: the same at every row count)."""
+  """What ``c``'s value is made of: its value when known, else the known
+  numbers folded into it; None for neither (a param, a scalar batch leaf:
+  the same at every row count)."""
   v = element_value(c)
   if v is not None:
     a = np.asarray(v)
@@ -52,17 +52,25 @@ def fingerprint(c: C) -> tuple | None:
   return None
 
 
-def lits(ins) -> int:
+def lits(ins) -> frozenset:
   """``C.lits`` of a constant folded from ``ins`` whose value is not
-  known: a hash of their numbers' fingerprints (0 when none has one). An
+  known: the fingerprints of the known numbers folded into them. An
   array's is left out: one with the rows' shape (an iota over them)
-  differs between the traces by its shape alone."""
-  prints = tuple(
-    p
-    for p in (fingerprint(c) for c in ins if isinstance(c, C))
-    if p is not None and p[0] != "array"
-  )
-  return (hash(prints) or 1) if prints else 0
+  differs between the traces by its shape alone. A set, so a loop's carry
+  settles (:func:`joined`)."""
+  out = frozenset()
+  for c in ins:
+    if isinstance(c, C):
+      out |= c.lits
+      p = fingerprint(c)
+      if p is not None and p[0] == "value":
+        out |= {p}
+  return out
+
+
+def joined(a: C, b: C) -> frozenset:
+  """``C.lits`` of a loop carry or branch output that is ``a`` or ``b``."""
+  return lits([a, b])
 
 
 def note(e, name: str, ins):
