@@ -606,6 +606,14 @@ def test_an_aux_leaf_with_the_rows_not_computed_row_by_row_is_warned_about(
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
   for k in named(AuxNotPerExampleWarning) + ["first_zeroed"]:
     assert not np.allclose(got[k], want[k], rtol=1e-4), k
+  # an eval step reports the aux only with has_aux=True: warned only then
+  with warnings.catch_warnings():
+    for category in (AuxNotPerExampleWarning, AuxUnverifiedWarning):
+      warnings.simplefilter("error", category)
+    zerojax.eval_step(_with_row_aux, tx)(state, batch)
+  with pytest.warns((AuxNotPerExampleWarning, AuxUnverifiedWarning)) as rec:
+    zerojax.eval_step(_with_row_aux, tx, has_aux=True)(state, batch)
+  assert len(rec) == 7
 
 
 def _over_chunks(split: str, combine: str = "sum"):

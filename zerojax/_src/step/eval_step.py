@@ -185,4 +185,5 @@ def eval_step(
     accum_steps=1,
     _jitted=jax.jit(run),
     per_device_loss=per_device_loss,
+    reports_aux=has_aux,
   )

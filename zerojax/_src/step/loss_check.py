@@ -88,8 +88,13 @@ def check_step_loss(step, state, batch):
   call = LossCall(
     has_key=state.key is not None, has_model_state=state.model_state is not None
   )
+
+  def loss(p, b, k, ms):
+    value, aux = _loss_and_aux(call(step.loss_fn, p, b, k, ms))
+    return value, aux if step.reports_aux else ()  # a dropped aux: unread
+
   check_mean_over_examples(
-    lambda p, b, k, ms: _loss_and_aux(call(step.loss_fn, p, b, k, ms)),
+    loss,
     whole_params(state.spec),
     batch,
     None if state.key is None else jax.random.key(0),

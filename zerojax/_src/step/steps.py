@@ -212,6 +212,7 @@ class CompiledStep:
   accum_steps: int
   _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
   per_device_loss: bool = False
+  reports_aux: bool = True  # an eval step built without has_aux drops it
   checked: dict = dataclasses.field(  # loss_check's verdicts by batch shape
     repr=False, compare=False, default_factory=dict
   )
