@@ -1,5 +1,7 @@
 """Dropout keys, model state and optimizer arguments in the train step."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,6 +203,102 @@ def test_model_state_of_the_wrong_shape_is_a_clear_error(mesh):
     zerojax.train_step(
       lambda p, b, model_state: bn_loss(p, b, model_state=model_state)[0], tx
     )(state, _batch())
+
+
+def _tracked(update):
+  """A loss whose model state leaf ``"t"`` takes ``update(old, h, batch)``
+  (``h``: the hidden units, rows by width)."""
+
+  def loss(params, batch, *, model_state):
+    q = zerojax.gather(params)
+    h = jnp.tanh(batch["x"] @ q["w"])
+    new = {"t": update(model_state["t"], h, batch)}
+    return jnp.mean((h @ q["head"] - batch["y"]) ** 2), new
+
+  return loss
+
+
+SPLIT_CHANGES = {  # per device, another state than the unsharded step's
+  "running_max": (
+    lambda t, h, b: jnp.maximum(t, jnp.max(h)),
+    0.0,
+    "reduce_max over the batch's rows",
+  ),
+  "running_sum": (
+    lambda t, h, b: t + jnp.sum(h),
+    0.0,
+    "a sum over the examples not divided by their number",
+  ),
+  "running_var": (
+    lambda t, h, b: 0.9 * t + 0.1 * jnp.var(h),
+    0.0,
+    "combines each example with a sum over the batch",
+  ),
+  "examples_seen": (
+    lambda t, h, b: t + h.shape[0],
+    0,
+    "a value computed from the batch's row count",
+  ),
+  "positives_seen": (
+    lambda t, h, b: t + jnp.sum(h[:, 0] > 0),
+    0,
+    "device 0's counts only its rows",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CHANGES))
+def test_a_model_state_update_the_split_changes_is_refused_and_the_state_kept(
+  mesh, name
+):
+  update, start, why = SPLIT_CHANGES[name]
+  loss, batch = _tracked(update), _batch()
+  t0 = jnp.asarray(
+    start, jnp.float32 if isinstance(start, float) else jnp.int32
+  )
+  want = loss(_params(), batch, model_state={"t": t0})[1]["t"]
+  tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
+  # per device (data parallelism's state, asked for) it is another number
+  dp = zerojax.init(_params(), tx, model_state={"t": t0})
+  dp, _ = zerojax.train_step(loss, tx, per_device_loss=True)(dp, batch)
+  assert not np.isclose(float(dp.model_state["t"]), float(want), rtol=1e-4)
+  state = zerojax.init(_params(), tx, model_state={"t": t0})
+  with pytest.raises(zerojax.errors.ModelStateUpdateError) as e:
+    zerojax.train_step(loss, tx)(state, batch)
+  assert "model_state['t']" in str(e.value) and why in str(e.value)
+  assert "per_device_loss=True" in str(e.value)
+  assert int(state.step) == 0 and float(state.model_state["t"]) == start
+
+
+def test_a_model_state_update_the_split_keeps_trains_with_no_warning(mesh):
+  """A running mean over examples, a step counter, and a count of the
+  examples seen from a scalar batch leaf (the whole batch's size) are the
+  unsharded step's state."""
+
+  def loss(params, batch, *, model_state):
+    q = zerojax.gather(params)
+    h = jnp.tanh(batch["x"] @ q["w"])
+    ms = model_state
+    new = {
+      "mean": 0.9 * ms["mean"] + 0.1 * h.mean(0),
+      "calls": ms["calls"] + 1,
+      "seen": ms["seen"] + batch["rows"],
+    }
+    return jnp.mean((h @ q["head"] - batch["y"]) ** 2), new
+
+  start = dict(_bn_state(), seen=jnp.zeros((), jnp.int32))
+  batch = dict(_batch(), rows=np.int32(ROWS))
+  want = loss(_params(), batch, model_state=start)[1]
+  tx = zerojax.zero(optax.sgd(0.0), stage=3, mesh=mesh)
+  state = zerojax.init(_params(), tx, model_state=start)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", zerojax.errors.LossUnverifiedWarning)
+    state, _ = zerojax.train_step(loss, tx)(state, batch)
+  np.testing.assert_allclose(
+    state.model_state["mean"], want["mean"], rtol=1e-5, atol=1e-7
+  )
+  assert int(state.model_state["calls"]) == 1
+  assert int(state.model_state["seen"]) == ROWS
 
 
 def test_model_state_is_checkpointed(mesh, tmp_path):

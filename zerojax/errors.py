@@ -27,6 +27,9 @@ from zerojax._src.step.loss_check import (
 from zerojax._src.step.loss_check import (
   LossUnverifiedWarning as LossUnverifiedWarning,
 )
+from zerojax._src.step.loss_check import (
+  ModelStateUpdateError as ModelStateUpdateError,
+)
 
 __all__ = [
   "AuxNotACountWarning",
@@ -37,6 +40,7 @@ __all__ = [
   "LossOutputError",
   "LossUnverifiedWarning",
   "ModelSpecError",
+  "ModelStateUpdateError",
   "RematError",
   "UngatheredParamError",
 ]

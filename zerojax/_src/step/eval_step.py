@@ -186,4 +186,5 @@ def eval_step(
     _jitted=jax.jit(run),
     per_device_loss=per_device_loss,
     reports_aux=has_aux,
+    keeps_model_state=False,
   )

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import batch_mean as _batch_mean
+from zerojax._src.jaxpr import leaf_verdicts as _leaf_verdicts
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.records.warn import warn
 from zerojax._src.step.batch import Shared
@@ -32,6 +33,12 @@ class LossNotAMeanError(ValueError):
 
 class LossUnverifiedWarning(UserWarning):
   """zerojax could not read whether the loss is a mean over examples."""
+
+
+class ModelStateUpdateError(ValueError):
+  """The loss updates its model state so that the step, which averages
+  each floating leaf over devices and keeps device 0's integer leaves,
+  would hold another state than the unsharded step."""
 
 
 class AuxNotAMeanWarning(UserWarning):
@@ -90,8 +97,12 @@ def check_step_loss(step, state, batch):
   )
 
   def loss(p, b, k, ms):
-    value, aux = _loss_and_aux(call(step.loss_fn, p, b, k, ms))
-    return value, aux if step.reports_aux else ()  # a dropped aux: unread
+    value, new_ms, aux = call(step.loss_fn, p, b, k, ms)
+    return (
+      value,
+      aux if step.reports_aux else (),  # a dropped aux: unread
+      new_ms if step.keeps_model_state else (),  # a discarded one too
+    )
 
   check_mean_over_examples(
     loss,
@@ -135,7 +146,7 @@ def grad_loss_check(loss_fn, tx, has_aux, accum, per_device_loss):
 
 def _loss_and_aux(out):
   loss, _, aux = out
-  return loss, aux
+  return loss, aux, ()
 
 
 def check_mean_over_examples(
@@ -181,6 +192,10 @@ def check_mean_over_examples(
   kind, reason = _batch_mean.verdict(outs, baked, counts)
   if second is not None and kind != "mixes":
     _check_aux(first, second, baked, counts, where)
+    wrong = _model_state_verdicts(first, second, baked, counts, where)
+    if wrong:
+      del seen[signature]
+      raise ModelStateUpdateError(_model_state_message(where, wrong))
   if kind == "mixes":
     del seen[signature]  # raised: asked again, it raises again
     raise LossNotAMeanError(
@@ -205,7 +220,7 @@ def _check_aux(first, second, baked, counts, where: str):
   value -- a sort, a cumulative sum, a normalization over the rows, a
   position along them. A leaf the reading cannot follow warns that it is
   unchecked."""
-  (classes_a, shapes_a), (classes_b, shapes_b) = first[0][1:], second[0][1:]
+  (classes_a, shapes_a), (classes_b, shapes_b) = first[0][1:3], second[0][1:3]
   for (path, a), (_, b), ca, cb in zip(
     shapes_a, shapes_b, classes_a, classes_b
   ):
@@ -218,7 +233,7 @@ def _check_aux(first, second, baked, counts, where: str):
       dims = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
       if len(dims) != 1:
         continue  # no rows to join: the step refuses it by leaf
-      kind, reason = _batch_mean.per_row_verdict([ca, cb], baked, dims[0])
+      kind, reason = _leaf_verdicts.per_row_verdict([ca, cb], baked, dims[0])
       if kind == "unknown":
         _warn_unread(where, leaf, a.dtype, True, reason)
       elif kind == "mixes":
@@ -229,7 +244,7 @@ def _check_aux(first, second, baked, counts, where: str):
       if kind == "mixes":
         _warn_mean(where, leaf, reason)
       continue
-    reason = _batch_mean.count_verdict([ca, cb], baked, counts)
+    reason = _leaf_verdicts.count_verdict([ca, cb], baked, counts)
     if a.dtype == np.bool_:
       reason = reason or "a bool, which the step sums as a count"
     if reason is not None:
@@ -243,6 +258,53 @@ def _check_aux(first, second, baked, counts, where: str):
         f"by row), as a count, or as a float mean over examples.",
         AuxNotACountWarning,
       )
+
+
+def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
+  """``[(leaf, reason)]`` for each new model state leaf the step would
+  hold otherwise than the unsharded step: a floating leaf (averaged over
+  devices) that is not a mean over examples -- a running max, a sum, a
+  variance, a constant computed from the row count; an integer or bool
+  leaf (device 0's kept) that depends on the examples or their number.
+  A leaf the reading cannot follow warns."""
+  wrong = []
+  for (path, a), ca, cb in zip(first[0][4], first[0][3], second[0][3]):
+    leaf = f"model_state{jax.tree_util.keystr(path)}"
+    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+      continue  # a key: device 0's, as the unsharded step draws it
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+      kind, reason = _batch_mean.verdict([ca, cb], baked, counts)
+    else:
+      kind, reason = _leaf_verdicts.kept_verdict([ca, cb])
+    if kind == "mixes":
+      wrong.append((leaf, a.dtype, reason))
+    elif kind == "unknown":
+      warn(
+        f"{where}: zerojax could not check how the loss updates {leaf} "
+        f"({reason}). The step averages a floating model state leaf over "
+        f"devices and keeps device 0's integer leaves, which is the "
+        f"unsharded step's state only for a mean over examples or a value "
+        f"that does not depend on them.",
+        LossUnverifiedWarning,
+      )
+  return wrong
+
+
+def _model_state_message(where: str, wrong) -> str:
+  leaves = "; ".join(f"{leaf} ({dtype}): {why}" for leaf, dtype, why in wrong)
+  return (
+    f"{where}: the loss updates its model state otherwise than the "
+    f"unsharded step would: {leaves}. The step runs the loss on each "
+    f"device's rows and then averages each floating model state leaf over "
+    f"devices (the whole batch's value for a mean over examples, such as "
+    f"a running mean) and keeps device 0's integer leaves (the whole "
+    f"batch's for a value that does not depend on the batch, such as a "
+    f"step counter). Return what the update needs per example as an aux "
+    f"leaf (the step returns the whole batch's rows) and update the state "
+    f"after the step, pass a whole-batch number (its size) as a scalar "
+    f"batch leaf, or build the step with per_device_loss=True to keep data "
+    f"parallelism's per-device state on purpose."
+  )
 
 
 def _warn_unread(where: str, leaf: str, dtype, per_row: bool, reason: str):
@@ -295,8 +357,9 @@ def _warn_mean(where: str, leaf: str, reason: str):
 
 def _classified(loss, abstract, treedef, leaves, rows):
   """``((the loss's class, its aux leaves' classes, their paths and
-  shapes), the factors baked into examples)`` traced with ``rows`` rows
-  per device, or None when it does not trace so."""
+  shapes, the new model state's classes, their paths and shapes), the
+  factors baked into examples)`` traced with ``rows`` rows per device, or
+  None when it does not trace so."""
   local = jax.tree.unflatten(treedef, [_local(x, rows) for x in leaves])
   try:
     closed, shape = jax.make_jaxpr(loss, return_shape=True)(
@@ -314,7 +377,9 @@ def _classified(loss, abstract, treedef, leaves, rows):
   )
   outs, baked = _batch_mean.classify(closed, classes)
   aux = jax.tree_util.tree_flatten_with_path(shape[1])[0]
-  return (outs[0], outs[1:], aux), baked
+  state = jax.tree_util.tree_flatten_with_path(shape[2])[0]
+  n = 1 + len(aux)
+  return (outs[0], outs[1:n], aux, outs[n:], state), baked
 
 
 def _unverified(where: str, reason: str):

@@ -213,6 +213,7 @@ class CompiledStep:
   _jitted: Any = dataclasses.field(repr=False, compare=False, default=None)
   per_device_loss: bool = False
   reports_aux: bool = True  # an eval step built without has_aux drops it
+  keeps_model_state: bool = True  # an eval step discards its update
   checked: dict = dataclasses.field(  # loss_check's verdicts by batch shape
     repr=False, compare=False, default_factory=dict
   )
