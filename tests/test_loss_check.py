@@ -432,24 +432,37 @@ def _with_aux(p, b):
   }
 
 
+def _aux_step(mesh, loss, stage, warned, accum=1):
+  """One step of ``loss`` that warns ``warned`` (a category or a tuple):
+  ``(leaves named by category, the step's aux, the plain loss's aux,
+  (tx, state, batch), the warnings)``."""
+  params, batch = _params(), _batch()
+  want = loss(params, batch)[1]
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  with pytest.warns(warned) as rec:
+    state, m = zerojax.train_step(loss, tx, accum_steps=accum)(state, batch)
+
+  def named(category):
+    return {
+      re.search(r"aux\['(\w+)'\]", str(w.message)).group(1): str(w.message)
+      for w in rec
+      if w.category is category
+    }
+
+  return named, m["aux"], want, (tx, state, batch), rec
+
+
 def test_an_aux_leaf_the_step_would_average_wrongly_is_warned_about(mesh):
   """The step averages a floating aux leaf over devices: exact for a mean
   over examples, another number for a ratio of sums or a maximum, which
   are named; per-example leaves and counts are exact and pass."""
-  params, batch = _params(), _batch()
-  want = _with_aux(params, batch)[1]
-  tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
-  state = zerojax.init(params, tx)
-  with pytest.warns(AuxNotAMeanWarning) as rec:
-    state, m = zerojax.train_step(_with_aux, tx)(state, batch)
-  named = sorted(
-    re.search(r"aux\['(\w+)'\]", str(w.message)).group(1)
-    for w in rec
-    if w.category is AuxNotAMeanWarning
+  found, got, want, (tx, state, batch), rec = _aux_step(
+    mesh, _with_aux, 2, AuxNotAMeanWarning
   )
+  named = sorted(found(AuxNotAMeanWarning))
   assert named == ["token_weighted", "worst", "worst_bf16"]
   assert all("test_loss_check.py" in w.filename for w in rec)
-  got = m["aux"]
   for k in ("mean", "per_example", "tokens"):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
   for k in named:  # what the warning is about: per-device averages
@@ -484,21 +497,12 @@ def test_an_int_or_bool_aux_leaf_the_step_would_sum_wrongly_is_warned_about(
   maximum, one example's value or a bool, which are named; counts (a row
   count from a shape too), zero and per-example leaves are exact and
   pass."""
-  params, batch = _params(), _batch()
-  want = _with_int_aux(params, batch)[1]
-  tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
-  state = zerojax.init(params, tx)
-  step = zerojax.train_step(_with_int_aux, tx, accum_steps=accum)
-  with pytest.warns(AuxNotACountWarning) as rec:
-    state, m = step(state, batch)
-  named = sorted(
-    re.search(r"aux\['(\w+)'\]", str(w.message)).group(1)
-    for w in rec
-    if w.category is AuxNotACountWarning
+  found, got, want, _, rec = _aux_step(
+    mesh, _with_int_aux, 2, AuxNotACountWarning, accum
   )
+  named = sorted(found(AuxNotACountWarning))
   assert named == ["all_long", "first", "longest", "version"]
   assert not [w for w in rec if w.category is AuxNotAMeanWarning]
-  got = m["aux"]
   for k in ("tokens", "right", "rows", "none", "per_example"):
     np.testing.assert_array_equal(got[k], want[k])
   for k in named:  # what the warning is about: sums over devices
@@ -524,23 +528,15 @@ def test_an_aux_leaf_the_reading_cannot_follow_is_warned_about(mesh):
   """An aux leaf the reading cannot follow (a host callback, an integer
   floor division) may be another number once combined over devices: it is
   named, float or integer, and read leaves are not."""
-  params, batch = _params(), _batch()
-  want = _with_unread_aux(params, batch)[1]
-  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
-  state = zerojax.init(params, tx)
-  with pytest.warns(AuxUnverifiedWarning) as rec:
-    state, m = zerojax.train_step(_with_unread_aux, tx)(state, batch)
-  named = {
-    re.search(r"aux\['(\w+)'\]", str(w.message)).group(1): str(w.message)
-    for w in rec
-    if w.category is AuxUnverifiedWarning
-  }
+  found, got, want, _, rec = _aux_step(
+    mesh, _with_unread_aux, 1, AuxUnverifiedWarning
+  )
+  named = found(AuxUnverifiedWarning)
   assert sorted(named) == ["host_max", "tokens_per_3"]
   assert "pure_callback" in named["host_max"]
   assert "(int32)" in named["tokens_per_3"]
   assert all("test_loss_check.py" in w.filename for w in rec)
   assert not [w for w in rec if w.category is not AuxUnverifiedWarning]
-  got = m["aux"]
   np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-6)
   np.testing.assert_array_equal(got["tokens"], want["tokens"])
   for k in named:  # what the warning is about: combined per device
@@ -576,20 +572,16 @@ def test_an_aux_leaf_with_the_rows_not_computed_row_by_row_is_warned_about(
   normalization over the rows, a sort, a position, a sum spread over the
   rows, a factor of the row count), which are named; a scatter is named
   as unchecked."""
-  params, batch = _params(), _batch()
-  want = _with_row_aux(params, batch)[1]
-  tx = zerojax.zero(optax.sgd(0.1), stage=2, mesh=mesh)
-  state = zerojax.init(params, tx)
-  step = zerojax.train_step(_with_row_aux, tx, accum_steps=accum)
-  with pytest.warns((AuxNotPerExampleWarning, AuxUnverifiedWarning)) as rec:
-    state, m = step(state, batch)
+  found, got, want, (tx, state, batch), rec = _aux_step(
+    mesh,
+    _with_row_aux,
+    2,
+    (AuxNotPerExampleWarning, AuxUnverifiedWarning),
+    accum,
+  )
 
   def named(category):
-    return sorted(
-      re.search(r"aux\['(\w+)'\]", str(w.message)).group(1)
-      for w in rec
-      if w.category is category
-    )
+    return sorted(found(category))
 
   assert named(AuxNotPerExampleWarning) == [
     "batch_total",
@@ -601,7 +593,6 @@ def test_an_aux_leaf_with_the_rows_not_computed_row_by_row_is_warned_about(
   ]
   assert named(AuxUnverifiedWarning) == ["first_zeroed"]
   assert len(rec) == 7
-  got = m["aux"]
   for k in ("per_token", "flat", "pred", "same"):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
   for k in named(AuxNotPerExampleWarning) + ["first_zeroed"]:
