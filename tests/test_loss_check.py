@@ -142,6 +142,12 @@ def weighted_by_rows(p, b):  # a mean and a sum, stacked, weighted alike
   return jnp.sum(terms * jnp.array([1.0, b["tok"].shape[0]]))
 
 
+def label_match(p, b):  # every example's label against every other's
+  z = _logits(p, b).mean(1)[:, 0]
+  same = b["y"][:, 0][:, None] == b["y"][:, 0][None, :]
+  return jnp.mean(jnp.where(same, z[:, None], 0.0))
+
+
 def first_example(p, b):  # one example, unstacked from the batch
   return jnp.unstack(_ce(p, b).mean(1))[0]
 
@@ -161,6 +167,7 @@ NOT_MEANS = {
   log_batch_size_added: "a value computed from the batch's row count",
   weighted_by_rows: "a value computed from the batch's row count",
   first_example: "an unstack of the batch's rows",
+  label_match: "eq of every example with every other",
 }
 
 

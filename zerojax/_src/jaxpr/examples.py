@@ -400,6 +400,8 @@ def elementwise(e, name, ins):
     raise Unknown("arithmetic on an index built from the rows")
   first = rows[0]
   if any(c.layout != first.layout for c in rows):
+    if all(c.m == 1 for c in rows):  # rows on two axes: pairs of examples
+      raise Mixes(f"{name} of every example with every other (a pair matrix)")
     raise Unknown(f"{name} of two differently laid out per-example values")
   for v, c in zip(e.invars, ins):
     if (
