@@ -261,12 +261,12 @@ def _check_aux(first, second, baked, counts, where: str):
 
 
 def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
-  """``[(leaf, reason)]`` for each new model state leaf the step would
-  hold otherwise than the unsharded step: a floating leaf (averaged over
-  devices) that is not a mean over examples -- a running max, a sum, a
-  variance, a constant computed from the row count; an integer or bool
-  leaf (device 0's kept) that depends on the examples or their number.
-  A leaf the reading cannot follow warns."""
+  """``[(leaf, dtype, reason)]`` for each new model state leaf the step
+  would hold otherwise than the unsharded step: a floating leaf (averaged
+  over devices) that is not a mean over examples -- a running max, a sum,
+  a variance, a constant computed from the row count; an integer or bool
+  leaf (device 0's kept) that depends on the examples or their number. A
+  leaf the reading cannot follow warns."""
   wrong = []
   for (path, a), ca, cb in zip(first[0][4], first[0][3], second[0][3]):
     leaf = f"model_state{jax.tree_util.keystr(path)}"
