@@ -123,7 +123,7 @@ def verdict(outs, baked, rows) -> tuple[str, str]:
     )
   if not isinstance(b, S) or len(a.coefs) != len(b.coefs):
     return "unknown", "the loss's structure changes with the batch size"
-  if _row_count.factors(baked[0]) != _row_count.factors(baked[1]):
+  if _row_count.factors_differ(baked):
     return "unknown", (
       "each example's term is scaled by a number that changes with the "
       "batch size"

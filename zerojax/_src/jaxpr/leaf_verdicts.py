@@ -40,9 +40,7 @@ def count_verdict(outs, baked, rows) -> str | None:
       "that many times the value"
     )
   if isinstance(a, S) and isinstance(b, S):
-    if a.coefs != b.coefs or _row_count.factors(baked[0]) != _row_count.factors(
-      baked[1]
-    ):
+    if a.coefs != b.coefs or _row_count.factors_differ(baked):
       return "a sum over the examples scaled by a factor that follows the rows"
   return None
 
@@ -98,7 +96,7 @@ def per_row_verdict(outs, baked, dim: int) -> tuple[str, str]:
         f"each row scaled by a number that follows the batch size "
         f"({a.scale:.4g} at one, {b.scale:.4g} at another)"
       )
-    if _row_count.factors(baked[0]) != _row_count.factors(baked[1]):
+    if _row_count.factors_differ(baked):
       return "unknown", (
         "each example's term is scaled by a number that changes with the "
         "batch size"

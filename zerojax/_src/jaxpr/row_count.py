@@ -89,10 +89,11 @@ def note(e, name: str, ins):
       BAKED.get().append(Const(fp, shape_of(e.invars[i]), e))
 
 
-def factors(baked) -> tuple:
-  """One trace's records of factors baked into examples' terms, its
-  constants' left out."""
-  return tuple(x for x in baked if not isinstance(x, Const))
+def factors_differ(baked) -> bool:
+  """Whether the two traces baked other factors into the examples' terms
+  (their constants' records left out)."""
+  a, b = (tuple(x for x in t if not isinstance(x, Const)) for t in baked)
+  return a != b
 
 
 def differs(baked) -> str | None:
