@@ -9,6 +9,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 from tests import toy
@@ -258,6 +260,51 @@ def test_drop_in_refuses_what_it_cannot_do(mesh):
     zerojax.value_and_grad(
       loss, zerojax.zero(optax.adam(1e-2), stage=3, mesh=mesh)
     )(_params(), _data(1)[0])
+
+
+def test_gradients_in_another_tree_are_refused_not_misapplied(mesh):
+  """Gradients with as many leaves of the same shapes as the params, in a
+  tree whose leaves stand at other keys (a renamed key, a list), would
+  update the wrong params: both the drop-in and ``apply_gradients`` raise
+  naming the two paths; so does the drop-in given an optimizer state
+  built for other params. Containers that name the leaves alike pass: an
+  ``nnx.State`` of params takes its pure dict's gradients."""
+  p = {"a": jnp.ones((16, 4)), "b": jnp.zeros((16, 4))}
+  p = jax.device_put(p, NamedSharding(mesh, P()))
+  renamed = {"b": jnp.full((16, 4), 3.0), "c": jnp.full((16, 4), 2.0)}
+  listed = [jnp.full((16, 4), 2.0), jnp.full((16, 4), 3.0)]
+  tx = zerojax.zero(optax.sgd(1.0), stage=1, mesh=mesh)
+  opt_state, state = tx.init(p), zerojax.init(p, tx)
+  for grads, got in ((renamed, r"\['b'\]"), (listed, r"\[0\]")):
+    match = f"gradient {got} stands where the params have \\['a'\\]"
+    with pytest.raises(ValueError, match=match):
+      tx.update(grads, opt_state, p)
+    with pytest.raises(ValueError, match=match):
+      zerojax.apply_gradients(state, grads)
+  # an optimizer state built for other params: renamed, or reshaped
+  adam = zerojax.zero(optax.adam(1e-2), stage=1, mesh=mesh)
+  adam_state = adam.init(p)
+  other = jax.device_put(renamed, NamedSharding(mesh, P()))
+  with pytest.raises(ValueError, match=r"opt_state\[0\]\.mu\['a'\] stands"):
+    adam.update(other, adam_state, other)
+  wide = dict(p, a=jnp.ones((24, 4)))
+  with pytest.raises(
+    ValueError, match=r"\.mu\['a'\] has shape \[16, 8\]; .* \[24, 8\]"
+  ):
+    adam.update(wide, adam_state, wide)
+  # the state was kept: the right tree applies
+  good = {"a": jnp.full((16, 4), 2.0), "b": jnp.full((16, 4), 3.0)}
+  out = zerojax.gather_params(zerojax.apply_gradients(state, good))
+  np.testing.assert_array_equal(out["a"], -1.0)
+  np.testing.assert_array_equal(out["b"], -3.0)
+
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  pure = jax.tree.map(jnp.ones_like, nnx.to_pure_dict(params))
+  nnx_state = zerojax.init(params, tx)
+  new = zerojax.gather_params(zerojax.apply_gradients(nnx_state, pure))
+  want = jax.tree.map(lambda x: x - 1.0, params)
+  chex.assert_trees_all_close(new, want)
 
 
 def test_drop_in_names_a_leaf_a_donating_step_deleted(mesh):

@@ -44,7 +44,12 @@ from jax.sharding import PartitionSpec as P
 from zerojax._src.records import warn as _warn
 from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.mesh import explicit_names, named
-from zerojax._src.records.spec import StateSpec, gathered, make_spec
+from zerojax._src.records.spec import (
+  StateSpec,
+  gathered,
+  make_spec,
+  path_difference,
+)
 from zerojax._src.step import update as _update
 from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.extras import warn_untrained
@@ -205,13 +210,24 @@ def _update_body(config, static, grads, state, params, arrays):
   where = "ZeroTransformation.update"
   spec = _spec(config, params, where)
   g_leaves, g_def = jax.tree.flatten(grads)
-  p_leaves = jax.tree.leaves(params)
-  if len(g_leaves) != len(p_leaves):
+  p_leaves, p_def = jax.tree.flatten(params)
+  _update.check_grads_tree(grads, p_def, where)
+  diff = path_difference(state, spec.opt_def)
+  if diff is not None:
     raise ValueError(
-      f"{where}: the gradients have {len(g_leaves)} leaves, "
-      f"the params {len(p_leaves)}; pass gradients with the "
-      f"params' structure."
+      f"{where}: the optimizer state is not the one tx.init builds for "
+      f"these params: opt_state{diff[0]} stands where tx.init(params) "
+      f"has opt_state{diff[1]}. Pass the state that tx.init returned for "
+      f"params of this tree."
     )
+  for x, o in zip(jax.tree.leaves(state), spec.opt_leaves):
+    if tuple(np.shape(x)) != tuple(o.layout.storage_shape):
+      raise ValueError(
+        f"{where}: opt_state{o.path} has shape {list(np.shape(x))}; for "
+        f"these params tx.init stores it as {list(o.layout.storage_shape)} "
+        f"(logical {list(o.aval.shape)}). Pass the state that tx.init "
+        f"returned for these params."
+      )
   # (frozen leaves' gradients -- float0 -- never enter the region)
   g_leaves = [g if r.trainable else None for g, r in zip(g_leaves, spec.leaves)]
   outs = (
