@@ -328,3 +328,71 @@ def test_nnx_params_sharded_at_creation_keep_their_model_axis():
     np.testing.assert_allclose(
       np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nnx_optimizer_takes_nnx_model_specs_on_an_auto_mesh(stage):
+  """Flax's sharding guide: an NNX model built in ``nnx.jit`` with
+  ``nnx.with_partitioning`` over an Auto ``model`` axis, trained by
+  ``nnx.Optimizer``. The drop-in takes the specs of
+  ``zerojax.nnx.model_specs(nnx.state(model, nnx.Param))``, whose paths
+  end in ``.value``, for the pure params the optimizer hands it, and
+  trains as plain Optax does."""
+  mesh = jax.make_mesh(
+    (4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+  init = nnx.initializers.lecun_normal()
+
+  @nnx.jit
+  def create():
+    model = nnx.Sequential(
+      nnx.Linear(
+        5,
+        16,
+        kernel_init=nnx.with_partitioning(init, (None, "model")),
+        rngs=nnx.Rngs(0),
+      ),
+      nnx.gelu,
+      nnx.Linear(
+        16,
+        1,
+        kernel_init=nnx.with_partitioning(init, ("model", None)),
+        rngs=nnx.Rngs(1),
+      ),
+    )
+    state = nnx.state(model)
+    nnx.update(
+      model,
+      jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)),
+    )
+    return model
+
+  @nnx.jit
+  def train(model, optimizer, batch):
+    def loss(model):
+      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    grads = nnx.grad(loss)(model)
+    optimizer.update(model, grads)
+
+  def run(make_tx):
+    with jax.set_mesh(mesh):
+      model = create()
+      optimizer = nnx.Optimizer(model, make_tx(model), wrt=nnx.Param)
+      for _ in range(3):
+        train(model, optimizer, BATCH)
+    return nnx.state(model, nnx.Param)
+
+  want = run(lambda _: optax.adam(1e-2))
+  got = run(
+    lambda model: zerojax.zero(
+      optax.adam(1e-2),
+      stage=stage,
+      mesh=mesh,
+      model_specs=zerojax.nnx.model_specs(nnx.state(model, nnx.Param)),
+    )
+  )
+  assert got["layers"][0]["kernel"][
+    ...
+  ].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+  chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-6)

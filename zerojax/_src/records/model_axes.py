@@ -54,24 +54,29 @@ class SpecTable:
           f"{s!r}; every leaf of model_specs must be a PartitionSpec or "
           f"None."
         )
-      out.append((jax.tree_util.keystr(path), s))
+      out.append((_unboxed(jax.tree_util.keystr(path)), s))
     return cls(tuple(out))
 
   def __call__(self, path: str, shape):
     table = dict(self.entries)
-    # a boxed leaf (linen Partitioned, NNX Variable) flattens to ``.value``
-    for p in (path, path.removesuffix(".value")):
-      if p in table:
-        return table[p]
-    if path not in table:
+    if _unboxed(path) not in table:
       known = ", ".join(p for p, _ in self.entries[:4])
       raise ModelSpecError(
         f"zerojax: model_specs has no entry for param {path} (it has "
         f"{known}{', ...' if len(self.entries) > 4 else ''}). Pass a tree "
         f"of PartitionSpec with the params' structure, e.g. "
-        f"zerojax.linen.model_specs(variables, rules)."
+        f"zerojax.linen.model_specs(variables, rules) or "
+        f"zerojax.nnx.model_specs(params)."
       )
-    return table[path]
+    return table[_unboxed(path)]
+
+
+def _unboxed(path: str) -> str:
+  """A leaf's path without the ``.value`` step a boxed leaf (a Linen
+  ``Partitioned``, an NNX ``Variable``) flattens through: the specs of an
+  ``nnx.State`` then name the params of its pure dict (what
+  ``nnx.Optimizer`` hands the optimizer), and the other way round."""
+  return path.removesuffix(".value")
 
 
 def as_lookup(model_specs):
