@@ -357,3 +357,48 @@ def test_gather_params_compiles_once_per_params_layout(mesh, stage):
   assert compiles == []
   for got in full:
     jax.tree.map(np.testing.assert_array_equal, got, params)
+
+
+@pytest.mark.parametrize("stage,accum_steps", [(0, 2), (3, 1)])
+def test_a_float64_model_keeps_its_float64_loss(mesh, stage, accum_steps):
+  """Under ``jax.enable_x64``, float64 params and a float64 loss: the
+  step's params, its reported loss and grad norm, and the eval step's loss
+  and aux are float64 and equal plain Optax's to float64 rounding (a
+  float32 loss would be off by about 1e-7 of its value)."""
+
+  def loss(p, b):
+    p = zerojax.gather(p)
+    err = b["x"] @ p["w"] + p["b"][None] - b["y"]
+    return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(16, 16)), "y": rng.normal(size=(16, 8))}
+  with jax.enable_x64(True):
+    make = lambda: {
+      "w": jnp.asarray(np.random.default_rng(1).normal(size=(16, 8))),
+      "b": jnp.zeros((8,), jnp.float64),
+    }
+    opt = optax.adamw(1e-3)
+    params, opt_state = make(), opt.init(make())
+    for _ in range(3):
+      (want_loss, want_aux), g = jax.value_and_grad(loss, has_aux=True)(
+        params, batch
+      )
+      updates, opt_state = opt.update(g, opt_state, params)
+      params = optax.apply_updates(params, updates)
+    tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+    state = zerojax.init(make(), tx)
+    step = zerojax.train_step(loss, tx, accum_steps=accum_steps)
+    for _ in range(3):
+      state, metrics = step(state, batch)
+    got_loss, got_aux = zerojax.eval_step(loss, tx, has_aux=True)(state, batch)
+    want_eval = loss(params, batch)[0]
+  assert metrics["loss"].dtype == metrics["grad_norm"].dtype == jnp.float64
+  assert got_loss.dtype == got_aux["mae"].dtype == jnp.float64
+  np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-13)
+  assert metrics["aux"]["mae"].dtype == jnp.float64
+  np.testing.assert_allclose(metrics["aux"]["mae"], want_aux["mae"], rtol=1e-13)
+  np.testing.assert_allclose(got_loss, want_eval, rtol=1e-13)
+  chex.assert_trees_all_close(
+    zerojax.gather_params(state), params, rtol=1e-13, atol=1e-15
+  )

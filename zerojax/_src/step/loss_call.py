@@ -49,7 +49,9 @@ class LossCall:
     return self.parse(loss_fn(params, unshare(batch), **kw), model_state)
 
   def parse(self, out, model_state):
-    """-> ``(loss as float32 scalar, new_model_state, aux)``."""
+    """-> ``(loss as a scalar of at least float32, new_model_state, aux)``:
+    a bf16 loss is summed over devices and micro-batches in float32, a
+    float64 one (``jax_enable_x64``) stays float64."""
     if self.has_model_state:
       if not isinstance(out, tuple) or len(out) not in (2, 3):
         raise LossOutputError(
@@ -79,7 +81,12 @@ class LossCall:
         f"zerojax: loss_fn must return a scalar loss (or a tuple starting "
         f"with one); got loss of shape {jnp.shape(loss)}."
       )
-    return jnp.asarray(loss).astype(jnp.float32), new_state, aux
+    loss = jnp.asarray(loss)
+    return (
+      loss.astype(jnp.promote_types(loss.dtype, jnp.float32)),
+      new_state,
+      aux,
+    )
 
 
 def _describe(out) -> str:
