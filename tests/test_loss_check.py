@@ -152,13 +152,20 @@ def first_example(p, b):  # one example, unstacked from the batch
   return jnp.unstack(_ce(p, b).mean(1))[0]
 
 
+def sum_plus_penalty(p, b):  # a sum, plus a penalty each device adds
+  return jnp.sum(_ce(p, b)) + 1e-2 * jnp.sum(zerojax.gather(p)["v"] ** 2)
+
+
+def sum_plus_mean(p, b):  # a sum over examples plus a mean over them
+  return jnp.sum(_ce(p, b)) + jnp.mean(_ce(p, b))
+
+
 NOT_MEANS = {
-  chunked_sum: "a sum over the examples not divided by their number",
   token_mean: "a division by a sum over the batch",
   contrastive: "a product of every example with every other",
   batch_norm: "combines each example with a sum over the batch",
-  sum_loss: "a sum over the examples not divided by their number",
-  fixed_divisor: "a sum over the examples not divided by their number",
+  sum_plus_penalty: "a sum over the examples plus a term that is not one",
+  sum_plus_mean: "sums over the examples weighed apart",
   rmse: "sqrt of a sum over the batch",
   hardest_half: "top_k along the batch's rows",
   batch_baseline: "combines each example with a sum over the batch",
@@ -191,7 +198,7 @@ def test_a_loss_that_combines_examples_is_refused_before_anything_runs(
   # the message names the user's line and the ways out
   assert "test_loss_check.py:" in str(e.value)
   assert "per_device_loss=True" in str(e.value)
-  assert "tokens_per_row" in str(e.value)
+  assert "batch['tokens']" in str(e.value)
   assert int(state.step) == 0
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))
   with pytest.raises(LossNotAMeanError):
@@ -287,7 +294,9 @@ MEANS += [sum_over_rows_divided, recurrent, per_example_vmap]
 
 def _with_count(batch):
   return dict(
-    batch, tokens_per_row=float(batch["mask"].sum() / len(batch["mask"]))
+    batch,
+    tokens_per_row=float(batch["mask"].sum() / len(batch["mask"])),
+    tokens=float(batch["mask"].sum()),
   )
 
 
@@ -332,6 +341,48 @@ def test_a_mean_over_examples_trains_like_the_plain_step(
   mesh, loss, stage, accum
 ):
   _assert_trains_like_plain(mesh, loss, optax.adamw(1e-2), stage, accum)
+
+
+def token_sum_over_count(p, b):
+  """The whole batch's mean over tokens as LM trainers write it: a sum
+  over the tokens divided by the whole batch's token count (a scalar
+  batch leaf)."""
+  return jnp.sum(_ce(p, b) * b["mask"]) / b["tokens"]
+
+
+SUMS = [sum_loss, fixed_divisor, chunked_sum, token_sum_over_count]
+
+
+@pytest.mark.parametrize("loss", SUMS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("stage,accum", [(0, 2), (1, 1), (3, 2)])
+def test_a_sum_over_examples_trains_like_the_plain_step(
+  mesh, loss, stage, accum
+):
+  """A sum over examples (at a factor that does not change with the rows,
+  nothing else added) is added up over devices and micro-batches, not
+  averaged: the same loss and gradient as the unsharded step, where an
+  average would be 1 / (devices x micro-batches) of them."""
+  params, batch = _params(), _with_count(_batch())
+  rows = lambda i: jax.tree.map(
+    lambda x: x[i : i + 2] if np.ndim(x) else x, batch
+  )
+  pieces = [float(loss(params, rows(i))) for i in range(0, 16, 2)]
+  np.testing.assert_allclose(np.sum(pieces), loss(params, batch), rtol=1e-5)
+  _assert_trains_like_plain(mesh, loss, optax.sgd(1e-3), stage, accum)
+  tx = zerojax.zero(optax.sgd(1e-3), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  evaluated = zerojax.eval_step(loss, tx)(state, batch)
+  np.testing.assert_allclose(evaluated, loss(params, batch), rtol=1e-5)
+  value, grads = zerojax.value_and_grad(loss, tx, accum_steps=accum)(
+    state, batch
+  )
+  np.testing.assert_allclose(value, loss(params, batch), rtol=1e-5)
+  want = jax.grad(loss)(params, batch)
+  got = zerojax.gather_params(zerojax.apply_gradients(state, grads))
+  for a, p, g in zip(
+    jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(want)
+  ):
+    np.testing.assert_allclose(a, p - 1e-3 * g, rtol=2e-5, atol=2e-6)
 
 
 def test_per_device_loss_averages_per_device_losses_on_purpose(mesh):
@@ -645,23 +696,28 @@ def _over_chunks(split: str, combine: str = "sum"):
   return loss
 
 
+@pytest.mark.parametrize("combine", ["sum", "undivided"])
 @pytest.mark.parametrize("split", ["tokens", "rows"])
 @pytest.mark.parametrize("stage,accum", [(0, 1), (3, 2)])
 def test_a_loss_summed_over_chunks_of_rows_or_tokens_trains_like_the_plain_step(
-  mesh, split, stage, accum
+  mesh, split, combine, stage, accum
 ):
   """A scan over the rows' chunks whose carry is a running sum is read as
-  the batched sum it is: a mean once divided, with no warning."""
+  the batched sum it is, with no warning: a mean once divided, a sum over
+  examples left undivided."""
   _assert_trains_like_plain(
-    mesh, _over_chunks(split), optax.adamw(1e-2), stage, accum, rows=64
+    mesh,
+    _over_chunks(split, combine),
+    optax.adamw(1e-2),
+    stage,
+    accum,
+    rows=64,
   )
 
 
 @pytest.mark.parametrize(
   "split,combine,verdict",
   [
-    ("rows", "undivided", "a sum over the examples not divided"),
-    ("tokens", "undivided", "a sum over the examples not divided"),
     ("rows", "max", "reduce_max over the batch's rows"),
     ("rows", "decay", None),
     ("tokens", "decay", None),
@@ -670,11 +726,10 @@ def test_a_loss_summed_over_chunks_of_rows_or_tokens_trains_like_the_plain_step(
 def test_chunks_combined_otherwise_than_summed_are_not_taken_for_a_mean(
   mesh, split, combine, verdict
 ):
-  """A sum and a carry that decays (weighing the chunks apart) differ per
-  device from the whole batch's loss: the sum is refused, the decay not
-  read (a warning). A maximum over a chunk's rows combines examples and
-  is refused (here each device's rows hold whole chunks, so only the
-  reading can tell)."""
+  """A carry that decays (weighing the chunks apart) differs per device
+  from the whole batch's loss: it is not read (a warning). A maximum over
+  a chunk's rows combines examples and is refused (here each device's
+  rows hold whole chunks, so only the reading can tell)."""
   loss, batch = _over_chunks(split, combine), _batch(rows=64)
   tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
   state = zerojax.init(_params(), tx)

@@ -43,24 +43,18 @@ from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.jaxpr import examples_layout as _layout
 from zerojax._src.jaxpr import row_count as _row_count
+from zerojax._src.jaxpr.classes import RK, C, Mixes, R, S, U, Unknown, X
 from zerojax._src.jaxpr.examples import (
   BAKED,
   CUMULATIVE,
   ELEMENTWISE,
   REDUCE,
-  RK,
-  C,
-  Mixes,
-  R,
-  S,
-  U,
-  Unknown,
-  X,
   bake,
   baked,
   const,
   elementwise,
   fold,
+  nonzero,
   where,
 )
 
@@ -95,11 +89,14 @@ def _run(jaxpr, ins):
   return [of(v) for v in jaxpr.outvars]
 
 
-def verdict(outs, baked, rows) -> tuple[str, str]:
-  """``("mean" | "mixes" | "unknown", reason)`` from the loss's class in
-  traces at ``rows[0]`` and ``rows[1]`` rows, and the factors each trace
-  baked into the examples' terms (``outs[1]`` None: the loss could not be
-  traced at the second)."""
+def verdict(outs, baked, rows, sums: bool = True) -> tuple[str, str]:
+  """``("mean" | "sum" | "mixes" | "unknown", reason)`` from the loss's
+  class in traces at ``rows[0]`` and ``rows[1]`` rows, and the factors each
+  trace baked into the examples' terms (``outs[1]`` None: the loss could
+  not be traced at the second). ``"sum"``: a sum over examples at factors
+  that do not change with the rows and nothing added, so the devices'
+  losses add up to the whole batch's; with ``sums`` False (a value the
+  step averages) a sum is ``"mixes"``."""
   a, b = outs
   for c in (a, b):
     if isinstance(c, X):
@@ -128,16 +125,33 @@ def verdict(outs, baked, rows) -> tuple[str, str]:
       "each example's term is scaled by a number that changes with the "
       "batch size"
     )
-  for ca, cb in zip(a.coefs, b.coefs):
-    wa, wb = ca * rows[0], cb * rows[1]
-    if not math.isclose(wa, wb, rel_tol=1e-5, abs_tol=1e-30):
-      return "mixes", (
-        f"a sum over the examples not divided by their number (a sum loss, "
-        f"or a fixed divisor): {ca:.4g} x the sum at {rows[0]} rows per "
-        f"device, {cb:.4g} x at {rows[1]}, where a mean's factor follows "
-        f"1 / rows{a.at}"
-      )
-  return "mean", ""
+  close = lambda x, y: math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-30)
+  pairs = list(zip(a.coefs, b.coefs))
+  if all(close(ca * rows[0], cb * rows[1]) for ca, cb in pairs):
+    return "mean", ""
+  factors = (
+    f"{', '.join(f'{ca:.4g}' for ca, _ in pairs)} x the sums at {rows[0]} "
+    f"rows per device, {', '.join(f'{cb:.4g}' for _, cb in pairs)} x at "
+    f"{rows[1]}"
+  )
+  if not sums:
+    return "mixes", (
+      f"a sum over the examples not divided by their number (a sum, or a "
+      f"fixed divisor): {factors}, where a mean's factors follow 1 / rows"
+      f"{a.at}"
+    )
+  if all(close(ca, cb) for ca, cb in pairs):
+    if not (a.offset or b.offset):
+      return "sum", ""
+    return "mixes", (
+      f"a sum over the examples plus a term that is not one (a penalty or "
+      f"a constant), which each device would add once{a.at}"
+    )
+  return "mixes", (
+    f"sums over the examples weighed apart (a mean added to a sum, or a "
+    f"divisor that changes with the rows): {factors}, where a mean's "
+    f"factors follow 1 / rows and a sum's stay{a.at}"
+  )
 
 
 def _first_bad(ins):
@@ -205,7 +219,11 @@ def _loop_join(a, b):
   if isinstance(a, S) and isinstance(b, S):
     # a sum accumulated over the iterations (a chunked loss): its terms'
     # factors as a set, each checked to follow 1 / rows like any other
-    return S(tuple(sorted(set(a.coefs) | set(b.coefs))), a.at or b.at)
+    return S(
+      tuple(sorted(set(a.coefs) | set(b.coefs))),
+      a.at or b.at,
+      a.offset or b.offset,
+    )
   if isinstance(a, R) and isinstance(b, R) and a.layout == b.layout:
     bake(b.scale)
     return baked(a)
@@ -213,7 +231,7 @@ def _loop_join(a, b):
     if isinstance(x, C) and isinstance(y, R) and y.d in x.uniform:
       return baked(y)
     if isinstance(x, C) and isinstance(y, S):
-      return y
+      return dataclasses.replace(y, offset=y.offset or nonzero(x))
   return U("a loop carry that changes its layout over the rows")
 
 

@@ -1,12 +1,13 @@
-"""The classes of :mod:`zerojax._src.jaxpr.batch_mean`'s reading of a
-loss, and its rules for elementwise arithmetic.
+"""The rules of :mod:`zerojax._src.jaxpr.batch_mean`'s reading of a loss
+for elementwise arithmetic, and the constants' folding.
 
-Each value of a loss's jaxpr is ``C`` (independent of the batch's rows),
-``R`` (per example), ``S`` (linear in a sum over the rows), ``X`` (mixes
-examples) or ``U`` (not followed). A per-example value carries the literal
-factor applied to it so far; a factor that ends up inside an example's
-term is recorded (:func:`bake`), so that two traces at different row
-counts can show it does not depend on them.
+Each value of a loss's jaxpr has a class (:mod:`zerojax._src.jaxpr.classes`):
+``C`` (independent of the batch's rows), ``R`` (per example), ``S``
+(linear in a sum over the rows), ``X`` (mixes examples) or ``U`` (not
+followed). A per-example value carries the literal factor applied to it
+so far; a factor that ends up inside an example's term is recorded
+(:func:`bake`), so that two traces at different row counts can show it
+does not depend on them.
 """
 
 from __future__ import annotations
@@ -18,63 +19,7 @@ import math
 import jax
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class C:
-  uniform: frozenset = frozenset()  # axes along which the value is constant
-  val: object = None  # the value when known and small (numpy)
-  pos: int | None = None  # an iota's axis (a position, not data)
-  noise: bool = False  # drawn from a key: independent per element
-  fill: object = None  # every element's value, when all are the same
-  lits: frozenset = frozenset()  # known numbers folded into it (row_count)
-
-
-@dataclasses.dataclass(frozen=True)
-class R:
-  d: int
-  m: int = 1
-  scale: float = 1.0  # literal factors applied to the examples so far
-
-  @property
-  def layout(self):
-    return (self.d, self.m)
-
-
-@dataclasses.dataclass(frozen=True)
-class RK:
-  """The rows in chunks of whole examples: axis ``d`` indexes the chunks,
-  axis ``d + 1`` holds each chunk's rows as :class:`R` (``m`` elements per
-  example). Read only as a scan's input over ``d`` (``batch_mean``)."""
-
-  d: int
-  m: int = 1
-  scale: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class S:
-  coefs: tuple = (1.0,)
-  at: str = dataclasses.field(default="", compare=False)  # the first sum
-
-
-@dataclasses.dataclass(frozen=True)
-class X:
-  reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class U:
-  reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class IX:
-  """An index array (last axis: the index vector) built per row ``d``,
-  with each vector entry an iota over the rows (``"I"``) or data."""
-
-  d: int
-  comps: tuple
-
+from zerojax._src.jaxpr.classes import IX, C, Mixes, R, S, Unknown
 
 PASS = frozenset(
   {
@@ -185,14 +130,6 @@ def user_frames(e) -> tuple:
     for f in frames
     if not any(s in f.file_name for s in skip)
   )
-
-
-class Unknown(Exception):
-  pass
-
-
-class Mixes(Exception):
-  pass
 
 
 def fold(e, ins) -> C:
@@ -462,21 +399,23 @@ def linear(name, ins):
   sums = [c for c in ins if isinstance(c, S)]
   at = next((c.at for c in sums if c.at), "")
   consts = [c for c in ins if isinstance(c, C)]
-  if name in ("add", "add_any"):
-    return S(sum((s.coefs for s in sums), ()), at)
-  if name == "sub":
-    a, b = ins
-    if isinstance(a, S) and isinstance(b, S):
-      return S(a.coefs + tuple(-x for x in b.coefs), at)
-    s = a if isinstance(a, S) else b
-    return S(s.coefs if isinstance(a, S) else tuple(-x for x in s.coefs), at)
+  off = any(s.offset for s in sums)
+  if name in ("add", "add_any", "sub"):
+    off = off or any(nonzero(c) for c in consts)
+    coefs = [
+      -x if name == "sub" and i == 1 else x
+      for i, c in enumerate(ins)
+      if isinstance(c, S)
+      for x in c.coefs
+    ]
+    return S(tuple(coefs), at, off)
   if name in PASS or name == "neg":
     (s,) = sums
-    return S(tuple(-x for x in s.coefs), at) if name == "neg" else s
+    return S(tuple(-x for x in s.coefs), at, off) if name == "neg" else s
   if name == "mul":
     if len(sums) > 1:
       raise Mixes("a product of two sums over the batch")
-    return S(tuple(x * scalar(consts[0]) for x in sums[0].coefs), at)
+    return S(tuple(x * scalar(consts[0]) for x in sums[0].coefs), at, off)
   if name == "div":
     a, b = ins
     if isinstance(b, S):
@@ -484,12 +423,18 @@ def linear(name, ins):
         "a division by a sum over the batch (a mean normalized by a count "
         "over the rows, such as a token count)"
       )
-    return S(tuple(x / scalar(b) for x in a.coefs), at)
+    return S(tuple(x / scalar(b) for x in a.coefs), at, off)
   if name in NONLINEAR:
     raise Mixes(
       f"{name} of a sum over the batch (a nonlinear function of a mean)"
     )
   raise Unknown(f"{name} of a sum over the batch")
+
+
+def nonzero(c: C) -> bool:
+  """Whether constant ``c`` may differ from 0 (its value not known 0)."""
+  v = element_value(c)
+  return v is None or bool(np.any(v != 0))
 
 
 def scalar(c: C) -> float:

@@ -9,17 +9,12 @@ import math
 
 import numpy as np
 
+from zerojax._src.jaxpr.classes import IX, RK, C, Mixes, R, S, Unknown
 from zerojax._src.jaxpr.examples import (
-  IX,
-  RK,
-  C,
-  Mixes,
-  R,
-  S,
-  Unknown,
   bake,
   baked,
   fold,
+  nonzero,
   scalar,
   shape_of,
   where,
@@ -251,7 +246,8 @@ def _concatenate(dim: int, shapes, ins):
     # each element is linear in the sums, as their S says
     sums = [c for c in ins if isinstance(c, S)]
     at = next((c.at for c in sums if c.at), "")
-    return [S(sum((c.coefs for c in sums), ()), at)]
+    off = any(c.offset if isinstance(c, S) else nonzero(c) for c in ins)
+    return [S(sum((c.coefs for c in sums), ()), at, off)]
   if any(isinstance(c, (S, IX)) for c in ins):
     raise Unknown("a concatenation of sums over the batch")
   first = rows[0]

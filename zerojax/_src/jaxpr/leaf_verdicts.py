@@ -12,7 +12,8 @@ import math
 import numpy as np
 
 from zerojax._src.jaxpr import row_count as _row_count
-from zerojax._src.jaxpr.examples import C, R, S, U, X, element_value
+from zerojax._src.jaxpr.classes import C, R, S, U, X
+from zerojax._src.jaxpr.examples import element_value
 
 
 def count_verdict(outs, baked, rows) -> str | None:

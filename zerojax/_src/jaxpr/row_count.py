@@ -22,7 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from zerojax._src.jaxpr.examples import BAKED, C, element_value, shape_of, where
+from zerojax._src.jaxpr.classes import C
+from zerojax._src.jaxpr.examples import BAKED, element_value, shape_of, where
 
 
 @dataclasses.dataclass(frozen=True)

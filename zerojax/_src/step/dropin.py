@@ -44,12 +44,8 @@ from jax.sharding import PartitionSpec as P
 from zerojax._src.records import warn as _warn
 from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.mesh import explicit_names, named
-from zerojax._src.records.spec import (
-  StateSpec,
-  gathered,
-  make_spec,
-  path_difference,
-)
+from zerojax._src.records.spec import StateSpec, gathered, make_spec
+from zerojax._src.records.trees import path_difference
 from zerojax._src.step import update as _update
 from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.extras import warn_untrained

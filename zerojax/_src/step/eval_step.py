@@ -75,12 +75,15 @@ def _eval_local(
     )
 
   loss, _, aux = run(batch)
+  mean = 1.0 / tx.batch_shards
+  scale = 1.0 if prog.sums else mean  # a sum over examples adds up
   if found is None:
-    return jax.lax.pmean(loss, tx.batch_axes)
+    reduce = jax.lax.psum if prog.sums else jax.lax.pmean
+    return reduce(loss, tx.batch_axes)
   dims = _aux.row_dims(aux, lambda mb: run(mb)[2], batch)
   found.set(dims)
   loss, reduced, rows, _ = reduce_outputs(
-    loss, aux, None, tx.batch_axes, 1.0 / tx.batch_shards, dims
+    loss, aux, None, tx.batch_axes, mean, dims, loss_scale=scale
   )
   return loss, reduced, rows
 
@@ -94,16 +97,15 @@ class EvalStep(CompiledStep):
   where = "zerojax.eval_step"
 
   def __call__(self, state: ZeroState, batch):
-    batch = self._prepare(state, batch)
-    return self._run("zerojax.eval_step", state, batch)
+    return self._run("zerojax.eval_step", *self._prepare(state, batch))
 
   def lower(self, state: ZeroState, batch):
     """``jax.jit(...).lower`` of the eval step (e.g. for its memory);
     ``state`` and ``batch`` may be abstract, as for :meth:`TrainStep.lower`."""
     state = abstract_ready(state, "EvalStep.lower")
-    batch = self._prepare(state, batch)
+    args = self._prepare(state, batch)
     with explain_per_device_errors(self.tx.mesh, "zerojax.eval_step"):
-      return self._jitted.lower(state, batch)
+      return self._jitted.lower(*args)
 
 
 def eval_step(
@@ -142,13 +144,15 @@ def eval_step(
       f"(return (mean loss, aux)) or False."
     )
 
-  def run(state, batch):
+  def run(state, batch, sums):
     spec = state.spec
     if not has_aux:
-      return spec.region(_run, spec.replicated())(state, batch)
+      return spec.region(
+        lambda state, batch: _run(state, batch, sums), spec.replicated()
+      )(state, batch)
     found = _aux.RowDims()
     loss, reduced, rows = spec.region(
-      lambda state, batch: _run(state, batch, found),
+      lambda state, batch: _run(state, batch, sums, found),
       (
         spec.replicated(),
         spec.replicated(),
@@ -157,13 +161,13 @@ def eval_step(
     )(state, batch)
     return loss, _aux.merge(reduced, rows, found.dims)
 
-  def _run(state, batch, found=None):
+  def _run(state, batch, sums, found=None):
     call = LossCall(
       has_key=state.key is not None,
       has_model_state=state.model_state is not None,
       has_aux=True if has_aux and state.model_state is None else None,
     )
-    prog = LossProgram(state.spec, loss_fn, call, gather=gather)
+    prog = LossProgram(state.spec, loss_fn, call, gather=gather, sums=sums)
     args = LossArgs(batch, step_key(state), state.model_state)
     if found is None:
       return over_batch_axes(
@@ -183,7 +187,7 @@ def eval_step(
     tx=tx,
     gather=gather,
     accum_steps=1,
-    _jitted=jax.jit(run),
+    _jitted=jax.jit(run, static_argnums=2),
     per_device_loss=per_device_loss,
     reports_aux=has_aux,
     keeps_model_state=False,

@@ -112,9 +112,12 @@ def local_grads(
     )
     how = GatherMode(mode)
     hooked = [h and not d for h, d in zip(gathered, direct)]
-  # offloaded gradients are scaled to the mean where they are reduced
-  # (with several micro-batches: summed in host memory, scaled after)
-  scale = 1.0 / (tx.batch_shards * k)
+  # the aux's means are averaged over devices and micro-batches, the loss
+  # and its gradient too unless the loss is a sum over examples;
+  # offloaded gradients are scaled where they are reduced (with several
+  # micro-batches: summed in host memory, scaled after)
+  mean = 1.0 / (tx.batch_shards * k)
+  scale = 1.0 if prog.sums else mean
   gspecs = [
     (
       dataclasses.replace(gather_spec(spec, r), grad_to_host=scale)
@@ -228,7 +231,7 @@ def local_grads(
     found.set(dims)
   return (
     reduce_grads(spec, grads, hooked, scale / seed, direct),
-    *reduce_outputs(loss, aux, new_ms, axes, scale, dims),
+    *reduce_outputs(loss, aux, new_ms, axes, mean, dims, loss_scale=scale),
   )
 
 
@@ -392,8 +395,8 @@ def value_and_grad(
     loss_fn, tx, has_aux, accum_steps, per_device_loss
   )
 
-  @functools.partial(jax.jit, static_argnums=3)
-  def run(params, batch, key, models):
+  @functools.partial(jax.jit, static_argnums=(3, 4))
+  def run(params, batch, key, models, sums):
     if isinstance(params, ZeroState):
       spec, model, ms = params.spec, params.params, params.model_state
       if key is None and params.key is not None:
@@ -415,7 +418,7 @@ def value_and_grad(
           ]
         )
       grads, loss, (reduced, rows), _ = sharded_grads(
-        LossProgram(spec, loss_fn, call, accum_steps, gather),
+        LossProgram(spec, loss_fn, call, accum_steps, gather, sums=sums),
         model,
         batch,
         key,
@@ -470,8 +473,8 @@ def value_and_grad(
       None if isinstance(params, ZeroState) else model_axes_of(params, tx)
     )
     placed = place_batch(batch, tx, accum_steps)
-    check_loss(params, batch, key)
+    sums = check_loss(params, batch, key) == "sum"
     with explain_per_device_errors(tx.mesh, "zerojax.value_and_grad"):
-      return run(params, placed, key, models)
+      return run(params, placed, key, models, sums)
 
   return fn

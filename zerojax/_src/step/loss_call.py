@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zerojax._src.records.spec import StateSpec, tree_difference
+from zerojax._src.records.spec import StateSpec
+from zerojax._src.records.trees import tree_difference
 from zerojax._src.step.batch import unshare
 
 GATHER_MODES = ("auto", "model", "all")
@@ -121,7 +122,10 @@ class LossProgram:
 
   ``typed``: whether the per-device program keeps JAX's per-device types
   (``jax.shard_map``'s ``check_vma``); ``False`` for a loss those types
-  refuse (:func:`zerojax._src.step.per_device.over_batch_axes`)."""
+  refuse (:func:`zerojax._src.step.per_device.over_batch_axes`).
+  ``sums``: the loss is a sum over examples (the loss check's verdict), so
+  the devices' and micro-batches' losses and gradients are added up, not
+  averaged."""
 
   spec: StateSpec
   loss_fn: Callable
@@ -129,6 +133,7 @@ class LossProgram:
   accum_steps: int = 1
   gather: str = "auto"
   typed: bool = True
+  sums: bool = False
 
 
 class LossArgs(NamedTuple):

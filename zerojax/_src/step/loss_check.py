@@ -1,9 +1,11 @@
-"""The check that a loss is a mean over its batch's examples.
+"""The check that a loss is a mean or a sum over its batch's examples.
 
 A step runs the loss on each device's rows of the batch (and on each
-micro-batch) and averages the results: the unsharded loss only when the
-loss is a mean over examples. :func:`check_mean_over_examples` traces the
-loss abstractly, at two row counts, and reads the answer from its jaxpr
+micro-batch) and averages the results for a mean over examples, or adds
+them up for a sum over examples (``jnp.sum(ce * mask) / tokens`` with the
+whole batch's token count a scalar batch leaf): the unsharded loss only
+for those two. :func:`check_mean_over_examples` traces the loss
+abstractly, at two row counts, and reads which it is from its jaxpr
 (:mod:`zerojax._src.jaxpr.batch_mean`), before anything runs. A loss that
 combines examples raises :class:`LossNotAMeanError`, naming what combines
 them and where; one the reading cannot follow warns
@@ -27,8 +29,9 @@ from zerojax._src.step.loss_call import LossCall, whole_params
 
 
 class LossNotAMeanError(ValueError):
-  """The loss combines examples, so its per-device average is not the
-  loss on the whole batch."""
+  """The loss combines examples (it is neither a mean nor a sum over
+  them), so no combination of the per-device losses is the loss on the
+  whole batch."""
 
 
 class LossUnverifiedWarning(UserWarning):
@@ -68,12 +71,13 @@ class AuxUnverifiedWarning(UserWarning):
 
 
 _FIX = (
-  "Write the loss as a mean over examples (jnp.mean of per-example terms; "
-  "for a mean over tokens, pass the whole batch's tokens per row as a "
-  "scalar batch leaf and return jnp.mean(jnp.sum(ce * mask, axis=1)) / "
-  "batch['tokens_per_row']), or build the step with per_device_loss=True "
-  "to average per-device losses on purpose (batch statistics and "
-  "normalizers per device, as data parallelism computes them)."
+  "Write the loss as a mean over examples (jnp.mean of per-example terms) "
+  "or as a sum over them with nothing else added (for a mean over tokens, "
+  "pass the whole batch's token count as a scalar batch leaf and return "
+  "jnp.sum(ce * mask) / batch['tokens']), or build the step with "
+  "per_device_loss=True to average per-device losses on purpose (batch "
+  "statistics and normalizers per device, as data parallelism computes "
+  "them)."
 )
 
 
@@ -91,7 +95,7 @@ def check_step_loss(step, state, batch):
   ``CompiledStep``) on ``state`` and ``batch``, unless it was built with
   ``per_device_loss=True``."""
   if step.per_device_loss:
-    return
+    return "mean"
   call = LossCall(
     has_key=state.key is not None, has_model_state=state.model_state is not None
   )
@@ -104,7 +108,7 @@ def check_step_loss(step, state, batch):
       new_ms if step.keeps_model_state else (),  # a discarded one too
     )
 
-  check_mean_over_examples(
+  return check_mean_over_examples(
     loss,
     whole_params(state.spec),
     batch,
@@ -126,11 +130,11 @@ def grad_loss_check(loss_fn, tx, has_aux, accum, per_device_loss):
 
   def check(params, batch, key):
     if per_device_loss:
-      return
+      return "mean"
     state = params if isinstance(params, ZeroState) else None
     has_key = key is not None or (state is not None and state.key is not None)
     call = LossCall(has_key=has_key, has_model_state=False, has_aux=has_aux)
-    check_mean_over_examples(
+    return check_mean_over_examples(
       lambda p, b, k, ms: _loss_and_aux(call(loss_fn, p, b, k, ms)),
       params if state is None else whole_params(state.spec),
       batch,
@@ -153,8 +157,11 @@ def check_mean_over_examples(
   loss, params, batch, key, model_state, *, shards: int, where: str, seen: dict
 ):
   """Raises or warns unless ``loss(params, batch, key, model_state)`` (the
-  loss value) is a mean over the batch's examples; warns for each floating
-  aux leaf the step averages that combines examples (:func:`_check_aux`).
+  loss value) is a mean or a sum over the batch's examples; warns for each
+  floating aux leaf the step averages that combines examples
+  (:func:`_check_aux`). Returns how the devices' and micro-batches' losses
+  combine into the whole batch's: ``"sum"`` for a sum over examples,
+  ``"mean"`` otherwise (a mean, or a loss that could not be read).
 
   Args:
     loss: ``(params, batch, key, model_state) -> (scalar loss, aux)``.
@@ -168,8 +175,8 @@ def check_mean_over_examples(
   leaves, treedef = jax.tree.flatten(batch)
   signature = (treedef, tuple(_signature(x) for x in leaves), shards)
   if signature in seen:
-    return
-  seen[signature] = True
+    return seen[signature]
+  seen[signature] = "mean"
   rows = next(np.shape(x)[0] for x in leaves if np.ndim(x)) // shards
   # not the step's own row count: a jax.jit inside the loss caches its
   # trace by shapes, and the report's reading of the loss (its Remat
@@ -184,7 +191,7 @@ def check_mean_over_examples(
     counts = (rows, rows)
     first = _classified(loss, abstract, treedef, leaves, rows)
     if first is None:
-      return
+      return "mean"
   else:
     second = _classified(loss, abstract, treedef, leaves, counts[1])
   outs = [first[0][0], None if second is None else second[0][0]]
@@ -199,14 +206,17 @@ def check_mean_over_examples(
   if kind == "mixes":
     del seen[signature]  # raised: asked again, it raises again
     raise LossNotAMeanError(
-      f"{where}: loss_fn is not a mean over the batch's examples: "
-      f"{reason}. The step computes the loss on each device's rows "
-      f"(and micro-batch) and averages, which is the loss on the whole "
-      f"batch only for a mean over examples; this one would give other "
-      f"numbers than the unsharded step. {_FIX}"
+      f"{where}: loss_fn is neither a mean nor a sum over the batch's "
+      f"examples: {reason}. The step computes the loss on each device's "
+      f"rows (and micro-batch) and averages the results (a mean over "
+      f"examples) or adds them up (a sum), which is the loss on the whole "
+      f"batch only for those two; this one would give other numbers than "
+      f"the unsharded step. {_FIX}"
     )
   if kind == "unknown":
     _unverified(where, reason)
+  seen[signature] = "sum" if kind == "sum" else "mean"
+  return seen[signature]
 
 
 def _check_aux(first, second, baked, counts, where: str):
@@ -240,7 +250,7 @@ def _check_aux(first, second, baked, counts, where: str):
         _warn_per_row(where, leaf, reason)
       continue
     if jnp.issubdtype(a.dtype, jnp.inexact):  # bfloat16 too
-      kind, reason = _batch_mean.verdict([ca, cb], baked, counts)
+      kind, reason = _averaged_verdict([ca, cb], baked, counts)
       if kind == "mixes":
         _warn_mean(where, leaf, reason)
       continue
@@ -260,6 +270,14 @@ def _check_aux(first, second, baked, counts, where: str):
       )
 
 
+def _averaged_verdict(outs, baked, counts) -> tuple[str, str]:
+  """:func:`~zerojax._src.jaxpr.batch_mean.verdict` for a value the step
+  averages over devices and micro-batches (a float aux or model state
+  leaf): a sum over examples is then another number, as is any value that
+  is not a mean."""
+  return _batch_mean.verdict(outs, baked, counts, sums=False)
+
+
 def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
   """``[(leaf, dtype, reason)]`` for each new model state leaf the step
   would hold otherwise than the unsharded step: a floating leaf (averaged
@@ -273,7 +291,7 @@ def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
       continue  # a key: device 0's, as the unsharded step draws it
     if jnp.issubdtype(a.dtype, jnp.inexact):
-      kind, reason = _batch_mean.verdict([ca, cb], baked, counts)
+      kind, reason = _averaged_verdict([ca, cb], baked, counts)
     else:
       kind, reason = _leaf_verdicts.kept_verdict([ca, cb])
     if kind == "mixes":

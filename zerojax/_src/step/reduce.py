@@ -132,12 +132,18 @@ def reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
   return out
 
 
-def reduce_outputs(loss, aux, new_ms, axes, scale: float, dims):
-  """The loss and float aux as means over devices and micro-batches,
-  integer aux (counts) summed, per-example aux stacked for the devices'
-  rows (:mod:`zerojax._src.step.aux`), the model state synchronised.
-  Returns ``(loss, aux_reduced, aux_rows, new_model_state)``."""
-  loss = jax.lax.psum(loss, axes) * scale
+def reduce_outputs(
+  loss, aux, new_ms, axes, scale: float, dims, *, loss_scale=None
+):
+  """The loss and float aux as means over devices and micro-batches
+  (``scale``: 1 / their number; the loss scaled by ``loss_scale`` when
+  given, 1 for a sum over examples), integer aux (counts) summed,
+  per-example aux stacked for the devices' rows
+  (:mod:`zerojax._src.step.aux`), the model state synchronised. Returns
+  ``(loss, aux_reduced, aux_rows, new_model_state)``."""
+  loss = jax.lax.psum(loss, axes) * (
+    scale if loss_scale is None else loss_scale
+  )
   reduced, rows = _aux.split(aux, dims)
   leaves, tree = jax.tree.flatten(reduced)
   reduced = jax.tree.unflatten(

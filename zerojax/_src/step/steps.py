@@ -32,12 +32,8 @@ from jax.sharding import NamedSharding
 
 from zerojax._src.records.config import HOST_MEMORY
 from zerojax._src.records.mesh_errors import explain_per_device_errors
-from zerojax._src.records.spec import (
-  StateSpec,
-  ZeroState,
-  leaf_dtype,
-  tree_difference,
-)
+from zerojax._src.records.spec import StateSpec, ZeroState, leaf_dtype
+from zerojax._src.records.trees import tree_difference
 from zerojax._src.step import accumulate as _accumulate
 from zerojax._src.step import aux as _aux
 from zerojax._src.step import grad as _grad
@@ -171,11 +167,15 @@ def _step(
   gather_mode,
   with_grad_norm=True,
   found=None,
+  sums=False,
 ):
   """``(new state, metrics, (aux_reduced, aux_rows))``; ``found`` learns
-  which aux leaves are per-example (:mod:`zerojax._src.step.aux`)."""
+  which aux leaves are per-example (:mod:`zerojax._src.step.aux`);
+  ``sums``: the loss is a sum over examples (the loss check's verdict)."""
   spec = state.spec
-  prog = LossProgram(spec, loss_fn, loss_call(state), accum_steps, gather_mode)
+  prog = LossProgram(
+    spec, loss_fn, loss_call(state), accum_steps, gather_mode, sums=sums
+  )
   unscaled = _accumulate.Unscaled()  # host sums scaled as they are loaded
   grads, loss, aux, new_ms = _grad.sharded_grads(
     prog,
@@ -219,11 +219,14 @@ class CompiledStep:
   )
   where = "zerojax step"
 
-  def _prepare(self, state, batch):
+  def _prepare(self, state, batch, extra_args=None):
+    """The jitted program's arguments: the state, the batch placed, the
+    extra args split (a train step's), and whether the loss is a sum over
+    examples (added up over devices and micro-batches, not averaged)."""
     check_state(state, self.tx)
     placed = place_batch(batch, self.tx, self.accum_steps)
-    check_step_loss(self, state, batch)
-    return placed
+    extra = () if extra_args is None else _update.split_extra_args(extra_args)
+    return state, placed, *extra, check_step_loss(self, state, batch) == "sum"
 
   def _run(self, where: str, state, *args):
     """The jitted call; a deleted state leaf is refused first, by path."""
@@ -260,32 +263,26 @@ class TrainStep(CompiledStep):
   where = "zerojax.train_step"
 
   def __call__(self, state: ZeroState, batch, **extra_args):
-    batch = self._prepare(state, batch)
-    return self._run(
-      "zerojax.train_step", state, batch, *_update.split_extra_args(extra_args)
-    )
+    args = self._prepare(state, batch, extra_args)
+    return self._run("zerojax.train_step", *args)
 
   def lower(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).lower`` of the step, e.g. to read its compiled HLO.
     ``state`` may be abstract (``jax.eval_shape`` of ``zerojax.init_from``)
     where its leaves carry their shardings (an Explicit mesh)."""
     state = abstract_ready(state, "TrainStep.lower")
-    batch = self._prepare(state, batch)
+    args = self._prepare(state, batch, extra_args)
     with explain_per_device_errors(self.tx.mesh, "zerojax.train_step"):
-      return self._jitted.lower(
-        state, batch, *_update.split_extra_args(extra_args)
-      )
+      return self._jitted.lower(*args)
 
   def trace(self, state: ZeroState, batch, **extra_args):
     """``jax.jit(...).trace`` of the step: its jaxpr, or a lowering for
     another platform (``.lower(lowering_platforms=("cuda",))`` shows the
     GPU program, host-memory placements included, from a CPU machine)."""
     state = abstract_ready(state, "TrainStep.trace")
-    batch = self._prepare(state, batch)
+    args = self._prepare(state, batch, extra_args)
     with explain_per_device_errors(self.tx.mesh, "zerojax.train_step"):
-      return self._jitted.trace(
-        state, batch, *_update.split_extra_args(extra_args)
-      )
+      return self._jitted.trace(*args)
 
 
 def abstract_ready(state, where: str):
@@ -452,7 +449,7 @@ def train_step(
       f"True (report metrics['grad_norm']) or False."
     )
 
-  def fn(state, batch, arrays, static):
+  def fn(state, batch, arrays, static, sums):
     found = _aux.RowDims()
 
     def body(state, batch, arrays):
@@ -465,6 +462,7 @@ def train_step(
         gather_mode=gather,
         with_grad_norm=grad_norm,
         found=found,
+        sums=sums,
       )
 
     spec = state.spec
@@ -483,7 +481,9 @@ def train_step(
       metrics["aux"] = _aux.merge(reduced, rows, found.dims)
     return new, metrics
 
-  jitted = jax.jit(fn, donate_argnums=(0,) if donate else (), static_argnums=3)
+  jitted = jax.jit(
+    fn, donate_argnums=(0,) if donate else (), static_argnums=(3, 4)
+  )
   return TrainStep(
     loss_fn=loss_fn,
     tx=tx,

@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._src.records.mesh import compute_mesh, in_caller_types
-from zerojax._src.records.spec import StateSpec, ZeroState, path_difference
+from zerojax._src.records.spec import StateSpec, ZeroState
+from zerojax._src.records.trees import path_difference
 from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload as _offload
 from zerojax._src.step import offload_run as _offload_run
