@@ -355,8 +355,9 @@ def value_and_grad(
   :func:`zerojax.gather` (stages 2-3).
 
   Args:
-    loss_fn: ``loss_fn(params, batch[, key=])`` returning the mean loss over
-      its rows, or ``(loss, aux)`` with ``has_aux=True``.
+    loss_fn: ``loss_fn(params, batch[, key=])`` returning the mean (or the
+      sum) loss over its rows, or ``(loss, aux)`` with ``has_aux=True``;
+      the devices' means are averaged, their sums added up.
     tx: a :class:`zerojax.ZeroTransformation`.
     has_aux: as in ``jax.value_and_grad``. The aux is the loss's on the
       whole batch: a leaf whose shape follows the batch's rows

@@ -392,8 +392,10 @@ def train_step(
   :func:`zerojax.apply_gradients`, compiled together and donating the state.
 
   Args:
-    loss_fn: ``loss_fn(params, batch)`` returning the mean loss over the
-      (per-device micro-) batch it is given, or ``(loss, aux)``. When the
+    loss_fn: ``loss_fn(params, batch)`` returning the mean (or the sum)
+      loss over the (per-device micro-) batch it is given, or
+      ``(loss, aux)``; the devices' means are averaged, their sums added
+      up (the loss check reads which the loss is). When the
       state carries a key (``zerojax.init(..., key=)``) it is called with
       ``key=`` as well, distinct per step, device and micro-batch; when it
       carries model state, with ``model_state=``, and returns
@@ -420,10 +422,10 @@ def train_step(
       gradients inside its backward loop. Either way the result is the
       unsharded one. Other errors in the loss propagate unchanged.
     donate: donate the input state's buffers to the output state.
-    per_device_loss: ``False`` (default): a loss that is not a mean over
-      examples (whose per-device average is not the whole batch's loss)
-      raises :class:`zerojax.errors.LossNotAMeanError` before anything
-      runs (:mod:`zerojax._src.step.loss_check`). ``True``: average the
+    per_device_loss: ``False`` (default): a loss that is neither a mean
+      nor a sum over examples raises
+      :class:`zerojax.errors.LossNotAMeanError` before anything runs
+      (:mod:`zerojax._src.step.loss_check`). ``True``: average the
       per-device losses on purpose (data parallelism's semantics).
     grad_norm: report the global norm of the step's gradient (the
       optimizer's input, after the reduction) as ``metrics["grad_norm"]``.
