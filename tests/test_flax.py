@@ -396,3 +396,12 @@ def test_nnx_optimizer_takes_nnx_model_specs_on_an_auto_mesh(stage):
     ...
   ].sharding.spec == jax.sharding.PartitionSpec(None, "model")
   chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-6)
+  # without the specs the drop-in cannot read Auto axes inside a jit: the
+  # error names the call that gives them
+  hint = r"zerojax\.nnx\.model_specs\(nnx\.state\(model, nnx\.Param\)\)"
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=hint):
+    nnx.Optimizer(
+      create(),
+      zerojax.zero(optax.adam(1e-2), stage=stage, mesh=mesh),
+      wrt=nnx.Param,
+    )

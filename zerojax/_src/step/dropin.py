@@ -77,8 +77,9 @@ def _check_config(config, where: str):
       f"model_specs; inside jit the params' shardings over Auto axes are "
       f"not part of their types, so the drop-in cannot read them. Pass "
       f"zerojax.zero(..., model_specs=...) (a tree of PartitionSpec, e.g. "
-      f"zerojax.linen.model_specs(...)), or make the model axes Explicit "
-      f"(jax.make_mesh's default)."
+      f"zerojax.linen.model_specs(variables, rules) or "
+      f"zerojax.nnx.model_specs(nnx.state(model, nnx.Param))), or make the "
+      f"model axes Explicit (jax.make_mesh's default)."
     )
 
 
