@@ -307,6 +307,40 @@ def test_gradients_in_another_tree_are_refused_not_misapplied(mesh):
   chex.assert_trees_all_close(new, want)
 
 
+def test_optax_lookahead_goes_around_the_drop_in(mesh):
+  """``optax.lookahead`` takes gradients of ``params.fast`` and updates
+  ``LookaheadParams``: wrapped around the drop-in it equals plain Optax;
+  the drop-in wrapped around it refuses those gradients with that fix."""
+  w = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 16)), jnp.float32)
+  grad = jax.grad(lambda p: jnp.mean(jnp.sin(x @ p["w"]) ** 2))
+
+  def run(opt, params):
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state):
+      updates, state = opt.update(grad(params.fast), state, params)
+      return optax.apply_updates(params, updates), state
+
+    for _ in range(3):  # a sync at step 2
+      params, state = step(params, state)
+    return params
+
+  look = functools.partial(optax.lookahead, sync_period=2, slow_step_size=0.5)
+  start = optax.LookaheadParams.init_synced({"w": w})
+  want = run(look(optax.adam(1e-2)), start)
+  with jax.set_mesh(mesh):
+    for stage in (1, 2):
+      tx = look(zerojax.zero(optax.adam(1e-2), stage=stage, mesh=mesh))
+      chex.assert_trees_all_close(run(tx, start), want, atol=1e-6)
+    inside = zerojax.zero(look(optax.adam(1e-2)), stage=1, mesh=mesh)
+    with pytest.raises(
+      ValueError, match=r"params\.fast's: .*optax\.lookahead\(zerojax\.zero"
+    ):
+      run(inside, start)
+
+
 def test_drop_in_names_a_leaf_a_donating_step_deleted(mesh):
   """An optimizer state or params donated to a jitted step, then passed to
   the drop-in's eager init or update (three times: JAX 0.10's compiled

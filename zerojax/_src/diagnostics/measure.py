@@ -12,7 +12,8 @@ import collections
 import jax
 
 from zerojax._src.diagnostics import cost
-from zerojax._src.records.spec import ZeroState, leaf_dtype
+from zerojax._src.records.spec import ZeroState
+from zerojax._src.records.trees import leaf_dtype
 from zerojax._src.step.deleted import reject_deleted
 
 

@@ -9,7 +9,10 @@ comes from, in order:
 1. ``zerojax.zero(..., model_specs=...)``: a pytree of ``PartitionSpec``
    shaped like the params (from ``zerojax.linen.model_specs`` or
    ``zerojax.nnx.model_specs``, or written by hand; ``None`` for a
-   replicated leaf), or a function ``(path, shape) -> PartitionSpec``;
+   replicated leaf), or a function ``(path, shape) -> PartitionSpec``
+   (``path``: ``records.trees.leaf_name``, the leaf's ``keystr`` without a
+   boxed leaf's ``.value`` step, so an ``nnx.State`` and its pure dict
+   name their leaves alike);
 2. otherwise the leaf's own ``NamedSharding`` (params already placed with
    ``jax.device_put``; under ``jit``, a tracer's type on a mesh with
    Explicit axes, ``jax.typeof(x).sharding``), minus any data or replica
@@ -30,6 +33,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._src.records import trees as _trees
+
 
 class ModelSpecError(ValueError):
   """A parameter's model sharding does not fit the mesh."""
@@ -39,7 +44,7 @@ class ModelSpecError(ValueError):
 class SpecTable:
   """A params-shaped tree of ``PartitionSpec`` as a hashable lookup by path."""
 
-  entries: tuple  # ((keystr path, PartitionSpec | None), ...)
+  entries: tuple  # ((trees.leaf_name(path), PartitionSpec | None), ...)
 
   @classmethod
   def from_tree(cls, tree) -> SpecTable:
@@ -54,12 +59,12 @@ class SpecTable:
           f"{s!r}; every leaf of model_specs must be a PartitionSpec or "
           f"None."
         )
-      out.append((_unboxed(jax.tree_util.keystr(path)), s))
+      out.append((_trees.leaf_name(path), s))
     return cls(tuple(out))
 
   def __call__(self, path: str, shape):
     table = dict(self.entries)
-    if _unboxed(path) not in table:
+    if path not in table:
       known = ", ".join(p for p, _ in self.entries[:4])
       raise ModelSpecError(
         f"zerojax: model_specs has no entry for param {path} (it has "
@@ -68,15 +73,7 @@ class SpecTable:
         f"zerojax.linen.model_specs(variables, rules) or "
         f"zerojax.nnx.model_specs(params)."
       )
-    return table[_unboxed(path)]
-
-
-def _unboxed(path: str) -> str:
-  """A leaf's path without the ``.value`` step a boxed leaf (a Linen
-  ``Partitioned``, an NNX ``Variable``) flattens through: the specs of an
-  ``nnx.State`` then name the params of its pure dict (what
-  ``nnx.Optimizer`` hands the optimizer), and the other way round."""
-  return path.removesuffix(".value")
+    return table[path]
 
 
 def as_lookup(model_specs):

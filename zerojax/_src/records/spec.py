@@ -39,8 +39,10 @@ from jax.sharding import PartitionSpec as P
 from zerojax._src.records import host_memory as _host_memory
 from zerojax._src.records import layout as _layout
 from zerojax._src.records import model_axes as _model_axes
+from zerojax._src.records import trees as _trees
 from zerojax._src.records.config import HOST_MEMORY, ZeroConfig
 from zerojax._src.records.mesh import auto_region, compute_mesh, named
+from zerojax._src.records.trees import leaf_dtype
 
 
 def is_trainable(dtype) -> bool:
@@ -53,14 +55,6 @@ def is_key_dtype(dtype) -> bool:
   return dtype is not None and bool(
     jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
   )
-
-
-def leaf_dtype(dtype):
-  """``np.dtype`` of a leaf, or JAX's own dtype object for extended dtypes
-  (typed PRNG keys in an optimizer state), which NumPy cannot interpret."""
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    return dtype
-  return np.dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,7 +458,7 @@ def model_axes_of(params, tx: optax.GradientTransformationExtraArgs) -> tuple:
   own ``NamedSharding``), in ``jax.tree.leaves`` order. Read it outside a
   ``jit``: a tracer has no sharding to read."""
   return tuple(
-    _model_axes.leaf_model_axes(tx.config, jax.tree_util.keystr(p), x)
+    _model_axes.leaf_model_axes(tx.config, _trees.leaf_name(p), x)
     for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
   )
 

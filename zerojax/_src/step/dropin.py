@@ -45,7 +45,7 @@ from zerojax._src.records import warn as _warn
 from zerojax._src.records.config import ZeroConfig
 from zerojax._src.records.mesh import explicit_names, named
 from zerojax._src.records.spec import StateSpec, gathered, make_spec
-from zerojax._src.records.trees import path_difference
+from zerojax._src.records.trees import check_grads_tree, path_difference
 from zerojax._src.step import update as _update
 from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.extras import warn_untrained
@@ -208,7 +208,7 @@ def _update_body(config, static, grads, state, params, arrays):
   spec = _spec(config, params, where)
   g_leaves, g_def = jax.tree.flatten(grads)
   p_leaves, p_def = jax.tree.flatten(params)
-  _update.check_grads_tree(grads, p_def, where)
+  check_grads_tree(grads, p_def, where)
   diff = path_difference(state, spec.opt_def)
   if diff is not None:
     raise ValueError(

@@ -12,8 +12,8 @@ from zerojax._src.records.spec import (
   StateSpec,
   ZeroState,
   is_key_dtype,
-  leaf_dtype,
 )
+from zerojax._src.records.trees import leaf_dtype
 from zerojax._src.step.leaf_ops import fresh_copy
 
 

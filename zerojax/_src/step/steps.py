@@ -32,8 +32,8 @@ from jax.sharding import NamedSharding
 
 from zerojax._src.records.config import HOST_MEMORY
 from zerojax._src.records.mesh_errors import explain_per_device_errors
-from zerojax._src.records.spec import StateSpec, ZeroState, leaf_dtype
-from zerojax._src.records.trees import tree_difference
+from zerojax._src.records.spec import StateSpec, ZeroState
+from zerojax._src.records.trees import leaf_dtype, tree_difference
 from zerojax._src.step import accumulate as _accumulate
 from zerojax._src.step import aux as _aux
 from zerojax._src.step import grad as _grad

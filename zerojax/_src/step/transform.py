@@ -77,7 +77,8 @@ def zero(
       axes other than data and replica: a pytree of ``PartitionSpec``
       shaped like the params (see ``zerojax.linen.model_specs`` and
       ``zerojax.nnx.model_specs``), or a function ``(path, shape) ->
-      PartitionSpec``. Default: read from the params' own ``NamedSharding``
+      PartitionSpec`` (``path``: the leaf's ``keystr``, without a boxed
+      leaf's ``.value``). Default: read from the params' own ``NamedSharding``
       where they carry one, else replicated over those axes. Those axes are
       left to XLA; zerojax adds the data axis on another dimension.
     offload: keep the master copy and the optimizer state in host memory

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._src.records.mesh import compute_mesh, in_caller_types
 from zerojax._src.records.spec import StateSpec, ZeroState
-from zerojax._src.records.trees import path_difference
+from zerojax._src.records.trees import check_grads_tree
 from zerojax._src.step import leaf_ops as _ops
 from zerojax._src.step import offload as _offload
 from zerojax._src.step import offload_run as _offload_run
@@ -415,22 +415,6 @@ def _norm_of(squares):
     jnp.promote_types, (s.dtype for s in squares), jnp.dtype(jnp.float32)
   )
   return jnp.sqrt(sum((s.astype(dt) for s in squares), jnp.zeros((), dt)))
-
-
-def check_grads_tree(grads, params_def, where: str) -> None:
-  """Raises unless the gradients' leaves stand at the params' key paths:
-  a gradient is applied to the param in its place, so another tree with
-  as many leaves of the same shapes would update the wrong params."""
-  diff = path_difference(grads, params_def)
-  if diff is not None:
-    raise ValueError(
-      f"{where}: the gradients' tree is not the params': gradient "
-      f"{diff[0]} stands where the params have {diff[1]} "
-      f"({len(jax.tree.leaves(grads))} gradient leaves, "
-      f"{params_def.num_leaves} param leaves). Pass gradients with the "
-      f"params' structure, as zerojax.value_and_grad (or jax.grad with "
-      f"respect to the params) returns them."
-    )
 
 
 def apply_gradients(state: ZeroState, grads, **extra_args) -> ZeroState:
