@@ -162,18 +162,22 @@ def test_main_job_checks_a_sized_mesh_before_it_knows_the_devices():
   """``--devices`` automatic (0): a ``--mesh`` that sizes every axis is
   checked when the flags are read (its model axis may carry
   ``--seq-shard``); one with a -1 size once the devices are known."""
-  from zerojax.app import train
+  from zerojax.app import train_config
 
-  config = lambda **kw: train.TrainConfig(**kw)
-  assert train.check(config(mesh="data=4,model=2", seq_shard="model")) == []
-  assert train.check(config(mesh="data=-1,model=2", seq_shard="model")) == []
+  config = lambda **kw: train_config.TrainConfig(**kw)
+  assert (
+    train_config.check(config(mesh="data=4,model=2", seq_shard="model")) == []
+  )
+  assert (
+    train_config.check(config(mesh="data=-1,model=2", seq_shard="model")) == []
+  )
   assert any(
     "--seq-shard=model is not a model axis of the mesh (data)" in p
-    for p in train.check(config(mesh="data=8", seq_shard="model"))
+    for p in train_config.check(config(mesh="data=8", seq_shard="model"))
   )
   assert any(
     "--batch=12 does not split over the 8 replica x data devices" in p
-    for p in train.check(config(mesh="replica=2,data=4", batch=12))
+    for p in train_config.check(config(mesh="replica=2,data=4", batch=12))
   )
 
 
@@ -182,8 +186,9 @@ def test_main_job_samples_from_params_split_over_a_model_axis():
   (params split over the model axis): it runs (the forward sees the params
   whole, on one device) and writes the sample's bytes."""
   from zerojax.app import train
+  from zerojax.app.train_config import TrainConfig
 
-  config = train.TrainConfig(
+  config = TrainConfig(
     mesh="data=4,model=2",
     seq_shard="model",
     width=32,
@@ -203,19 +208,21 @@ def test_main_job_samples_from_params_split_over_a_model_axis():
 
 
 def test_main_job_offload_flag_takes_a_share():
-  from zerojax.app import train
+  from zerojax.app import train, train_config
 
-  assert train.parse_args([]).offload == 0.0
-  assert train.parse_args(["--offload"]).offload == 1.0
-  assert train.parse_args(["--offload", "0.25"]).offload == 0.25
-  config = train.parse_args(["--offload", "0.25", "--width", "32"])
+  assert train_config.parse_args([]).offload == 0.0
+  assert train_config.parse_args(["--offload"]).offload == 1.0
+  assert train_config.parse_args(["--offload", "0.25"]).offload == 0.25
+  config = train_config.parse_args(["--offload", "0.25", "--width", "32"])
   tx, _ = train._optimizer(
     dataclasses.replace(config, devices=8), zerojax.make_mesh("data=8")
   )
   assert tx.config.offload == 0.25
   # the params' shards go to the host with any share of the state, or none
   for share in ([], ["--offload", "0.5"]):
-    config = train.parse_args([*share, "--offload-params", "--width", "32"])
+    config = train_config.parse_args(
+      [*share, "--offload-params", "--width", "32"]
+    )
     tx, _ = train._optimizer(
       dataclasses.replace(config, devices=8), zerojax.make_mesh("data=8")
     )
@@ -233,9 +240,9 @@ def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
   gradients in another order: the same run to bf16 rounding (its bits
   with the same layout: tests/test_offload_grads.py). The flags reach
   ``zero``."""
-  from zerojax.app import train
+  from zerojax.app import train, train_config
 
-  config = train.parse_args(
+  config = train_config.parse_args(
     ["--offload", "--offload-params", "--offload-grads", "--width", "32"]
   )
   tx, _ = train._optimizer(
