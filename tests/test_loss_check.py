@@ -7,6 +7,7 @@ per-device losses on purpose."""
 import re
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -437,29 +438,73 @@ def _per_example(p, b):
 
 
 @pytest.mark.parametrize(
-  "weights",
+  "weigh",
   [
-    lambda r: jnp.zeros(r).at[0].set(1.0),  # the first example only
-    lambda r: jnp.concatenate([jnp.ones(r // 2), jnp.zeros(r - r // 2)]),
-    lambda r: jnp.reshape(jnp.arange(r), (r, 1))[:, 0],
-    lambda r: jnp.arange(r)[::-1],
+    lambda r, x: jnp.zeros(r).at[0].set(1.0) * x,  # the first example only
+    lambda r, x: jnp.concatenate([jnp.ones(r // 2), jnp.zeros(r - r // 2)]) * x,
+    lambda r, x: jnp.reshape(jnp.arange(r), (r, 1))[:, 0] * x,
+    lambda r, x: jnp.arange(r)[::-1] * x,
+    lambda r, x: jnp.where(jnp.arange(r) < 5, x, 0.0),  # "the valid rows"
+    lambda r, x: jax.nn.one_hot(0, r) * x,
+    lambda r, x: jnp.take(x, jnp.array([0, 1, 2])),  # fixed examples
+    lambda r, x: jnp.concatenate([x, jnp.zeros(3)]),  # padded rows
   ],
-  ids=["scatter", "concatenate", "reshape", "rev"],
+  ids=[
+    "scatter",
+    "concatenate",
+    "reshape",
+    "rev",
+    "where_iota",
+    "one_hot",
+    "take",
+    "pad_rows",
+  ],
 )
-def test_a_constant_that_differs_over_the_rows_is_not_read_as_a_mean(
-  mesh, weights
-):
-  """Constants the reading follows through scatters, reshapes, slices and
-  concatenations stay the same along the rows only where they are."""
+def test_a_loss_that_weighs_examples_by_their_position_is_refused(mesh, weigh):
+  """A device sees its own rows at positions 0..rows-1, so a loss whose
+  terms depend on an example's position in the batch (weights built from
+  the row count, fixed rows picked or padded in) is not the unsharded
+  loss: refused by name, before anything runs. Constants the reading
+  follows through scatters, reshapes, slices and concatenations stay the
+  same along the rows only where they are."""
 
   def weighted(p, b):
-    rows = b["tok"].shape[0]
-    return jnp.mean(weights(rows) * _per_example(p, b))
+    return jnp.mean(weigh(b["tok"].shape[0], _per_example(p, b)))
 
   tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
   state = zerojax.init(_params(), tx)
-  with pytest.warns(LossUnverifiedWarning, match="varies over rows"):
+  with pytest.raises(
+    LossNotAMeanError, match="position|varies over rows|no example"
+  ):
+    zerojax.train_step(weighted, tx)(state, _batch())
+  with pytest.raises(LossNotAMeanError):
     zerojax.eval_step(weighted, tx)(state, _batch())
+
+
+def test_a_weight_per_token_position_over_flattened_rows_trains(mesh):
+  """Over rows flattened with their tokens, a constant that varies along
+  the flattened axis may be the same for every example (a weight per token
+  position, tiled): it is not refused, it warns that the loss could not be
+  read, and it trains like the plain step."""
+
+  def tiled(p, b):
+    ce = _ce(p, b)  # (rows, tokens)
+    w = jnp.tile(jnp.linspace(0.5, 1.5, ce.shape[1]), ce.shape[0])
+    return jnp.mean(ce.reshape(-1) * w)
+
+  opt = optax.sgd(0.1)
+  batches = [_batch(seed=i) for i in range(2)]
+  want, want_losses = _plain_losses(tiled, _params(), batches, opt)
+  tx = zerojax.zero(opt, stage=1, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  step = zerojax.train_step(tiled, tx)
+  with pytest.warns(LossUnverifiedWarning, match="varies over rows"):
+    state, m = step(state, batches[0])
+  state, m = step(state, batches[1])
+  np.testing.assert_allclose(float(m["loss"]), want_losses[1], rtol=2e-6)
+  chex.assert_trees_all_close(
+    zerojax.gather_params(state), want, rtol=2e-5, atol=2e-6
+  )
 
 
 def test_a_constant_the_same_along_the_rows_is_read_through_its_layout(mesh):

@@ -348,9 +348,14 @@ def elementwise(e, name, ins):
       and shape_of(v)[first.d] != 1  # size 1: broadcast along the rows
       and not c.noise
     ):
-      if c.pos == first.d:
-        raise Unknown(f"{name} of an example with its position in the batch")
-      raise Unknown(f"{name} of an example with a value that varies over rows")
+      at = (
+        "its position in the batch"
+        if c.pos == first.d
+        else "a value that varies over rows"
+      )
+      if first.m == 1:  # a device sees its own rows' positions
+        raise Mixes(f"{name} of each example with {at} (not the example's)")
+      raise Unknown(f"{name} of an example with {at}")
   return R(first.d, first.m, scaled(name, ins))
 
 

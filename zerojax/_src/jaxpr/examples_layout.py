@@ -251,6 +251,8 @@ def _concatenate(dim: int, shapes, ins):
   if any(isinstance(c, (S, IX)) for c in ins):
     raise Unknown("a concatenation of sums over the batch")
   first = rows[0]
+  if first.d == dim and first.m == 1 and any(isinstance(c, C) for c in ins):
+    raise Mixes("a concatenation of the batch's rows with rows of no example")
   if any(c.layout != first.layout for c in rows) or first.d == dim:
     raise Unknown("a concatenation along the rows")
   for c in ins:
@@ -369,4 +371,12 @@ def gather(e, ins):
     and sizes[operand.d] == op_shape[operand.d]
   ):
     return [dataclasses.replace(operand, d=offset[kept.index(operand.d)])]
+  if (
+    isinstance(indices, C)
+    and operand.m == 1
+    and operand.d in dn.start_index_map
+  ):
+    raise Mixes(
+      "a gather of the batch's rows by position (drops or reorders examples)"
+    )
   raise Unknown("a gather across the rows")
