@@ -348,14 +348,14 @@ def elementwise(e, name, ins):
       and shape_of(v)[first.d] != 1  # size 1: broadcast along the rows
       and not c.noise
     ):
-      at = (
-        "its position in the batch"
-        if c.pos == first.d
-        else "a value that varies over rows"
-      )
-      if first.m == 1:  # a device sees its own rows' positions
-        raise Mixes(f"{name} of each example with {at} (not the example's)")
-      raise Unknown(f"{name} of an example with {at}")
+      if c.pos == first.d and first.m == 1:  # a device counts its own rows
+        raise Mixes(f"{name} of each example with its position in the batch")
+      if c.pos == first.d:
+        raise Unknown(f"{name} of an example with its position in the batch")
+      # (a constant the reading lost track of may well be the same for
+      # every example, such as positions broadcast over the rows and
+      # looked up in a table)
+      raise Unknown(f"{name} of an example with a value that varies over rows")
   return R(first.d, first.m, scaled(name, ins))
 
 

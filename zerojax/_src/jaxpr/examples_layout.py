@@ -371,12 +371,4 @@ def gather(e, ins):
     and sizes[operand.d] == op_shape[operand.d]
   ):
     return [dataclasses.replace(operand, d=offset[kept.index(operand.d)])]
-  if (
-    isinstance(indices, C)
-    and operand.m == 1
-    and operand.d in dn.start_index_map
-  ):
-    raise Mixes(
-      "a gather of the batch's rows by position (drops or reorders examples)"
-    )
   raise Unknown("a gather across the rows")
