@@ -437,6 +437,17 @@ def _per_example(p, b):
   return _ce(p, b).mean(1)
 
 
+def _weighted(mesh, weigh):
+  """A mean of the per-example losses weighed by ``weigh(rows, losses)``,
+  with a stage-1 transformation and its state."""
+
+  def weighted(p, b):
+    return jnp.mean(weigh(b["tok"].shape[0], _per_example(p, b)))
+
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  return weighted, tx, zerojax.init(_params(), tx)
+
+
 @pytest.mark.parametrize(
   "weigh",
   [
@@ -452,11 +463,7 @@ def test_a_loss_that_weighs_examples_by_their_position_is_refused(mesh, weigh):
   an example's position in the batch (an iota over the rows, rows padded
   in) is not the unsharded loss: refused by name, before anything runs."""
 
-  def weighted(p, b):
-    return jnp.mean(weigh(b["tok"].shape[0], _per_example(p, b)))
-
-  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
-  state = zerojax.init(_params(), tx)
+  weighted, tx, state = _weighted(mesh, weigh)
   with pytest.raises(LossNotAMeanError, match="position|no example"):
     zerojax.train_step(weighted, tx)(state, _batch())
   with pytest.raises(LossNotAMeanError):
@@ -482,11 +489,7 @@ def test_a_constant_that_differs_over_the_rows_is_not_read_as_a_mean(
   that differs is not followed (it may be the same for every example, as
   positions broadcast over the rows and looked up in a table): a warning."""
 
-  def weighted(p, b):
-    return jnp.mean(weigh(b["tok"].shape[0], _per_example(p, b)))
-
-  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
-  state = zerojax.init(_params(), tx)
+  weighted, tx, state = _weighted(mesh, weigh)
   with pytest.warns(LossUnverifiedWarning, match="varies over rows|gather"):
     zerojax.eval_step(weighted, tx)(state, _batch())
 
