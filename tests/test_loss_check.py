@@ -455,8 +455,11 @@ def _weighted(mesh, weigh):
     lambda r, x: jnp.where(jnp.arange(r) < 5, x, 0.0),  # "the valid rows"
     lambda r, x: jax.nn.one_hot(0, r) * x,
     lambda r, x: jnp.concatenate([x, jnp.zeros(3)]),  # padded rows
+    lambda r, x: jnp.take(x, jnp.array([0, 1, 2])),  # fixed examples
+    lambda r, x: x[jnp.array([2, 0])],
+    lambda r, x: jnp.take(x, jnp.arange(r // 2)),  # the first half
   ],
-  ids=["iota", "where_iota", "one_hot", "pad_rows"],
+  ids=["iota", "where_iota", "one_hot", "pad_rows", "take", "index", "half"],
 )
 def test_a_loss_that_weighs_examples_by_their_position_is_refused(mesh, weigh):
   """A device counts its own rows from 0, so a loss whose terms depend on
@@ -477,9 +480,8 @@ def test_a_loss_that_weighs_examples_by_their_position_is_refused(mesh, weigh):
     lambda r, x: jnp.concatenate([jnp.ones(r // 2), jnp.zeros(r - r // 2)]) * x,
     lambda r, x: jnp.reshape(jnp.arange(r), (r, 1))[:, 0] * x,
     lambda r, x: jnp.arange(r)[::-1] * x,
-    lambda r, x: jnp.take(x, jnp.array([0, 1, 2])),  # fixed examples
   ],
-  ids=["scatter", "concatenate", "reshape", "rev", "take"],
+  ids=["scatter", "concatenate", "reshape", "rev"],
 )
 def test_a_constant_that_differs_over_the_rows_is_not_read_as_a_mean(
   mesh, weigh
@@ -492,6 +494,39 @@ def test_a_constant_that_differs_over_the_rows_is_not_read_as_a_mean(
   weighted, tx, state = _weighted(mesh, weigh)
   with pytest.warns(LossUnverifiedWarning, match="varies over rows|gather"):
     zerojax.eval_step(weighted, tx)(state, _batch())
+
+
+POSITIONS = {
+  "broadcast_index": lambda t, r, tokens: t[
+    jnp.broadcast_to(jnp.arange(tokens)[None], (r, tokens))
+  ],
+  "tile_take": lambda t, r, tokens: jnp.take(
+    t, jnp.tile(jnp.arange(tokens), (r, 1)), axis=0
+  ),
+  "one_hot": lambda t, r, tokens: (
+    jax.nn.one_hot(
+      jnp.broadcast_to(jnp.arange(tokens), (r, tokens)), t.shape[0]
+    )
+    @ t
+  ),
+}
+
+
+@pytest.mark.parametrize("lookup", POSITIONS.values(), ids=POSITIONS.keys())
+def test_positions_looked_up_in_a_table_train_like_the_plain_step(mesh, lookup):
+  """Token positions broadcast or tiled over the rows and looked up in a
+  table are the same for every example: read as such (no warning), and the
+  step equals the plain one."""
+
+  def loss(p, b):
+    q = zerojax.gather(p)
+    rows, tokens = b["tok"].shape
+    x = q["emb"][b["tok"]] + lookup(q["emb"], rows, tokens)
+    logits = jnp.tanh(x @ q["w"]) @ q["v"]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+    return jnp.mean(ce * b["mask"])
+
+  _assert_trains_like_plain(mesh, loss, optax.adamw(1e-2), 2)
 
 
 def test_a_weight_per_token_position_over_flattened_rows_trains(mesh):

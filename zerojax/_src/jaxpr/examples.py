@@ -139,7 +139,12 @@ def fold(e, ins) -> C:
   shape = shape_of(out)
   if e.primitive.name == "iota":
     dim = e.params["dimension"]
-    return C(frozenset(range(len(shape))) - {dim}, None, dim)
+    val = None
+    if math.prod(shape) <= SMALL:
+      line = np.arange(shape[dim], dtype=np.dtype(e.params["dtype"]))
+      along = [-1 if a == dim else 1 for a in range(len(shape))]
+      val = np.broadcast_to(line.reshape(along), shape)
+    return C(frozenset(range(len(shape))) - {dim}, val, dim)
   noise = e.primitive.name in RANDOM or any(c.noise for c in ins)
   if noise:
     return C(noise=True)
@@ -269,6 +274,11 @@ def _kept_uniform(e, ins) -> frozenset:
     }
   if name in SCATTERS:
     return _scatter_uniform(e, ins)
+  if name == "gather":
+    return _gather_uniform(e, ins)
+  if name == "tile":  # an axis of size 1 is repeated: the same along it
+    before = shape_of(e.invars[0])
+    return frozenset(a for a, n in enumerate(before) if a in u or n == 1)
   return frozenset()
 
 
@@ -303,6 +313,36 @@ def _scatter_uniform(e, ins) -> frozenset:
       and (ud in ins[2].uniform or updates[ud] == 1)
     ):
       kept.add(a)
+  return frozenset(kept)
+
+
+def _gather_uniform(e, ins) -> frozenset:
+  """A lookup of a constant by constant indices (positions broadcast over
+  the rows, looked up in a table) is the same along a batch axis of its
+  indices that they are the same along (with the operand too, for a
+  batching axis), and along a slice axis the operand is the same along."""
+  dn = e.params["dimension_numbers"]
+  operand, indices = ins[0], ins[1]
+  offset = tuple(dn.offset_dims)
+  out_rank = len(shape_of(e.outvars[0]))
+  batch_out = [i for i in range(out_rank) if i not in offset]
+  op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+  idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+  kept = set()
+  # the indices' last axis is the index vector; the others are the batch
+  for a, out in enumerate(batch_out):
+    paired = (
+      a not in idx_batching
+      or op_batching[idx_batching.index(a)] in operand.uniform
+    )
+    if a in indices.uniform and paired:
+      kept.add(out)
+  sliced = [
+    a
+    for a in range(len(shape_of(e.invars[0])))
+    if a not in dn.collapsed_slice_dims and a not in op_batching
+  ]
+  kept |= {out for a, out in zip(sliced, offset) if a in operand.uniform}
   return frozenset(kept)
 
 

@@ -352,6 +352,10 @@ def gather(e, ins):
     if ok:
       return [R(batch_out[indices.d], 1, operand.scale)]
     raise Unknown("a gather across the rows")
+  if isinstance(indices, C) and operand.d in dn.start_index_map:
+    picked = _picked_rows(e, indices, operand)
+    if picked is not None:
+      return picked
   if operand.d in op_batching:
     j = idx_batching[list(op_batching).index(operand.d)]
     if (isinstance(indices, R) and indices.d == j) or (
@@ -372,3 +376,32 @@ def gather(e, ins):
   ):
     return [dataclasses.replace(operand, d=offset[kept.index(operand.d)])]
   raise Unknown("a gather across the rows")
+
+
+def _picked_rows(e, indices: C, operand: R):
+  """Examples gathered by known constant indices: the same rows in order
+  are the examples themselves; a pick that takes some row more often than
+  another (``jnp.take(losses, jnp.array([0, 1, 2]))``) weighs examples by
+  their position in the batch, which a device counts from its own rows."""
+  dn = e.params["dimension_numbers"]
+  if (
+    indices.val is None
+    or operand.m != 1
+    or operand.d not in dn.collapsed_slice_dims
+    or getattr(dn, "operand_batching_dims", ())
+  ):
+    return None
+  vec = np.asarray(indices.val)
+  at = vec[..., list(dn.start_index_map).index(operand.d)]
+  n = shape_of(e.invars[0])[operand.d]
+  counts = np.bincount(np.ravel(at).clip(-1, n) + 1, minlength=n + 2)
+  if counts[0] or counts[-1] or len(set(counts[1:-1])) != 1:
+    raise Mixes(
+      "a gather of examples at fixed positions in the batch (a device "
+      "counts its own rows from 0)"
+    )
+  if vec.shape == (n, 1) and np.array_equal(at, np.arange(n)):
+    out_rank = len(shape_of(e.outvars[0]))
+    (out,) = [i for i in range(out_rank) if i not in dn.offset_dims]
+    return [R(out, 1, operand.scale)]
+  return None
