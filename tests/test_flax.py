@@ -428,6 +428,53 @@ class LinenAttention(nn.Module):
     return nn.Dense(32)(nn.LayerNorm()(x))
 
 
+class LinenConvNet(nn.Module):
+  """Convolutions (strided, grouped), GroupNorm, max and average pooling,
+  and a patch embedding by a strided convolution, as Flax's image models
+  write them."""
+
+  @nn.compact
+  def __call__(self, img):
+    x = nn.Conv(8, (3, 3), strides=2)(img)
+    x = nn.relu(nn.GroupNorm(num_groups=4)(x))
+    x = nn.Conv(8, (3, 3), feature_group_count=8)(x)
+    x = nn.max_pool(x, (2, 2), strides=(2, 2)) + nn.avg_pool(x, (2, 2), (2, 2))
+    patches = nn.Conv(8, (2, 2), strides=2, padding="VALID")(img)
+    x = x.reshape(len(x), -1, 8) + patches.reshape(len(x), -1, 8)[:, :4]
+    return nn.Dense(10)(x.mean(1))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_linen_conv_net_trains_like_optax_with_its_loss_read(mesh, stage):
+  """A convolution runs on each example alone: the loss check reads the
+  model as per example (no warning), and the step equals unsharded Optax."""
+  model = LinenConvNet()
+  rng = np.random.default_rng(0)
+  batch = {
+    "img": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
+    "y": rng.integers(0, 10, 16),
+  }
+  params = model.init(jax.random.key(0), batch["img"])["params"]
+
+  def loss(p, b):
+    logits = model.apply({"params": p}, b["img"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, b["y"]
+    ).mean()
+
+  want = jax.tree.map(
+    lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, batch)
+  )
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", LossUnverifiedWarning)
+    state, _ = zerojax.train_step(loss, tx, gather="all")(state, batch)
+  chex.assert_trees_all_close(
+    zerojax.gather_params(state), want, rtol=1e-5, atol=1e-6
+  )
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_linen_positions_broadcast_over_the_rows_train_like_optax(mesh, stage):
   """The position table's lookup is read as the same for every example

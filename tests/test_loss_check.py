@@ -153,6 +153,13 @@ def first_example(p, b):  # one example, unstacked from the batch
   return jnp.unstack(_ce(p, b).mean(1))[0]
 
 
+def neighbours_pooled(p, b):  # each example averaged with the next one
+  per = _ce(p, b).mean(1)
+  return jnp.mean(
+    jax.lax.reduce_window(per, 0.0, jax.lax.add, (2,), (1,), "VALID")
+  )
+
+
 def sum_plus_penalty(p, b):  # a sum, plus a penalty each device adds
   return jnp.sum(_ce(p, b)) + 1e-2 * jnp.sum(zerojax.gather(p)["v"] ** 2)
 
@@ -176,6 +183,7 @@ NOT_MEANS = {
   weighted_by_rows: "a value computed from the batch's row count",
   first_example: "an unstack of the batch's rows",
   label_match: "eq of every example with every other",
+  neighbours_pooled: "reduce_window_sum with a window over the batch's rows",
 }
 
 
@@ -287,10 +295,29 @@ def stacked_terms(p, b):  # means side by side, weighted
   return jnp.sum(terms * jnp.array([1.0, 0.1]))
 
 
+def convolved(p, b):  # a convolution and pooling along the tokens
+  q = zerojax.gather(p)
+  kernel = jnp.stack([q["w"], q["w"].T, q["w"]])  # (width, in, out)
+  h = jax.lax.conv_general_dilated(
+    q["emb"][b["tok"]],
+    kernel,
+    (1,),
+    "SAME",
+    dimension_numbers=("NWC", "WIO", "NWC"),
+  )
+  window = ((1, 2, 1), (1, 1, 1), "VALID")
+  h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, *window) + 0.5 * (
+    jax.lax.reduce_window(h, 0.0, jax.lax.add, *window)
+  )
+  logits = jnp.tanh(h) @ q["v"]  # (rows, tokens - 1, classes)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"][:, 1:])
+  return jnp.mean(ce * b["mask"][:, 1:])
+
+
 MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms, chunked_mean]
 MEANS += [rotary, unstacked_halves, stacked_terms, scanned_penalty]
 MEANS += [ones_like_divisor]
-MEANS += [sum_over_rows_divided, recurrent, per_example_vmap]
+MEANS += [sum_over_rows_divided, recurrent, per_example_vmap, convolved]
 
 
 def _with_count(batch):

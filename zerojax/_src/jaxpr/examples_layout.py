@@ -110,6 +110,45 @@ def cumulative(e, ins):
   raise Unknown(f"{e.primitive.name} of a sum over the batch")
 
 
+def reduce_window(e, ins):
+  """Pooling (``reduce_window_sum/max/min``): per example when its window
+  spans one row, with no stride, padding or dilation along the rows."""
+  c, name, p = ins[0], e.primitive.name, e.params
+  if isinstance(c, S):
+    raise Unknown(f"{name} of a sum over the batch")
+  if not isinstance(c, R):
+    raise Unknown(f"{name} of an index built from the rows")
+  d = c.d
+  if (
+    p["window_dimensions"][d] == 1
+    and p["window_strides"][d] == 1
+    and tuple(p["padding"][d]) == (0, 0)
+    and p["base_dilation"][d] == 1
+  ):
+    return [c if name == "reduce_window_sum" else baked(c)]
+  if c.m == 1:
+    raise Mixes(f"{name} with a window over the batch's rows")
+  raise Unknown(f"{name} with a window across the flattened rows")
+
+
+def conv(e, ins):
+  """A convolution of the examples with a constant kernel (a param) runs
+  on each entry of its batch axis alone: per example where those are the
+  rows (no ``batch_group_count``, which mixes entries)."""
+  lhs, rhs = ins
+  dn = e.params["dimension_numbers"]
+  if (
+    isinstance(lhs, R)
+    and isinstance(rhs, C)
+    and e.params["batch_group_count"] == 1
+    and lhs.d == dn.lhs_spec[0]
+  ):
+    return [R(dn.out_spec[0], lhs.m, lhs.scale * scalar(rhs))]
+  if isinstance(lhs, S) or isinstance(rhs, S):
+    raise Unknown("a convolution with a sum over the batch")
+  raise Unknown("a convolution across the rows or of per-example kernels")
+
+
 def along_rows(e, ins, name, full):
   """slice / dynamic_slice / pad / rev: per example when the rows are
   untouched (``full``)."""
