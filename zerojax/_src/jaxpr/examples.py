@@ -392,9 +392,13 @@ def elementwise(e, name, ins):
         raise Mixes(f"{name} of each example with its position in the batch")
       if c.pos == first.d:
         raise Unknown(f"{name} of an example with its position in the batch")
+      if c.val is not None and first.m == 1:  # known to differ over rows
+        raise Mixes(
+          f"{name} of each example with a constant that differs from row "
+          f"to row (a weight by position in the batch)"
+        )
       # (a constant the reading lost track of may well be the same for
-      # every example, such as positions broadcast over the rows and
-      # looked up in a table)
+      # every example)
       raise Unknown(f"{name} of an example with a value that varies over rows")
   return R(first.d, first.m, scaled(name, ins))
 

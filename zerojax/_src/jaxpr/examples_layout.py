@@ -336,6 +336,11 @@ def dot_general(e, ins):
     if r.d in contract:
       if other_contract[list(contract).index(r.d)] in c.uniform:
         return [S((k,), where(e))]
+      if c.val is not None and r.m == 1:  # known to differ over rows
+        raise Mixes(
+          "a sum over the examples weighted by a constant that differs from "
+          "row to row (a weight by position in the batch)"
+        )
       raise Unknown("a sum over rows weighted by a value that varies over rows")
     if r.d in batch and other_batch[list(batch).index(r.d)] not in c.uniform:
       raise Unknown("a batched product with a value that varies over rows")
