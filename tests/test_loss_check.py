@@ -160,6 +160,10 @@ def neighbours_pooled(p, b):  # each example averaged with the next one
   )
 
 
+def batch_spectrum(p, b):  # an FFT over the examples
+  return jnp.mean(jnp.abs(jnp.fft.fft(_ce(p, b).mean(1))))
+
+
 def sum_plus_penalty(p, b):  # a sum, plus a penalty each device adds
   return jnp.sum(_ce(p, b)) + 1e-2 * jnp.sum(zerojax.gather(p)["v"] ** 2)
 
@@ -184,6 +188,7 @@ NOT_MEANS = {
   first_example: "an unstack of the batch's rows",
   label_match: "eq of every example with every other",
   neighbours_pooled: "reduce_window_sum with a window over the batch's rows",
+  batch_spectrum: "an FFT over the batch's rows",
 }
 
 
@@ -314,10 +319,18 @@ def convolved(p, b):  # a convolution and pooling along the tokens
   return jnp.mean(ce * b["mask"][:, 1:])
 
 
+def spectral(p, b):  # an FFT along the tokens, a piecewise-linear map
+  logits = jnp.fft.irfft(jnp.fft.rfft(_logits(p, b), axis=1) * 0.5, n=7, axis=1)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+  ce = jnp.interp(ce, jnp.array([0.0, 1.0, 9.0]), jnp.array([0.0, 2.0, 3.0]))
+  return jnp.mean(ce * b["mask"])
+
+
 MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms, chunked_mean]
 MEANS += [rotary, unstacked_halves, stacked_terms, scanned_penalty]
 MEANS += [ones_like_divisor]
 MEANS += [sum_over_rows_divided, recurrent, per_example_vmap, convolved]
+MEANS += [spectral]
 
 
 def _with_count(batch):

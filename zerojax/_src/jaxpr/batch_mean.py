@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.extend
@@ -194,7 +195,8 @@ def _eqn(e, ins):
     body = _deps.call_body(e)
     if body is not None:
       jaxpr, consts = body
-      return _run(jaxpr, [const(np.asarray(c)) for c in consts] + ins)
+      outs = _run(jaxpr, [const(np.asarray(c)) for c in consts] + ins)
+      return [_located(c, e) for c in outs]
   except Unknown as u:
     return [U(f"{u.args[0]}{where(e)}")] * n_out
   except Mixes as x:
@@ -202,6 +204,18 @@ def _eqn(e, ins):
   except Exception:  # noqa: BLE001 -- a form this JAX release writes
     return [U(f"{name}, in a form zerojax does not read{where(e)}")] * n_out
   return [U(f"{name}{where(e)}")] * n_out
+
+
+_LINE = re.compile(r" at [^ ]+:\d+$")  # where() of an equation
+
+
+def _located(c, e):
+  """A verdict from a call's body (a jitted library function, whose body
+  JAX may have traced from another line first) that names no line of the
+  user's code names the call's."""
+  if isinstance(c, (X, U)) and not _LINE.search(c.reason):
+    return dataclasses.replace(c, reason=f"{c.reason}{where(e)}")
+  return c
 
 
 def _has_body(e) -> bool:
@@ -422,6 +436,7 @@ _RULES = {
   "split": _layout.split,
   "dot_general": _layout.dot_general,
   "conv_general_dilated": _layout.conv,
+  "fft": _layout.fft,
   "reduce_window_sum": _layout.reduce_window,
   "reduce_window_max": _layout.reduce_window,
   "reduce_window_min": _layout.reduce_window,

@@ -66,6 +66,8 @@ ELEMENTWISE |= frozenset(
   asin acos atan sinh cosh asinh acosh atanh erf erfc erf_inv lgamma digamma
   igamma igammac bessel_i0e bessel_i1e complex shift_left
   shift_right_logical shift_right_arithmetic population_count clz
+  eq_to ne_to lt_to le_to gt_to ge_to polygamma zeta igamma_grad_a
+  random_gamma_grad regularized_incomplete_beta
   """.split()
 )
 REDUCE_AXES = frozenset(

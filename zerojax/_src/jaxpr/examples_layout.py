@@ -131,6 +131,18 @@ def reduce_window(e, ins):
   raise Unknown(f"{name} with a window across the flattened rows")
 
 
+def fft(e, ins):
+  """An FFT over the trailing axes: per example when the rows are not
+  among them."""
+  c = ins[0]
+  rank = len(shape_of(e.invars[0]))
+  if isinstance(c, R) and c.d < rank - len(e.params["fft_lengths"]):
+    return [baked(c)]
+  if isinstance(c, R) and c.m == 1:
+    raise Mixes("an FFT over the batch's rows")
+  raise Unknown("an FFT across the rows or of a sum over the batch")
+
+
 def conv(e, ins):
   """A convolution of the examples with a constant kernel (a param) runs
   on each entry of its batch axis alone: per example where those are the
