@@ -326,11 +326,21 @@ def spectral(p, b):  # an FFT along the tokens, a piecewise-linear map
   return jnp.mean(ce * b["mask"])
 
 
+def scattered(p, b):  # segment sums and scatters within each example
+  ce = _ce(p, b)  # (rows, tokens)
+  fixed = jax.vmap(lambda c: jax.ops.segment_sum(c, jnp.arange(7) // 2, 4))
+  by_token = jax.vmap(lambda c, t: jax.ops.segment_sum(c, t % 3, 3))
+  bumped = ce.at[:, jnp.array([1, 3])].add(ce[:, :2] * b["mask"][:, :2])
+  return (
+    jnp.mean(fixed(ce)) + jnp.mean(by_token(ce, b["tok"])) + jnp.mean(bumped)
+  )
+
+
 MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms, chunked_mean]
 MEANS += [rotary, unstacked_halves, stacked_terms, scanned_penalty]
 MEANS += [ones_like_divisor]
 MEANS += [sum_over_rows_divided, recurrent, per_example_vmap, convolved]
-MEANS += [spectral]
+MEANS += [spectral, scattered]
 
 
 def _with_count(batch):
@@ -584,6 +594,20 @@ def test_positions_looked_up_in_a_table_train_like_the_plain_step(mesh, lookup):
     return jnp.mean(ce * b["mask"])
 
   _assert_trains_like_plain(mesh, loss, optax.adamw(1e-2), 2)
+
+
+def test_examples_scattered_across_the_rows_are_not_read_as_a_mean(mesh):
+  """Per-class sums of the examples (a scatter of the rows into places read
+  from the labels) combine examples the reading does not follow: a
+  warning, never a silent step."""
+
+  def per_class(p, b):
+    return jnp.mean(jnp.zeros(5).at[b["y"][:, 0]].add(_ce(p, b).mean(1)))
+
+  tx = zerojax.zero(optax.sgd(0.1), stage=1, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  with pytest.warns(LossUnverifiedWarning, match="scatter-add of the examples"):
+    zerojax.eval_step(per_class, tx)(state, _batch())
 
 
 def test_a_weight_per_token_position_over_flattened_rows_trains(mesh):

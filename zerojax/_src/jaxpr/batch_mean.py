@@ -42,6 +42,7 @@ import numpy as np
 
 from zerojax._src.jaxpr import audit as _audit
 from zerojax._src.jaxpr import deps as _deps
+from zerojax._src.jaxpr import examples_indexing as _indexing
 from zerojax._src.jaxpr import examples_layout as _layout
 from zerojax._src.jaxpr import row_count as _row_count
 from zerojax._src.jaxpr.classes import RK, C, Mixes, R, S, U, Unknown, X
@@ -50,6 +51,7 @@ from zerojax._src.jaxpr.examples import (
   CUMULATIVE,
   ELEMENTWISE,
   REDUCE,
+  SCATTERS,
   bake,
   baked,
   const,
@@ -440,10 +442,12 @@ _RULES = {
   "reduce_window_sum": _layout.reduce_window,
   "reduce_window_max": _layout.reduce_window,
   "reduce_window_min": _layout.reduce_window,
-  "gather": _layout.gather,
+  "gather": _indexing.gather,
   "scan": _scan,
   "while": _while,
   "cond": _cond,
 }
+_RULES.update({n: _indexing.scatter for n in SCATTERS})
+_RULES.update({n: _indexing.scatter for n in ("scatter-min", "scatter-max")})
 _RULES.update({n: _layout.reduce for n in REDUCE})
 _RULES.update({n: _layout.cumulative for n in CUMULATIVE})
