@@ -428,6 +428,22 @@ class LinenAttention(nn.Module):
     return nn.Dense(32)(nn.LayerNorm()(x))
 
 
+def _assert_read_and_like_sgd(mesh, stage, loss, params, batch):
+  """One step of ``loss`` with no loss-check warning equals one step of
+  unsharded SGD."""
+  want = jax.tree.map(
+    lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, batch)
+  )
+  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", LossUnverifiedWarning)
+    state, _ = zerojax.train_step(loss, tx, gather="all")(state, batch)
+  chex.assert_trees_all_close(
+    zerojax.gather_params(state), want, rtol=1e-5, atol=1e-6
+  )
+
+
 class LinenConvNet(nn.Module):
   """Convolutions (strided, grouped), GroupNorm, max and average pooling,
   and a patch embedding by a strided convolution, as Flax's image models
@@ -462,17 +478,7 @@ def test_linen_conv_net_trains_like_optax_with_its_loss_read(mesh, stage):
       logits, b["y"]
     ).mean()
 
-  want = jax.tree.map(
-    lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, batch)
-  )
-  tx = zerojax.zero(optax.sgd(0.1), stage=stage, mesh=mesh)
-  state = zerojax.init(params, tx)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", LossUnverifiedWarning)
-    state, _ = zerojax.train_step(loss, tx, gather="all")(state, batch)
-  chex.assert_trees_all_close(
-    zerojax.gather_params(state), want, rtol=1e-5, atol=1e-6
-  )
+  _assert_read_and_like_sgd(mesh, stage, loss, params, batch)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -493,15 +499,4 @@ def test_linen_positions_broadcast_over_the_rows_train_like_optax(mesh, stage):
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
     return jnp.mean(jnp.sum(ce * (b["ids"] > 0), 1) / 8.0)
 
-  opt = optax.sgd(0.1)
-  want = jax.tree.map(
-    lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, batch)
-  )
-  tx = zerojax.zero(opt, stage=stage, mesh=mesh)
-  state = zerojax.init(params, tx)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", LossUnverifiedWarning)
-    state, _ = zerojax.train_step(loss, tx, gather="all")(state, batch)
-  chex.assert_trees_all_close(
-    zerojax.gather_params(state), want, rtol=1e-5, atol=1e-6
-  )
+  _assert_read_and_like_sgd(mesh, stage, loss, params, batch)

@@ -507,8 +507,20 @@ def _weighted(mesh, weigh):
     lambda r, x: jnp.take(x, jnp.array([0, 1, 2])),  # fixed examples
     lambda r, x: x[jnp.array([2, 0])],
     lambda r, x: jnp.take(x, jnp.arange(r // 2)),  # the first half
+    lambda r, x: x.at[0].set(0.0),  # the first example dropped
+    lambda r, x: x.at[jnp.array([1, 2])].add(1.0),
   ],
-  ids=["iota", "where_iota", "one_hot", "pad_rows", "take", "index", "half"],
+  ids=[
+    "iota",
+    "where_iota",
+    "one_hot",
+    "pad_rows",
+    "take",
+    "index",
+    "half",
+    "set_first",
+    "add_fixed",
+  ],
 )
 def test_a_loss_that_weighs_examples_by_their_position_is_refused(mesh, weigh):
   """A device counts its own rows from 0, so a loss whose terms depend on
@@ -789,7 +801,11 @@ def _with_row_aux(p, b):
     "position": jnp.arange(per.shape[0]),
     "batch_total": jnp.broadcast_to(jnp.sum(per), per.shape),
     "by_rows": per / per.shape[0],
-    "first_zeroed": per.at[0].set(0.0),  # a scatter: not read
+    "first_zeroed": per.at[0].set(0.0),  # a write by position
+    # examples scattered across the rows by their labels: not read
+    "by_label": jnp.zeros_like(per)
+    .at[b["y"][:, 0] % 2]
+    .add(per, wrap_negative_indices=False),
   }
 
 
@@ -801,8 +817,8 @@ def test_an_aux_leaf_with_the_rows_not_computed_row_by_row_is_warned_about(
   devices' and micro-batches' rows: exact when each row is its own
   example's value, each device's piece otherwise (a cumulative sum, a
   normalization over the rows, a sort, a position, a sum spread over the
-  rows, a factor of the row count), which are named; a scatter is named
-  as unchecked."""
+  rows, a factor of the row count, a write by position), which are named;
+  a scatter of examples across the rows is named as unchecked."""
   found, got, want, (tx, state, batch), rec = _aux_step(
     mesh,
     _with_row_aux,
@@ -818,15 +834,16 @@ def test_an_aux_leaf_with_the_rows_not_computed_row_by_row_is_warned_about(
     "batch_total",
     "by_rows",
     "cumulative",
+    "first_zeroed",
     "position",
     "ranked",
     "share",
   ]
-  assert named(AuxUnverifiedWarning) == ["first_zeroed"]
-  assert len(rec) == 7
+  assert named(AuxUnverifiedWarning) == ["by_label"]
+  assert len(rec) == 8
   for k in ("per_token", "flat", "pred", "same"):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
-  for k in named(AuxNotPerExampleWarning) + ["first_zeroed"]:
+  for k in named(AuxNotPerExampleWarning) + ["by_label"]:
     assert not np.allclose(got[k], want[k], rtol=1e-4), k
   # an eval step reports the aux only with has_aux=True: warned only then
   with warnings.catch_warnings():
@@ -835,7 +852,7 @@ def test_an_aux_leaf_with_the_rows_not_computed_row_by_row_is_warned_about(
     zerojax.eval_step(_with_row_aux, tx)(state, batch)
   with pytest.warns((AuxNotPerExampleWarning, AuxUnverifiedWarning)) as rec:
     zerojax.eval_step(_with_row_aux, tx, has_aux=True)(state, batch)
-  assert len(rec) == 7
+  assert len(rec) == 8
 
 
 def _over_chunks(split: str, combine: str = "sum"):

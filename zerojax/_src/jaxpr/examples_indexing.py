@@ -127,15 +127,42 @@ def scatter(e, ins):
     same = isinstance(indices, C) and (
       shape_of(e.invars[2])[ud] == shape_of(e.invars[0])[d]
     )
-  else:  # a batching axis: indices and updates batched along it too
+  elif d in op_batching:  # indices and updates batched along it too
     j = idx_batching[op_batching.index(d)]
     ud = scattered[j]
     same = _along(indices, j)
+  else:  # the rows are scattered into
+    ud, same = None, False
   if same and _along(operand, d) and _along(updates, ud):
     for c in rows:
       bake(c.scale)
     return [R(d, rows[0].m)]
+  _written_rows(e, operand, indices)
   raise Unknown(f"{e.primitive.name} of the examples across the rows")
+
+
+def _written_rows(e, operand, indices) -> None:
+  """Raises where known indices write into some examples' rows and not
+  others' (``losses.at[0].set(0.0)``): a weight by position in the batch,
+  which a device counts from its own rows."""
+  dn = e.params["dimension_numbers"]
+  to_op = list(dn.scatter_dims_to_operand_dims)
+  if not (
+    isinstance(operand, R)
+    and operand.m == 1
+    and operand.d in to_op
+    and isinstance(indices, C)
+    and indices.val is not None
+  ):
+    return
+  at = np.asarray(indices.val)[..., to_op.index(operand.d)]
+  n = shape_of(e.invars[0])[operand.d]
+  counts = np.bincount(np.ravel(at).clip(-1, n) + 1, minlength=n + 2)
+  if counts[0] or counts[-1] or len(set(counts[1:-1])) != 1:
+    raise Mixes(
+      f"{e.primitive.name} into examples at fixed positions in the batch "
+      f"(a device counts its own rows from 0)"
+    )
 
 
 def _operand_rows(operand, updates, dn, window, scattered, idx_batching):
