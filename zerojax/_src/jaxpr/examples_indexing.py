@@ -86,8 +86,7 @@ def _picked_rows(e, indices: C, operand: R):
   vec = np.asarray(indices.val)
   at = vec[..., list(dn.start_index_map).index(operand.d)]
   n = shape_of(e.invars[0])[operand.d]
-  counts = np.bincount(np.ravel(at).clip(-1, n) + 1, minlength=n + 2)
-  if counts[0] or counts[-1] or len(set(counts[1:-1])) != 1:
+  if _uneven(at, n):
     raise Mixes(
       "a gather of examples at fixed positions in the batch (a device "
       "counts its own rows from 0)"
@@ -156,13 +155,18 @@ def _written_rows(e, operand, indices) -> None:
   ):
     return
   at = np.asarray(indices.val)[..., to_op.index(operand.d)]
-  n = shape_of(e.invars[0])[operand.d]
-  counts = np.bincount(np.ravel(at).clip(-1, n) + 1, minlength=n + 2)
-  if counts[0] or counts[-1] or len(set(counts[1:-1])) != 1:
+  if _uneven(at, shape_of(e.invars[0])[operand.d]):
     raise Mixes(
       f"{e.primitive.name} into examples at fixed positions in the batch "
       f"(a device counts its own rows from 0)"
     )
+
+
+def _uneven(at, n: int) -> bool:
+  """Whether known row positions ``at`` (of ``n`` rows) reach outside the
+  rows or take some row more often than another."""
+  counts = np.bincount(np.ravel(at).clip(-1, n) + 1, minlength=n + 2)
+  return bool(counts[0] or counts[-1] or len(set(counts[1:-1])) != 1)
 
 
 def _operand_rows(operand, updates, dn, window, scattered, idx_batching):
