@@ -59,6 +59,16 @@ def token_mean(p, b):  # normalized by the batch's token count
   return jnp.sum(_ce(p, b) * b["mask"]) / jnp.sum(b["mask"])
 
 
+def token_mean_by_rows(p, b):  # the token count per row, of each piece
+  count = jnp.sum(b["mask"]) / b["mask"].shape[0]
+  return jnp.mean(jnp.sum(_ce(p, b) * b["mask"], axis=1)) / count
+
+
+def mean_over_own_loss(p, b):  # a divisor that reads the params
+  ce = _ce(p, b)
+  return jnp.sum(ce * b["mask"]) / jnp.sum(ce)
+
+
 def contrastive(p, b):  # every example against every other
   z = _logits(p, b).mean(1)
   sim = z @ z.T
@@ -173,7 +183,8 @@ def sum_plus_mean(p, b):  # a sum over examples plus a mean over them
 
 
 NOT_MEANS = {
-  token_mean: "a division by a sum over the batch",
+  token_mean_by_rows: "a value computed from the batch's row count",
+  mean_over_own_loss: "a division by a sum over the batch",
   contrastive: "a product of every example with every other",
   batch_norm: "combines each example with a sum over the batch",
   sum_plus_penalty: "a sum over the examples plus a term that is not one",
@@ -212,7 +223,7 @@ def test_a_loss_that_combines_examples_is_refused_before_anything_runs(
   # the message names the user's line and the ways out
   assert "test_loss_check.py:" in str(e.value)
   assert "per_device_loss=True" in str(e.value)
-  assert "batch['tokens']" in str(e.value)
+  assert "jnp.sum(mask)" in str(e.value)
   assert int(state.step) == 0
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))
   with pytest.raises(LossNotAMeanError):
@@ -364,10 +375,13 @@ def _plain_losses(loss, params, batches, opt):
   return params, out
 
 
-def _assert_trains_like_plain(mesh, loss, opt, stage, accum=1, rows=16):
+def _assert_trains_like_plain(
+  mesh, loss, opt, stage, accum=1, rows=16, batches=None
+):
   """Two steps of ``loss`` equal the plain step's, with no warning that
   the loss could not be read."""
-  batches = [_with_count(_batch(rows=rows, seed=i)) for i in range(2)]
+  if batches is None:
+    batches = [_with_count(_batch(rows=rows, seed=i)) for i in range(2)]
   want, want_losses = _plain_losses(loss, _params(), batches, opt)
   tx = zerojax.zero(opt, stage=stage, mesh=mesh)
   state = zerojax.init(_params(), tx)
@@ -433,6 +447,86 @@ def test_a_sum_over_examples_trains_like_the_plain_step(
     jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(want)
   ):
     np.testing.assert_allclose(a, p - 1e-3 * g, rtol=2e-5, atol=2e-6)
+
+
+# --- sums over examples divided by counts the loss takes of its batch ---
+def token_mean_where(p, b):  # jnp.mean's where=
+  return jnp.mean(_ce(p, b), where=b["mask"] > 0)
+
+
+def token_mean_at_least_one(p, b):  # a divisor kept from zero
+  count = jnp.maximum(jnp.sum(b["mask"]), 1.0)
+  return jnp.sum(_ce(p, b) * b["mask"]) / count
+
+
+def token_mean_plus_eps(p, b):  # a divisor kept from zero, another way
+  return jnp.sum(_ce(p, b) * b["mask"]) / (jnp.sum(b["mask"]) + 1e-8)
+
+
+def first_token_weighed(p, b):  # two counts: every token, the first ones
+  ce, mask = _ce(p, b), b["mask"]
+  first = jnp.sum(ce[:, 0] * mask[:, 0]) / jnp.sum(mask[:, 0])
+  return jnp.sum(ce * mask) / jnp.sum(mask) + 0.5 * first
+
+
+RATIOS = [token_mean, token_mean_where, token_mean_at_least_one]
+RATIOS += [token_mean_plus_eps, first_token_weighed]
+
+
+@pytest.mark.parametrize("loss", RATIOS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("stage,accum", [(0, 2), (1, 1), (3, 2)])
+def test_a_sum_divided_by_counts_over_the_batch_trains_like_the_plain_step(
+  mesh, loss, stage, accum
+):
+  """A sum over tokens divided by the batch's token count: each device's
+  (and micro-batch's) own count would be another divisor; the step
+  computes the whole batch's count first and gives it to every piece,
+  whose losses then add up to the unsharded loss."""
+  params, batch = _params(), _batch()
+  rows = lambda i: jax.tree.map(lambda x: x[i : i + 2], batch)
+  pieces = [float(loss(params, rows(i))) for i in range(0, 16, 2)]
+  assert not np.isclose(np.mean(pieces), loss(params, batch), rtol=1e-4)
+  _assert_trains_like_plain(mesh, loss, optax.adamw(1e-2), stage, accum)
+  tx = zerojax.zero(optax.sgd(1e-3), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  evaluated = zerojax.eval_step(loss, tx)(state, batch)
+  np.testing.assert_allclose(evaluated, loss(params, batch), rtol=1e-5)
+  value, grads = zerojax.value_and_grad(loss, tx, accum_steps=accum)(
+    state, batch
+  )
+  np.testing.assert_allclose(value, loss(params, batch), rtol=1e-5)
+  want = jax.grad(loss)(params, batch)
+  got = zerojax.gather_params(zerojax.apply_gradients(state, grads))
+  for a, p, g in zip(
+    jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(want)
+  ):
+    np.testing.assert_allclose(a, p - 1e-3 * g, rtol=2e-5, atol=2e-6)
+
+
+def test_a_piece_of_the_batch_without_tokens_trains_like_the_plain_step(mesh):
+  """Devices and micro-batches whose rows have no token: their own count
+  is 0 and their own loss 0 / 0, where the whole batch's is finite. Their
+  aux counts are this piece's, summed by the step."""
+
+  def loss(p, b):
+    count = jnp.sum(b["mask"])
+    return jnp.sum(_ce(p, b) * b["mask"]) / count, {
+      "tokens": count.astype(jnp.int32)
+    }
+
+  batches = [_batch(seed=i) for i in range(2)]
+  for b in batches:
+    b["mask"][:6] = 0.0  # devices 0-2: no tokens
+  _assert_trains_like_plain(
+    mesh, lambda p, b: loss(p, b)[0], optax.adamw(1e-2), 3, 2, batches=batches
+  )
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, mesh=mesh)
+  state = zerojax.init(_params(), tx)
+  state, m = zerojax.train_step(loss, tx, accum_steps=2)(state, batches[0])
+  assert int(m["aux"]["tokens"]) == int(batches[0]["mask"].sum())
+  assert np.isfinite(float(m["loss"]))
+  for x in jax.tree.leaves(zerojax.gather_params(state)):
+    assert np.all(np.isfinite(x))
 
 
 def test_per_device_loss_averages_per_device_losses_on_purpose(mesh):

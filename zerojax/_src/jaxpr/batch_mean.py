@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import audit as _audit
+from zerojax._src.jaxpr import batch_sums as _batch_sums
 from zerojax._src.jaxpr import deps as _deps
 from zerojax._src.jaxpr import examples_indexing as _indexing
 from zerojax._src.jaxpr import examples_layout as _layout
@@ -62,13 +63,16 @@ from zerojax._src.jaxpr.examples import (
 )
 
 
-def classify(closed, in_classes) -> tuple[list, tuple]:
+def classify(closed, in_classes, sums=None) -> tuple[list, tuple]:
   """``(the class of each output of closed, the factors baked into the
-  examples' terms)`` for a ClosedJaxpr given its inputs' classes."""
+  examples' terms)`` for a ClosedJaxpr given its inputs' classes; with
+  ``sums`` (a :class:`~zerojax._src.jaxpr.batch_sums.Recorder`), its
+  candidates that sum the rows are taken as the whole batch's (given)."""
   consts = [const(np.asarray(c)) for c in closed.consts]
   token = BAKED.set([])
   try:
-    outs = _run(closed.jaxpr, consts + list(in_classes))
+    with _batch_sums.recording(sums):
+      outs = _run(closed.jaxpr, consts + list(in_classes))
     return outs, tuple(BAKED.get())
   finally:
     BAKED.reset(token)
@@ -85,8 +89,14 @@ def _run(jaxpr, ins):
       return const(np.asarray(v.val))
     return env[v]
 
-  for e in jaxpr.eqns:
-    outs = _eqn(e, [of(v) for v in e.invars])
+  path = _batch_sums.base()
+  for i, e in enumerate(jaxpr.eqns):
+    ins = [of(v) for v in e.invars]
+    if path is None:
+      outs = _eqn(e, ins)
+    else:  # reading with the batch's sums given
+      with _batch_sums.within((*path, i), e):
+        outs = _batch_sums.visit((*path, i), ins, _eqn(e, ins))
     for o, cls in zip(e.outvars, outs):
       env[o] = cls
   return [of(v) for v in jaxpr.outvars]

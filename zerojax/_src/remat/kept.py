@@ -69,7 +69,7 @@ def _eval(jaxpr, consts, args, keeps, keep) -> list:
     env[var] = val
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    inner = _jit_body(eqn)
+    inner = jit_body(eqn)
     if inner is not None and _has_kept(inner[0], keeps):
       outs = _eval(*inner, ins, keeps, keep)
     else:
@@ -87,7 +87,7 @@ def _eval(jaxpr, consts, args, keeps, keep) -> list:
   return [read(v) for v in jaxpr.outvars]
 
 
-def _jit_body(eqn):
+def jit_body(eqn):
   """``(jaxpr, consts)`` of a ``jax.jit`` call equation (a closed jaxpr on
   JAX 0.10, an open one without constants on 0.12), else ``None``."""
   inner = eqn.params.get("jaxpr")
@@ -104,7 +104,7 @@ def _has_kept(jaxpr, keeps) -> bool:
   """Whether ``jaxpr`` or a jit call in it has an equation ``keeps`` is
   true of."""
   for eqn in jaxpr.eqns:
-    inner = _jit_body(eqn)
+    inner = jit_body(eqn)
     if inner is not None:
       if _has_kept(inner[0], keeps):
         return True

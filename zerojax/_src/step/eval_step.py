@@ -15,6 +15,7 @@ from zerojax._src.records.mesh_errors import explain_per_device_errors
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.step import aux as _aux
 from zerojax._src.step.gather_mode import gather_mode, gather_spec, run_loss
+from zerojax._src.step.global_sums import with_global_sums
 from zerojax._src.step.loss_call import (
   LossArgs,
   LossCall,
@@ -45,6 +46,9 @@ def _eval_local(
   """Per-device forward pass: the loss, averaged over the batch axes; with
   ``found`` (``has_aux``), ``(loss, aux_reduced, aux_rows)`` as in
   training (:mod:`zerojax._src.step.aux`)."""
+  prog, batch = with_global_sums(
+    prog, batch, key, model_state, prog.spec.tx.batch_axes
+  )
   spec = prog.spec
   tx = spec.tx
   hooked = [spec.stage == 3 and r.param.sharded for r in spec.leaves]

@@ -59,6 +59,7 @@ from zerojax._src.step.gather_mode import (
   run_loss,
   secondary_shards,
 )
+from zerojax._src.step.global_sums import as_sums, with_global_sums
 from zerojax._src.step.loss_call import (
   LossArgs,
   LossCall,
@@ -99,6 +100,7 @@ def local_grads(
   spec, tx = prog.spec, prog.spec.tx
   axes = tx.batch_axes  # every axis the batch splits over
   k = prog.accum_steps
+  prog, batch = with_global_sums(prog, batch, key, model_state, axes)
   micro = batch if k == 1 else jax.tree.map(lambda x: _split_micro(x, k), batch)
   first = micro if k == 1 else jax.tree.map(lambda x: x[0], micro)
   hooked = hooked_leaves(spec)
@@ -474,7 +476,7 @@ def value_and_grad(
       None if isinstance(params, ZeroState) else model_axes_of(params, tx)
     )
     placed = place_batch(batch, tx, accum_steps)
-    sums = check_loss(params, batch, key) == "sum"
+    sums = as_sums(check_loss(params, batch, key))
     with explain_per_device_errors(tx.mesh, "zerojax.value_and_grad"):
       return run(params, placed, key, models, sums)
 

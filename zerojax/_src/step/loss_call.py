@@ -39,6 +39,11 @@ class LossCall:
   has_aux: bool | None = None
 
   def __call__(self, loss_fn, params, batch, key, model_state):
+    kw = self.kwargs(key, model_state)
+    return self.parse(loss_fn(params, unshare(batch), **kw), model_state)
+
+  def kwargs(self, key, model_state) -> dict:
+    """The keyword arguments the loss takes besides params and batch."""
     kw = {}
     if self.has_key:
       kw["key"] = key
@@ -47,7 +52,7 @@ class LossCall:
       # NNX variables may only be mutated at the trace that created them.
       leaves, treedef = jax.tree.flatten(model_state)
       kw["model_state"] = jax.tree.unflatten(treedef, leaves)
-    return self.parse(loss_fn(params, unshare(batch), **kw), model_state)
+    return kw
 
   def parse(self, out, model_state):
     """-> ``(loss as a scalar of at least float32, new_model_state, aux)``:

@@ -4,7 +4,10 @@ A step runs the loss on each device's rows of the batch (and on each
 micro-batch) and averages the results for a mean over examples, or adds
 them up for a sum over examples (``jnp.sum(ce * mask) / tokens`` with the
 whole batch's token count a scalar batch leaf): the unsharded loss only
-for those two. :func:`check_mean_over_examples` traces the loss
+for those two. A loss that divides by sums it takes of its batch alone
+(``jnp.sum(ce * mask) / jnp.sum(mask)``) is one of them once those sums
+are the whole batch's, which the step computes first
+(:mod:`zerojax._src.step.global_sums`). :func:`check_mean_over_examples` traces the loss
 abstractly, at two row counts, and reads which it is from its jaxpr
 (:mod:`zerojax._src.jaxpr.batch_mean`), before anything runs. A loss that
 combines examples raises :class:`LossNotAMeanError`, naming what combines
@@ -21,10 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import batch_mean as _batch_mean
+from zerojax._src.jaxpr import batch_sums as _batch_sums
 from zerojax._src.jaxpr import leaf_verdicts as _leaf_verdicts
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.records.warn import warn
 from zerojax._src.step.batch import Shared
+from zerojax._src.step.global_sums import GlobalSums
 from zerojax._src.step.loss_call import LossCall, whole_params
 
 
@@ -71,13 +76,13 @@ class AuxUnverifiedWarning(UserWarning):
 
 
 _FIX = (
-  "Write the loss as a mean over examples (jnp.mean of per-example terms) "
-  "or as a sum over them with nothing else added (for a mean over tokens, "
-  "pass the whole batch's token count as a scalar batch leaf and return "
-  "jnp.sum(ce * mask) / batch['tokens']), or build the step with "
-  "per_device_loss=True to average per-device losses on purpose (batch "
-  "statistics and normalizers per device, as data parallelism computes "
-  "them)."
+  "Write the loss as a mean over examples (jnp.mean of per-example terms), "
+  "as a sum over them with nothing else added, or as such a sum divided by "
+  "sums the loss takes of its batch alone (jnp.sum(ce * mask) / "
+  "jnp.sum(mask), which the step computes for the whole batch), or build "
+  "the step with per_device_loss=True to average per-device losses on "
+  "purpose (batch statistics and normalizers per device, as data "
+  "parallelism computes them)."
 )
 
 
@@ -197,9 +202,18 @@ def check_mean_over_examples(
   outs = [first[0][0], None if second is None else second[0][0]]
   baked = [first[1], () if second is None else second[1]]
   kind, reason = _batch_mean.verdict(outs, baked, counts)
+  # the aux as the loss computes it; the loss and its model state with
+  # the whole batch's sums over the batch, where it takes any
+  aux_read, state_read, given = (first, second, baked), None, None
+  if kind == "mixes" and second is not None:
+    with_sums = _with_global_sums(loss, abstract, treedef, leaves, counts)
+    if isinstance(with_sums, str):
+      reason = with_sums  # what still combines examples with them given
+    elif with_sums is not None:
+      *state_read, kind, given = with_sums
   if second is not None and kind != "mixes":
-    _check_aux(first, second, baked, counts, where)
-    wrong = _model_state_verdicts(first, second, baked, counts, where)
+    _check_aux(*aux_read, counts, where)
+    wrong = _model_state_verdicts(*(state_read or aux_read), counts, where)
     if wrong:
       del seen[signature]
       raise ModelStateUpdateError(_model_state_message(where, wrong))
@@ -215,8 +229,31 @@ def check_mean_over_examples(
     )
   if kind == "unknown":
     _unverified(where, reason)
-  seen[signature] = "sum" if kind == "sum" else "mean"
+  seen[signature] = given or ("sum" if kind == "sum" else "mean")
   return seen[signature]
+
+
+def _with_global_sums(loss, abstract, treedef, leaves, counts):
+  """``(first, second, baked, kind, GlobalSums)`` for a loss that is a
+  mean or a sum over examples once the sums over the batch it takes of
+  the batch alone are the whole batch's (:mod:`zerojax._src.step.
+  global_sums`), read at both row counts; for one that takes such sums
+  and combines examples still, why; None for any other."""
+  first = _classified(loss, abstract, treedef, leaves, counts[0], sums=True)
+  second = _classified(loss, abstract, treedef, leaves, counts[1], sums=True)
+  if first is None or second is None or not first[2]:
+    return None
+  if not _batch_sums.same_kinds(first[2], second[2]):
+    return None
+  outs = [first[0][0], second[0][0]]
+  baked = [first[1], second[1]]
+  kind, reason = _batch_mean.verdict(outs, baked, counts)
+  if kind == "mixes":
+    return reason
+  if kind != "mean" and kind != "sum":
+    return None
+  given = GlobalSums(tuple(str(d) for d in first[2]), kind == "sum")
+  return first, second, baked, kind, given
 
 
 def _check_aux(first, second, baked, counts, where: str):
@@ -373,11 +410,13 @@ def _warn_mean(where: str, leaf: str, reason: str):
   )
 
 
-def _classified(loss, abstract, treedef, leaves, rows):
+def _classified(loss, abstract, treedef, leaves, rows, sums=False):
   """``((the loss's class, its aux leaves' classes, their paths and
   shapes, the new model state's classes, their paths and shapes), the
-  factors baked into examples)`` traced with ``rows`` rows per device, or
-  None when it does not trace so."""
+  factors baked into examples, the dtypes of the sums over the batch it
+  takes of the batch alone)`` traced with ``rows`` rows per device, or
+  None when it does not trace so; with ``sums``, those sums are read as
+  the whole batch's (given), else none is taken."""
   local = jax.tree.unflatten(treedef, [_local(x, rows) for x in leaves])
   try:
     closed, shape = jax.make_jaxpr(loss, return_shape=True)(
@@ -393,11 +432,21 @@ def _classified(loss, abstract, treedef, leaves, rows):
     ]
     + [_batch_mean.C()] * len(jax.tree.leaves(abstract[1:]))
   )
-  outs, baked = _batch_mean.classify(closed, classes)
+  rec = None
+  if sums:
+    n_params = len(jax.tree.leaves(abstract[0]))
+    free = [n_params <= i < n_params + len(leaves) for i in range(len(classes))]
+    rec = _batch_sums.Recorder(_batch_sums.candidates(closed.jaxpr, free))
+  outs, baked = _batch_mean.classify(closed, classes, sums=rec)
   aux = jax.tree_util.tree_flatten_with_path(shape[1])[0]
   state = jax.tree_util.tree_flatten_with_path(shape[2])[0]
   n = 1 + len(aux)
-  return (outs[0], outs[1:n], aux, outs[n:], state), baked
+  found = (
+    []
+    if rec is None
+    else [_batch_sums.dtype_at(closed.jaxpr, p) for p in rec.found]
+  )
+  return (outs[0], outs[1:n], aux, outs[n:], state), baked, found
 
 
 def _unverified(where: str, reason: str):

@@ -41,6 +41,7 @@ from zerojax._src.step import update as _update
 from zerojax._src.step.batch import place_batch
 from zerojax._src.step.deleted import reject_deleted
 from zerojax._src.step.dropin import ZeroTransformation
+from zerojax._src.step.global_sums import as_sums
 from zerojax._src.step.loss_call import (
   LossCall,
   LossProgram,
@@ -226,7 +227,7 @@ class CompiledStep:
     check_state(state, self.tx)
     placed = place_batch(batch, self.tx, self.accum_steps)
     extra = () if extra_args is None else _update.split_extra_args(extra_args)
-    return state, placed, *extra, check_step_loss(self, state, batch) == "sum"
+    return state, placed, *extra, as_sums(check_step_loss(self, state, batch))
 
   def _run(self, where: str, state, *args):
     """The jitted call; a deleted state leaf is refused first, by path."""
