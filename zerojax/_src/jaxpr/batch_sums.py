@@ -43,7 +43,6 @@ import contextvars
 import dataclasses
 
 import jax
-import numpy as np
 from jax.extend import core as jex
 
 from zerojax._src.jaxpr.classes import C, R, S
@@ -113,29 +112,38 @@ def visit(here, ins, outs) -> list:
   return outs
 
 
-def candidates(jaxpr, free) -> frozenset:
-  """Paths of the equations of ``jaxpr`` (inputs free where ``free``:
-  the batch's) that read only free values and give one scalar."""
-  out: set = set()
-  _free(jaxpr, list(free), (), out)
-  return frozenset(out)
+def candidates(jaxpr, free) -> tuple:
+  """``((path, primitive, dtype), ...)`` of the equations of ``jaxpr``
+  (its inputs the batch's where ``free``) that read the batch and nothing
+  but the batch and constants, and give one scalar, in program order."""
+  out: list = []
+  _free(jaxpr, [(f, f) for f in free], (), out)
+  return tuple(out)
 
 
-def _free(jaxpr, free, path, out) -> list[bool]:
-  env = dict(zip(jaxpr.invars, free))
-  for v in jaxpr.constvars:
-    env[v] = True
-  of = lambda v: True if isinstance(v, jex.Literal) else env.get(v, False)
+def signature(cands) -> tuple:
+  """What two traces of one loss share of its :func:`candidates`."""
+  return tuple(f"{name}:{dtype}" for _, name, dtype in cands)
+
+
+def _free(jaxpr, flags, path, out) -> list:
+  """Per output of ``jaxpr``, ``(free, reads the batch)``."""
+  env = dict(zip(jaxpr.invars, flags))
+  of = lambda v: (
+    (True, False) if isinstance(v, jex.Literal) else env.get(v, (True, False))
+  )  # literals and constants: free, not the batch
   for i, e in enumerate(jaxpr.eqns):
     here = (*path, i)
     ins = [of(v) for v in e.invars]
+    free = all(f for f, _ in ins)
+    batch = free and any(b for _, b in ins)
+    if batch and len(e.outvars) == 1 and e.outvars[0].aval.shape == ():
+      out.append((here, e.primitive.name, str(e.outvars[0].aval.dtype)))
     inner = jit_body(e)
     if inner is not None:
       outs = _free(inner[0], ins, here, out)
     else:
-      outs = [all(ins)] * len(e.outvars)
-    if all(ins) and len(e.outvars) == 1 and e.outvars[0].aval.shape == ():
-      out.add(here)
+      outs = [(free, batch)] * len(e.outvars)
     for v, f in zip(e.outvars, outs):
       env[v] = f
   return [of(v) for v in jaxpr.outvars]
@@ -237,18 +245,3 @@ def _as(value, aval):
   if axes - have:
     value = jax.lax.pcast(value, tuple(sorted(axes - have)), to="varying")
   return value
-
-
-def same_kinds(a: list, b: list) -> bool:
-  """Whether two lists of found sums' dtypes match (two traces)."""
-  return len(a) == len(b) and all(
-    np.dtype(x) == np.dtype(y) for x, y in zip(a, b)
-  )
-
-
-def dtype_at(jaxpr, path):
-  """The dtype of the output of the equation at ``path``."""
-  e = jaxpr.eqns[path[0]]
-  if len(path) == 1:
-    return e.outvars[0].aval.dtype
-  return dtype_at(jit_body(e)[0], path[1:])

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src.jaxpr import batch_mean as _batch_mean
 from zerojax._src.jaxpr import batch_sums as _batch_sums
 from zerojax._src.step.batch import Shared, unshare
 from zerojax._src.step.loss_call import LossProgram, whole_params
@@ -30,11 +29,15 @@ from zerojax._src.step.loss_call import LossProgram, whole_params
 @dataclasses.dataclass(frozen=True)
 class GlobalSums:
   """The loss check's verdict for a loss that takes sums over its batch:
-  their dtypes, in the order the loss computes them, and whether the loss
-  with them given is a sum over examples (added up over devices and
-  micro-batches) or a mean (averaged)."""
+  the signature of its candidates for such sums
+  (:func:`~zerojax._src.jaxpr.batch_sums.candidates`, in program order),
+  which of them are sums over the rows, and whether the loss with them
+  given is a sum over examples (added up over devices and micro-batches)
+  or a mean (averaged). The step finds them in its own trace of the loss
+  by the same positions among the same candidates."""
 
-  dtypes: tuple
+  candidates: tuple
+  picks: tuple
   sums: bool
 
 
@@ -55,12 +58,11 @@ def with_global_sums(prog: LossProgram, batch, key, model_state, axes):
     return prog, batch
   k = prog.accum_steps
   whole = whole_params(prog.spec)
-  n = len(given.dtypes)
 
   def local(mb):  # one micro-batch's sums
     b = unshare(mb)
     kw = prog.call.kwargs(key, model_state)
-    closed, _, paths = _traced(prog.loss_fn, whole, b, kw, n)
+    closed, _, paths = _traced(prog.loss_fn, whole, b, kw, given)
     free = _free_flags(whole, b, kw)
     return _batch_sums.capture(
       closed, jax.tree.leaves((whole, b, kw)), free, paths
@@ -77,12 +79,12 @@ def with_global_sums(prog: LossProgram, batch, key, model_state, axes):
   rows = next(np.shape(x)[0] for x in jax.tree.leaves(batch))
   shared = tuple(Shared(jnp.broadcast_to(v, (rows,))) for v in values)
   prog = dataclasses.replace(
-    prog, loss_fn=_given(prog.loss_fn, n), sums=given.sums
+    prog, loss_fn=_given(prog.loss_fn, given), sums=given.sums
   )
   return prog, (batch, shared)
 
 
-def _given(loss_fn, n: int):
+def _given(loss_fn, given: GlobalSums):
   """``loss_fn`` taking ``(batch, sums)`` for its batch: its loss and new
   model state evaluated with its own sums over the batch replaced by
   ``sums``; its aux as it computes it (a count of this piece's tokens is
@@ -91,46 +93,40 @@ def _given(loss_fn, n: int):
 
   def loss(params, both, **kw):
     batch, values = both
-    closed, tree, paths = _traced(loss_fn, params, batch, kw, n)
-    plain, given = _batch_sums.substitute(
+    closed, tree, paths = _traced(loss_fn, params, batch, kw, given)
+    plain, replaced = _batch_sums.substitute(
       closed, jax.tree.leaves((params, batch, kw)), dict(zip(paths, values))
     )
-    out, out_given = (
-      jax.tree.unflatten(tree, plain),
-      jax.tree.unflatten(tree, given),
-    )
+    out = jax.tree.unflatten(tree, plain)
+    out_whole = jax.tree.unflatten(tree, replaced)
     if not isinstance(out, tuple):
-      return out_given
+      return out_whole
     if "model_state" in kw:  # (loss, new model state[, aux])
-      return (*out_given[:2], *out[2:])
-    return (out_given[0], *out[1:])  # (loss, aux)
+      return (*out_whole[:2], *out[2:])
+    return (out_whole[0], *out[1:])  # (loss, aux)
 
   return loss
 
 
-def _traced(loss_fn, params, batch, kw, n: int):
+def _traced(loss_fn, params, batch, kw, given: GlobalSums):
   """``(closed jaxpr, output treedef, the paths of its sums over the
-  batch)`` of ``loss_fn(params, batch, **kw)``; raises unless it takes
-  the ``n`` sums the loss check found."""
+  batch)`` of ``loss_fn(params, batch, **kw)``; raises unless its
+  candidates for such sums are those the loss check read."""
   closed, shape = jax.make_jaxpr(
     lambda p, b, kw: loss_fn(p, b, **kw), return_shape=True
   )(params, batch, kw)
-  free = _free_flags(params, batch, kw)
-  classes = [
-    _batch_mean.R(0) if f and np.ndim(x) else _batch_mean.C()
-    for f, x in zip(free, jax.tree.leaves((params, batch, kw)))
-  ]
-  rec = _batch_sums.Recorder(_batch_sums.candidates(closed.jaxpr, free))
-  _batch_mean.classify(closed, classes, sums=rec)
-  if len(rec.found) != n:
+  cands = _batch_sums.candidates(closed.jaxpr, _free_flags(params, batch, kw))
+  if _batch_sums.signature(cands) != given.candidates:
     raise RuntimeError(
-      f"zerojax: loss_fn takes {len(rec.found)} sums over its batch in the "
-      f"step's program, where the loss check found {n}; the step cannot "
-      f"give it the whole batch's. A loss whose program changes with its "
-      f"batch's size can pass the whole batch's counts as scalar batch "
-      f"leaves instead."
+      f"zerojax: loss_fn's program on its batch alone differs between the "
+      f"loss check's trace and the step's (scalars computed from the "
+      f"batch: {list(_batch_sums.signature(cands))} in the step, "
+      f"{list(given.candidates)} in the check), so the step cannot find "
+      f"the sums over the batch it divides by. Pass the whole batch's "
+      f"counts as scalar batch leaves instead (jnp.sum(ce * mask) / "
+      f"batch['tokens'])."
     )
-  return closed, jax.tree.structure(shape), rec.found
+  return closed, jax.tree.structure(shape), [cands[i][0] for i in given.picks]
 
 
 def _free_flags(params, batch, kw) -> list[bool]:

@@ -241,9 +241,9 @@ def _with_global_sums(loss, abstract, treedef, leaves, counts):
   and combines examples still, why; None for any other."""
   first = _classified(loss, abstract, treedef, leaves, counts[0], sums=True)
   second = _classified(loss, abstract, treedef, leaves, counts[1], sums=True)
-  if first is None or second is None or not first[2]:
+  if first is None or second is None or not first[2][1]:
     return None
-  if not _batch_sums.same_kinds(first[2], second[2]):
+  if first[2] != second[2]:  # the program changes with the rows
     return None
   outs = [first[0][0], second[0][0]]
   baked = [first[1], second[1]]
@@ -252,7 +252,7 @@ def _with_global_sums(loss, abstract, treedef, leaves, counts):
     return reason
   if kind != "mean" and kind != "sum":
     return None
-  given = GlobalSums(tuple(str(d) for d in first[2]), kind == "sum")
+  given = GlobalSums(*first[2], sums=kind == "sum")
   return first, second, baked, kind, given
 
 
@@ -413,8 +413,9 @@ def _warn_mean(where: str, leaf: str, reason: str):
 def _classified(loss, abstract, treedef, leaves, rows, sums=False):
   """``((the loss's class, its aux leaves' classes, their paths and
   shapes, the new model state's classes, their paths and shapes), the
-  factors baked into examples, the dtypes of the sums over the batch it
-  takes of the batch alone)`` traced with ``rows`` rows per device, or
+  factors baked into examples, (the signature of the candidates for sums
+  over the batch, which of them are such sums))`` traced with ``rows``
+  rows per device, or
   None when it does not trace so; with ``sums``, those sums are read as
   the whole batch's (given), else none is taken."""
   local = jax.tree.unflatten(treedef, [_local(x, rows) for x in leaves])
@@ -432,19 +433,20 @@ def _classified(loss, abstract, treedef, leaves, rows, sums=False):
     ]
     + [_batch_mean.C()] * len(jax.tree.leaves(abstract[1:]))
   )
-  rec = None
+  rec, cands = None, ()
   if sums:
     n_params = len(jax.tree.leaves(abstract[0]))
     free = [n_params <= i < n_params + len(leaves) for i in range(len(classes))]
-    rec = _batch_sums.Recorder(_batch_sums.candidates(closed.jaxpr, free))
+    cands = _batch_sums.candidates(closed.jaxpr, free)
+    rec = _batch_sums.Recorder(frozenset(p for p, _, _ in cands))
   outs, baked = _batch_mean.classify(closed, classes, sums=rec)
   aux = jax.tree_util.tree_flatten_with_path(shape[1])[0]
   state = jax.tree_util.tree_flatten_with_path(shape[2])[0]
   n = 1 + len(aux)
+  paths = [p for p, _, _ in cands]
   found = (
-    []
-    if rec is None
-    else [_batch_sums.dtype_at(closed.jaxpr, p) for p in rec.found]
+    _batch_sums.signature(cands),
+    () if rec is None else tuple(paths.index(p) for p in rec.found),
   )
   return (outs[0], outs[1:n], aux, outs[n:], state), baked, found
 
