@@ -64,6 +64,11 @@ def token_mean_by_rows(p, b):  # the token count per row, of each piece
   return jnp.mean(jnp.sum(_ce(p, b) * b["mask"], axis=1)) / count
 
 
+def token_mean_by_mean_mask(p, b):  # the count as a mean over the rows
+  count = jnp.sum(b["mask"] / b["mask"].shape[0])
+  return jnp.mean(jnp.sum(_ce(p, b) * b["mask"], axis=1)) / count
+
+
 def mean_over_own_loss(p, b):  # a divisor that reads the params
   ce = _ce(p, b)
   return jnp.sum(ce * b["mask"]) / jnp.sum(ce)
@@ -184,6 +189,7 @@ def sum_plus_mean(p, b):  # a sum over examples plus a mean over them
 
 NOT_MEANS = {
   token_mean_by_rows: "a value computed from the batch's row count",
+  token_mean_by_mean_mask: "a sum over the batch scaled by a number that",
   mean_over_own_loss: "a division by a sum over the batch",
   contrastive: "a product of every example with every other",
   batch_norm: "combines each example with a sum over the batch",
@@ -463,6 +469,12 @@ def token_mean_plus_eps(p, b):  # a divisor kept from zero, another way
   return jnp.sum(_ce(p, b) * b["mask"]) / (jnp.sum(b["mask"]) + 1e-8)
 
 
+def token_mean_guarded(p, b):  # no division where there is no token
+  count = jnp.sum(b["mask"])
+  total = jnp.sum(_ce(p, b) * b["mask"])
+  return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
+
+
 def first_token_weighed(p, b):  # two counts: every token, the first ones
   ce, mask = _ce(p, b), b["mask"]
   first = jnp.sum(ce[:, 0] * mask[:, 0]) / jnp.sum(mask[:, 0])
@@ -479,7 +491,8 @@ def jitted_masked_mean(p, b):  # the count taken inside a jitted helper
 
 
 RATIOS = [token_mean, token_mean_where, token_mean_at_least_one]
-RATIOS += [token_mean_plus_eps, first_token_weighed, jitted_masked_mean]
+RATIOS += [token_mean_plus_eps, token_mean_guarded, first_token_weighed]
+RATIOS += [jitted_masked_mean]
 
 
 @pytest.mark.parametrize("loss", RATIOS, ids=lambda f: f.__name__)

@@ -61,10 +61,14 @@ _ABSENT = object()  # a value the evaluation was not given (params, key)
 @dataclasses.dataclass
 class Recorder:
   """The candidates' paths, and those found to be sums over the rows, in
-  the order the reading met them."""
+  the order the reading met them, with the literal factors each sum's
+  terms were scaled by (a factor that changes with the rows, as
+  ``jnp.sum(mask / rows)`` has, is not the whole batch's: two traces at
+  two row counts must agree on them)."""
 
   candidates: frozenset
   found: list = dataclasses.field(default_factory=list)
+  coefs: list = dataclasses.field(default_factory=list)  # (factors, where)
 
 
 @contextlib.contextmanager
@@ -108,6 +112,7 @@ def visit(here, ins, outs) -> list:
     isinstance(out, S) and not out.offset and any(isinstance(c, R) for c in ins)
   ):
     rec.found.append(here)
+    rec.coefs.append((out.coefs, out.at))
     return [C()]
   return outs
 

@@ -80,19 +80,7 @@ RANDOM = frozenset(
   """random_bits random_wrap random_unwrap random_fold_in random_split
   random_seed threefry2x32""".split()
 )
-REDUCE = frozenset(
-  {
-    "reduce_sum",
-    "reduce_max",
-    "reduce_min",
-    "reduce_prod",
-    "reduce_and",
-    "reduce_or",
-    "reduce_xor",
-    "argmax",
-    "argmin",
-  }
-)
+REDUCE = REDUCE_AXES | {"reduce_and", "reduce_or", "reduce_xor"}
 CUMULATIVE = frozenset(
   {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 )
@@ -479,6 +467,12 @@ def linear(name, ins):
     raise Mixes(
       f"{name} of a sum over the batch (a nonlinear function of a mean)"
     )
+  if name == "select_n" and isinstance(ins[0], C) and not ins[0].noise:
+    # one case for every device and micro-batch (a guard on a count): a
+    # sum, or a constant each adds once
+    off = off or any(nonzero(c) for c in consts[1:])
+    coefs = sorted({x for c in sums for x in c.coefs})
+    return S(tuple(coefs), at, off)
   raise Unknown(f"{name} of a sum over the batch")
 
 

@@ -243,8 +243,15 @@ def _with_global_sums(loss, abstract, treedef, leaves, counts):
   second = _classified(loss, abstract, treedef, leaves, counts[1], sums=True)
   if first is None or second is None or not first[2][1]:
     return None
-  if first[2] != second[2]:  # the program changes with the rows
+  if first[2][:2] != second[2][:2]:  # the program changes with the rows
     return None
+  for (a, at), (b, _) in zip(first[2][2], second[2][2]):
+    if len(a) != len(b) or not np.allclose(a, b, rtol=1e-6, atol=0.0):
+      return (
+        f"a sum over the batch scaled by a number that changes with the "
+        f"rows (a mean over the batch, or a sum of values divided by its "
+        f"row count), which each device computes with its own rows{at}"
+      )
   outs = [first[0][0], second[0][0]]
   baked = [first[1], second[1]]
   kind, reason = _batch_mean.verdict(outs, baked, counts)
@@ -252,7 +259,7 @@ def _with_global_sums(loss, abstract, treedef, leaves, counts):
     return reason
   if kind != "mean" and kind != "sum":
     return None
-  given = GlobalSums(*first[2], sums=kind == "sum")
+  given = GlobalSums(*first[2][:2], sums=kind == "sum")
   return first, second, baked, kind, given
 
 
@@ -447,6 +454,7 @@ def _classified(loss, abstract, treedef, leaves, rows, sums=False):
   found = (
     _batch_sums.signature(cands),
     () if rec is None else tuple(paths.index(p) for p in rec.found),
+    () if rec is None else tuple(rec.coefs),
   )
   return (outs[0], outs[1:n], aux, outs[n:], state), baked, found
 
