@@ -8,19 +8,19 @@ from zerojax._src.comm.gather import (
 )
 from zerojax._src.records.model_axes import ModelSpecError as ModelSpecError
 from zerojax._src.remat.remat import RematError as RematError
-from zerojax._src.step.loss_call import LossOutputError as LossOutputError
-from zerojax._src.step.loss_check import (
+from zerojax._src.step.aux_check import (
   AuxNotACountWarning as AuxNotACountWarning,
 )
-from zerojax._src.step.loss_check import (
+from zerojax._src.step.aux_check import (
   AuxNotAMeanWarning as AuxNotAMeanWarning,
 )
-from zerojax._src.step.loss_check import (
+from zerojax._src.step.aux_check import (
   AuxNotPerExampleWarning as AuxNotPerExampleWarning,
 )
-from zerojax._src.step.loss_check import (
+from zerojax._src.step.aux_check import (
   AuxUnverifiedWarning as AuxUnverifiedWarning,
 )
+from zerojax._src.step.loss_call import LossOutputError as LossOutputError
 from zerojax._src.step.loss_check import (
   LossNotAMeanError as LossNotAMeanError,
 )

@@ -14,7 +14,8 @@ combines examples raises :class:`LossNotAMeanError`, naming what combines
 them and where; one the reading cannot follow warns
 (:class:`LossUnverifiedWarning`). ``per_device_loss=True`` states that
 the per-device average is what is wanted (data parallelism's semantics:
-batch statistics and normalizers per device) and skips the check.
+batch statistics and normalizers per device) and skips the check. The
+aux's own verdicts are in :mod:`zerojax._src.step.aux_check`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from zerojax._src.jaxpr import batch_sums as _batch_sums
 from zerojax._src.jaxpr import leaf_verdicts as _leaf_verdicts
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.records.warn import warn
+from zerojax._src.step.aux_check import averaged_verdict, check_aux
 from zerojax._src.step.batch import Shared
 from zerojax._src.step.global_sums import GlobalSums
 from zerojax._src.step.loss_call import LossCall, whole_params
@@ -47,32 +49,6 @@ class ModelStateUpdateError(ValueError):
   """The loss updates its model state so that the step, which averages
   each floating leaf over devices and keeps device 0's integer leaves,
   would hold another state than the unsharded step."""
-
-
-class AuxNotAMeanWarning(UserWarning):
-  """A floating aux leaf the step averages over devices combines examples,
-  so the step reports another number than the unsharded loss gives."""
-
-
-class AuxNotACountWarning(UserWarning):
-  """An integer or bool aux leaf the step sums over devices is not a count
-  over the examples (a constant, a maximum, one example's value), so the
-  step reports another number than the unsharded loss gives."""
-
-
-class AuxNotPerExampleWarning(UserWarning):
-  """An aux leaf whose shape follows the batch's rows, which the step joins
-  row by row from the devices' pieces, is not computed row by row (a sort,
-  a cumulative sum, a normalization over the rows, a position), so the
-  step reports another array than the unsharded loss gives."""
-
-
-class AuxUnverifiedWarning(UserWarning):
-  """zerojax could not read whether an aux leaf is what the step's
-  combination over devices needs (a mean over examples for a float, a
-  count for an integer, each row its own example's for a leaf with the
-  batch's rows), so the step's value may differ from the unsharded
-  loss's."""
 
 
 _FIX = (
@@ -212,7 +188,7 @@ def check_mean_over_examples(
     elif with_sums is not None:
       *state_read, kind, given = with_sums
   if second is not None and kind != "mixes":
-    _check_aux(*aux_read, counts, where)
+    check_aux(*aux_read, counts, where)
     wrong = _model_state_verdicts(*(state_read or aux_read), counts, where)
     if wrong:
       del seen[signature]
@@ -263,65 +239,6 @@ def _with_global_sums(loss, abstract, treedef, leaves, counts):
   return first, second, baked, kind, given
 
 
-def _check_aux(first, second, baked, counts, where: str):
-  """Warns for each aux leaf whose combination over devices and
-  micro-batches is not the unsharded loss's value: a floating leaf (the
-  step averages it) that is not a mean over examples -- a ratio of sums
-  (a masked accuracy), a maximum over the batch; an integer or bool leaf
-  (the step sums it) that is not a count over them -- a constant, a
-  maximum, one example's value; a leaf whose shape follows the rows (the
-  step joins it row by row) whose rows are not each their own example's
-  value -- a sort, a cumulative sum, a normalization over the rows, a
-  position along them. A leaf the reading cannot follow warns that it is
-  unchecked."""
-  (classes_a, shapes_a), (classes_b, shapes_b) = first[0][1:3], second[0][1:3]
-  for (path, a), (_, b), ca, cb in zip(
-    shapes_a, shapes_b, classes_a, classes_b
-  ):
-    leaf = f"the loss's aux{jax.tree_util.keystr(path)}"
-    unread = next((c for c in (ca, cb) if isinstance(c, _batch_mean.U)), None)
-    if unread is not None:
-      _warn_unread(where, leaf, a.dtype, a.shape != b.shape, unread.reason)
-      continue
-    if a.shape != b.shape:  # per example: joined row by row
-      dims = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
-      if len(dims) != 1:
-        continue  # no rows to join: the step refuses it by leaf
-      kind, reason = _leaf_verdicts.per_row_verdict([ca, cb], baked, dims[0])
-      if kind == "unknown":
-        _warn_unread(where, leaf, a.dtype, True, reason)
-      elif kind == "mixes":
-        _warn_per_row(where, leaf, reason)
-      continue
-    if jnp.issubdtype(a.dtype, jnp.inexact):  # bfloat16 too
-      kind, reason = _averaged_verdict([ca, cb], baked, counts)
-      if kind == "mixes":
-        _warn_mean(where, leaf, reason)
-      continue
-    reason = _leaf_verdicts.count_verdict([ca, cb], baked, counts)
-    if a.dtype == np.bool_:
-      reason = reason or "a bool, which the step sums as a count"
-    if reason is not None:
-      warn(
-        f"{where}: {leaf} ({a.dtype}) is not a count over the batch's "
-        f"examples ({reason}). The step sums an integer or bool aux leaf "
-        f"over devices and micro-batches, which is the whole batch's value "
-        f"only for a count (jnp.sum of per-example values), so it reports "
-        f"another number than the unsharded loss gives. Return it per "
-        f"example (a leaf with the batch's rows, which the step keeps row "
-        f"by row), as a count, or as a float mean over examples.",
-        AuxNotACountWarning,
-      )
-
-
-def _averaged_verdict(outs, baked, counts) -> tuple[str, str]:
-  """:func:`~zerojax._src.jaxpr.batch_mean.verdict` for a value the step
-  averages over devices and micro-batches (a float aux or model state
-  leaf): a sum over examples is then another number, as is any value that
-  is not a mean."""
-  return _batch_mean.verdict(outs, baked, counts, sums=False)
-
-
 def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
   """``[(leaf, dtype, reason)]`` for each new model state leaf the step
   would hold otherwise than the unsharded step: a floating leaf (averaged
@@ -335,7 +252,7 @@ def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
       continue  # a key: device 0's, as the unsharded step draws it
     if jnp.issubdtype(a.dtype, jnp.inexact):
-      kind, reason = _averaged_verdict([ca, cb], baked, counts)
+      kind, reason = averaged_verdict([ca, cb], baked, counts)
     else:
       kind, reason = _leaf_verdicts.kept_verdict([ca, cb])
     if kind == "mixes":
@@ -366,54 +283,6 @@ def _model_state_message(where: str, wrong) -> str:
     f"after the step, pass a whole-batch number (its size) as a scalar "
     f"batch leaf, or build the step with per_device_loss=True to keep data "
     f"parallelism's per-device state on purpose."
-  )
-
-
-def _warn_unread(where: str, leaf: str, dtype, per_row: bool, reason: str):
-  if per_row:
-    how = (
-      "joins an aux leaf with the batch's rows from the devices' and "
-      "micro-batches' rows, which is the whole batch's value only when "
-      "each row is computed from its own example"
-    )
-  else:
-    how = (
-      f"{'averages' if jnp.issubdtype(dtype, jnp.inexact) else 'sums'} a "
-      f"{dtype} aux leaf over devices and micro-batches, which is the whole "
-      f"batch's value only for a mean over examples (a float) or a count "
-      f"(an integer)"
-    )
-  warn(
-    f"{where}: zerojax could not check {leaf} ({dtype}): {reason}. The "
-    f"step {how}, so it may report another value than the unsharded loss "
-    f"gives. Return per-example values (each row from its own example), "
-    f"counts or float means over examples, and combine them after the "
-    f"step.",
-    AuxUnverifiedWarning,
-  )
-
-
-def _warn_per_row(where: str, leaf: str, reason: str):
-  warn(
-    f"{where}: {leaf} has the batch's rows but is not computed row by row "
-    f"({reason}). The step joins such a leaf from the devices' and "
-    f"micro-batches' rows, so it reports another array than the unsharded "
-    f"loss gives: each device's piece of it. Return per-example values "
-    f"(each row from its own example) and combine them after the step.",
-    AuxNotPerExampleWarning,
-  )
-
-
-def _warn_mean(where: str, leaf: str, reason: str):
-  warn(
-    f"{where}: {leaf} is not a mean over the batch's examples ({reason}). "
-    f"The step averages a floating aux leaf over devices and "
-    f"micro-batches, which is the whole batch's value only for such a "
-    f"mean, so it reports another number than the unsharded loss gives. "
-    f"Return it per example (a leaf with the batch's rows, which the step "
-    f"keeps row by row) or its numerator and denominator as integer counts "
-    f"(summed), and combine them after the step.",
-    AuxNotAMeanWarning,
   )
 
 
