@@ -423,6 +423,27 @@ def token_sum_over_count(p, b):
 SUMS = [sum_loss, fixed_divisor, chunked_sum, token_sum_over_count]
 
 
+def _assert_evaluates_and_differentiates_like_plain(
+  mesh, loss, params, batch, stage, accum
+):
+  """The eval step's loss and value_and_grad's loss and SGD step equal
+  the plain ones."""
+  tx = zerojax.zero(optax.sgd(1e-3), stage=stage, mesh=mesh)
+  state = zerojax.init(params, tx)
+  evaluated = zerojax.eval_step(loss, tx)(state, batch)
+  np.testing.assert_allclose(evaluated, loss(params, batch), rtol=1e-5)
+  value, grads = zerojax.value_and_grad(loss, tx, accum_steps=accum)(
+    state, batch
+  )
+  np.testing.assert_allclose(value, loss(params, batch), rtol=1e-5)
+  want = jax.grad(loss)(params, batch)
+  got = zerojax.gather_params(zerojax.apply_gradients(state, grads))
+  for a, p, g in zip(
+    jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(want)
+  ):
+    np.testing.assert_allclose(a, p - 1e-3 * g, rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("loss", SUMS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("stage,accum", [(0, 2), (1, 1), (3, 2)])
 def test_a_sum_over_examples_trains_like_the_plain_step(
@@ -439,20 +460,9 @@ def test_a_sum_over_examples_trains_like_the_plain_step(
   pieces = [float(loss(params, rows(i))) for i in range(0, 16, 2)]
   np.testing.assert_allclose(np.sum(pieces), loss(params, batch), rtol=1e-5)
   _assert_trains_like_plain(mesh, loss, optax.sgd(1e-3), stage, accum)
-  tx = zerojax.zero(optax.sgd(1e-3), stage=stage, mesh=mesh)
-  state = zerojax.init(params, tx)
-  evaluated = zerojax.eval_step(loss, tx)(state, batch)
-  np.testing.assert_allclose(evaluated, loss(params, batch), rtol=1e-5)
-  value, grads = zerojax.value_and_grad(loss, tx, accum_steps=accum)(
-    state, batch
+  _assert_evaluates_and_differentiates_like_plain(
+    mesh, loss, params, batch, stage, accum
   )
-  np.testing.assert_allclose(value, loss(params, batch), rtol=1e-5)
-  want = jax.grad(loss)(params, batch)
-  got = zerojax.gather_params(zerojax.apply_gradients(state, grads))
-  for a, p, g in zip(
-    jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(want)
-  ):
-    np.testing.assert_allclose(a, p - 1e-3 * g, rtol=2e-5, atol=2e-6)
 
 
 # --- sums over examples divided by counts the loss takes of its batch ---
@@ -509,20 +519,9 @@ def test_a_sum_divided_by_counts_over_the_batch_trains_like_the_plain_step(
   pieces = [float(loss(params, rows(i))) for i in range(0, 16, 2)]
   assert not np.isclose(np.mean(pieces), loss(params, batch), rtol=1e-4)
   _assert_trains_like_plain(mesh, loss, optax.adamw(1e-2), stage, accum)
-  tx = zerojax.zero(optax.sgd(1e-3), stage=stage, mesh=mesh)
-  state = zerojax.init(params, tx)
-  evaluated = zerojax.eval_step(loss, tx)(state, batch)
-  np.testing.assert_allclose(evaluated, loss(params, batch), rtol=1e-5)
-  value, grads = zerojax.value_and_grad(loss, tx, accum_steps=accum)(
-    state, batch
+  _assert_evaluates_and_differentiates_like_plain(
+    mesh, loss, params, batch, stage, accum
   )
-  np.testing.assert_allclose(value, loss(params, batch), rtol=1e-5)
-  want = jax.grad(loss)(params, batch)
-  got = zerojax.gather_params(zerojax.apply_gradients(state, grads))
-  for a, p, g in zip(
-    jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(want)
-  ):
-    np.testing.assert_allclose(a, p - 1e-3 * g, rtol=2e-5, atol=2e-6)
 
 
 def test_a_piece_of_the_batch_without_tokens_trains_like_the_plain_step(mesh):
@@ -549,6 +548,54 @@ def test_a_piece_of_the_batch_without_tokens_trains_like_the_plain_step(mesh):
   assert np.isfinite(float(m["loss"]))
   for x in jax.tree.leaves(zerojax.gather_params(state)):
     assert np.all(np.isfinite(x))
+
+
+def _masked_metrics(p, b):
+  logits, mask = _logits(p, b), b["mask"]
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+  count = jnp.sum(mask)
+  right = (jnp.argmax(logits, -1) == b["y"]) * mask
+  token_mean = jnp.sum(ce * mask) / count
+  return token_mean, {
+    "loss": token_mean,
+    "accuracy": jnp.sum(right) / count,
+    "tokens": count.astype(jnp.int32),
+    "mean": jnp.mean(ce),
+  }
+
+
+@pytest.mark.parametrize("of_mean", [False, True], ids=["token_mean", "mean"])
+def test_a_ratio_over_the_batch_s_count_in_the_aux_is_the_unsharded_value(
+  mesh, of_mean
+):
+  """A masked accuracy and the token mean itself in the aux, of a loss
+  that is a token mean or a plain mean: each is computed with the whole
+  batch's count and added up, in training, evaluation and
+  value_and_grad, with no warning."""
+
+  def loss(p, b):
+    value, aux = _masked_metrics(p, b)
+    return (aux["mean"] if of_mean else value), aux
+
+  params, batch = _params(), _batch()
+  batch["mask"][:3] = 0.0
+  want = loss(params, batch)[1]
+  tx = zerojax.zero(optax.sgd(0.1), stage=3, mesh=mesh)
+  state = zerojax.init(params, tx, copy=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step = zerojax.train_step(loss, tx, accum_steps=2, gather="all")
+    trained = step(state, batch)[1]["aux"]
+    state = zerojax.init(params, tx)
+    (_, from_grad), _ = zerojax.value_and_grad(
+      loss, tx, has_aux=True, accum_steps=2, gather="all"
+    )(state, batch)
+    evaluated = zerojax.eval_step(loss, tx, has_aux=True, gather="all")(
+      state, batch
+    )[1]
+  for got in (trained, from_grad, evaluated):
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], rtol=2e-6)
 
 
 def test_per_device_loss_averages_per_device_losses_on_purpose(mesh):
@@ -814,15 +861,16 @@ def _aux_step(mesh, loss, stage, warned, accum=1):
 
 def test_an_aux_leaf_the_step_would_average_wrongly_is_warned_about(mesh):
   """The step averages a floating aux leaf over devices: exact for a mean
-  over examples, another number for a ratio of sums or a maximum, which
-  are named; per-example leaves and counts are exact and pass."""
+  over examples, another number for a maximum, which is named; a ratio
+  whose divisor reads the batch alone is added up with the whole batch's
+  divisor; per-example leaves and counts are exact and pass."""
   found, got, want, (tx, state, batch), rec = _aux_step(
     mesh, _with_aux, 2, AuxNotAMeanWarning
   )
   named = sorted(found(AuxNotAMeanWarning))
-  assert named == ["token_weighted", "worst", "worst_bf16"]
+  assert named == ["worst", "worst_bf16"]
   assert all("test_loss_check.py" in w.filename for w in rec)
-  for k in ("mean", "per_example", "tokens"):
+  for k in ("mean", "per_example", "tokens", "token_weighted"):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
   for k in named:  # what the warning is about: per-device averages
     assert not np.isclose(float(got[k]), float(want[k]), rtol=1e-4)

@@ -41,7 +41,35 @@ class AuxUnverifiedWarning(UserWarning):
   loss's."""
 
 
-def check_aux(first, second, baked, counts, where: str):
+def averaged_mixes(read, counts) -> list[bool]:
+  """Per aux leaf, whether it is a float the step averages that is not a
+  mean over examples (``read``: ``(first, second, baked)``)."""
+  (a_read, b_read, baked) = read
+  return [
+    a.shape == b.shape
+    and jnp.issubdtype(a.dtype, jnp.inexact)
+    and averaged_verdict([ca, cb], baked, counts)[0] == "mixes"
+    for (_, a), (_, b), ca, cb in zip(
+      a_read[0][2], b_read[0][2], a_read[0][1], b_read[0][1]
+    )
+  ]
+
+
+def summed_aux(plain, given, counts) -> tuple:
+  """Per aux leaf, whether the step adds it up with the whole batch's
+  sums over the batch given (:mod:`zerojax._src.step.global_sums`): a
+  float that is not a mean over examples as the loss computes it, but a
+  sum over them once those sums are the whole batch's -- a masked
+  accuracy, the loss itself. ``plain`` and ``given``: ``(first, second,
+  baked)`` read without and with those sums."""
+  ga, gb, g_baked = given
+  return tuple(
+    mixes and _batch_mean.verdict([wa, wb], g_baked, counts)[0] == "sum"
+    for mixes, wa, wb in zip(averaged_mixes(plain, counts), ga[0][1], gb[0][1])
+  )
+
+
+def check_aux(first, second, baked, counts, where: str, summed=()):
   """Warns for each aux leaf whose combination over devices and
   micro-batches is not the unsharded loss's value: a floating leaf (the
   step averages it) that is not a mean over examples -- a ratio of sums
@@ -51,11 +79,13 @@ def check_aux(first, second, baked, counts, where: str):
   step joins it row by row) whose rows are not each their own example's
   value -- a sort, a cumulative sum, a normalization over the rows, a
   position along them. A leaf the reading cannot follow warns that it is
-  unchecked."""
+  unchecked; one the step adds up (``summed``) is not warned about."""
   (classes_a, shapes_a), (classes_b, shapes_b) = first[0][1:3], second[0][1:3]
-  for (path, a), (_, b), ca, cb in zip(
-    shapes_a, shapes_b, classes_a, classes_b
+  for i, ((path, a), (_, b), ca, cb) in enumerate(
+    zip(shapes_a, shapes_b, classes_a, classes_b)
   ):
+    if i < len(summed) and summed[i]:
+      continue
     leaf = f"the loss's aux{jax.tree_util.keystr(path)}"
     unread = next((c for c in (ca, cb) if isinstance(c, _batch_mean.U)), None)
     if unread is not None:

@@ -87,7 +87,14 @@ def _eval_local(
   dims = _aux.row_dims(aux, lambda mb: run(mb)[2], batch)
   found.set(dims)
   loss, reduced, rows, _ = reduce_outputs(
-    loss, aux, None, tx.batch_axes, mean, dims, loss_scale=scale
+    loss,
+    aux,
+    None,
+    tx.batch_axes,
+    mean,
+    dims,
+    loss_scale=scale,
+    summed=prog.summed_aux,
   )
   return loss, reduced, rows
 

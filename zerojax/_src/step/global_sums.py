@@ -39,6 +39,7 @@ class GlobalSums:
   candidates: tuple
   picks: tuple
   sums: bool
+  aux: tuple = ()  # per aux leaf: a float the step adds up
 
 
 def as_sums(verdict):
@@ -79,7 +80,10 @@ def with_global_sums(prog: LossProgram, batch, key, model_state, axes):
   rows = next(np.shape(x)[0] for x in jax.tree.leaves(batch))
   shared = tuple(Shared(jnp.broadcast_to(v, (rows,))) for v in values)
   prog = dataclasses.replace(
-    prog, loss_fn=_given(prog.loss_fn, given), sums=given.sums
+    prog,
+    loss_fn=_given(prog.loss_fn, given),
+    sums=given.sums,
+    summed_aux=given.aux,
   )
   return prog, (batch, shared)
 
@@ -87,9 +91,9 @@ def with_global_sums(prog: LossProgram, batch, key, model_state, axes):
 def _given(loss_fn, given: GlobalSums):
   """``loss_fn`` taking ``(batch, sums)`` for its batch: its loss and new
   model state evaluated with its own sums over the batch replaced by
-  ``sums``; its aux as it computes it (a count of this piece's tokens is
-  summed over devices by the step, a ratio averaged and warned about, as
-  for any loss)."""
+  ``sums``; its aux as it computes it (a count of this piece's tokens,
+  summed over devices by the step), but a float leaf that is a sum over
+  examples with those sums given (a masked accuracy) with them too."""
 
   def loss(params, both, **kw):
     batch, values = both
@@ -98,14 +102,28 @@ def _given(loss_fn, given: GlobalSums):
       closed, jax.tree.leaves((params, batch, kw)), dict(zip(paths, values))
     )
     out = jax.tree.unflatten(tree, plain)
-    out_whole = jax.tree.unflatten(tree, replaced)
+    whole = jax.tree.unflatten(tree, replaced)
     if not isinstance(out, tuple):
-      return out_whole
-    if "model_state" in kw:  # (loss, new model state[, aux])
-      return (*out_whole[:2], *out[2:])
-    return (out_whole[0], *out[1:])  # (loss, aux)
+      return whole
+    n = 2 if "model_state" in kw else 1  # (loss[, new model state], aux)
+    return (
+      *whole[:n],
+      *(_aux_of(a, w, given.aux) for a, w in zip(out[n:], whole[n:])),
+    )
 
   return loss
+
+
+def _aux_of(plain, whole, summed: tuple):
+  """The aux as the loss computes it, but each leaf the step adds up
+  with the whole batch's sums."""
+  leaves, tree = jax.tree.flatten(plain)
+  if len(summed) != len(leaves):
+    return plain
+  given = jax.tree.leaves(whole)
+  return jax.tree.unflatten(
+    tree, [w if s else a for a, w, s in zip(leaves, given, summed)]
+  )
 
 
 def _traced(loss_fn, params, batch, kw, given: GlobalSums):

@@ -233,7 +233,16 @@ def local_grads(
     found.set(dims)
   return (
     reduce_grads(spec, grads, hooked, scale / seed, direct),
-    *reduce_outputs(loss, aux, new_ms, axes, mean, dims, loss_scale=scale),
+    *reduce_outputs(
+      loss,
+      aux,
+      new_ms,
+      axes,
+      mean,
+      dims,
+      loss_scale=scale,
+      summed=prog.summed_aux,
+    ),
   )
 
 

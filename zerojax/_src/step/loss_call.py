@@ -130,7 +130,8 @@ class LossProgram:
   refuse (:func:`zerojax._src.step.per_device.over_batch_axes`).
   ``sums``: the loss is a sum over examples (the loss check's verdict), so
   the devices' and micro-batches' losses and gradients are added up, not
-  averaged."""
+  averaged; ``summed_aux``: per aux leaf, a float added up likewise
+  (:mod:`zerojax._src.step.global_sums`)."""
 
   spec: StateSpec
   loss_fn: Callable
@@ -139,6 +140,7 @@ class LossProgram:
   gather: str = "auto"
   typed: bool = True
   sums: bool = False
+  summed_aux: tuple = ()
 
 
 class LossArgs(NamedTuple):

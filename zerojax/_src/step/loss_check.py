@@ -20,6 +20,8 @@ aux's own verdicts are in :mod:`zerojax._src.step.aux_check`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,12 @@ from zerojax._src.jaxpr import batch_sums as _batch_sums
 from zerojax._src.jaxpr import leaf_verdicts as _leaf_verdicts
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.records.warn import warn
-from zerojax._src.step.aux_check import averaged_verdict, check_aux
+from zerojax._src.step.aux_check import (
+  averaged_mixes,
+  averaged_verdict,
+  check_aux,
+  summed_aux,
+)
 from zerojax._src.step.batch import Shared
 from zerojax._src.step.global_sums import GlobalSums
 from zerojax._src.step.loss_call import LossCall, whole_params
@@ -178,8 +185,9 @@ def check_mean_over_examples(
   outs = [first[0][0], None if second is None else second[0][0]]
   baked = [first[1], () if second is None else second[1]]
   kind, reason = _batch_mean.verdict(outs, baked, counts)
-  # the aux as the loss computes it; the loss and its model state with
-  # the whole batch's sums over the batch, where it takes any
+  # the aux as the loss computes it; the loss, its model state and the
+  # aux leaves that need them with the whole batch's sums over the batch,
+  # where it takes any
   aux_read, state_read, given = (first, second, baked), None, None
   if kind == "mixes" and second is not None:
     with_sums = _with_global_sums(loss, abstract, treedef, leaves, counts)
@@ -187,8 +195,20 @@ def check_mean_over_examples(
       reason = with_sums  # what still combines examples with them given
     elif with_sums is not None:
       *state_read, kind, given = with_sums
+  elif kind in ("mean", "sum") and second is not None:
+    # a mean or a sum whose aux divides by a count (a masked accuracy)
+    with_sums = None
+    if any(averaged_mixes(aux_read, counts)):
+      with_sums = _with_global_sums(loss, abstract, treedef, leaves, counts)
+    if isinstance(with_sums, tuple) and with_sums[3] == kind:
+      if any(summed_aux(aux_read, with_sums[:3], counts)):
+        *state_read, kind, given = with_sums
+  summed = ()
+  if given is not None:
+    summed = summed_aux(aux_read, state_read, counts)
+    given = dataclasses.replace(given, aux=summed)
   if second is not None and kind != "mixes":
-    check_aux(*aux_read, counts, where)
+    check_aux(*aux_read, counts, where, summed=summed)
     wrong = _model_state_verdicts(*(state_read or aux_read), counts, where)
     if wrong:
       del seen[signature]

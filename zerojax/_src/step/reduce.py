@@ -133,11 +133,12 @@ def reduce_grads(spec: StateSpec, grads, hooked, scale: float, direct):
 
 
 def reduce_outputs(
-  loss, aux, new_ms, axes, scale: float, dims, *, loss_scale=None
+  loss, aux, new_ms, axes, scale: float, dims, *, loss_scale=None, summed=()
 ):
   """The loss and float aux as means over devices and micro-batches
   (``scale``: 1 / their number; the loss scaled by ``loss_scale`` when
-  given, 1 for a sum over examples), integer aux (counts) summed,
+  given, 1 for a sum over examples), integer aux (counts) and the float
+  aux leaves ``summed`` flags summed,
   per-example aux stacked for the devices' rows
   (:mod:`zerojax._src.step.aux`), the model state synchronised. Returns
   ``(loss, aux_reduced, aux_rows, new_model_state)``."""
@@ -146,15 +147,16 @@ def reduce_outputs(
   )
   reduced, rows = _aux.split(aux, dims)
   leaves, tree = jax.tree.flatten(reduced)
+  added = list(summed) if len(summed) == len(leaves) else [False] * len(leaves)
   reduced = jax.tree.unflatten(
     tree,
     [
       a
       if d is not None
       else _psum(a, axes) * scale
-      if jnp.issubdtype(a.dtype, jnp.inexact)
+      if jnp.issubdtype(a.dtype, jnp.inexact) and not s
       else _psum(a, axes)
-      for a, d in zip(leaves, dims or (None,) * len(leaves))
+      for a, d, s in zip(leaves, dims or (None,) * len(leaves), added)
     ],
   )
   if new_ms is not None:
