@@ -424,10 +424,11 @@ def train_step(
       unsharded one. Other errors in the loss propagate unchanged.
     donate: donate the input state's buffers to the output state.
     per_device_loss: ``False`` (default): a loss that is neither a mean
-      nor a sum over examples raises
-      :class:`zerojax.errors.LossNotAMeanError` before anything runs
-      (:mod:`zerojax._src.step.loss_check`). ``True``: average the
-      per-device losses on purpose (data parallelism's semantics).
+      nor a sum over examples (nor one divided by counts of its batch
+      alone, ``jnp.sum(ce * mask) / jnp.sum(mask)``, run with the whole
+      batch's) raises :class:`zerojax.errors.LossNotAMeanError` before
+      anything runs (:mod:`zerojax._src.step.loss_check`). ``True``:
+      average the per-device losses on purpose (data parallelism's).
     grad_norm: report the global norm of the step's gradient (the
       optimizer's input, after the reduction) as ``metrics["grad_norm"]``.
       It reads the whole gradient once more: at stage 0, where every
