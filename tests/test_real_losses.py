@@ -338,11 +338,14 @@ def test_a_custom_vjp_gradient_for_a_closed_over_array_raises_then_sums(
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
-def _pallas_loss(differentiable: bool = True):
+def _pallas_loss(differentiable: bool = True, form: str = "mean"):
   """A loss whose product runs in a Pallas kernel (JAX's interpreter on
   CPU) with an ``out_shape`` that leaves ``manual_axis_type`` out, as a
   library kernel written for one device does; with a custom VJP (how
-  kernels ship) or without (not differentiable, unsharded either)."""
+  kernels ship) or without (not differentiable, unsharded either);
+  ``form``: ``"mean"`` over examples, ``"token_mean"`` (a sum over the
+  rows the batch's ``mask`` keeps divided by their count) or ``"sum"``
+  (divided by a fixed number)."""
   from jax.experimental import pallas as pl
 
   def kernel(x_ref, w_ref, o_ref):
@@ -360,7 +363,12 @@ def _pallas_loss(differentiable: bool = True):
   def loss(params, b):
     w = jnp.broadcast_to(params["w1"][:, 0], b["x"].shape)
     h = (product if differentiable else mul)(b["x"], w)
-    return jnp.mean((h @ params["w1"] @ params["w2"] - b["y"]) ** 2)
+    err = (h @ params["w1"] @ params["w2"] - b["y"]) ** 2
+    if form == "token_mean":
+      return jnp.sum(err * b["mask"][:, None]) / jnp.sum(b["mask"])
+    if form == "sum":
+      return jnp.sum(err) / 48.0
+    return jnp.mean(err)
 
   return loss
 
@@ -381,6 +389,32 @@ def test_a_pallas_kernel_whose_out_shape_has_no_device_type_trains(
   np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("form", ["token_mean", "sum"])
+def test_a_sum_over_a_pallas_kernel_trains_and_warns(mesh, stage, form):
+  """A sum divided by the batch's count, or by a fixed number, over a
+  kernel the loss check cannot read: the step takes the kernel as per
+  example (its shapes allow it), adds up the devices' losses (run with
+  the whole batch's count), and warns that the kernel was not checked;
+  rows without a count (a device's and a micro-batch's) add nothing, as
+  in the plain step."""
+  loss = _pallas_loss(form=form)
+  data = _data(2)
+  for i, b in enumerate(data):
+    b["mask"] = (np.arange(16) % (3 + i) != 0).astype(np.float32)
+    b["mask"][:5] = 0.0
+  opt = optax.sgd(0.1, momentum=0.9)
+  want, want_losses = toy.optax_run(loss, opt, _params(), data)
+  tx = zerojax.zero(opt, stage=stage, mesh=mesh)
+  got, losses, notes = toy.zero_run(
+    loss, tx, _params(), data, gather="all", accum_steps=2
+  )
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6)
+  assert any("pallas_call" in n and "adds up" in n for n in notes), notes
 
 
 def test_a_kernel_with_no_gradient_raises_jaxs_error_with_the_reason(mesh):

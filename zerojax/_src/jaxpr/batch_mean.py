@@ -215,7 +215,7 @@ def _eqn(e, ins):
     return [X(f"{x.args[0]}{where(e)}")] * n_out
   except Exception:  # noqa: BLE001 -- a form this JAX release writes
     return [U(f"{name}, in a form zerojax does not read{where(e)}")] * n_out
-  return [U(f"{name}{where(e)}")] * n_out
+  return _batch_sums.assumed(e, ins) or [U(f"{name}{where(e)}")] * n_out
 
 
 _LINE = re.compile(r" at [^ ]+:\d+$")  # where() of an equation

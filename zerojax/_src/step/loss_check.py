@@ -189,12 +189,13 @@ def check_mean_over_examples(
   # aux leaves that need them with the whole batch's sums over the batch,
   # where it takes any
   aux_read, state_read, given = (first, second, baked), None, None
-  if kind == "mixes" and second is not None:
+  unverified = None  # what a reading with the sums given took on trust
+  if kind in ("mixes", "unknown") and second is not None:
     with_sums = _with_global_sums(loss, abstract, treedef, leaves, counts)
-    if isinstance(with_sums, str):
+    if isinstance(with_sums, str) and kind == "mixes":
       reason = with_sums  # what still combines examples with them given
-    elif with_sums is not None:
-      *state_read, kind, given = with_sums
+    elif isinstance(with_sums, tuple):
+      *state_read, kind, given, unverified = with_sums
   elif kind in ("mean", "sum") and second is not None:
     # a mean or a sum whose aux divides by a count (a masked accuracy)
     with_sums = None
@@ -202,7 +203,7 @@ def check_mean_over_examples(
       with_sums = _with_global_sums(loss, abstract, treedef, leaves, counts)
     if isinstance(with_sums, tuple) and with_sums[3] == kind:
       if any(summed_aux(aux_read, with_sums[:3], counts)):
-        *state_read, kind, given = with_sums
+        *state_read, kind, given, unverified = with_sums
   summed = ()
   if given is not None:
     summed = summed_aux(aux_read, state_read, counts)
@@ -223,20 +224,54 @@ def check_mean_over_examples(
       f"batch only for those two; this one would give other numbers than "
       f"the unsharded step. {_FIX}"
     )
-  if kind == "unknown":
-    _unverified(where, reason)
+  if unverified is not None:
+    _unverified(where, unverified, "sum" if given.sums else "mean", True)
+  elif kind == "unknown":
+    # as the reading cannot tell, a kernel taken as per example says
+    # whether the pieces' losses add up (a sum) or average (the rest)
+    if (
+      second is not None
+      and _trusted_kind(loss, abstract, treedef, leaves, counts) == "sum"
+    ):
+      kind = "sum"
+    _unverified(where, reason, kind)
   seen[signature] = given or ("sum" if kind == "sum" else "mean")
   return seen[signature]
 
 
 def _with_global_sums(loss, abstract, treedef, leaves, counts):
-  """``(first, second, baked, kind, GlobalSums)`` for a loss that is a
-  mean or a sum over examples once the sums over the batch it takes of
-  the batch alone are the whole batch's (:mod:`zerojax._src.step.
-  global_sums`), read at both row counts; for one that takes such sums
-  and combines examples still, why; None for any other."""
-  first = _classified(loss, abstract, treedef, leaves, counts[0], sums=True)
-  second = _classified(loss, abstract, treedef, leaves, counts[1], sums=True)
+  """``(first, second, baked, kind, GlobalSums, unverified)`` for a loss
+  that is a mean or a sum over examples once the sums over the batch it
+  takes of the batch alone are the whole batch's (:mod:`zerojax._src.
+  step.global_sums`), read at both row counts; for one that takes such
+  sums and combines examples still, why; None for any other.
+
+  Where the reading cannot follow a part of the loss (a kernel), it is
+  read again with each equation no rule follows taken as per example
+  where its shapes allow; ``unverified`` then says what was not checked
+  (the step warns, as for a mean it cannot read)."""
+  read = _read_with_sums(loss, abstract, treedef, leaves, counts, False)
+  unverified = None
+  if isinstance(read, tuple) and read[3] == "unknown":
+    unverified = read[4]
+    read = _read_with_sums(loss, abstract, treedef, leaves, counts, True)
+    if isinstance(read, str):
+      return None  # (what mixes may be the unread part's doing)
+  if not isinstance(read, tuple) or read[3] not in ("mean", "sum"):
+    return read if isinstance(read, str) else None
+  first, second, baked, kind, _ = read
+  given = GlobalSums(*first[2][:2], sums=kind == "sum")
+  return first, second, baked, kind, given, unverified
+
+
+def _read_with_sums(loss, abstract, treedef, leaves, counts, optimistic):
+  """``(first, second, baked, kind, reason)`` of the loss read with its
+  sums over the batch given, at both row counts; what mixes examples, as
+  a string; None where it takes no such sums or its program changes with
+  the rows."""
+  how = "optimistic" if optimistic else True
+  first = _classified(loss, abstract, treedef, leaves, counts[0], sums=how)
+  second = _classified(loss, abstract, treedef, leaves, counts[1], sums=how)
   if first is None or second is None or not first[2][1]:
     return None
   if first[2][:2] != second[2][:2]:  # the program changes with the rows
@@ -248,15 +283,11 @@ def _with_global_sums(loss, abstract, treedef, leaves, counts):
         f"rows (a mean over the batch, or a sum of values divided by its "
         f"row count), which each device computes with its own rows{at}"
       )
-  outs = [first[0][0], second[0][0]]
   baked = [first[1], second[1]]
-  kind, reason = _batch_mean.verdict(outs, baked, counts)
+  kind, reason = _batch_mean.verdict([first[0][0], second[0][0]], baked, counts)
   if kind == "mixes":
     return reason
-  if kind != "mean" and kind != "sum":
-    return None
-  given = GlobalSums(*first[2][:2], sums=kind == "sum")
-  return first, second, baked, kind, given
+  return first, second, baked, kind, reason
 
 
 def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
@@ -313,7 +344,9 @@ def _classified(loss, abstract, treedef, leaves, rows, sums=False):
   over the batch, which of them are such sums))`` traced with ``rows``
   rows per device, or
   None when it does not trace so; with ``sums``, those sums are read as
-  the whole batch's (given), else none is taken."""
+  the whole batch's (given), else none is taken (``"optimistic"``: and an
+  equation no rule follows is taken as per example where it can be;
+  ``"kernels"``: only that)."""
   local = jax.tree.unflatten(treedef, [_local(x, rows) for x in leaves])
   try:
     closed, shape = jax.make_jaxpr(loss, return_shape=True)(
@@ -333,8 +366,12 @@ def _classified(loss, abstract, treedef, leaves, rows, sums=False):
   if sums:
     n_params = len(jax.tree.leaves(abstract[0]))
     free = [n_params <= i < n_params + len(leaves) for i in range(len(classes))]
-    cands = _batch_sums.candidates(closed.jaxpr, free)
-    rec = _batch_sums.Recorder(frozenset(p for p, _, _ in cands))
+    if sums != "kernels":
+      cands = _batch_sums.candidates(closed.jaxpr, free)
+    rec = _batch_sums.Recorder(
+      frozenset(p for p, _, _ in cands),
+      optimistic=sums in ("optimistic", "kernels"),
+    )
   outs, baked = _batch_mean.classify(closed, classes, sums=rec)
   aux = jax.tree_util.tree_flatten_with_path(shape[1])[0]
   state = jax.tree_util.tree_flatten_with_path(shape[2])[0]
@@ -348,14 +385,37 @@ def _classified(loss, abstract, treedef, leaves, rows, sums=False):
   return (outs[0], outs[1:n], aux, outs[n:], state), baked, found
 
 
-def _unverified(where: str, reason: str):
+def _trusted_kind(loss, abstract, treedef, leaves, counts) -> str:
+  """The loss's verdict with each equation no rule follows (a kernel)
+  taken as per example where its shapes allow."""
+  read = [
+    _classified(loss, abstract, treedef, leaves, n, sums="kernels")
+    for n in counts
+  ]
+  if read[0] is None or read[1] is None:
+    return "unknown"
+  outs, baked = [r[0][0] for r in read], [r[1] for r in read]
+  return _batch_mean.verdict(outs, baked, counts)[0]
+
+
+def _unverified(where, reason, kind="mean", global_sums=False):
+  how = (
+    "averages the loss computed on each device's rows, which is the whole "
+    "batch's loss only for such a mean"
+  )
+  if kind == "sum" or global_sums:
+    given = "runs it with the whole batch's sums it divides by and "
+    how = (
+      f"{given if global_sums else ''}"
+      f"{'adds up' if kind == 'sum' else 'averages'} the devices' losses, "
+      f"taking that part as computed per example, which is the whole "
+      f"batch's loss only if it is"
+    )
   warn(
     f"{where}: zerojax could not check that loss_fn is a mean over the "
-    f"batch's examples ({reason}). The step averages the loss computed on "
-    f"each device's rows, which is the whole batch's loss only for such a "
-    f"mean; a loss that combines examples (a contrastive loss, batch "
-    f"statistics, a normalizer summed over the batch) would get other "
-    f"numbers. {_FIX}",
+    f"batch's examples ({reason}). The step {how}; a loss that combines "
+    f"examples (a contrastive loss, batch statistics, a normalizer summed "
+    f"over the batch) would get other numbers. {_FIX}",
     LossUnverifiedWarning,
   )
 
