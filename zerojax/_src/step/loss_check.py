@@ -7,7 +7,8 @@ whole batch's token count a scalar batch leaf): the unsharded loss only
 for those two. A loss that divides by sums it takes of its batch alone
 (``jnp.sum(ce * mask) / jnp.sum(mask)``) is one of them once those sums
 are the whole batch's, which the step computes first
-(:mod:`zerojax._src.step.global_sums`). :func:`check_mean_over_examples` traces the loss
+(:mod:`zerojax._src.step.global_sums`).
+:func:`check_mean_over_examples` traces the loss
 abstractly, at two row counts, and reads which it is from its jaxpr
 (:mod:`zerojax._src.jaxpr.batch_mean`), before anything runs. A loss that
 combines examples raises :class:`LossNotAMeanError`, naming what combines
