@@ -532,7 +532,9 @@ def test_a_sum_divided_by_counts_over_the_batch_trains_like_the_plain_step(
   )
 
 
-def test_a_piece_of_the_batch_without_tokens_trains_like_the_plain_step(mesh):
+def test_a_piece_of_the_batch_without_tokens_trains_like_the_plain_step(
+  any_mesh,
+):
   """Devices and micro-batches whose rows have no token: their own count
   is 0 and their own loss 0 / 0, where the whole batch's is finite. Their
   aux counts are this piece's, summed by the step."""
@@ -547,9 +549,14 @@ def test_a_piece_of_the_batch_without_tokens_trains_like_the_plain_step(mesh):
   for b in batches:
     b["mask"][:6] = 0.0  # devices 0-2: no tokens
   _assert_trains_like_plain(
-    mesh, lambda p, b: loss(p, b)[0], optax.adamw(1e-2), 3, 2, batches=batches
+    any_mesh,
+    lambda p, b: loss(p, b)[0],
+    optax.adamw(1e-2),
+    3,
+    2,
+    batches=batches,
   )
-  tx = zerojax.zero(optax.adamw(1e-2), stage=3, mesh=mesh)
+  tx = zerojax.zero(optax.adamw(1e-2), stage=3, mesh=any_mesh)
   state = zerojax.init(_params(), tx)
   state, m = zerojax.train_step(loss, tx, accum_steps=2)(state, batches[0])
   assert int(m["aux"]["tokens"]) == int(batches[0]["mask"].sum())
