@@ -69,6 +69,14 @@ def token_mean_by_mean_mask(p, b):  # the count as a mean over the rows
   return jnp.mean(jnp.sum(_ce(p, b) * b["mask"], axis=1)) / count
 
 
+def _z_loss(p, b):  # each position's squared log-partition
+  return jax.nn.logsumexp(_logits(p, b), -1) ** 2
+
+
+def token_mean_plus_mean(p, b):  # a mean over every position added
+  return token_mean(p, b) + 1e-2 * jnp.mean(_z_loss(p, b))
+
+
 def mean_over_own_loss(p, b):  # a divisor that reads the params
   ce = _ce(p, b)
   return jnp.sum(ce * b["mask"]) / jnp.sum(ce)
@@ -191,6 +199,7 @@ NOT_MEANS = {
   token_mean_by_rows: "a value computed from the batch's row count",
   token_mean_by_mean_mask: "a sum over the batch scaled by a number that",
   mean_over_own_loss: "a division by a sum over the batch",
+  token_mean_plus_mean: "a mean added to a sum or to a ratio over the",
   contrastive: "a product of every example with every other",
   batch_norm: "combines each example with a sum over the batch",
   sum_plus_penalty: "a sum over the examples plus a term that is not one",
@@ -230,6 +239,8 @@ def test_a_loss_that_combines_examples_is_refused_before_anything_runs(
   assert "test_loss_check.py:" in str(e.value)
   assert "per_device_loss=True" in str(e.value)
   assert "jnp.sum(mask)" in str(e.value)
+  if loss is token_mean_plus_mean:  # the fix token_mean_plus_z_loss takes
+    assert "(jnp.sum(z) / batch['n'])" in str(e.value)
   assert int(state.step) == 0
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))
   with pytest.raises(LossNotAMeanError):
@@ -364,6 +375,7 @@ def _with_count(batch):
     batch,
     tokens_per_row=float(batch["mask"].sum() / len(batch["mask"])),
     tokens=float(batch["mask"].sum()),
+    positions=float(batch["mask"].size),
   )
 
 
@@ -500,9 +512,13 @@ def jitted_masked_mean(p, b):  # the count taken inside a jitted helper
   return _masked_mean(_ce(p, b), b["mask"])
 
 
+def token_mean_plus_z_loss(p, b):  # token_mean_plus_mean, as its fix says
+  return token_mean(p, b) + 1e-2 * jnp.sum(_z_loss(p, b)) / b["positions"]
+
+
 RATIOS = [token_mean, token_mean_where, token_mean_at_least_one]
 RATIOS += [token_mean_plus_eps, token_mean_guarded, first_token_weighed]
-RATIOS += [jitted_masked_mean]
+RATIOS += [jitted_masked_mean, token_mean_plus_z_loss]
 
 
 # every form at stage 3 with micro-batches; the first at stages 0 and 1 too
@@ -522,8 +538,10 @@ def test_a_sum_divided_by_counts_over_the_batch_trains_like_the_plain_step(
   (and micro-batch's) own count would be another divisor; the step
   computes the whole batch's count first and gives it to every piece,
   whose losses then add up to the unsharded loss."""
-  params, batch = _params(), _batch()
-  rows = lambda i: jax.tree.map(lambda x: x[i : i + 2], batch)
+  params, batch = _params(), _with_count(_batch())
+  rows = lambda i: jax.tree.map(
+    lambda x: x[i : i + 2] if np.ndim(x) else x, batch
+  )
   pieces = [float(loss(params, rows(i))) for i in range(0, 16, 2)]
   assert not np.isclose(np.mean(pieces), loss(params, batch), rtol=1e-4)
   _assert_trains_like_plain(mesh, loss, optax.adamw(1e-2), stage, accum)

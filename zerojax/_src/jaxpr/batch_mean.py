@@ -160,10 +160,22 @@ def verdict(outs, baked, rows, sums: bool = True) -> tuple[str, str]:
       f"a sum over the examples plus a term that is not one (a penalty or "
       f"a constant), which each device would add once{a.at}"
     )
+  follows = [close(ca * rows[0], cb * rows[1]) for ca, cb in pairs]
+  stays = [close(ca, cb) for ca, cb in pairs]
+  if all(f or s for f, s in zip(follows, stays)):
+    return "mixes", (
+      f"sums over the examples weighed apart, a mean added to a sum or to "
+      f"a ratio over the batch's counts: {factors}, where a mean's factors "
+      f"follow 1 / rows and a sum's stay{a.at}. The step can average the "
+      f"pieces' losses or add them up, not both: write the mean's term as "
+      f"its sum divided by the whole batch's number of terms, passed as a "
+      f"scalar batch leaf (jnp.sum(z) / batch['n']), or by a count the "
+      f"loss takes of its batch (jnp.sum(z * mask) / jnp.sum(mask))"
+    )
   return "mixes", (
-    f"sums over the examples weighed apart (a mean added to a sum, or a "
-    f"divisor that changes with the rows): {factors}, where a mean's "
-    f"factors follow 1 / rows and a sum's stay{a.at}"
+    f"sums over the examples weighed apart (a divisor that changes with the "
+    f"rows other than as 1 / rows): {factors}, where a mean's factors "
+    f"follow 1 / rows and a sum's stay{a.at}"
   )
 
 
