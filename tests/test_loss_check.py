@@ -363,11 +363,18 @@ def scattered(p, b):  # segment sums and scatters within each example
   )
 
 
+def interpolated(p, b):  # jnp.interp and jnp.digitize over fixed bins
+  bins = jnp.linspace(0.0, 3.0, 7)
+  ce = _ce(p, b)
+  weight = jnp.interp(ce, bins, jnp.sqrt(bins)) + jnp.digitize(ce, bins)
+  return jnp.mean(ce * weight * b["mask"])
+
+
 MEANS = [token_mean_exact, flat_tokens, indexed, mean_plus_terms, chunked_mean]
 MEANS += [rotary, unstacked_halves, stacked_terms, scanned_penalty]
 MEANS += [ones_like_divisor]
 MEANS += [sum_over_rows_divided, recurrent, per_example_vmap, convolved]
-MEANS += [spectral, scattered]
+MEANS += [spectral, scattered, interpolated]
 
 
 def _with_count(batch):

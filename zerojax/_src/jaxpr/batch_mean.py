@@ -465,6 +465,7 @@ _RULES = {
   "reduce_window_max": _layout.reduce_window,
   "reduce_window_min": _layout.reduce_window,
   "gather": _indexing.gather,
+  "call_hi_primitive": _indexing.high_level,
   "scan": _scan,
   "while": _while,
   "cond": _cond,

@@ -191,3 +191,30 @@ def _along(c, axis: int) -> bool:
   if isinstance(c, R):
     return c.d == axis
   return isinstance(c, C) and axis in c.uniform
+
+
+def high_level(e, ins):
+  """An equation that JAX (0.12 on) writes as one high-level primitive
+  (``call_hi_primitive``, the primitive in its ``_prim`` parameter), read
+  by that primitive's name: ``jnp.searchsorted``'s; others cannot be
+  followed."""
+  prim = e.params.get("_prim")
+  name = getattr(prim, "name", None)
+  if name == "searchsorted":
+    return search_sorted(getattr(prim, "params", {}), ins)
+  raise Unknown(f"{name or 'a high-level primitive'}")
+
+
+def search_sorted(params, ins):
+  """``jnp.searchsorted`` (``interp`` and ``digitize`` call it): each
+  query's position in a sorted array that reads no example is per example
+  as the query is."""
+  sorted_, query = ins
+  if (
+    params.get("batch_dims", 0)
+    or not isinstance(sorted_, C)
+    or not isinstance(query, R)
+  ):
+    raise Unknown("a searchsorted over the batch's values")
+  bake(query.scale)
+  return [dataclasses.replace(query, scale=1.0)]
