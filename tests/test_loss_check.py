@@ -187,6 +187,12 @@ def batch_spectrum(p, b):  # an FFT over the examples
   return jnp.mean(jnp.abs(jnp.fft.fft(_ce(p, b).mean(1))))
 
 
+def bins_by_rows(p, b):  # bins as many as the rows: each piece its own
+  ce = _ce(p, b)
+  bins = jnp.linspace(0.0, 3.0, ce.shape[0])
+  return jnp.mean(ce * jnp.searchsorted(bins, ce))
+
+
 def sum_plus_penalty(p, b):  # a sum, plus a penalty each device adds
   return jnp.sum(_ce(p, b)) + 1e-2 * jnp.sum(zerojax.gather(p)["v"] ** 2)
 
@@ -211,6 +217,7 @@ NOT_MEANS = {
   scanned_penalty_by_rows: "a value computed from the batch's row count",
   log_batch_size_added: "a value computed from the batch's row count",
   weighted_by_rows: "a value computed from the batch's row count",
+  bins_by_rows: "a value computed from the batch's row count",
   first_example: "an unstack of the batch's rows",
   label_match: "eq of every example with every other",
   neighbours_pooled: "reduce_window_sum with a window over the batch's rows",

@@ -219,7 +219,9 @@ def _eqn(e, ins):
     body = _deps.call_body(e)
     if body is not None:
       jaxpr, consts = body
+      start = len(BAKED.get())
       outs = _run(jaxpr, [const(np.asarray(c)) for c in consts] + ins)
+      _row_count.locate(start, e)
       return [_located(c, e) for c in outs]
   except Unknown as u:
     return [U(f"{u.args[0]}{where(e)}")] * n_out

@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 
+from zerojax._src.jaxpr import row_count as _row_count
 from zerojax._src.jaxpr.classes import IX, C, Mixes, R, S, Unknown
 from zerojax._src.jaxpr.examples import bake, shape_of
 
@@ -27,6 +28,8 @@ def gather(e, ins):
     raise Unknown("a gather with a sum over the batch")
   if isinstance(operand, C):
     if isinstance(indices, R):
+      # a table the examples look up: the same in every piece of the batch
+      _row_count.note_whole(e, 0, operand)
       return [R(batch_out[indices.d], indices.m)]
     raise Unknown("a gather with an index built from the rows")
   if isinstance(indices, R):
@@ -201,11 +204,11 @@ def high_level(e, ins):
   prim = e.params.get("_prim")
   name = getattr(prim, "name", None)
   if name == "searchsorted":
-    return search_sorted(getattr(prim, "params", {}), ins)
+    return search_sorted(e, getattr(prim, "params", {}), ins)
   raise Unknown(f"{name or 'a high-level primitive'}")
 
 
-def search_sorted(params, ins):
+def search_sorted(e, params, ins):
   """``jnp.searchsorted`` (``interp`` and ``digitize`` call it): each
   query's position in a sorted array that reads no example is per example
   as the query is."""
@@ -216,5 +219,6 @@ def search_sorted(params, ins):
     or not isinstance(query, R)
   ):
     raise Unknown("a searchsorted over the batch's values")
+  _row_count.note_whole(e, 0, sorted_)
   bake(query.scale)
   return [dataclasses.replace(query, scale=1.0)]

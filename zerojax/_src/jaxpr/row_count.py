@@ -90,6 +90,26 @@ def note(e, name: str, ins):
       BAKED.get().append(Const(fp, shape_of(e.invars[i]), e))
 
 
+def note_whole(e, i: int, c: C):
+  """Records constant operand ``i`` of ``e`` (an array the examples are
+  looked up in: ``jnp.searchsorted``'s sorted values) by its shape and
+  fingerprint together, so one whose size follows the rows
+  (``jnp.arange(rows)``) differs between the traces too."""
+  fp = ("whole", shape_of(e.invars[i]), fingerprint(c), c.pos is not None)
+  BAKED.get().append(Const(fp, (), e))
+
+
+def locate(start: int, e):
+  """Names the call ``e`` as where each constant recorded from ``start``
+  on met the examples, where its own equation names no line of the
+  user's code (a jitted library function's body, traced from elsewhere)."""
+  records = BAKED.get()
+  for k in range(start, len(records)):
+    x = records[k]
+    if isinstance(x, Const) and not where(x.e):
+      records[k] = dataclasses.replace(x, e=e)
+
+
 def factors_differ(baked) -> bool:
   """Whether the two traces baked other factors into the examples' terms
   (their constants' records left out)."""
