@@ -193,6 +193,16 @@ def bins_by_rows(p, b):  # bins as many as the rows: each piece its own
   return jnp.mean(ce * jnp.searchsorted(bins, ce))
 
 
+def token_by_rows(p, b):  # a token picked by the row count
+  ce = _ce(p, b)
+  return jnp.mean(ce[:, ce.shape[0] // 2])
+
+
+def token_window_by_rows(p, b):  # a window placed by the row count
+  ce = _ce(p, b)
+  return jnp.mean(jax.lax.dynamic_slice_in_dim(ce, ce.shape[0] // 2, 2, 1))
+
+
 def sum_plus_penalty(p, b):  # a sum, plus a penalty each device adds
   return jnp.sum(_ce(p, b)) + 1e-2 * jnp.sum(zerojax.gather(p)["v"] ** 2)
 
@@ -218,6 +228,8 @@ NOT_MEANS = {
   log_batch_size_added: "a value computed from the batch's row count",
   weighted_by_rows: "a value computed from the batch's row count",
   bins_by_rows: "a value computed from the batch's row count",
+  token_by_rows: "a value computed from the batch's row count",
+  token_window_by_rows: "a value computed from the batch's row count",
   first_example: "an unstack of the batch's rows",
   label_match: "eq of every example with every other",
   neighbours_pooled: "reduce_window_sum with a window over the batch's rows",

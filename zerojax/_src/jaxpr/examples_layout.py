@@ -9,8 +9,10 @@ import math
 
 import numpy as np
 
+from zerojax._src.jaxpr import row_count as _row_count
 from zerojax._src.jaxpr.classes import IX, RK, C, Mixes, R, S, Unknown
 from zerojax._src.jaxpr.examples import (
+  BAKED,
   bake,
   baked,
   fold,
@@ -161,9 +163,11 @@ def conv(e, ins):
   raise Unknown("a convolution across the rows or of per-example kernels")
 
 
-def along_rows(e, ins, name, full):
+def along_rows(e, ins, name, full, placed=None):
   """slice / dynamic_slice / pad / rev: per example when the rows are
-  untouched (``full``)."""
+  untouched (``full``). ``placed(d)``: where it cuts the other axes,
+  recorded so that a place computed from the row count (``x[:, rows //
+  4]``) differs between the loss check's traces."""
   c = ins[0]
   if isinstance(c, S):
     return [c]
@@ -175,7 +179,13 @@ def along_rows(e, ins, name, full):
     if c.m == 1:
       raise Mixes(f"{name} of the batch's rows (drops or reorders examples)")
     raise Unknown(f"{name} across the flattened rows")
+  if placed is not None:
+    BAKED.get().append(_row_count.Const(("placed", placed(c.d)), (), e))
   return [c]
+
+
+def _others(d, values) -> tuple:
+  return tuple(v for a, v in enumerate(values) if a != d)
 
 
 def static_slice(e, ins):
@@ -187,18 +197,34 @@ def static_slice(e, ins):
     ins,
     "a slice",
     lambda d: start[d] == 0 and limit[d] == s[d] and strides[d] == 1,
+    lambda d: _others(d, tuple(zip(start, limit, strides))),
   )
 
 
 def dynamic_slice(e, ins):
   s = shape_of(e.invars[0])
   sizes = e.params["slice_sizes"]
-  return along_rows(e, ins, "a dynamic slice", lambda d: sizes[d] == s[d])
+  places = [
+    _row_count.fingerprint(c) if isinstance(c, C) else None for c in ins[1:]
+  ]
+  return along_rows(
+    e,
+    ins,
+    "a dynamic slice",
+    lambda d: sizes[d] == s[d],
+    lambda d: _others(d, tuple(zip(places, sizes))),
+  )
 
 
 def pad(e, ins):
   cfg = e.params["padding_config"]
-  return along_rows(e, ins[:1], "a pad", lambda d: tuple(cfg[d]) == (0, 0, 0))
+  return along_rows(
+    e,
+    ins[:1],
+    "a pad",
+    lambda d: tuple(cfg[d]) == (0, 0, 0),
+    lambda d: _others(d, tuple(tuple(x) for x in cfg)),
+  )
 
 
 def rev(e, ins):
