@@ -12,7 +12,6 @@ import numpy as np
 from zerojax._src.jaxpr import row_count as _row_count
 from zerojax._src.jaxpr.classes import IX, RK, C, Mixes, R, S, Unknown
 from zerojax._src.jaxpr.examples import (
-  BAKED,
   bake,
   baked,
   fold,
@@ -166,8 +165,9 @@ def conv(e, ins):
 def along_rows(e, ins, name, full, placed=None):
   """slice / dynamic_slice / pad / rev: per example when the rows are
   untouched (``full``). ``placed(d)``: where it cuts the other axes,
-  recorded so that a place computed from the row count (``x[:, rows //
-  4]``) differs between the loss check's traces."""
+  recorded (:func:`~zerojax._src.jaxpr.row_count.note_placed`) so that a
+  place computed from the row count differs between the loss check's
+  traces."""
   c = ins[0]
   if isinstance(c, S):
     return [c]
@@ -180,7 +180,7 @@ def along_rows(e, ins, name, full, placed=None):
       raise Mixes(f"{name} of the batch's rows (drops or reorders examples)")
     raise Unknown(f"{name} across the flattened rows")
   if placed is not None:
-    BAKED.get().append(_row_count.Const(("placed", placed(c.d)), (), e))
+    _row_count.note_placed(e, placed(c.d))
   return [c]
 
 

@@ -11,6 +11,10 @@ constant that meets them is recorded here by its fingerprint, and a record
 that differs between the two traces combines the examples' number into
 the loss.
 
+Where a slice, dynamic slice or pad cuts the axes beside the rows, and a
+table the examples look up (a gather's operand, ``jnp.searchsorted``'s
+bins), are recorded the same way, with their shapes.
+
 A constant whose value is not known (a product of params with a literal)
 carries ``C.lits``, the known numbers folded into it, so a
 ``sum(w ** 2) / rows`` differs between the traces as ``rows`` does.
@@ -97,6 +101,12 @@ def note_whole(e, i: int, c: C):
   (``jnp.arange(rows)``) differs between the traces too."""
   fp = ("whole", shape_of(e.invars[i]), fingerprint(c), c.pos is not None)
   BAKED.get().append(Const(fp, (), e))
+
+
+def note_placed(e, placed: tuple):
+  """Records where a slice, dynamic slice or pad cuts the axes other than
+  the rows (``x[:, rows // 2]`` differs between the traces)."""
+  BAKED.get().append(Const(("placed", placed), (), e))
 
 
 def locate(start: int, e):
