@@ -266,41 +266,72 @@ def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
   np.testing.assert_allclose(np.asarray(params), np.asarray(device), rtol=1e-3)
 
 
-@pytest.mark.parametrize(
-  "flags,message",
-  [
-    (["--batch", "12"], "--batch=12 does not split over --devices=8"),
-    (["--stage", "5"], "invalid choice: 5"),
-    (["--heads", "3"], "--heads=3 does not divide --width=128"),
-    (["--precision", "fp8"], "invalid choice: 'fp8'"),
-    (["--seq-shard", "model"], "--seq-shard=model is not a model axis"),
-    (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be a finite number >= 0"),
-    (["--bucket-mb", "inf"], "--bucket-mb=inf must be a finite number >= 0"),
-    (["--lr=-1e-3"], "--lr=-0.001 must be a finite number above 0"),
-    (
-      ["--warmup", "-3", "--weight-decay", "nan"],
-      "--weight-decay=nan must be a finite number >= 0; --warmup=-3 must be",
-    ),
-    (["--offload", "1.5"], "--offload=1.5 must be a share in [0, 1]"),
-    (["--offload-grads"], "--offload-grads needs --stage 2 or 3 and --offload"),
-    (
-      ["--stage", "2", "--offload", "0.5", "--offload-params"],
-      "--offload-params needs --stage 3 (got --stage 2)",
-    ),
-    (
-      ["--offload", "0.5", "--offload-grads"],
-      "--offload-grads needs --stage 2 or 3 and --offload (all of it)",
-    ),
-  ],
-)
-def test_main_job_rejects_bad_flags_before_work(flags, message):
+BAD_FLAGS = [
+  (["--batch", "12"], "--batch=12 does not split over --devices=8"),
+  (["--stage", "5"], "invalid choice: 5"),
+  (["--heads", "3"], "--heads=3 does not divide --width=128"),
+  (["--precision", "fp8"], "invalid choice: 'fp8'"),
+  (["--seq-shard", "model"], "--seq-shard=model is not a model axis"),
+  (["--bucket-mb", "-1"], "--bucket-mb=-1.0 must be a finite number >= 0"),
+  (["--bucket-mb", "inf"], "--bucket-mb=inf must be a finite number >= 0"),
+  (["--lr=-1e-3"], "--lr=-0.001 must be a finite number above 0"),
+  (
+    ["--warmup", "-3", "--weight-decay", "nan"],
+    "--weight-decay=nan must be a finite number >= 0; --warmup=-3 must be",
+  ),
+  (["--offload", "1.5"], "--offload=1.5 must be a share in [0, 1]"),
+  (["--offload-grads"], "--offload-grads needs --stage 2 or 3 and --offload"),
+  (
+    ["--stage", "2", "--offload", "0.5", "--offload-params"],
+    "--offload-params needs --stage 3 (got --stage 2)",
+  ),
+  (
+    ["--offload", "0.5", "--offload-grads"],
+    "--offload-grads needs --stage 2 or 3 and --offload (all of it)",
+  ),
+]
+
+# every bad command line through ``python -m zerojax.train``'s own entry
+# point, in one process (one JAX import instead of one per case)
+_RUN_BAD_FLAGS = """
+import contextlib, io, json, runpy, sys
+out = []
+for flags in json.loads(sys.argv[1]):
+  sys.argv = ["zerojax.train", *flags]
+  err, code = io.StringIO(), None
+  with contextlib.redirect_stderr(err):
+    try:
+      runpy.run_module("zerojax.train", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+      code = e.code
+  out.append([code, err.getvalue()])
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
   proc = subprocess.run(
-    [sys.executable, "-m", "zerojax.train", *flags],
+    [
+      sys.executable,
+      "-c",
+      _RUN_BAD_FLAGS,
+      json.dumps([flags for flags, _ in BAD_FLAGS]),
+    ],
     capture_output=True,
     text=True,
-    timeout=60,
+    timeout=300,
   )
-  assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+  line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+  assert line, proc.stderr[-3000:]
+  runs = json.loads(line[-1].split(" ", 1)[1])
+  return {tuple(flags): tuple(run) for (flags, _), run in zip(BAD_FLAGS, runs)}
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS)
+def test_main_job_rejects_bad_flags_before_work(bad_flag_runs, flags, message):
+  code, stderr = bad_flag_runs[tuple(flags)]
+  assert code == 2 and message in stderr, stderr
 
 
 def test_gpt_stage3_tracks_stage0_for_50_steps(mesh):
