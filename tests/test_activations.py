@@ -241,8 +241,8 @@ def _compiled_saved_per_layer(mesh_spec, remat, seq_shard, compute_dtype):
   "mesh_spec,remat,seq_shard",
   [
     ("data=8", "dots", None),
-    ("data=4,model=2", "dots", None),
-    ("data=4,model=2", "full", "model"),
+    pytest.param("data=4,model=2", "dots", None, marks=pytest.mark.slow),
+    pytest.param("data=4,model=2", "full", "model", marks=pytest.mark.slow),
     ("data=4,model=2", "dots", "model"),
   ],
 )

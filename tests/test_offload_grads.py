@@ -250,13 +250,14 @@ def _with_aux(params, batch):
 @pytest.mark.parametrize(
   "stage, accum, policy, clip",
   [
-    (2, 2, None, False),
+    # one case of each kind in the default suite, the rest in the slow one
+    pytest.param(2, 2, None, False, marks=pytest.mark.slow),
     (3, 2, None, False),
-    (3, 3, None, False),
-    (2, 4, None, False),
+    pytest.param(3, 3, None, False, marks=pytest.mark.slow),
+    pytest.param(2, 4, None, False, marks=pytest.mark.slow),
     (2, 3, None, True),
     (2, 2, "bf16", False),
-    (3, 3, "bf16", False),
+    pytest.param(3, 3, "bf16", False, marks=pytest.mark.slow),
     (3, 4, "bf16", True),
   ],
 )

@@ -195,6 +195,9 @@ def test_offload_moves_master_and_moments_to_host():
   assert gpt.num_params(big) > 1.3 * gpt.num_params(on_big)
 
 
+# the planner's CLI runs at both ends of the JAX window in
+# test_cli_stages_reports_only_the_stages_asked; these two in the slow suite
+@pytest.mark.slow
 def test_cli_names_the_least_offload_share_that_fits():
   """``--memory-gb 40 --offload``: a 3B GPT on one device fits only with
   most of its master copy and moments on the host; the share named fits,
@@ -351,6 +354,7 @@ def test_the_gpt_planner_plans_the_main_jobs_clip_so_gradients_come_down_twice()
   assert s3["norm_first"] and s3["host_to_device"] == main_job.host_to_device
 
 
+@pytest.mark.slow
 def test_cli_host_memory_bound_names_itself_and_needs_offload():
   argv = ["--params", "7e9", "--devices", "1", "--memory-gb", "141"]
   run = lambda *extra: subprocess.run(

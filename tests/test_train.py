@@ -230,6 +230,9 @@ def test_main_job_offload_flag_takes_a_share():
     assert tx.config.offload == (0.5 if share else 0.0)
 
 
+# the main job runs at both ends of the JAX window in the tests above; its
+# offload flags here in the slow suite (test_offload*.py train them in-process)
+@pytest.mark.slow
 def test_main_job_with_gradients_and_params_on_the_host_logs_the_same_losses(
   tmp_path,
 ):
