@@ -181,7 +181,7 @@ _LONG_FIRST = (
 def _half_of_each_matrix(items):
   by_test = collections.defaultdict(list)
   for it in items:
-    by_test[(it.path, it.originalname)].append(it)
+    by_test[(it.path, getattr(it, "originalname", it.name))].append(it)
   dropped = set()
   for cases in by_test.values():
     if len(cases) < 3:
