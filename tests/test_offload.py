@@ -273,7 +273,7 @@ PARTIAL_OPTIMIZERS = {
 
 
 # stage 2 lays the state out as stage 1 does (only the gradients' reduction
-# differs): its cases run in the slow suite, stages 1 and 3 at both ends
+# differs): its cases run in the slow suite, stages 1 and 3 in the default
 STAGES = [1, pytest.param(2, marks=pytest.mark.slow), 3]
 
 
