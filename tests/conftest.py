@@ -173,12 +173,14 @@ _LONG_FIRST = (
 )
 
 
-# CI's newest-JAX leg sets ZEROJAX_MATRIX_CASES=half: of each parametrized
-# test with three or more cases it runs about half, those whose node id
-# hashes even (the same half every run, and at least one case per test).
-# Every test function runs at both ends of the JAX window; every case runs
-# at the oldest end, where CI runs the README's command unchanged.
-def _half_of_each_matrix(items):
+# CI's newest-JAX leg sets ZEROJAX_MATRIX_CASES=third: of each
+# parametrized test with three or more cases it runs about a third, those
+# whose node id hashes to 0 mod 3 (the same cases every run, on every
+# xdist worker), at least one per test and per mesh axis type where the
+# test takes both (the ``any_mesh`` fixture). Every test function runs at
+# both ends of the JAX window, on each axis type it takes; every case
+# runs at the oldest end, where CI runs the README's command unchanged.
+def _third_of_each_matrix(items):
   by_test = collections.defaultdict(list)
   for it in items:
     by_test[(it.path, getattr(it, "originalname", it.name))].append(it)
@@ -186,8 +188,13 @@ def _half_of_each_matrix(items):
   for cases in by_test.values():
     if len(cases) < 3:
       continue
-    kept = [c for c in cases if zlib.crc32(c.nodeid.encode()) % 2 == 0]
-    dropped.update(id(c) for c in cases if c not in (kept or cases[:1]))
+    by_mesh = collections.defaultdict(list)
+    for c in cases:
+      spec = getattr(c, "callspec", None)
+      by_mesh[spec and spec.params.get("any_mesh")].append(c)
+    for group in by_mesh.values():
+      kept = [c for c in group if zlib.crc32(c.nodeid.encode()) % 3 == 0]
+      dropped.update(id(c) for c in group if c not in (kept or group[:1]))
   return [it for it in items if id(it) not in dropped], [
     it for it in items if id(it) in dropped
   ]
@@ -195,8 +202,8 @@ def _half_of_each_matrix(items):
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected
 def pytest_collection_modifyitems(config, items):
-  if os.environ.get("ZEROJAX_MATRIX_CASES") == "half":
-    items[:], dropped = _half_of_each_matrix(items)
+  if os.environ.get("ZEROJAX_MATRIX_CASES") == "third":
+    items[:], dropped = _third_of_each_matrix(items)
     config.hook.pytest_deselected(items=dropped)
   if any(it.get_closest_marker("slow") for it in items):
     return

@@ -1736,8 +1736,10 @@ print("RESULT " + json.dumps(out))
 def test_by_rows_with_multiply_adds_contracted_is_within_rounding():
   """With XLA's default CPU flags (LLVM contracts multiply-adds to FMA
   instructions), the compiler fuses the row program apart from the whole
-  update and may round the two differently: on 8 devices, by rows the
-  state after two steps is within 1e-3 of each leaf's change of no
+  update and may round the two differently: on 8 devices, clip + AdamW
+  with an fp32 master copy (a global norm, bias corrections and the
+  master's cast; the other row optimizers run in the matrices above), by
+  rows the state after two steps is within 1e-3 of each leaf's change of no
   offload's (a row computed from another row, or a wrong bias correction,
   is off by the change itself), the losses within 1e-6, and whole stacks
   stay bitwise."""
@@ -1751,7 +1753,7 @@ def test_by_rows_with_multiply_adds_contracted_is_within_rounding():
     "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
     "JAX_PLATFORMS": "cpu",
   }
-  names = ["clip+adamw-fp32", "nadamw"]
+  names = ["clip+adamw-fp32"]
   proc = subprocess.run(
     [sys.executable, "-c", _CONTRACTED, *names],
     capture_output=True,
