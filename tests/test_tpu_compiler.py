@@ -1,9 +1,11 @@
 """The reference GPT's step compiled by the TPU compiler (libtpu) for a
 topology this machine does not hold, read back through ``zerojax.aot``.
 
-Needs the ``tpu`` extra; marked ``tpu_compiler`` and run on its own, one
-process at a time (libtpu holds a lock file): CI's newest-JAX leg installs
-the extra after the suite and runs ``pytest -m tpu_compiler``.
+Needs the ``tpu`` extra; marked ``tpu_compiler`` and run on its own:
+libtpu holds a lock file, so one process loads it unless
+``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` is set. CI's newest-JAX leg installs the
+extra after the suite and runs ``pytest -m tpu_compiler -n 2`` with it
+set (compiling only, no TPU is touched).
 """
 
 import dataclasses
