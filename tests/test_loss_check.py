@@ -211,6 +211,16 @@ def sum_plus_mean(p, b):  # a sum over examples plus a mean over them
   return jnp.sum(_ce(p, b)) + jnp.mean(_ce(p, b))
 
 
+# a piece holds 2 rows (16 over 8 devices); the check reads a loss at 2
+# and 4 rows first, where these two agree with a sum or a mean
+def sum_over_at_least_8(p, b):  # a sum at 2 and 4 rows; not at 16
+  return jnp.sum(_ce(p, b)) / max(b["tok"].shape[0], 8)
+
+
+def mean_over_at_most_4(p, b):  # a mean at 2 and 4 rows; not at 16
+  return jnp.sum(_ce(p, b)) / min(b["tok"].shape[0], 4)
+
+
 NOT_MEANS = {
   token_mean_by_rows: "a value computed from the batch's row count",
   token_mean_by_mean_mask: "a sum over the batch scaled by a number that",
@@ -234,6 +244,8 @@ NOT_MEANS = {
   label_match: "eq of every example with every other",
   neighbours_pooled: "reduce_window_sum with a window over the batch's rows",
   batch_spectrum: "an FFT over the batch's rows",
+  sum_over_at_least_8: "0.125 x the sums at 2 rows, 0.0625 x at 16",
+  mean_over_at_most_4: "0.5 x the sums at 2 rows, 0.25 x at 16",
 }
 
 
@@ -787,13 +799,13 @@ def test_a_weight_built_to_differ_over_the_rows_is_refused_where_known(
 def test_a_large_weight_that_differs_over_the_rows_is_not_read_as_a_mean(
   mesh, weigh
 ):
-  """Over more rows the reading keeps only which axes such a constant is
-  the same along; one that differs along the rows is not followed (the
-  reading may have lost track of one that is the same for every example):
-  a warning, never a silent step."""
+  """Over more rows (70 per device) the reading keeps only which axes
+  such a constant is the same along; one that differs along the rows is
+  not followed (the reading may have lost track of one that is the same
+  for every example): a warning, never a silent step."""
   weighted, tx, state = _weighted(mesh, weigh)
   with pytest.warns(LossUnverifiedWarning, match="varies over rows"):
-    zerojax.eval_step(weighted, tx)(state, _batch(rows=8 * 40))
+    zerojax.eval_step(weighted, tx)(state, _batch(rows=8 * 70))
 
 
 POSITIONS = {
@@ -1158,3 +1170,50 @@ def test_chunks_combined_otherwise_than_summed_are_not_taken_for_a_mean(
   else:
     with pytest.raises(LossNotAMeanError, match=verdict):
       zerojax.eval_step(loss, tx)(state, batch)
+
+
+def test_the_check_leaves_a_jit_in_the_loss_to_trace_afresh_at_a_devices_rows(
+  mesh,
+):
+  """The check traces the loss at a device's own rows; a ``jax.jit``
+  function inside it keeps that trace apart, so the user's own trace at
+  those rows (as the report's, which records the Remat blocks it meets)
+  runs the function's Python again."""
+  traced = []
+
+  @jax.jit
+  def mean_of(ce):
+    traced.append(ce.shape)
+    return jnp.mean(ce)
+
+  def loss(p, b):
+    return mean_of(_ce(p, b))
+
+  params, batch = _params(), _batch()
+  tx = zerojax.zero(optax.sgd(1e-2), stage=2, mesh=mesh)
+  zerojax.train_step(loss, tx)(zerojax.init(params, tx), batch)
+  assert (2, 7) in traced, traced  # the check read it at a device's rows
+  before = len(traced)
+  local = jax.tree.map(lambda x: x[:2], batch)
+  jax.make_jaxpr(loss)(params, local)
+  assert traced[before:] == [(2, 7)], traced
+
+
+def test_a_divisor_a_sum_at_a_pieces_rows_and_a_mean_at_the_batchs_is_refused(
+  mesh,
+):
+  """``/ 8`` below 8 rows and ``/ (4 * rows)`` above reads as a sum at a
+  piece's 2 rows and at 4, where the step would add the pieces' losses up
+  (8x the unsharded loss of the 16 rows): refused, naming the factors."""
+
+  def loss(p, b):
+    rows = b["tok"].shape[0]
+    return jnp.sum(_ce(p, b)) / (8 if rows < 8 else 4 * rows)
+
+  params, batch = _params(), _batch()
+  tx = zerojax.zero(optax.sgd(1e-2), stage=2, mesh=mesh)
+  state = zerojax.init(params, tx)
+  with pytest.raises(LossNotAMeanError, match="other than as a sum's") as e:
+    zerojax.train_step(loss, tx)(state, batch)
+  assert "0.125 x the sums at 2 rows, 0.01562 x at 16" in str(e.value)
+  assert int(state.step) == 0

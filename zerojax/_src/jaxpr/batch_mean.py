@@ -144,7 +144,7 @@ def verdict(outs, baked, rows, sums: bool = True) -> tuple[str, str]:
     return "mean", ""
   factors = (
     f"{', '.join(f'{ca:.4g}' for ca, _ in pairs)} x the sums at {rows[0]} "
-    f"rows per device, {', '.join(f'{cb:.4g}' for _, cb in pairs)} x at "
+    f"rows, {', '.join(f'{cb:.4g}' for _, cb in pairs)} x at "
     f"{rows[1]}"
   )
   if not sums:

@@ -10,7 +10,9 @@ are the whole batch's, which the step computes first
 (:mod:`zerojax._src.step.global_sums`).
 :func:`check_mean_over_examples` traces the loss
 abstractly, at two row counts, and reads which it is from its jaxpr
-(:mod:`zerojax._src.jaxpr.batch_mean`), before anything runs. A loss that
+(:mod:`zerojax._src.jaxpr.batch_mean`), before anything runs: at a piece's own
+rows and twice them, then confirmed at the whole batch's
+(:func:`_confirmed`). A loss that
 combines examples raises :class:`LossNotAMeanError`, naming what combines
 them and where; one the reading cannot follow warns
 (:class:`LossUnverifiedWarning`). ``per_device_loss=True`` states that
@@ -21,7 +23,9 @@ aux's own verdicts are in :mod:`zerojax._src.step.aux_check`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -167,22 +171,22 @@ def check_mean_over_examples(
     return seen[signature]
   seen[signature] = "mean"
   rows = next(np.shape(x)[0] for x in leaves if np.ndim(x)) // shards
-  # not the step's own row count: a jax.jit inside the loss caches its
-  # trace by shapes, and the report's reading of the loss (its Remat
-  # recording) must trace it afresh
-  counts = (2 * rows, 3 * rows)
+  # read at a piece's own rows and twice them, where JAX traces the same
+  # program (at one row it drops size-1 dimensions: then at 2 and 3);
+  # then confirmed at the whole batch's rows (:func:`_confirmed`)
+  counts = (rows, 2 * rows) if rows > 1 else (2, 3)
   abstract = jax.tree.map(_abstract, (params, key, model_state))
   first = _classified(loss, abstract, treedef, leaves, counts[0])
   second = None
+  if first is None and rows == 1:
+    counts = (1, 1)  # a loss written for one row
+    first = _classified(loss, abstract, treedef, leaves, 1)
   if first is None:
-    # not at twice the rows: a loss written for one batch size, read at
-    # its own; failing that, the step reports the loss's error itself
-    counts = (rows, rows)
-    first = _classified(loss, abstract, treedef, leaves, rows)
-    if first is None:
-      return "mean"
-  else:
+    return "mean"  # the step reports the loss's error itself
+  if counts[1] != counts[0]:
     second = _classified(loss, abstract, treedef, leaves, counts[1])
+    if second is None:  # a loss written for one batch size
+      counts = (counts[0], counts[0])
   outs = [first[0][0], None if second is None else second[0][0]]
   baked = [first[1], () if second is None else second[1]]
   kind, reason = _batch_mean.verdict(outs, baked, counts)
@@ -209,9 +213,21 @@ def check_mean_over_examples(
   if given is not None:
     summed = summed_aux(aux_read, state_read, counts)
     given = dataclasses.replace(given, aux=summed)
+  also = []  # model state leaves wrong at the counts that confirm
+  if second is not None and kind in ("mean", "sum") and shards > 1:
+    mode = given is not None and (unverified is None or "optimistic")
+    at = [n for n in (rows, rows * shards) if n not in counts]
+    ref = state_read or aux_read
+    why, also = _confirmed(
+      loss, abstract, (treedef, leaves), ref, (counts[0], *at), kind, mode
+    )
+    if why is not None:
+      kind, reason = "mixes", why
   if second is not None and kind != "mixes":
     check_aux(*aux_read, counts, where, summed=summed)
     wrong = _model_state_verdicts(*(state_read or aux_read), counts, where)
+    named = {leaf for leaf, _, _ in wrong}
+    wrong += [w for w in also if w[0] not in named]
     if wrong:
       del seen[signature]
       raise ModelStateUpdateError(_model_state_message(where, wrong))
@@ -238,6 +254,56 @@ def check_mean_over_examples(
     _unverified(where, reason, kind)
   seen[signature] = given or ("sum" if kind == "sum" else "mean")
   return seen[signature]
+
+
+def _confirmed(loss, abstract, batch, ref, counts, kind, mode):
+  """``(why the loss is not a mean or a sum after all, or None; the model
+  state leaves it updates otherwise than the unsharded step)``, from the
+  loss read again at each of ``counts[1:]`` (the whole batch's rows; one
+  piece's where it holds one row) against ``ref``'s reading at
+  ``counts[0]``.
+
+  The verdict reads the loss at two close row counts, where JAX traces
+  the same program; a function of the row count that agrees with a mean
+  or a sum at those two (``max(rows, 64)`` at 16 and 32 rows) may differ
+  at the whole batch's, which the unsharded step computes with. A count
+  the loss does not trace at, or where its program changes (JAX drops a
+  size-1 dimension at one row), confirms nothing. ``mode``: how the sums
+  over the batch were read for the verdict (see :func:`_classified`)."""
+  first, baked0, n0 = ref[0], ref[0][1], counts[0]
+  wrong = []
+  for n in counts[1:]:
+    read = _classified(loss, abstract, *batch, n, sums=mode)
+    if read is None or read[2][:2] != first[2][:2]:
+      continue
+    if mode:
+      for (a, where), (b, _) in zip(first[2][2], read[2][2]):
+        if len(a) != len(b) or not np.allclose(a, b, rtol=1e-6, atol=0.0):
+          return _SCALED_SUM + where, []
+    a, b = first[0][0], read[0][0]
+    if n == 1 and isinstance(b, (_batch_mean.X, _batch_mean.U)):
+      continue  # one row: JAX may trace another program
+    got, why = _batch_mean.verdict([a, b], [baked0, read[1]], (n0, n))
+    if got == "mixes":
+      return why, []
+    if got != kind and got in ("mean", "sum"):
+      return _factors_differ(a, b, (n0, n), kind), []
+    if n > 1:
+      wrong += _model_state_verdicts(
+        first, read, [baked0, read[1]], (n0, n), "", quiet=True
+      )
+  return None, wrong
+
+
+def _factors_differ(a, b, rows, kind) -> str:
+  factors = lambda c: ", ".join(f"{x:.4g}" for x in c.coefs)
+  how = "follow 1 / rows" if kind == "mean" else "stay"
+  return (
+    f"sums over the examples scaled by a number that changes with the rows "
+    f"other than as a {kind}'s ({how}) at some row counts: "
+    f"{factors(a)} x the sums at {rows[0]} rows, {factors(b)} x at "
+    f"{rows[1]}{a.at}"
+  )
 
 
 def _with_global_sums(loss, abstract, treedef, leaves, counts):
@@ -279,11 +345,7 @@ def _read_with_sums(loss, abstract, treedef, leaves, counts, optimistic):
     return None
   for (a, at), (b, _) in zip(first[2][2], second[2][2]):
     if len(a) != len(b) or not np.allclose(a, b, rtol=1e-6, atol=0.0):
-      return (
-        f"a sum over the batch scaled by a number that changes with the "
-        f"rows (a mean over the batch, or a sum of values divided by its "
-        f"row count), which each device computes with its own rows{at}"
-      )
+      return _SCALED_SUM + at
   baked = [first[1], second[1]]
   kind, reason = _batch_mean.verdict([first[0][0], second[0][0]], baked, counts)
   if kind == "mixes":
@@ -291,13 +353,22 @@ def _read_with_sums(loss, abstract, treedef, leaves, counts, optimistic):
   return first, second, baked, kind, reason
 
 
-def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
+_SCALED_SUM = (
+  "a sum over the batch scaled by a number that changes with the rows (a "
+  "mean over the batch, or a sum of values divided by its row count), "
+  "which each device computes with its own rows"
+)
+
+
+def _model_state_verdicts(
+  first, second, baked, counts, where: str, quiet: bool = False
+) -> list:
   """``[(leaf, dtype, reason)]`` for each new model state leaf the step
   would hold otherwise than the unsharded step: a floating leaf (averaged
   over devices) that is not a mean over examples -- a running max, a sum,
   a variance, a constant computed from the row count; an integer or bool
   leaf (device 0's kept) that depends on the examples or their number. A
-  leaf the reading cannot follow warns."""
+  leaf the reading cannot follow warns (unless ``quiet``)."""
   wrong = []
   for (path, a), ca, cb in zip(first[0][4], first[0][3], second[0][3]):
     leaf = f"model_state{jax.tree_util.keystr(path)}"
@@ -309,7 +380,7 @@ def _model_state_verdicts(first, second, baked, counts, where: str) -> list:
       kind, reason = _leaf_verdicts.kept_verdict([ca, cb])
     if kind == "mixes":
       wrong.append((leaf, a.dtype, reason))
-    elif kind == "unknown":
+    elif kind == "unknown" and not quiet:
       warn(
         f"{where}: zerojax could not check how the loss updates {leaf} "
         f"({reason}). The step averages a floating model state leaf over "
@@ -350,9 +421,10 @@ def _classified(loss, abstract, treedef, leaves, rows, sums=False):
   ``"kernels"``: only that)."""
   local = jax.tree.unflatten(treedef, [_local(x, rows) for x in leaves])
   try:
-    closed, shape = jax.make_jaxpr(loss, return_shape=True)(
-      abstract[0], local, *abstract[1:]
-    )
+    with _own_trace_cache():
+      closed, shape = jax.make_jaxpr(loss, return_shape=True)(
+        abstract[0], local, *abstract[1:]
+      )
   except Exception:  # noqa: BLE001 -- the step itself reports the loss's errors
     return None
   classes = (
@@ -384,6 +456,25 @@ def _classified(loss, abstract, treedef, leaves, rows, sums=False):
     () if rec is None else tuple(rec.coefs),
   )
   return (outs[0], outs[1:n], aux, outs[n:], state), baked, found
+
+
+@contextlib.contextmanager
+def _own_trace_cache():
+  """Traces under it keep their own entries in ``jax.jit``'s trace cache.
+
+  The check traces the loss at a device's own rows, as the report's
+  reading of its saved activations does, which records each
+  :class:`zerojax.Remat` block while tracing it: a ``jax.jit`` inside the
+  loss that the check had traced first would be taken from the cache
+  there, unrecorded. The cache's key holds the configs that can change a
+  trace; NumPy rank promotion set to ``"warn"`` (or ``"allow"`` where the
+  user warns or raises) traces the same program under another key."""
+  other = "warn" if jax.config.jax_numpy_rank_promotion == "allow" else "allow"
+  with warnings.catch_warnings(), jax.numpy_rank_promotion(other):
+    warnings.filterwarnings(
+      "ignore", message="Following NumPy automatic rank promotion"
+    )
+    yield
 
 
 def _trusted_kind(loss, abstract, treedef, leaves, counts) -> str:
