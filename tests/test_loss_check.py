@@ -904,6 +904,8 @@ def _with_aux(p, b):
     "worst": jnp.max(per),  # over the batch
     "worst_bf16": jnp.max(per).astype(jnp.bfloat16),  # a float too
     "mean": jnp.mean(per),
+    # a mean at a device's 2 rows and at 4, not at the whole batch's 16
+    "mean_of_at_most_4": jnp.sum(per) / min(b["tok"].shape[0], 4),
     "per_example": per,
     "tokens": jnp.sum(tokens).astype(jnp.int32),  # a count: summed
   }
@@ -934,12 +936,14 @@ def test_an_aux_leaf_the_step_would_average_wrongly_is_warned_about(mesh):
   """The step averages a floating aux leaf over devices: exact for a mean
   over examples, another number for a maximum, which is named; a ratio
   whose divisor reads the batch alone is added up with the whole batch's
-  divisor; per-example leaves and counts are exact and pass."""
+  divisor; per-example leaves and counts are exact and pass. A divisor
+  that follows the rows up to 4 and no further is named too: the check
+  reads it at the whole batch's rows."""
   found, got, want, (tx, state, batch), rec = _aux_step(
     mesh, _with_aux, 2, AuxNotAMeanWarning
   )
   named = sorted(found(AuxNotAMeanWarning))
-  assert named == ["worst", "worst_bf16"]
+  assert named == ["mean_of_at_most_4", "worst", "worst_bf16"]
   assert all("test_loss_check.py" in w.filename for w in rec)
   for k in ("mean", "per_example", "tokens", "token_weighted"):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
@@ -957,6 +961,7 @@ def _with_int_aux(p, b):
     "tokens": jnp.sum(tokens),  # counts: summed
     "right": jnp.sum(right),
     "rows": jnp.asarray(b["tok"].shape[0]),  # a count from a shape
+    "rows_up_to_4": jnp.asarray(min(b["tok"].shape[0], 4)),  # not at 16
     "none": jnp.zeros((), jnp.int32),
     "per_example": tokens,
     "version": jnp.int32(3),  # the same on every device
@@ -979,7 +984,7 @@ def test_an_int_or_bool_aux_leaf_the_step_would_sum_wrongly_is_warned_about(
     mesh, _with_int_aux, 2, AuxNotACountWarning, accum
   )
   named = sorted(found(AuxNotACountWarning))
-  assert named == ["all_long", "first", "longest", "version"]
+  assert named == ["all_long", "first", "longest", "rows_up_to_4", "version"]
   assert not [w for w in rec if w.category is AuxNotAMeanWarning]
   for k in ("tokens", "right", "rows", "none", "per_example"):
     np.testing.assert_array_equal(got[k], want[k])

@@ -69,7 +69,7 @@ def summed_aux(plain, given, counts) -> tuple:
   )
 
 
-def check_aux(first, second, baked, counts, where: str, summed=()):
+def check_aux(first, second, baked, counts, where: str, *, summed=(), more=()):
   """Warns for each aux leaf whose combination over devices and
   micro-batches is not the unsharded loss's value: a floating leaf (the
   step averages it) that is not a mean over examples -- a ratio of sums
@@ -79,7 +79,10 @@ def check_aux(first, second, baked, counts, where: str, summed=()):
   step joins it row by row) whose rows are not each their own example's
   value -- a sort, a cumulative sum, a normalization over the rows, a
   position along them. A leaf the reading cannot follow warns that it is
-  unchecked; one the step adds up (``summed``) is not warned about."""
+  unchecked; one the step adds up (``summed``) is not warned about.
+  ``more``: ``[(rows, reading)]`` at further row counts (the whole
+  batch's), each compared with ``first`` for the leaves the step averages
+  or sums."""
   (classes_a, shapes_a), (classes_b, shapes_b) = first[0][1:3], second[0][1:3]
   for i, ((path, a), (_, b), ca, cb) in enumerate(
     zip(shapes_a, shapes_b, classes_a, classes_b)
@@ -101,12 +104,21 @@ def check_aux(first, second, baked, counts, where: str, summed=()):
       elif kind == "mixes":
         _warn_per_row(where, leaf, reason)
       continue
+    pairs = [([ca, cb], baked, counts)] + [
+      ([ca, read[0][1][i]], [baked[0], read[1]], (counts[0], n))
+      for n, read in more
+      if not isinstance(read[0][1][i], (_batch_mean.X, _batch_mean.U))
+    ]
     if jnp.issubdtype(a.dtype, jnp.inexact):  # bfloat16 too
-      kind, reason = averaged_verdict([ca, cb], baked, counts)
-      if kind == "mixes":
-        _warn_mean(where, leaf, reason)
+      for outs, factors, rows in pairs:
+        kind, reason = averaged_verdict(outs, factors, rows)
+        if kind == "mixes":
+          _warn_mean(where, leaf, reason)
+          break
       continue
-    reason = _leaf_verdicts.count_verdict([ca, cb], baked, counts)
+    reason = None
+    for outs, factors, rows in pairs:
+      reason = reason or _leaf_verdicts.count_verdict(outs, factors, rows)
     if a.dtype == np.bool_:
       reason = reason or "a bool, which the step sums as a count"
     if reason is not None:

@@ -23,16 +23,13 @@ aux's own verdicts are in :mod:`zerojax._src.step.aux_check`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src.jaxpr import batch_mean as _batch_mean
-from zerojax._src.jaxpr import batch_sums as _batch_sums
 from zerojax._src.jaxpr import leaf_verdicts as _leaf_verdicts
 from zerojax._src.records.spec import ZeroState
 from zerojax._src.records.warn import warn
@@ -42,9 +39,14 @@ from zerojax._src.step.aux_check import (
   check_aux,
   summed_aux,
 )
-from zerojax._src.step.batch import Shared
 from zerojax._src.step.global_sums import GlobalSums
 from zerojax._src.step.loss_call import LossCall, whole_params
+from zerojax._src.step.loss_reading import (
+  abstract_leaf,
+  classified,
+  leaf_signature,
+  trusted_kind,
+)
 
 
 class LossNotAMeanError(ValueError):
@@ -166,7 +168,7 @@ def check_mean_over_examples(
     seen: verdicts by batch signature, kept by the caller.
   """
   leaves, treedef = jax.tree.flatten(batch)
-  signature = (treedef, tuple(_signature(x) for x in leaves), shards)
+  signature = (treedef, tuple(leaf_signature(x) for x in leaves), shards)
   if signature in seen:
     return seen[signature]
   seen[signature] = "mean"
@@ -175,16 +177,16 @@ def check_mean_over_examples(
   # program (at one row it drops size-1 dimensions: then at 2 and 3);
   # then confirmed at the whole batch's rows (:func:`_confirmed`)
   counts = (rows, 2 * rows) if rows > 1 else (2, 3)
-  abstract = jax.tree.map(_abstract, (params, key, model_state))
-  first = _classified(loss, abstract, treedef, leaves, counts[0])
+  abstract = jax.tree.map(abstract_leaf, (params, key, model_state))
+  first = classified(loss, abstract, treedef, leaves, counts[0])
   second = None
   if first is None and rows == 1:
     counts = (1, 1)  # a loss written for one row
-    first = _classified(loss, abstract, treedef, leaves, 1)
+    first = classified(loss, abstract, treedef, leaves, 1)
   if first is None:
     return "mean"  # the step reports the loss's error itself
   if counts[1] != counts[0]:
-    second = _classified(loss, abstract, treedef, leaves, counts[1])
+    second = classified(loss, abstract, treedef, leaves, counts[1])
     if second is None:  # a loss written for one batch size
       counts = (counts[0], counts[0])
   outs = [first[0][0], None if second is None else second[0][0]]
@@ -213,18 +215,30 @@ def check_mean_over_examples(
   if given is not None:
     summed = summed_aux(aux_read, state_read, counts)
     given = dataclasses.replace(given, aux=summed)
-  also = []  # model state leaves wrong at the counts that confirm
+  also, more = [], []  # model state leaves wrong, readings, where confirmed
   if second is not None and kind in ("mean", "sum") and shards > 1:
     mode = given is not None and (unverified is None or "optimistic")
     at = [n for n in (rows, rows * shards) if n not in counts]
     ref = state_read or aux_read
-    why, also = _confirmed(
-      loss, abstract, (treedef, leaves), ref, (counts[0], *at), kind, mode
+    why, also, more = _confirmed(
+      loss,
+      abstract,
+      (treedef, leaves),
+      ref,
+      (counts[0], *at),
+      kind=kind,
+      mode=mode,
     )
     if why is not None:
       kind, reason = "mixes", why
+    if mode and why is None and aux_read[0][0][1]:
+      # the aux as the loss computes it: read without the sums
+      more = [
+        (n, classified(loss, abstract, treedef, leaves, n)) for n, _ in more
+      ]
+      more = [(n, read) for n, read in more if read is not None]
   if second is not None and kind != "mixes":
-    check_aux(*aux_read, counts, where, summed=summed)
+    check_aux(*aux_read, counts, where, summed=summed, more=more)
     wrong = _model_state_verdicts(*(state_read or aux_read), counts, where)
     named = {leaf for leaf, _, _ in wrong}
     wrong += [w for w in also if w[0] not in named]
@@ -248,7 +262,7 @@ def check_mean_over_examples(
     # whether the pieces' losses add up (a sum) or average (the rest)
     if (
       second is not None
-      and _trusted_kind(loss, abstract, treedef, leaves, counts) == "sum"
+      and trusted_kind(loss, abstract, treedef, leaves, counts) == "sum"
     ):
       kind = "sum"
     _unverified(where, reason, kind)
@@ -256,9 +270,10 @@ def check_mean_over_examples(
   return seen[signature]
 
 
-def _confirmed(loss, abstract, batch, ref, counts, kind, mode):
+def _confirmed(loss, abstract, batch, ref, counts, *, kind, mode):
   """``(why the loss is not a mean or a sum after all, or None; the model
-  state leaves it updates otherwise than the unsharded step)``, from the
+  state leaves it updates otherwise than the unsharded step; the readings
+  that confirm it, as ``[(rows, reading)]``)``, from the
   loss read again at each of ``counts[1:]`` (the whole batch's rows; one
   piece's where it holds one row) against ``ref``'s reading at
   ``counts[0]``.
@@ -269,30 +284,31 @@ def _confirmed(loss, abstract, batch, ref, counts, kind, mode):
   at the whole batch's, which the unsharded step computes with. A count
   the loss does not trace at, or where its program changes (JAX drops a
   size-1 dimension at one row), confirms nothing. ``mode``: how the sums
-  over the batch were read for the verdict (see :func:`_classified`)."""
+  over the batch were read for the verdict (see :func:`classified`)."""
   first, baked0, n0 = ref[0], ref[0][1], counts[0]
-  wrong = []
+  wrong, reads = [], []
   for n in counts[1:]:
-    read = _classified(loss, abstract, *batch, n, sums=mode)
+    read = classified(loss, abstract, *batch, n, sums=mode)
     if read is None or read[2][:2] != first[2][:2]:
       continue
     if mode:
       for (a, where), (b, _) in zip(first[2][2], read[2][2]):
         if len(a) != len(b) or not np.allclose(a, b, rtol=1e-6, atol=0.0):
-          return _SCALED_SUM + where, []
+          return _SCALED_SUM + where, [], []
     a, b = first[0][0], read[0][0]
     if n == 1 and isinstance(b, (_batch_mean.X, _batch_mean.U)):
       continue  # one row: JAX may trace another program
     got, why = _batch_mean.verdict([a, b], [baked0, read[1]], (n0, n))
     if got == "mixes":
-      return why, []
+      return why, [], []
     if got != kind and got in ("mean", "sum"):
-      return _factors_differ(a, b, (n0, n), kind), []
+      return _factors_differ(a, b, (n0, n), kind), [], []
     if n > 1:
       wrong += _model_state_verdicts(
         first, read, [baked0, read[1]], (n0, n), "", quiet=True
       )
-  return None, wrong
+    reads.append((n, read))
+  return None, wrong, reads
 
 
 def _factors_differ(a, b, rows, kind) -> str:
@@ -337,8 +353,8 @@ def _read_with_sums(loss, abstract, treedef, leaves, counts, optimistic):
   a string; None where it takes no such sums or its program changes with
   the rows."""
   how = "optimistic" if optimistic else True
-  first = _classified(loss, abstract, treedef, leaves, counts[0], sums=how)
-  second = _classified(loss, abstract, treedef, leaves, counts[1], sums=how)
+  first = classified(loss, abstract, treedef, leaves, counts[0], sums=how)
+  second = classified(loss, abstract, treedef, leaves, counts[1], sums=how)
   if first is None or second is None or not first[2][1]:
     return None
   if first[2][:2] != second[2][:2]:  # the program changes with the rows
@@ -409,87 +425,6 @@ def _model_state_message(where: str, wrong) -> str:
   )
 
 
-def _classified(loss, abstract, treedef, leaves, rows, sums=False):
-  """``((the loss's class, its aux leaves' classes, their paths and
-  shapes, the new model state's classes, their paths and shapes), the
-  factors baked into examples, (the signature of the candidates for sums
-  over the batch, which of them are such sums))`` traced with ``rows``
-  rows per device, or
-  None when it does not trace so; with ``sums``, those sums are read as
-  the whole batch's (given), else none is taken (``"optimistic"``: and an
-  equation no rule follows is taken as per example where it can be;
-  ``"kernels"``: only that)."""
-  local = jax.tree.unflatten(treedef, [_local(x, rows) for x in leaves])
-  try:
-    with _own_trace_cache():
-      closed, shape = jax.make_jaxpr(loss, return_shape=True)(
-        abstract[0], local, *abstract[1:]
-      )
-  except Exception:  # noqa: BLE001 -- the step itself reports the loss's errors
-    return None
-  classes = (
-    [_batch_mean.C()] * len(jax.tree.leaves(abstract[0]))
-    + [
-      _batch_mean.R(0) if np.ndim(x) else _batch_mean.C()
-      for x in jax.tree.leaves(local)
-    ]
-    + [_batch_mean.C()] * len(jax.tree.leaves(abstract[1:]))
-  )
-  rec, cands = None, ()
-  if sums:
-    n_params = len(jax.tree.leaves(abstract[0]))
-    free = [n_params <= i < n_params + len(leaves) for i in range(len(classes))]
-    if sums != "kernels":
-      cands = _batch_sums.candidates(closed.jaxpr, free)
-    rec = _batch_sums.Recorder(
-      frozenset(p for p, _, _ in cands),
-      optimistic=sums in ("optimistic", "kernels"),
-    )
-  outs, baked = _batch_mean.classify(closed, classes, sums=rec)
-  aux = jax.tree_util.tree_flatten_with_path(shape[1])[0]
-  state = jax.tree_util.tree_flatten_with_path(shape[2])[0]
-  n = 1 + len(aux)
-  paths = [p for p, _, _ in cands]
-  found = (
-    _batch_sums.signature(cands),
-    () if rec is None else tuple(paths.index(p) for p in rec.found),
-    () if rec is None else tuple(rec.coefs),
-  )
-  return (outs[0], outs[1:n], aux, outs[n:], state), baked, found
-
-
-@contextlib.contextmanager
-def _own_trace_cache():
-  """Traces under it keep their own entries in ``jax.jit``'s trace cache.
-
-  The check traces the loss at a device's own rows, as the report's
-  reading of its saved activations does, which records each
-  :class:`zerojax.Remat` block while tracing it: a ``jax.jit`` inside the
-  loss that the check had traced first would be taken from the cache
-  there, unrecorded. The cache's key holds the configs that can change a
-  trace; NumPy rank promotion set to ``"warn"`` (or ``"allow"`` where the
-  user warns or raises) traces the same program under another key."""
-  other = "warn" if jax.config.jax_numpy_rank_promotion == "allow" else "allow"
-  with warnings.catch_warnings(), jax.numpy_rank_promotion(other):
-    warnings.filterwarnings(
-      "ignore", message="Following NumPy automatic rank promotion"
-    )
-    yield
-
-
-def _trusted_kind(loss, abstract, treedef, leaves, counts) -> str:
-  """The loss's verdict with each equation no rule follows (a kernel)
-  taken as per example where its shapes allow."""
-  read = [
-    _classified(loss, abstract, treedef, leaves, n, sums="kernels")
-    for n in counts
-  ]
-  if read[0] is None or read[1] is None:
-    return "unknown"
-  outs, baked = [r[0][0] for r in read], [r[1] for r in read]
-  return _batch_mean.verdict(outs, baked, counts)[0]
-
-
 def _unverified(where, reason, kind="mean", global_sums=False):
   how = (
     "averages the loss computed on each device's rows, which is the whole "
@@ -510,38 +445,3 @@ def _unverified(where, reason, kind="mean", global_sums=False):
     f"over the batch) would get other numbers. {_FIX}",
     LossUnverifiedWarning,
   )
-
-
-def _signature(x):
-  return (np.shape(x), _dtype(x), _weak(x))
-
-
-def _dtype(x):
-  dtype = getattr(x, "dtype", None)
-  return jax.dtypes.canonicalize_dtype(
-    dtype if dtype is not None else np.result_type(x)
-  )
-
-
-def _weak(x) -> bool:
-  if isinstance(x, (bool, int, float, complex)):
-    return not isinstance(x, bool)
-  return bool(getattr(x, "weak_type", False))
-
-
-def _local(x, rows: int):
-  """A batch leaf as one device's micro-batch of ``rows`` rows sees it."""
-  if isinstance(x, Shared):
-    x = x.rows[0]
-  dtype = _dtype(x)
-  if not np.ndim(x):
-    return jax.ShapeDtypeStruct((), dtype, weak_type=_weak(x))
-  return jax.ShapeDtypeStruct((rows,) + tuple(np.shape(x)[1:]), dtype)
-
-
-def _abstract(x):
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  return x
