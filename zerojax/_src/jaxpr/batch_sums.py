@@ -148,6 +148,13 @@ def candidates(jaxpr, free) -> tuple:
   return tuple(out)
 
 
+def batch_inputs(params, batch, rest) -> list[bool]:
+  """``free`` for :func:`candidates` of a program traced on ``(params,
+  batch, *rest)``: which of its flat inputs are the batch's."""
+  count = lambda t: len(jax.tree.leaves(t))
+  return [False] * count(params) + [True] * count(batch) + [False] * count(rest)
+
+
 def signature(cands) -> tuple:
   """What two traces of one loss share of its :func:`candidates`."""
   return tuple(f"{name}:{dtype}" for _, name, dtype in cands)

@@ -64,7 +64,7 @@ def with_global_sums(prog: LossProgram, batch, key, model_state, axes):
     b = unshare(mb)
     kw = prog.call.kwargs(key, model_state)
     closed, _, paths = _traced(prog.loss_fn, whole, b, kw, given)
-    free = _free_flags(whole, b, kw)
+    free = _batch_sums.batch_inputs(whole, b, kw)
     return _batch_sums.capture(
       closed, jax.tree.leaves((whole, b, kw)), free, paths
     )
@@ -133,7 +133,9 @@ def _traced(loss_fn, params, batch, kw, given: GlobalSums):
   closed, shape = jax.make_jaxpr(
     lambda p, b, kw: loss_fn(p, b, **kw), return_shape=True
   )(params, batch, kw)
-  cands = _batch_sums.candidates(closed.jaxpr, _free_flags(params, batch, kw))
+  cands = _batch_sums.candidates(
+    closed.jaxpr, _batch_sums.batch_inputs(params, batch, kw)
+  )
   if _batch_sums.signature(cands) != given.candidates:
     raise RuntimeError(
       f"zerojax: loss_fn's program on its batch alone differs between the "
@@ -145,9 +147,3 @@ def _traced(loss_fn, params, batch, kw, given: GlobalSums):
       f"batch['tokens'])."
     )
   return closed, jax.tree.structure(shape), [cands[i][0] for i in given.picks]
-
-
-def _free_flags(params, batch, kw) -> list[bool]:
-  """Which flat inputs of ``(params, batch, kw)`` are the batch's."""
-  count = lambda t: len(jax.tree.leaves(t))
-  return [False] * count(params) + [True] * count(batch) + [False] * count(kw)

@@ -47,9 +47,8 @@ def classified(loss, abstract, treedef, leaves, rows, sums=False):
   )
   rec, cands = None, ()
   if sums:
-    n_params = len(jax.tree.leaves(abstract[0]))
-    free = [n_params <= i < n_params + len(leaves) for i in range(len(classes))]
     if sums != "kernels":
+      free = _batch_sums.batch_inputs(abstract[0], local, abstract[1:])
       cands = _batch_sums.candidates(closed.jaxpr, free)
     rec = _batch_sums.Recorder(
       frozenset(p for p, _, _ in cands),
