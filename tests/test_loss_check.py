@@ -1197,7 +1197,7 @@ def test_the_check_leaves_a_jit_in_the_loss_to_trace_afresh_at_a_devices_rows(
   params, batch = _params(), _batch()
   tx = zerojax.zero(optax.sgd(1e-2), stage=2, mesh=mesh)
   zerojax.train_step(loss, tx)(zerojax.init(params, tx), batch)
-  assert (2, 7) in traced, traced  # the check read it at a device's rows
+  assert (2, 7) in traced, traced  # read at a device's rows
   before = len(traced)
   local = jax.tree.map(lambda x: x[:2], batch)
   jax.make_jaxpr(loss)(params, local)

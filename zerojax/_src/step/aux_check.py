@@ -107,7 +107,8 @@ def check_aux(first, second, baked, counts, where: str, *, summed=(), more=()):
     pairs = [([ca, cb], baked, counts)] + [
       ([ca, read[0][1][i]], [baked[0], read[1]], (counts[0], n))
       for n, read in more
-      if not isinstance(read[0][1][i], (_batch_mean.X, _batch_mean.U))
+      if read[0][2][i][1].shape == a.shape
+      and not isinstance(read[0][1][i], (_batch_mean.X, _batch_mean.U))
     ]
     if jnp.issubdtype(a.dtype, jnp.inexact):  # bfloat16 too
       for outs, factors, rows in pairs:

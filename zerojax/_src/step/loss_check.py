@@ -236,7 +236,7 @@ def check_mean_over_examples(
       more = [
         (n, classified(loss, abstract, treedef, leaves, n)) for n, _ in more
       ]
-      more = [(n, read) for n, read in more if read is not None]
+      more = [(n, read) for n, read in more if _same_layout(read, first)]
   if second is not None and kind != "mixes":
     check_aux(*aux_read, counts, where, summed=summed, more=more)
     wrong = _model_state_verdicts(*(state_read or aux_read), counts, where)
@@ -289,7 +289,7 @@ def _confirmed(loss, abstract, batch, ref, counts, *, kind, mode):
   wrong, reads = [], []
   for n in counts[1:]:
     read = classified(loss, abstract, *batch, n, sums=mode)
-    if read is None or read[2][:2] != first[2][:2]:
+    if not _same_layout(read, first) or read[2][:2] != first[2][:2]:
       continue
     if mode:
       for (a, where), (b, _) in zip(first[2][2], read[2][2]):
@@ -309,6 +309,15 @@ def _confirmed(loss, abstract, batch, ref, counts, *, kind, mode):
       )
     reads.append((n, read))
   return None, wrong, reads
+
+
+def _same_layout(read, first) -> bool:
+  """Whether ``read`` traced, with the aux and model state leaves of
+  ``first`` (paths and ranks): a reading to compare leaf by leaf."""
+  layout = lambda r: [
+    [(path, np.ndim(x)) for path, x in r[0][k]] for k in (2, 4)
+  ]
+  return read is not None and layout(read) == layout(first)
 
 
 def _factors_differ(a, b, rows, kind) -> str:
